@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv (if missing), then serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/pagedllm serve "$@"

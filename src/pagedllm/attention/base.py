@@ -1,0 +1,74 @@
+"""The attention contract shared by every backend.
+
+A step's batch is flattened: sequence i owns query rows
+``query_start_loc[i] : query_start_loc[i+1]``. Its context after this step has
+``seq_lens[i]`` tokens; the query rows are the last ``query_lens[i]`` of them::
+
+    positions   0 ........................ seq_len-1
+                |<- already cached ->|<-- query -->|
+                                      ^ seq_len - query_len
+
+Query row j of sequence i sits at position ``seq_lens[i] - query_lens[i] + j`` and
+attends causally to positions ``0 .. that position``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the worker; shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    query_lens_list: list[int]  # the same figures as Python ints (no device sync)
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AttentionBackend(Protocol):
+    """Writes K/V of this step's tokens into the paged cache, then attends.
+
+    Shapes: ``query`` [num_tokens, num_heads, head_dim]; ``key``/``value``
+    [num_tokens, num_kv_heads, head_dim]; ``k_cache``/``v_cache``
+    [num_blocks, block_size, num_kv_heads, head_dim]. Returns
+    [num_tokens, num_heads, head_dim] in the dtype of ``query``.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V rows into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

@@ -1,0 +1,89 @@
+"""Plain frozen dataclasses that cross from the scheduler to the worker and back.
+
+Nothing here holds a tensor: the worker is the only place block ids become tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    The worker computes K/V for ``token_ids`` at positions
+    ``start_position .. start_position + len(token_ids) - 1`` and writes them to
+    the slots given by ``block_table`` (slot of position p:
+    ``block_table[p // block_size] * block_size + p % block_size``). The context
+    the new tokens attend to is positions ``0 .. start_position + len - 1``.
+
+    ``num_samples`` is 0 for a prompt chunk that is not the last one (no logits
+    needed), 1 for a normal decode or last prompt chunk, and ``n`` when a parent
+    of n parallel samples finishes its prompt (the sampler draws n tokens from
+    the same logits; the scheduler then forks n-1 children).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_table: tuple[int, ...]
+    num_samples: int = 1
+    sampling_params: SamplingParams | None = None
+    # References (not copies) for repetition/presence/frequency penalties.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What the worker must do this step, in this order:
+    1. ``swap_out`` (device block -> host block) for requests preempted by swap,
+    2. ``swap_in`` (host block -> device block) for requests resumed,
+    3. ``block_copies`` (src -> dst device blocks, copy-on-write),
+    4. the forward pass over ``scheduled``, then sampling.
+    ``finished_request_ids`` lets the worker drop per-request state (generators).
+    """
+
+    scheduled: tuple[ScheduledSequence, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    finished_request_ids: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.block_copies or self.swap_out or self.swap_in)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token, with the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """Aligned with ``SchedulerOutput.scheduled``: one entry per scheduled sequence.
+
+    ``sampled_token_ids[i]`` has ``num_samples`` tokens (empty for a mid-prompt
+    chunk). ``logprobs[i]`` is None unless the request asked for logprobs, else
+    one ``TokenLogprob`` per sampled token.
+    """
+
+    sampled_token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()

@@ -1,0 +1,87 @@
+"""One request as the scheduler and the KV cache manager see it.
+
+Token ranges of a request (``num_tokens = len(all_token_ids)``)::
+
+    |<------------- all_token_ids (prompt + output) ------------->|
+    |<--- num_computed_tokens (K/V in the cache) --->|<- to do -->|
+    |<- num_cached_tokens ->|  (prefix-cache hit at admission)
+
+A step schedules ``k`` tokens starting at ``num_computed_tokens``; when the model
+has run, ``num_computed_tokens += k``. A decoding request has exactly one token
+to do: the one sampled last step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A sequence of tokens being generated; one per sample (n>1 forks children)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None = None
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.all_token_ids:
+            self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        """Extra inputs to every block hash (tenant isolation)."""
+        return () if self.cache_salt is None else (self.cache_salt,)
+
+    def append_output_token_ids(self, token_ids: list[int] | int) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,1 @@
+"""The worker: the only place block ids become tensors."""
