@@ -1,33 +1,253 @@
-"""Sampling from a batch of logits. (Placeholder greedy version; the engine work replaces it.)"""
+"""Sampling from a batch of logits, vectorised over the batch.
+
+Rows: one logits row per scheduled sequence with ``num_samples > 0``, in order.
+A row with ``num_samples = n`` (a parent of parallel samples finishing its prompt)
+is repeated n times and each copy drawn independently. The pipeline, per row::
+
+    raw logits --(logit_bias, penalties, min_tokens mask)--> processed
+        greedy rows: argmax(processed)
+        others:      processed / temperature -> top_k, top_p, min_p masks
+                     -> draw (exponential race; a seeded request uses its own
+                        torch.Generator, so its tokens do not depend on the batch)
+    logprobs (when asked): log_softmax of the raw logits, top-k and the rank
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence
+from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
+from pagedllm.sampling_params import SamplingParams
+
+_DEFAULT_PARAMS = SamplingParams(temperature=0.0)
+
+
+def child_seed(seed: int, request_id: str) -> int:
+    """The seed of one parallel sample: the parent keeps ``seed``; child ``id#j``
+    (see ``core.scheduler.child_request_id``) uses ``seed + j``."""
+    head, sep, tail = request_id.rpartition("#")
+    if sep and head and tail.isdigit():
+        return seed + int(tail)
+    return seed
+
+
+@dataclass(slots=True)
+class _Rows:
+    """The batch expanded to one row per sample (internal)."""
+
+    seqs: list[ScheduledSequence]  # one per sample row
+    params: list[SamplingParams]
+    source: torch.Tensor  # [S] index into the logits rows
 
 
 class Sampler:
     """Turns logits (one row per scheduled sequence with ``num_samples > 0``, in order)
     into a ``ModelRunnerOutput`` aligned with all scheduled sequences."""
 
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
     def __call__(
         self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]
     ) -> ModelRunnerOutput:
-        greedy = logits.argmax(dim=-1).tolist()
-        sampled: list[tuple[int, ...]] = []
+        rows = self._expand(scheduled, logits.device)
+        if not rows.seqs:
+            return ModelRunnerOutput(
+                sampled_token_ids=tuple(() for _ in scheduled),
+                logprobs=tuple(None for _ in scheduled),
+            )
+        raw = logits.float()
+        processed = self._process(raw, rows)
+        tokens = self._draw(processed, rows)
+        logprobs = self._logprobs(raw[rows.source], tokens, rows)
+        return self._assemble(scheduled, tokens.tolist(), logprobs)
+
+    def release(self, request_ids: frozenset[str] | Sequence[str]) -> None:
+        """Drop per-request state (seeded generators) of finished requests."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    # ------------------------------------------------------------------ stages
+
+    def _expand(self, scheduled: Sequence[ScheduledSequence], device: torch.device) -> _Rows:
+        seqs, params, source = [], [], []
         row = 0
         for seq in scheduled:
             if seq.num_samples == 0:
-                sampled.append(())
                 continue
-            sampled.append((greedy[row],) * seq.num_samples)
+            p = seq.sampling_params or _DEFAULT_PARAMS
+            for _ in range(seq.num_samples):
+                seqs.append(seq)
+                params.append(p)
+                source.append(row)
             row += 1
-        return ModelRunnerOutput(
-            sampled_token_ids=tuple(sampled), logprobs=tuple(None for _ in scheduled)
-        )
+        return _Rows(seqs, params, torch.tensor(source, dtype=torch.long, device=device))
 
-    def release(self, request_ids: frozenset[str]) -> None:
-        """Drop per-request state (seeded generators) of finished requests."""
+    def _process(self, raw: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """Logit bias, penalties and the min_tokens mask, on per-sequence rows."""
+        logits = raw[rows.source].clone()
+        self._apply_logit_bias(logits, rows)
+        if any(p.needs_penalties for p in rows.params):
+            self._apply_penalties(logits, rows)
+        self._mask_early_stops(logits, rows)
+        return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: _Rows) -> None:
+        vocab = logits.shape[1]
+        for i, p in enumerate(rows.params):
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < vocab]
+                values = [p.logit_bias[t] for t in ids]
+                logits[i, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: _Rows) -> None:
+        num_rows, vocab = logits.shape
+        device = logits.device
+        output_counts = _token_counts(
+            [s.output_token_ids for s in rows.seqs], num_rows, vocab, device
+        )
+        prompt_seen = (
+            _token_counts([s.prompt_token_ids for s in rows.seqs], num_rows, vocab, device) > 0
+        )
+        seen = prompt_seen | (output_counts > 0)
+        rep = _column([p.repetition_penalty for p in rows.params], device)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+        freq = _column([p.frequency_penalty for p in rows.params], device)
+        presence = _column([p.presence_penalty for p in rows.params], device)
+        logits -= freq * output_counts + presence * (output_counts > 0).float()
+
+    def _mask_early_stops(self, logits: torch.Tensor, rows: _Rows) -> None:
+        vocab = logits.shape[1]
+        for i, (seq, p) in enumerate(zip(rows.seqs, rows.params, strict=True)):
+            if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+                ids = [t for t in p.all_stop_token_ids if t < vocab]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(rows.params) if not p.greedy]
+        if not random_rows:
+            return tokens
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        params = [rows.params[i] for i in random_rows]
+        temperature = _column([p.temperature for p in params], logits.device)
+        scaled = _filter(logits[index] / temperature, params)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = self._exponential_noise(probs, [rows.seqs[i] for i in random_rows], params)
+        tokens[index] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    def _exponential_noise(
+        self,
+        probs: torch.Tensor,
+        seqs: list[ScheduledSequence],
+        params: list[SamplingParams],
+    ) -> torch.Tensor:
+        """Exp(1) noise; argmax(probs / noise) is a draw from probs. Seeded
+        requests draw their rows from their own generator, in sample order."""
+        noise = torch.empty_like(probs).exponential_()
+        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+            if p.seed is not None:
+                generator = self._generator(seq.request_id, p.seed, probs.device)
+                noise[i].exponential_(generator=generator)
+        return noise.clamp_min_(1e-20)
+
+    def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(child_seed(seed, request_id) % (2**63))
+            self._generators[request_id] = generator
+        return generator
+
+    def _logprobs(
+        self, raw: torch.Tensor, tokens: torch.Tensor, rows: _Rows
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, p in enumerate(rows.params) if p.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(rows.params)
+        if not wanted:
+            return result
+        index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
+        logprobs = torch.log_softmax(raw[index], dim=-1)
+        chosen = tokens[index]
+        chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]
+        ranks = (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1
+        k = max(rows.params[i].logprobs or 0 for i in wanted)
+        top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1) if k else (None, None)
+        for j, i in enumerate(wanted):
+            num = rows.params[i].logprobs or 0
+            result[i] = TokenLogprob(
+                token_id=int(chosen[j]),
+                logprob=float(chosen_lp[j]),
+                rank=int(ranks[j]),
+                top_token_ids=tuple(top_ids[j, :num].tolist()) if num else (),
+                top_logprobs=tuple(top_lp[j, :num].tolist()) if num else (),
+            )
+        return result
+
+    @staticmethod
+    def _assemble(
+        scheduled: Sequence[ScheduledSequence],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> ModelRunnerOutput:
+        sampled: list[tuple[int, ...]] = []
+        per_seq_logprobs: list[tuple[TokenLogprob, ...] | None] = []
+        row = 0
+        for seq in scheduled:
+            k = seq.num_samples
+            sampled.append(tuple(tokens[row : row + k]))
+            lps = logprobs[row : row + k]
+            per_seq_logprobs.append(tuple(lps) if k and all(lp is not None for lp in lps) else None)
+            row += k
+        return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(per_seq_logprobs))
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _token_counts(
+    token_lists: list[Sequence[int]], num_rows: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id (ids >= vocab are ignored)."""
+    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=device)
+    longest = max((len(t) for t in token_lists), default=0)
+    if longest:
+        ids = torch.full((num_rows, longest), vocab, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            if tokens:
+                ids[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long).clamp_(
+                    0, vocab
+                )
+        ids = ids.to(device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top_k, top_p and min_p masks (set to -inf), one sort for the whole batch."""
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    device = logits.device
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        position = torch.arange(vocab, device=device)[None, :]
+        remove = position >= torch.tensor(top_k, device=device)[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+        remove |= before > _column(top_p, device)
+        remove[:, 0] = False  # always keep the most likely token
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * _column(min_p, device)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

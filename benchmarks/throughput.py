@@ -1,0 +1,372 @@
+"""Offline throughput on the standard workload, pagedllm vs Hugging Face (vs vLLM).
+
+The standard workload (keep it exactly, so figures compare across engines and over time):
+``random.seed(0)``; 64 requests, each a prompt of ``randint(64, 512)`` token ids drawn with
+``randint(0, 10000)`` and ``max_tokens = randint(32, 256)``; greedy, ``ignore_eos``; one
+warm-up generate, then one timed generate of all requests. Output tok/s = sum(max_tokens) /
+wall time; total tok/s adds the prompt tokens.
+
+Models: ``a`` = random-weight Llama (hidden 512, intermediate 1536, 8 layers, 8 heads, 2 KV
+heads, vocab 32000, 4096 positions; ~57M parameters), built into ``benchmarks/.models/`` if
+missing; ``default`` = pagedllm's default model; or a checkpoint directory.
+
+Baselines in the same run: Hugging Face ``generate`` on the same checkpoint, static padded
+batches (8 and 32 by default, greedy, min_new_tokens = max_new_tokens); with
+``--vs-vllm PYTHON``, vLLM's ``LLM.generate`` run by that interpreter in a subprocess.
+A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
+ceiling measured in the same run. The last line is one JSON object keyed by engine.
+
+    .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+MODELS_DIR = Path(__file__).resolve().parent / ".models"
+MODEL_A = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def standard_workload(num_requests: int = 64) -> Workload:
+    """The standard workload; the first `num_requests` draws of it (16 for --quick)."""
+    random.seed(0)
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        prompts.append([random.randint(0, 10000) for _ in range(random.randint(64, 512))])
+        max_tokens.append(random.randint(32, 256))
+    return Workload(prompts, max_tokens)
+
+
+def warmup_workload() -> Workload:
+    rng = random.Random(1)
+    return Workload([[rng.randint(0, 10000) for _ in range(32)] for _ in range(2)], [8, 8])
+
+
+# ---------------------------------------------------------------- model (a)
+
+
+def ensure_model_a() -> Path:
+    """Build the random-weight model (a) (bf16 safetensors + a 32000-word tokenizer) once."""
+    path = MODELS_DIR / "model-a"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tmp = MODELS_DIR / f"model-a.tmp{os.getpid()}"
+    config = LlamaConfig(**MODEL_A, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp, safe_serialization=True)
+    word_tokenizer(MODEL_A["vocab_size"]).save_pretrained(tmp)
+    if path.exists():  # a partial older build
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def word_tokenizer(vocab_size: int):
+    """Word-level tokenizer: token i is the word "w<i>" (ids 0-2 are <pad>, <s>, </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def resolve_model(name: str) -> Path:
+    if name == "a":
+        return ensure_model_a()
+    if name == "default":
+        from pagedllm.model.default_model import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise ValueError(f"--model: {name!r} is neither a, default nor a checkpoint directory")
+    return path
+
+
+# ---------------------------------------------------------------- engines
+
+
+def run_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    kwargs = {"dtype": dtype}
+    if args.attention_backend:
+        kwargs["attention_backend"] = args.attention_backend
+    llm = LLM(model=str(model), **kwargs)
+    startup = time.perf_counter() - start
+
+    def generate(w: Workload) -> float:
+        prompts = [{"prompt_token_ids": p} for p in w.prompts]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in w.max_tokens
+        ]
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if produced != w.num_output_tokens:
+            raise RuntimeError(f"pagedllm produced {produced} tokens, expected {w.num_output_tokens}")
+        return elapsed
+
+    generate(warmup_workload())
+    elapsed = generate(work)
+    return result(work, elapsed, startup_s=round(startup, 2))
+
+
+def run_hf(model: Path, dtype: str, work: Workload, batch_size: int) -> dict:
+    """transformers generate, static left-padded batches in request order."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    startup = time.perf_counter() - start
+    pad_id = 0
+
+    def generate(w: Workload) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, len(w.prompts), batch_size):
+            prompts = w.prompts[i : i + batch_size]
+            new = max(w.max_tokens[i : i + batch_size])
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    pad_token_id=pad_id,
+                )
+        return time.perf_counter() - t0
+
+    generate(warmup_workload())
+    elapsed = generate(work)
+    return result(work, elapsed, startup_s=round(startup, 2), batch_size=batch_size)
+
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0)
+startup = time.perf_counter() - t0
+
+def generate(prompts, max_tokens):
+    items = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    t = time.perf_counter()
+    outs = llm.generate(items, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(max_tokens), (produced, sum(max_tokens))
+    return elapsed
+
+generate(*spec["warmup"])
+elapsed = generate(spec["prompts"], spec["max_tokens"])
+print("VLLM_RESULT " + json.dumps({"elapsed": elapsed, "startup_s": startup}), flush=True)
+"""
+
+
+def run_vllm(python: str, model: Path, dtype: str, work: Workload) -> dict:
+    warm = warmup_workload()
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "prompts": work.prompts,
+        "max_tokens": work.max_tokens,
+        "warmup": [warm.prompts, warm.max_tokens],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, script_path = Path(tmp) / "spec.json", Path(tmp) / "run_vllm.py"
+        spec_path.write_text(json.dumps(spec))
+        script_path.write_text(VLLM_SCRIPT)
+        proc = subprocess.run(
+            [python, str(script_path), str(spec_path)], capture_output=True, text=True
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            data = json.loads(line.removeprefix("VLLM_RESULT "))
+            return result(work, data["elapsed"], startup_s=round(data["startup_s"], 2))
+    tail = (proc.stderr or proc.stdout)[-3000:]
+    return {"error": f"vLLM run failed (exit {proc.returncode}): {tail}"}
+
+
+def result(work: Workload, elapsed: float, **extra) -> dict:
+    return {
+        "output_tok_per_s": round(work.num_output_tokens / elapsed, 1),
+        "total_tok_per_s": round((work.num_output_tokens + work.num_prompt_tokens) / elapsed, 1),
+        "elapsed_s": round(elapsed, 3),
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def matmul_ceiling(dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -> float:
+    """F.linear FLOP/s on [size, size] x [size, size]^T, best of a few rounds."""
+    x = torch.randn(size, size).to(dtype)
+    w = torch.randn(size, size).to(dtype)
+    F.linear(x, w)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            F.linear(x, w)
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
+def workload_flops(model: Path, work: Workload) -> float:
+    """Matrix FLOPs of the workload: every token through every linear layer; only tokens
+    that produce an output (the output tokens) through the LM head."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    per_layer += 3 * hidden * inter
+    body = per_layer * config["num_hidden_layers"]
+    head = hidden * config["vocab_size"]
+    tokens = work.num_prompt_tokens + work.num_output_tokens
+    return 2.0 * (body * tokens + head * work.num_output_tokens)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="a", help="a | default | checkpoint directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--quick", action="store_true", help="16 requests, HF batch 8 only")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 64 (16 quick)")
+    parser.add_argument(
+        "--hf-batch-sizes", default=None, help="comma list, default 8,32; empty to skip HF"
+    )
+    parser.add_argument("--vs-vllm", metavar="PYTHON", help="interpreter with vLLM installed")
+    parser.add_argument("--attention-backend", default=None, help="pagedllm backend name")
+    parser.add_argument("--skip-pagedllm", action="store_true")
+    args = parser.parse_args(argv)
+
+    num_requests = args.num_requests or (16 if args.quick else 64)
+    if num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    hf_sizes = args.hf_batch_sizes
+    if hf_sizes is None:
+        hf_sizes = "8" if args.quick else "8,32"
+    hf_batches = [int(x) for x in hf_sizes.split(",") if x.strip()]
+    model = resolve_model(args.model)
+    work = standard_workload(num_requests)
+    dtype = getattr(torch, args.dtype)
+    print(
+        f"model={model} dtype={args.dtype} requests={num_requests} "
+        f"prompt_tokens={work.num_prompt_tokens} output_tokens={work.num_output_tokens} "
+        f"threads={torch.get_num_threads()}"
+    )
+
+    results: dict[str, dict] = {}
+    if not args.skip_pagedllm:
+        results["pagedllm"] = run_pagedllm(model, args.dtype, work, args)
+        print(f"pagedllm: {results['pagedllm']}")
+    hf_runs = []
+    for batch in hf_batches:
+        run = run_hf(model, args.dtype, work, batch)
+        hf_runs.append(run)
+        print(f"hf batch {batch}: {run}")
+    if hf_runs:
+        best = max(hf_runs, key=lambda r: r["output_tok_per_s"])
+        results["hf"] = {**best, "runs": hf_runs}
+    if args.vs_vllm:
+        results["vllm"] = run_vllm(args.vs_vllm, model, args.dtype, work)
+        print(f"vllm: {results['vllm']}")
+
+    flops = workload_flops(model, work)
+    ceilings = {"bfloat16": matmul_ceiling(torch.bfloat16)}
+    if dtype != torch.bfloat16:
+        ceilings[args.dtype] = matmul_ceiling(dtype)
+    print(
+        "roofline: workload = "
+        f"{flops / 1e12:.3f} TFLOP of matrix work; F.linear ceiling "
+        + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in ceilings.items())
+    )
+    for engine, res in results.items():
+        if "elapsed_s" not in res:
+            continue
+        achieved = flops / res["elapsed_s"]
+        fractions = {k: round(achieved / v, 4) for k, v in ceilings.items()}
+        res["roofline"] = {"achieved_tflop_per_s": round(achieved / 1e12, 4), "fraction_of_ceiling": fractions}
+        print(
+            f"  {engine}: {achieved / 1e12:.3f} TFLOP/s = "
+            + ", ".join(f"{f:.1%} of the {k} ceiling" for k, f in fractions.items())
+        )
+    if "pagedllm" in results:
+        for other in ("hf", "vllm"):
+            base = results.get(other, {}).get("output_tok_per_s")
+            if base:
+                ratio = results["pagedllm"]["output_tok_per_s"] / base
+                print(f"pagedllm / {other} output tok/s: {ratio:.2f}x")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Fast paged attention for CPU.
+
+Decode and short query chunks go to a C++ kernel (``csrc/paged_attention.cpp``) that reads K/V
+straight through the block tables: no contiguous copy of any context, one pass over each
+cached row per group of query heads (GQA), fp32 accumulation, torch's intra-op threads. The
+kernel is compiled with the system C++ compiler on first use and cached under
+``$PAGEDLLM_CACHE/extensions`` (default ``~/.cache/pagedllm``); if the build fails the
+backend falls back to a pure-torch path with the same results.
+
+Long query chunks (prefill) go to ``scaled_dot_product_attention``, whose CPU flash kernel
+uses the bf16 matrix units: a whole prompt attends to its own fresh K/V directly; a chunk
+after a cached prefix reads its context through the block table first (one copy, small next
+to the attention work it feeds).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.base import AttentionMetadata, write_kv
+from pagedllm.attention.reference import causal_mask, gather_context
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
+MAX_KERNEL_QUERY_LEN = 16
+# Query rows per kernel task: each task reads its context once for rows x group query vectors.
+ROWS_PER_TASK = 4
+
+
+class CpuAttention:
+    """Paged attention for CPU; outputs match ``ReferenceAttention`` within dtype tolerance.
+
+    ``use_extension``: ``None`` tries the C++ kernel and falls back to torch quietly;
+    ``True`` requires it (``RuntimeError`` if it cannot be built); ``False`` never uses it.
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        *,
+        use_extension: bool | None = None,
+        max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN,
+        rows_per_task: int = ROWS_PER_TASK,
+    ) -> None:
+        if max_kernel_query_len < 0:
+            raise ValueError("max_kernel_query_len must be >= 0")
+        if rows_per_task < 1:
+            raise ValueError("rows_per_task must be >= 1")
+        self._op = None if use_extension is False else load_extension()
+        if use_extension is True and self._op is None:
+            raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
+        self.max_kernel_query_len = max_kernel_query_len
+        self.rows_per_task = rows_per_task
+
+    @property
+    def uses_extension(self) -> bool:
+        return self._op is not None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        cache_dtype = k_cache.dtype
+        q = query if query.dtype == cache_dtype else query.to(cache_dtype)
+        out = torch.empty(q.shape, dtype=cache_dtype, device=q.device)
+        if self._kernel_applies(q, k_cache):
+            self._op(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                _int32(meta.block_tables),
+                _int32(meta.seq_lens),
+                _int32(meta.query_start_loc),
+                scale,
+                self.max_kernel_query_len,
+                self.rows_per_task,
+            )
+            rest = [i for i, n in enumerate(meta.query_lens_list) if n > self.max_kernel_query_len]
+        else:
+            decode = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
+            if decode:
+                _decode_torch(out, q, k_cache, v_cache, meta, scale, decode)
+            rest = [i for i, n in enumerate(meta.query_lens_list) if n > 1]
+        if rest:
+            _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (
+            self._op is not None
+            and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16)
+            and q.stride(2) == 1
+            and k_cache.is_contiguous()
+        )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _query_starts(meta: AttentionMetadata) -> list[int]:
+    starts = [0]
+    for n in meta.query_lens_list:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _decode_torch(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seqs: list[int],
+) -> None:
+    """One-token queries in one batched SDPA over contexts gathered through the tables."""
+    starts = _query_starts(meta)
+    rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
+    seq_lens = torch.tensor([meta.seq_lens_list[i] for i in seqs], device=q.device)
+    max_len = max(meta.seq_lens_list[i] for i in seqs)
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[seqs, :num_blocks].long()
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(
+        q[rows].unsqueeze(2),
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[rows] = o.squeeze(2)
+
+
+def _prefill_sdpa(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seqs: list[int],
+) -> None:
+    """Multi-token queries, one SDPA call per sequence."""
+    starts = _query_starts(meta)
+    for i in seqs:
+        start, query_len, seq_len = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
+        qi = q[start : start + query_len].transpose(0, 1).unsqueeze(0)
+        if query_len == seq_len:
+            # A whole prompt: its context is exactly this step's K/V, already contiguous.
+            k = key[start : start + query_len].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)
+            v = value[start : start + query_len].to(v_cache.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+            mask = causal_mask(query_len, seq_len, q.device)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start : start + query_len] = o.squeeze(0).transpose(0, 1)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: ``$PAGEDLLM_CACHE/extensions`` or ``~/.cache/pagedllm/...``."""
+    root = os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "extensions"
+
+
+@functools.cache
+def load_extension() -> Callable[..., None] | None:
+    """Build (once per machine) and load the C++ kernel; ``None`` if that is impossible.
+
+    ``PAGEDLLM_NO_EXTENSION=1`` disables it (the torch path is used instead).
+    """
+    if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
+        return None
+    if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "paged_attention"):
+        return torch.ops.pagedllm.paged_attention
+    try:
+        library = build_extension()
+        torch.ops.load_library(str(library))
+        return torch.ops.pagedllm.paged_attention
+    except Exception as exc:  # any failure means "use the torch path", never a crash
+        logger.warning("pagedllm: C++ attention kernel unavailable (%s); using torch", exc)
+        return None
+
+
+def build_extension(directory: Path | None = None) -> Path:
+    """Compile ``csrc/paged_attention.cpp`` into a shared library; returns its path.
+
+    The file name carries a hash of the source, the flags, the torch version and the CPU's
+    feature flags, so a cached build is reused only where it is valid.
+    """
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "g++")
+    torch_lib = cpp_extension.library_paths()[0]
+    flags = [
+        "-O3",
+        "-march=native",
+        "-std=c++20",
+        "-fPIC",
+        "-shared",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        "-w",
+    ]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()]
+        )
+    ).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"paged_attention_{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+    # Build into a private file, then rename: concurrent builders never see half a library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    cmd = [compiler, *flags, *includes, str(SOURCE), *libs, "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return sys.platform

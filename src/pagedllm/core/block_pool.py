@@ -1,0 +1,206 @@
+"""The block pool: ref counts, a prefix index, and a free list with LRU eviction.
+
+Every block is in exactly one of three states::
+
+    referenced   ref_count > 0, held by one or more block tables
+    cached-free  ref_count == 0, still registered under its hash: findable by
+                 ``lookup`` and revived by ``incref`` until it is evicted
+    free         ref_count == 0, no hash
+
+``allocate`` takes plain free blocks first, then evicts cached-free blocks least
+recently released first. Callers release a finished request's blocks in reverse
+table order, so its tail is evicted before its (more often shared) head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from pagedllm.core.hashing import hash_block_tokens
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks with ref counts and a hash -> block prefix index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        # OrderedDicts as ordered sets: O(1) pop from the front and removal from the
+        # middle (a plain dict degrades to O(n) when popped from the front).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_hash: dict[int, bytes] = {}
+        self._block_tokens: dict[int, tuple[int, ...]] = {}
+        self._block_hash_inputs: dict[int, tuple[bytes | None, tuple]] = {}
+
+    # ---- public API -----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an ``allocate`` may hand out: free plus cached-free."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks with ref count 1, or ``None`` (and no change) if fewer are free."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self.num_free_blocks:
+            return None
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block_id = self._free.popitem(last=False)[0]
+            else:
+                block_id = self._cached_free.popitem(last=False)[0]
+                self._unregister(block_id)
+            self._ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """The block registered under ``block_hash`` holding exactly ``token_ids``."""
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        # A hash hit alone is not trusted: a collision would leak another tenant's KV.
+        if self._block_tokens[block_id] != tuple(token_ids):
+            return None
+        return block_id
+
+    def register(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        token_ids: Sequence[int],
+        *,
+        parent_hash: bytes | None = None,
+        extra_keys: tuple = (),
+    ) -> bool:
+        """Index a referenced full block under its hash.
+
+        Returns False (and changes nothing) when the block is already hashed or
+        another block already holds this hash: one physical copy is enough.
+        ``parent_hash`` and ``extra_keys`` are kept so ``check_invariants`` can
+        recompute the hash.
+        """
+        if self._ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not referenced; only held blocks register")
+        if block_id in self._block_hash or block_hash in self._hash_to_block:
+            return False
+        self._hash_to_block[block_hash] = block_id
+        self._block_hash[block_id] = block_hash
+        self._block_tokens[block_id] = tuple(token_ids)
+        self._block_hash_inputs[block_id] = (parent_hash, tuple(extra_keys))
+        return True
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block, reviving cached-free ones."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                if block_id in self._cached_free:
+                    del self._cached_free[block_id]
+                else:
+                    del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block, in the order given.
+
+        A block reaching zero joins the most-recently-used end of the free list
+        (cached-free if hashed), so pass a request's blocks tail first.
+        """
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"decref of unreferenced block {block_id}")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                if block_id in self._block_hash:
+                    self._cached_free[block_id] = None
+                else:
+                    self._free[block_id] = None
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._block_hash.get(block_id)
+
+    def is_cached_free(self, block_id: int) -> bool:
+        return block_id in self._cached_free
+
+    def evict(self, n: int | None = None) -> list[int]:
+        """Evict up to ``n`` (default: all) cached-free blocks, LRU first; they become free."""
+        count = len(self._cached_free) if n is None else min(n, len(self._cached_free))
+        evicted = [self._cached_free.popitem(last=False)[0] for _ in range(count)]
+        for block_id in evicted:
+            self._unregister(block_id)
+            self._free[block_id] = None
+        return evicted
+
+    def free_queue_order(self) -> list[int]:
+        """The order ``allocate`` hands blocks out: plain free first, then cached-free LRU."""
+        return list(self._free) + list(self._cached_free)
+
+    def cached_free_order(self) -> list[int]:
+        """Cached-free blocks in eviction order (least recently released first)."""
+        return list(self._cached_free)
+
+    def hashed_blocks(self) -> dict[int, bytes]:
+        """Every hashed block (referenced or cached-free) and its hash."""
+        return dict(self._block_hash)
+
+    def block_token_ids(self, block_id: int) -> tuple[int, ...] | None:
+        return self._block_tokens.get(block_id)
+
+    def check_invariants(
+        self, block_size: int | None = None, *, verify_hashes: bool = False
+    ) -> None:
+        """Raise AssertionError unless the pool is consistent.
+
+        free, cached-free and referenced partition the blocks; cached-free blocks are
+        hashed and plain free ones are not; the index and the per-block hashes agree.
+        With ``block_size``, hashed blocks are full; with ``verify_hashes``, each hash
+        is recomputed from its parent hash, tokens and extra keys.
+        """
+        free, cached = set(self._free), set(self._cached_free)
+        assert len(free) == len(self._free) and len(cached) == len(self._cached_free)
+        assert not free & cached, "a block is both free and cached-free"
+        for block_id, count in enumerate(self._ref_counts):
+            assert count >= 0, f"block {block_id} has ref_count {count}"
+            is_free = block_id in free or block_id in cached
+            assert is_free == (count == 0), f"block {block_id}: ref_count {count}, free={is_free}"
+        assert all(b in self._block_hash for b in cached), "cached-free block without hash"
+        assert not any(b in self._block_hash for b in free), "free block still hashed"
+        assert len(self._hash_to_block) == len(self._block_hash)
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self._block_hash.get(block_id) == block_hash, f"index mismatch at {block_id}"
+            tokens = self._block_tokens[block_id]
+            if block_size is not None:
+                assert len(tokens) == block_size, f"hashed block {block_id} is not full"
+            if verify_hashes:
+                parent, extra = self._block_hash_inputs[block_id]
+                assert hash_block_tokens(parent, tokens, extra) == block_hash, (
+                    f"block {block_id}: hash does not match its tokens"
+                )
+
+    # ---- internal -------------------------------------------------------------------
+
+    def _unregister(self, block_id: int) -> None:
+        block_hash = self._block_hash.pop(block_id, None)
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+            del self._block_tokens[block_id]
+            del self._block_hash_inputs[block_id]

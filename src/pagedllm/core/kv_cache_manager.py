@@ -1,0 +1,535 @@
+"""The KV cache manager: the scheduler's only door to blocks.
+
+A request's block table maps logical block i (tokens ``i*B .. i*B+B-1``) to a
+physical block. After ``allocate_slots(request, k, computed)`` the table covers::
+
+    |<- computed.num_tokens ->|<- num_computed_tokens ->|<- k new ->|
+    |  prefix hit (admission) |   already in the cache  |  to write |
+    |<-------- slots the table must hold (rounded up to blocks) --------->|
+
+(at admission ``num_computed_tokens`` is 0, otherwise ``computed`` is empty).
+Full blocks are immutable and shared by reference count; a shared *partial*
+block is replaced by a private copy before it is written (copy-on-write), and
+the ``(src, dst)`` copy travels to the worker.
+
+Swapping moves a preempted request's blocks to a host tier (a second pool with
+no prefix index). A physical block shared by several swapped requests takes one
+host block and is moved once; so is a host block on the way back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.hashing import hash_block_tokens
+from pagedllm.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """The longest cached prefix of a request: full blocks only."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What ``allocate_slots`` did: blocks it handed out (copy-on-write destinations
+    included) and the ``(src, dst)`` copies the worker must do before the forward pass."""
+
+    new_block_ids: tuple[int, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot; ``blocks_used + blocks_cached_free + blocks_free == blocks_total``.
+
+    Prefix queries and hits are counted in tokens once per successful admission
+    (an ``allocate_slots`` call given ``computed_blocks`` for a request holding no
+    blocks), so a request that waits several steps for room counts once.
+    """
+
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached_free: int
+    blocks_free: int
+    host_blocks_total: int
+    host_blocks_used: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_hits_tokens / self.prefix_queries_tokens
+            if self.prefix_queries_tokens
+            else 0.0
+        )
+
+
+_NO_HIT = ComputedBlocks()
+_NOTHING_NEW = Allocation()
+
+
+class KVCacheManager:
+    """Block tables, prefix lookup, copy-on-write, fork, free and swap bookkeeping."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        watermark: float = 0.01,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
+        self.watermark = watermark
+        self._watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._host_tables: dict[str, list[int]] = {}
+        self._num_slots: dict[str, int] = {}  # tokens each table must hold
+        self._block_hashes: dict[str, list[bytes]] = {}  # full-block hashes, grown lazily
+        self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
+        # Copies made by swaps, for moving a shared block once. source -> (target, fill):
+        # the target holds the source's first `fill` slots. Holders of a block never
+        # rewrite slots below their own fill, so the copy stays good for a later
+        # holder with the same fill until either side is re-allocated.
+        self._device_to_host: dict[int, tuple[int, int]] = {}
+        self._host_to_device: dict[int, tuple[int, int]] = {}
+        self._host_copy_source: dict[int, int] = {}  # host target -> device source
+        self._device_copy_source: dict[int, int] = {}  # device target -> host source
+        self._prefix_queries_tokens = 0
+        self._prefix_hits_tokens = 0
+
+    # ---- prefix lookup and allocation ----------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of full blocks, capped at ``num_tokens - 1`` tokens
+        so that at least one token is computed (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return _NO_HIT
+        bs = self.block_size
+        hashes = self._ensure_hashes(request)
+        tokens = request.all_token_ids
+        max_blocks = min((request.num_tokens - 1) // bs, len(hashes))
+        block_ids = []
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        if not block_ids:
+            return _NO_HIT
+        return ComputedBlocks(tuple(block_ids), len(block_ids) * bs)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+        *,
+        admission: bool = False,
+    ) -> Allocation | None:
+        """Grow the request's table to hold ``num_computed_tokens`` (+ the prefix hit)
+        + ``num_new_tokens`` tokens.
+
+        ``computed_blocks`` (from ``get_computed_blocks``, only for a request holding no
+        blocks) become the start of the table. A shared block the new tokens would
+        write into is replaced by a fresh one; if it holds computed tokens, the copy is
+        in ``block_copies``. ``admission=True`` also keeps ``watermark`` of all blocks
+        free. Returns ``None`` when there is no room, and then nothing has changed.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        request_id = request.request_id
+        if request_id in self._host_tables:
+            raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
+        bs = self.block_size
+        table = self._tables.get(request_id)
+        start = request.num_computed_tokens
+        hit_ids: tuple[int, ...] = ()
+        if computed_blocks is not None and computed_blocks.block_ids:
+            if table:
+                raise ValueError(f"request {request_id!r} already holds blocks")
+            hit_ids = computed_blocks.block_ids
+            if computed_blocks.num_tokens != len(hit_ids) * bs:
+                raise ValueError("computed_blocks.num_tokens must be len(block_ids) * block_size")
+            self._check_hit(request, hit_ids)
+            start += computed_blocks.num_tokens
+        num_held = len(hit_ids) if hit_ids else (len(table) if table else 0)
+        total = start + num_new_tokens
+        num_new_blocks = max(0, -(-total // bs) - num_held)
+        cow_indices = self._cow_indices(table, start, total) if table and num_new_tokens else ()
+
+        if not hit_ids and not num_new_blocks and not cow_indices:
+            # The decode fast path: the last block has room and is private.
+            if table is None:
+                self._count_prefix_query(request, computed_blocks)
+                self._tables[request_id] = []
+            if total > self._num_slots.get(request_id, 0):
+                self._num_slots[request_id] = total
+            return _NOTHING_NEW
+
+        num_revived = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
+        free_after = self.pool.num_free_blocks - num_revived - num_new_blocks - len(cow_indices)
+        if free_after < 0 or (admission and free_after < self._watermark_blocks):
+            return None
+
+        if table is None:
+            self._count_prefix_query(request, computed_blocks)
+        if hit_ids:
+            self.pool.incref(hit_ids)  # before allocating, so they cannot be evicted
+            table = list(hit_ids)
+            self._num_registered[request_id] = len(hit_ids)
+        elif table is None:
+            table = []
+        new_ids = self._allocate_device(len(cow_indices) + num_new_blocks)
+        copies = []
+        for idx, dst in zip(cow_indices, new_ids, strict=False):
+            src = table[idx]
+            table[idx] = dst
+            self.pool.decref((src,))
+            if idx * bs < start:  # the block holds computed tokens that must survive
+                copies.append((src, dst))
+        table.extend(new_ids[len(cow_indices) :])
+        self._tables[request_id] = table
+        self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
+        return Allocation(tuple(new_ids), tuple(copies))
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register in the prefix index the blocks made full by ``num_computed_tokens``."""
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(table))
+        done = self._num_registered.get(request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._ensure_hashes(request)
+        tokens = request.all_token_ids
+        extra_keys = request.extra_keys
+        for i in range(done, num_full):
+            self.pool.register(
+                table[i],
+                hashes[i],
+                tokens[i * bs : (i + 1) * bs],
+                parent_hash=hashes[i - 1] if i else None,
+                extra_keys=extra_keys,
+            )
+        self._num_registered[request_id] = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's table; every block gains one reference."""
+        child_id, parent_id = child.request_id, parent.request_id
+        if child_id in self._tables or child_id in self._host_tables:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        if parent_id in self._host_tables:
+            raise ValueError(f"request {parent_id!r} is swapped out")
+        table = self._tables.get(parent_id, [])
+        self.pool.incref(table)
+        self._tables[child_id] = list(table)
+        self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
+        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        parent_hashes = self._block_hashes.get(parent_id)
+        if parent_hashes:
+            # Reuse the parent's hashes only where the child's tokens agree.
+            bs = self.block_size
+            n = min(len(parent_hashes), child.num_tokens // bs)
+            p_tokens, c_tokens = parent.all_token_ids, child.all_token_ids
+            while n and p_tokens[: n * bs] != c_tokens[: n * bs]:
+                n -= 1
+            self._block_hashes[child_id] = parent_hashes[:n]
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (device or host), tail first, and forget
+        it. Full hashed blocks stay findable as cached-free until evicted. Safe to call
+        on a request that holds nothing."""
+        request_id = request.request_id
+        table = self._tables.pop(request_id, None)
+        if table:
+            self.pool.decref(reversed(table))
+        host_table = self._host_tables.pop(request_id, None)
+        if host_table:
+            self.host_pool.decref(reversed(host_table))
+        self._num_slots.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+
+    def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
+        """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix
+        index, least recently used first; returns how many were evicted."""
+        return len(self.pool.evict(num_blocks))
+
+    # ---- swapping -----------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        _, num_new = self._plan_swap_out(request)
+        return num_new <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host tier and release the device blocks.
+
+        Returns the ``(device, host)`` moves the worker must perform, or ``None`` (no
+        change) when the host tier lacks room.
+        """
+        request_id = request.request_id
+        if request_id in self._host_tables:
+            raise ValueError(f"request {request_id!r} is already swapped out")
+        plan, num_new = self._plan_swap_out(request)
+        if num_new > self.host_pool.num_free_blocks:
+            return None
+        new_host = iter(self._allocate_host(num_new))
+        moves, host_table = [], []
+        for device, host, fill in plan:
+            if host is None:
+                host = next(new_host)
+                moves.append((device, host))
+                self._device_to_host[device] = (host, fill)
+                self._host_copy_source[host] = device
+            else:
+                self.host_pool.incref((host,))
+            host_table.append(host)
+        table = self._tables.pop(request_id, [])
+        self.pool.decref(reversed(table))
+        self._host_tables[request_id] = host_table
+        self._num_registered[request_id] = 0
+        return moves
+
+    def can_swap_in(self, request: Request) -> bool:
+        _, num_new, num_revived = self._plan_swap_in(request)
+        return num_new + num_revived <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back to the device; returns the ``(host, device)``
+        moves, or ``None`` (no change) when the device lacks room. Full blocks still
+        cached on the device are reused instead of moved."""
+        request_id = request.request_id
+        if request_id not in self._host_tables:
+            raise ValueError(f"request {request_id!r} is not swapped out")
+        plan, num_new, num_revived = self._plan_swap_in(request)
+        if num_new + num_revived > self.pool.num_free_blocks:
+            return None
+        reused = [device for _, device, _ in plan if device is not None]
+        self.pool.incref(reused)  # before allocating, so they cannot be evicted
+        new_device = iter(self._allocate_device(num_new))
+        moves, table = [], []
+        for host, device, fill in plan:
+            if device is None:
+                device = next(new_device)
+                moves.append((host, device))
+                self._host_to_device[host] = (device, fill)
+                self._device_copy_source[device] = host
+            table.append(device)
+        host_table = self._host_tables.pop(request_id)
+        self.host_pool.decref(reversed(host_table))
+        self._tables[request_id] = table
+        self._num_registered[request_id] = 0
+        self.cache_full_blocks(request)
+        return moves
+
+    # ---- views --------------------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's device block table (a copy; empty if it holds none)."""
+        return list(self._tables.get(request_id, ()))
+
+    def host_block_table(self, request_id: str) -> list[int]:
+        return list(self._host_tables.get(request_id, ()))
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    def num_slots(self, request_id: str) -> int:
+        """How many tokens the request's table was last asked to hold."""
+        return self._num_slots.get(request_id, 0)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks held by live requests."""
+        return self.pool.num_used_blocks / self.num_blocks
+
+    def stats(self) -> CacheStats:
+        used = self.pool.num_used_blocks
+        cached = self.pool.num_cached_free_blocks
+        return CacheStats(
+            block_size=self.block_size,
+            blocks_total=self.num_blocks,
+            blocks_used=used,
+            blocks_cached_free=cached,
+            blocks_free=self.num_blocks - used - cached,
+            host_blocks_total=self.num_host_blocks,
+            host_blocks_used=self.host_pool.num_used_blocks,
+            prefix_queries_tokens=self._prefix_queries_tokens,
+            prefix_hits_tokens=self._prefix_hits_tokens,
+        )
+
+    def live_block_tables(self) -> dict[str, list[int]]:
+        """Every device block table, by request id (copies)."""
+        return {rid: list(table) for rid, table in self._tables.items()}
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless pools, tables and the prefix index agree."""
+        bs = self.block_size
+        self.pool.check_invariants(bs, verify_hashes=True)
+        self.host_pool.check_invariants()
+        assert not self._tables.keys() & self._host_tables.keys(), "request on both tiers"
+        for pool, tables in ((self.pool, self._tables), (self.host_pool, self._host_tables)):
+            held = Counter()
+            for request_id, table in tables.items():
+                assert len(set(table)) == len(table), f"{request_id}: block twice in a table"
+                assert len(table) * bs >= self._num_slots.get(request_id, 0), (
+                    f"{request_id}: table too short for its slots"
+                )
+                held.update(table)
+            for block_id in range(pool.num_blocks):
+                assert pool.ref_count(block_id) == held[block_id], (
+                    f"block {block_id}: ref_count {pool.ref_count(block_id)}, "
+                    f"held by {held[block_id]} tables"
+                )
+        for request_id, table in self._tables.items():
+            hashes = self._block_hashes.get(request_id, ())
+            for i, block_id in enumerate(table[: len(hashes)]):
+                block_hash = self.pool.block_hash(block_id)
+                assert block_hash is None or block_hash == hashes[i], (
+                    f"{request_id}: block {block_id} at {i} registered under another hash"
+                )
+
+    # ---- internal -------------------------------------------------------------------
+
+    def _ensure_hashes(self, request: Request) -> list[bytes]:
+        """The request's full-block hashes, extended incrementally as tokens arrive."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        if len(hashes) < num_full:
+            tokens, extra_keys = request.all_token_ids, request.extra_keys
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full):
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra_keys)
+                hashes.append(parent)
+        return hashes
+
+    def _count_prefix_query(self, request: Request, computed: ComputedBlocks | None) -> None:
+        # Counted at admission, not in get_computed_blocks: a scheduler asks again every
+        # step while a request waits for room, and that must not inflate the hit rate.
+        if computed is not None and self.enable_prefix_caching:
+            self._prefix_queries_tokens += request.num_tokens
+            self._prefix_hits_tokens += computed.num_tokens
+
+    def _check_hit(self, request: Request, hit_ids: tuple[int, ...]) -> None:
+        hashes = self._ensure_hashes(request)
+        if len(hit_ids) > len(hashes):
+            raise ValueError("computed_blocks cover more than the request's full blocks")
+        for i, block_id in enumerate(hit_ids):
+            if self.pool.block_hash(block_id) != hashes[i]:
+                raise ValueError(
+                    "stale computed_blocks: call get_computed_blocks right before allocate_slots"
+                )
+
+    def _cow_indices(self, table: list[int], start: int, total: int) -> tuple[int, ...]:
+        """Indices of shared blocks the tokens ``start .. total-1`` would write into."""
+        bs = self.block_size
+        first, end = start // bs, min(len(table), -(-total // bs))
+        ref_count = self.pool.ref_count
+        return tuple(i for i in range(first, end) if ref_count(table[i]) > 1)
+
+    def _fill(self, request: Request, index: int) -> int:
+        """Computed tokens of the request that live in its block ``index``."""
+        return max(0, min(self.block_size, request.num_computed_tokens - index * self.block_size))
+
+    def _plan_swap_out(self, request: Request) -> tuple[list[tuple[int, int | None, int]], int]:
+        plan: list[tuple[int, int | None, int]] = []
+        num_new = 0
+        for i, device in enumerate(self._tables.get(request.request_id, ())):
+            fill = self._fill(request, i)
+            copy = self._device_to_host.get(device)
+            if copy is not None and copy[1] == fill and self.host_pool.ref_count(copy[0]) > 0:
+                plan.append((device, copy[0], fill))
+            else:
+                plan.append((device, None, fill))
+                num_new += 1
+        return plan, num_new
+
+    def _plan_swap_in(self, request: Request) -> tuple[list[tuple[int, int | None, int]], int, int]:
+        bs = self.block_size
+        hashes = self._ensure_hashes(request) if self.enable_prefix_caching else ()
+        tokens = request.all_token_ids
+        plan: list[tuple[int, int | None, int]] = []
+        num_new = num_revived = 0
+        for i, host in enumerate(self._host_tables.get(request.request_id, ())):
+            fill = self._fill(request, i)
+            device = None
+            if fill == bs and i < len(hashes):
+                device = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+                if device is not None and self.pool.ref_count(device) == 0:
+                    num_revived += 1
+            if device is None:
+                copy = self._host_to_device.get(host)
+                if copy is not None and copy[1] == fill and self.pool.ref_count(copy[0]) > 0:
+                    device = copy[0]
+            if device is None:
+                num_new += 1
+            plan.append((host, device, fill))
+        return plan, num_new, num_revived
+
+    def _allocate_device(self, n: int) -> list[int]:
+        blocks = self.pool.allocate(n)
+        assert blocks is not None, "caller checked there was room"
+        if self._device_to_host or self._device_copy_source:
+            for block_id in blocks:
+                self._forget_copies(block_id, self._device_to_host, self._host_copy_source)
+                self._forget_target(block_id, self._device_copy_source, self._host_to_device)
+        return blocks
+
+    def _allocate_host(self, n: int) -> list[int]:
+        blocks = self.host_pool.allocate(n)
+        assert blocks is not None, "caller checked there was room"
+        for block_id in blocks:
+            self._forget_copies(block_id, self._host_to_device, self._device_copy_source)
+            self._forget_target(block_id, self._host_copy_source, self._device_to_host)
+        return blocks
+
+    @staticmethod
+    def _forget_copies(source: int, copies: dict, target_sources: dict) -> None:
+        """``source`` was re-allocated: its old content (and copies of it) are gone."""
+        copy = copies.pop(source, None)
+        if copy is not None and target_sources.get(copy[0]) == source:
+            del target_sources[copy[0]]
+
+    @staticmethod
+    def _forget_target(target: int, target_sources: dict, copies: dict) -> None:
+        """``target`` was re-allocated: it no longer holds a copy of anything."""
+        source = target_sources.pop(target, None)
+        if source is not None and copies.get(source, (None,))[0] == target:
+            del copies[source]

@@ -1,0 +1,480 @@
+"""Continuous batching over the paged cache. Pure Python.
+
+One counter per request, ``num_computed_tokens``, replaces "prefill" and "decode"
+phases: each step advances every chosen request by some tokens, within
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences::
+
+    |<------------------ all_token_ids ------------------>|
+    |<-- num_computed_tokens -->|<-- scheduled (k) -->|...|   k <= token budget
+                                 ^ start_position
+
+A decoding request has exactly one token to do; a prompt has many and is cut into
+chunks (chunked prefill) so that decodes are never starved.
+
+Order within a step:
+
+1. running requests (decodes first, then prompt chunks); when one cannot grow,
+   the newest running request (largest ``(priority, arrival_time)``) is preempted
+   by recompute (free, requeue) or by swap (blocks to the host tier);
+2. swapped requests are swapped back in (only in a step without preemption);
+3. waiting requests are admitted (only when no request is still swapped out):
+   longest cached prefix first, then the rest within the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.core.outputs import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    TokenLogprob,
+)
+from pagedllm.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of the ``index``-th parallel sample (index 0 is the parent itself)."""
+    return f"{parent_id}#{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step, and how to preempt."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "auto"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceUpdate:
+    """What one step did to one sequence: tokens appended (and maybe finished).
+
+    ``parent_id`` is set on a parallel sample forked from its parent this step.
+    """
+
+    request: Request
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprob, ...] | None = None
+    parent_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+@dataclass(slots=True)
+class _Step:
+    """The step being built (internal, mutable)."""
+
+    budget: int
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    touched: set[str] = field(default_factory=set)
+    preempted: bool = False
+
+    def add(self, request: Request, num_new_tokens: int, copies: Iterable[tuple[int, int]]) -> None:
+        self.scheduled[request.request_id] = (request, num_new_tokens)
+        self.budget -= num_new_tokens
+        self.touched.add(request.request_id)
+        copies = list(copies)
+        if copies:
+            self.copies.setdefault(request.request_id, []).extend(copies)
+
+
+class Scheduler:
+    """Chooses each step's batch, and applies the model's results.
+
+    ``schedule()`` -> ``SchedulerOutput`` -> the runner -> ``update(output, result)``.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        cache = kv.stats()
+        self._block_size = cache.block_size
+        self._num_blocks = cache.blocks_total
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._arrival_order: dict[str, int] = {}
+        self._next_order = 0
+        self._finished_ids: set[str] = set()
+        self._last_step_ids: frozenset[str] = frozenset()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    # ------------------------------------------------------------------ public
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ``ValueError`` when it could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, self._max_tokens(request), self._n(request))
+        self._enqueue(request)
+        self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raise ``ValueError`` (with both numbers) for a request that can never fit."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if num_prompt_tokens + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({limit})"
+            )
+        # The last sampled token is never written to the cache.
+        num_tokens = num_prompt_tokens + max_tokens - 1
+        block_size = self._block_size
+        needed = -(-num_tokens // block_size)
+        total = self._num_blocks
+        if needed > total:
+            raise ValueError(
+                f"request needs {needed} KV blocks ({num_tokens} tokens) but the whole cache "
+                f"holds {total} blocks ({total * block_size} tokens); lower max_tokens or "
+                f"give the cache more memory"
+            )
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. Mutates block tables and queues."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
+        self._last_step_ids = frozenset(step.touched)
+        output = SchedulerOutput(
+            scheduled=tuple(self._to_scheduled(r, k) for r, k in step.scheduled.values()),
+            block_copies=tuple(c for cs in step.copies.values() for c in cs),
+            swap_out=tuple(step.swap_out),
+            swap_in=tuple(step.swap_in),
+            finished_request_ids=frozenset(self._finished_ids),
+        )
+        self._finished_ids.clear()
+        return output
+
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
+        """Advance counters, append sampled tokens, fork parallel samples, finish."""
+        updates: list[SequenceUpdate] = []
+        for i, seq in enumerate(output.scheduled):
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) since it was scheduled
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request)
+            tokens = result.sampled_token_ids[i] if i < len(result.sampled_token_ids) else ()
+            if not tokens:
+                continue
+            logprobs = result.logprobs[i] if i < len(result.logprobs) else None
+            updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
+        return updates
+
+    def fork(self, parent: Request, child_id: str) -> Request:
+        """A new running request sharing all of ``parent``'s blocks (and tokens)."""
+        if child_id in self.requests:
+            raise ValueError(f"request_id {child_id!r} is already in use")
+        child = Request(
+            request_id=child_id,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            sampling_params=parent.sampling_params,
+            eos_token_id=parent.eos_token_id,
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            cache_salt=parent.cache_salt,
+            output_token_ids=list(parent.output_token_ids),
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent, child)
+        self._enqueue(child)
+        self.running.append(child)
+        return child
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop, fail) requests wherever they are; frees their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def fail_last_step(self) -> list[Request]:
+        """Finish with ``error`` every request the last ``schedule()`` touched
+        (scheduled, swapped out or in): their cache contents are unknown."""
+        ids = [i for i in self._last_step_ids if i in self.requests]
+        self._last_step_ids = frozenset()
+        return self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            num_preemptions_recompute=self.num_preemptions["recompute"],
+            num_preemptions_swap=self.num_preemptions["swap"],
+        )
+
+    # --------------------------------------------------------------- running
+
+    def _schedule_running(self, step: _Step) -> None:
+        # Decodes before prompt chunks, so a long prompt never starves them.
+        for request in sorted(self.running, key=self._is_prefilling):
+            if step.budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            assert num_new > 0, "a running request always has a token to compute"
+            copies = self._allocate_or_preempt(request, num_new, step)
+            if copies is not None:
+                step.add(request, num_new, copies)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, step: _Step
+    ) -> list[tuple[int, int]] | None:
+        while True:
+            allocation = self.kv.allocate_slots(request, num_new)
+            if allocation is not None:
+                return list(allocation.block_copies)
+            victim = max(self.running, key=self._victim_key)
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        scheduled = step.scheduled.pop(victim.request_id, None)
+        if scheduled is not None:
+            step.budget += scheduled[1]
+        self.running.remove(victim)
+        step.preempted = True
+        step.touched.add(victim.request_id)
+        victim.num_preemptions += 1
+        # A pending copy-on-write targets one of the victim's blocks; a swap-out
+        # (which runs before copies) would move the block before it is filled.
+        if self._should_swap(victim) and victim.request_id not in step.copies:
+            moves = self.kv.swap_out(victim)
+            if moves is not None:
+                step.swap_out.extend(moves)
+                victim.status = RequestStatus.SWAPPED
+                self.swapped.append(victim)
+                self.num_preemptions["swap"] += 1
+                return
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.insert(0, victim)
+        self.num_preemptions["recompute"] += 1
+
+    def _should_swap(self, victim: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(victim):
+            return False
+        # auto: a request still in its first prompt mostly comes back through the
+        # prefix cache, so recompute it; swap those that have generated tokens.
+        return mode == "swap" or victim.num_output_tokens > 0
+
+    # --------------------------------------------------------------- swapped
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        for request in sorted(self.swapped, key=self._priority_key):
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.kv.can_swap_in(request):
+                break
+            moves = self.kv.swap_in(request)
+            if moves is None:
+                break
+            step.swap_in.extend(moves)
+            step.touched.add(request.request_id)
+            self.swapped.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            allocation = self.kv.allocate_slots(request, num_new)
+            if allocation is not None:  # else it is running and grows next step
+                step.add(request, num_new, allocation.block_copies)
+
+    # --------------------------------------------------------------- waiting
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        for request in sorted(self.waiting, key=self._priority_key):
+            if step.budget <= 0:
+                break
+            num_seqs = self._n(request) if self._will_fork(request) else 1
+            if len(self.running) + num_seqs > self.config.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_tokens
+            if num_new > step.budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, step.budget)
+            # With nothing running there is nobody to keep the watermark for, and
+            # keeping it could leave a large request waiting forever.
+            allocation = self.kv.allocate_slots(
+                request, num_new, computed, admission=bool(self.running)
+            )
+            if allocation is None:
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = computed.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = computed.num_tokens
+            self.running.append(request)
+            step.add(request, num_new, allocation.block_copies)
+
+    # ---------------------------------------------------------------- update
+
+    def _apply_samples(
+        self,
+        request: Request,
+        tokens: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> list[SequenceUpdate]:
+        # Fork before the parent appends its own token: children copy its state.
+        children = [
+            self.fork(request, child_request_id(request.request_id, j))
+            for j in range(1, len(tokens))
+        ]
+        updates = []
+        for j, seq in enumerate([request, *children]):
+            lp = (logprobs[j],) if logprobs else None
+            seq.append_output_token_ids(tokens[j])
+            self._check_stop(seq, tokens[j])
+            parent_id = request.request_id if j > 0 else None
+            updates.append(SequenceUpdate(seq, (tokens[j],), lp, parent_id))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        min_tokens = params.min_tokens if params is not None else 0
+        if request.num_output_tokens >= min_tokens:
+            ignore_eos = params is not None and params.ignore_eos
+            if not ignore_eos and token_id == request.eos_token_id:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if params is not None and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        if (
+            request.num_output_tokens >= self._max_tokens(request)
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.is_finished:
+            return
+        if request.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+            self.kv.free(request)
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        request.status = status
+        self.requests.pop(request.request_id, None)
+        self._arrival_order.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    # --------------------------------------------------------------- helpers
+
+    def _enqueue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._arrival_order[request.request_id] = self._next_order
+        self._next_order += 1
+
+    def _to_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        end = start + num_new
+        if end < request.num_tokens:
+            num_samples = 0  # a prompt chunk that is not the last one
+        elif self._will_fork(request):
+            num_samples = self._n(request)
+        else:
+            num_samples = 1
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_position=start,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+            num_samples=num_samples,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _will_fork(self, request: Request) -> bool:
+        """A parent of n>1 samples that has not sampled yet (children have)."""
+        return self._n(request) > 1 and request.num_output_tokens == 0
+
+    @staticmethod
+    def _n(request: Request) -> int:
+        params = request.sampling_params
+        return 1 if params is None else params.n
+
+    def _max_tokens(self, request: Request) -> int:
+        params = request.sampling_params
+        if params is None or params.max_tokens is None:
+            return self.config.max_model_len - request.num_prompt_tokens
+        return params.max_tokens
+
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _priority_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time, self._arrival_order[request.request_id])
+
+    def _victim_key(self, request: Request) -> tuple[int, float, int]:
+        return self._priority_key(request)

@@ -1,0 +1,137 @@
+"""Engine flags shared by ``pagedllm generate`` and ``pagedllm serve``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from pagedllm.core.scheduler import PREEMPTION_MODES
+from pagedllm.engine.config import DTYPES, EngineConfig
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``4GiB``, ``512MiB``, ``1.5G`` (binary), ``2GB`` (decimal) or ``1024``."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2GB, 1073741824)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine's flags (model, cache, batching, preemption) to ``parser``."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default="default",
+        help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--dtype", default="auto", choices=DTYPES)
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument(
+        "--kv-cache-memory",
+        type=_size_arg,
+        default=None,
+        help="KV cache size, e.g. 4GiB (default 1GiB)",
+    )
+    group.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="KV cache as a fraction of free memory (instead of --kv-cache-memory)",
+    )
+    group.add_argument("--num-blocks", type=int, default=None, help=argparse.SUPPRESS)
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's, capped by the cache)",
+    )
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most tokens in one step (default 2048)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks of identical prefixes",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps",
+    )
+    group.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
+    group.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="host swap tier in GiB (for preemption by swap)",
+    )
+    group.add_argument(
+        "--watermark",
+        type=float,
+        default=0.01,
+        help="fraction of blocks admission keeps free for running requests",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    group.add_argument("--attention-backend", default="auto")
+    group.add_argument("--device", default="cpu")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` described by parsed ``add_engine_arguments`` flags."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        memory_fraction=args.memory_fraction,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        watermark=args.watermark,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+        device=args.device,
+    )

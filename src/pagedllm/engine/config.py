@@ -1,0 +1,82 @@
+"""``EngineConfig``: every knob of an engine, validated once, frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.scheduler import PREEMPTION_MODES
+
+GIB = 1 << 30
+# Without --kv-cache-memory or --memory-fraction: enough for a few long sessions of
+# a small model, and never a surprise on a machine shared with other work.
+DEFAULT_KV_CACHE_MEMORY = 1 * GIB
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to build and run one engine (names as in vLLM where it has them).
+
+    ``kv_cache_memory`` (bytes) or ``memory_fraction`` (of free memory) sizes the
+    device tier; ``num_blocks`` overrides both (tests). ``swap_space`` is the host
+    tier in GiB (0 disables preemption by swap). ``max_model_len=None`` takes the
+    model's limit, capped to what the cache holds; ``max_num_batched_tokens=None``
+    means 2048 with chunked prefill, else ``max_model_len``.
+    """
+
+    model: str = "default"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    memory_fraction: float | None = None
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    swap_space: float = 0.0
+    num_host_blocks: int | None = None
+    watermark: float = 0.01
+    seed: int = 0
+    attention_backend: str = "auto"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self._check_positive("block_size", self.block_size)
+        self._check_positive("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                self._check_positive(name, getattr(self, name))
+        for name in ("num_blocks", "num_host_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.kv_cache_memory is not None and self.memory_fraction is not None:
+            raise ValueError("give kv_cache_memory or memory_fraction, not both")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @staticmethod
+    def _check_positive(name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max_model_len

@@ -1,0 +1,187 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Mirrors vLLM's names so its users feel at home::
+
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(model="default", kv_cache_memory=2 << 30)
+    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32)):
+        print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """An engine for offline batches. Keyword arguments are ``EngineConfig`` fields
+    (``dtype``, ``block_size``, ``kv_cache_memory`` in bytes or ``memory_fraction``,
+    ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``enable_prefix_caching``, ``preemption_mode``, ``swap_space`` in GiB, ...)."""
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **kwargs))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (for example one on a ``FakeModelRunner``)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of those. ``sampling_params``:
+        one for all, or one per prompt.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
+                request_id = str(next(self._ids))
+                self.engine.add_request(
+                    request_id, _prompt_value(prompt), p, priority=priority[i] if priority else 0
+                )
+                ids.append(request_id)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``)
+        or to several, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer")
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
+        # The template already carries its special tokens (BOS included).
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[Any]:
+        """Beam search per prompt; see ``pagedllm.engine.beam_search``."""
+        from pagedllm.engine.beam_search import beam_search
+
+        return [
+            beam_search(self.engine, _prompt_value(p), params) for p in _as_prompt_list(prompts)
+        ]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt
+    return list(prompt)
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

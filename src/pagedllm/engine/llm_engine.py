@@ -1,0 +1,492 @@
+"""``LLMEngine``: requests in, one step at a time, cumulative outputs out.
+
+The loop is three verbs::
+
+    scheduler.schedule() -> runner.execute() -> scheduler.update() (+ detokenize)
+
+A request of ``n`` samples is one group: the parent computes the prompt once and
+the scheduler forks ``n - 1`` children sharing its blocks. The engine never raises
+out of ``step()`` because one step failed: the requests of that step finish with
+``finish_reason="error"`` and their blocks are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagedllm.core.kv_cache_manager import CacheStats, KVCacheManager
+from pagedllm.core.outputs import TokenLogprob
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SequenceUpdate,
+    child_request_id,
+)
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.base import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics and tests (totals count since start-up)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_unfinished_requests: int
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_computed_tokens: int
+    num_requests_finished: int
+    num_requests_failed: int
+    num_requests_aborted: int
+    kv_cache_usage: float
+    max_model_len: int
+    cache: CacheStats
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """One completion of a group (internal)."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """One user request: its ``n`` sequences (internal)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_ids: list[str]
+    seqs: dict[int, _Sequence] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        if self.error is not None:
+            return True
+        return len(self.seqs) == self.params.n and all(
+            s.finish_reason is not None for s in self.seqs.values()
+        )
+
+
+class LLMEngine:
+    """Continuous batching over one ``ModelRunner`` (real or fake).
+
+    ``tokenizer`` may be None when prompts are token ids (text is then empty).
+    ``model_config`` (a ``ModelConfig``) enables the start-up report and gives the
+    default ``max_model_len``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Any = None,
+        *,
+        model_config: Any = None,
+        memory_bytes: int | None = None,
+    ) -> None:
+        if config.block_size != runner.block_size:
+            raise ValueError(
+                f"block_size {config.block_size} differs from the runner's {runner.block_size}"
+            )
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = self._resolve_max_model_len(model_config)
+        self.kv = KVCacheManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=runner.num_host_blocks,
+            watermark=config.watermark,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
+                max_model_len=self.max_model_len,
+                preemption_mode=config.preemption_mode,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        self.eos_token_id, self._extra_eos_ids = self._eos_ids(tokenizer, model_config)
+        self._groups: dict[str, _Group] = {}
+        self._seq_owner: dict[str, tuple[_Group, int]] = {}
+        self._counters = dict.fromkeys(
+            ("steps", "prompt", "generation", "computed", "finished", "failed", "aborted"), 0
+        )
+        self.startup_report = self._make_startup_report(memory_bytes)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model, size the cache, build a ``TorchModelRunner``."""
+        import torch
+
+        from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
+        from pagedllm.model.loader import load_model
+        from pagedllm.worker.kv_cache import KVCacheSpec, available_memory_bytes
+        from pagedllm.worker.model_runner import TorchModelRunner
+
+        torch.manual_seed(config.seed)
+        loaded = load_model(
+            config.model, config.dtype, _attention_backend(config), device=config.device
+        )
+        spec = KVCacheSpec.from_model_config(loaded.config, config.block_size, loaded.dtype)
+        num_host_blocks = config.num_host_blocks
+        if num_host_blocks is None:
+            num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
+        common = dict(block_size=config.block_size, num_host_blocks=num_host_blocks)
+        if config.num_blocks is not None:
+            runner = TorchModelRunner(loaded.model, num_blocks=config.num_blocks, **common)
+        else:
+            budget = config.kv_cache_memory
+            if budget is None and config.memory_fraction is None:
+                budget = DEFAULT_KV_CACHE_MEMORY
+            runner = TorchModelRunner.from_budget(
+                loaded.model,
+                kv_cache_memory=budget,
+                memory_fraction=config.memory_fraction,
+                **common,
+            )
+        memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
+        engine = cls(
+            config, runner, loaded.tokenizer, model_config=loaded.config, memory_bytes=memory
+        )
+        engine.model_name = loaded.name
+        if engine.startup_report:
+            logger.info("%s", engine.startup_report)
+        return engine
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. ``ValueError``/``TypeError`` for bad input, a request id
+        in use, or a request that can never fit (prompt + max_tokens too long)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt)
+        params = self._complete_params(params, len(token_ids))
+        seq_ids = [request_id] + [child_request_id(request_id, j) for j in range(1, params.n)]
+        for seq_id in seq_ids:
+            if request_id in self._groups or seq_id in self._seq_owner:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add_request(request)
+        group = _Group(request_id, text, token_ids, params, seq_ids)
+        self._groups[request_id] = group
+        for j, seq_id in enumerate(seq_ids):
+            self._seq_owner[seq_id] = (group, j)
+        self._counters["prompt"] += len(token_ids)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests (unknown or finished ids are ignored); frees their blocks."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget(group)
+            self._counters["aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests it advanced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        try:
+            result = self.runner.execute(scheduler_output)
+        except Exception as exc:  # one bad step must not take the engine down
+            logger.exception("model step failed; failing its requests")
+            return self._fail(self.scheduler.fail_last_step(), exc)
+        self._counters["steps"] += 1
+        self._counters["computed"] += scheduler_output.num_batched_tokens
+        touched: dict[str, _Group] = {}
+        for update in self.scheduler.update(scheduler_output, result):
+            group = self._apply(update)
+            if group is not None:
+                touched[group.request_id] = group
+        return [self._output_and_maybe_forget(g) for g in touched.values()]
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        c = self._counters
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_swapped=s.num_swapped,
+            num_unfinished_requests=len(self._groups),
+            num_preemptions=s.num_preemptions,
+            num_preemptions_recompute=s.num_preemptions_recompute,
+            num_preemptions_swap=s.num_preemptions_swap,
+            num_steps=c["steps"],
+            num_prompt_tokens=c["prompt"],
+            num_generation_tokens=c["generation"],
+            num_computed_tokens=c["computed"],
+            num_requests_finished=c["finished"],
+            num_requests_failed=c["failed"],
+            num_requests_aborted=c["aborted"],
+            kv_cache_usage=self.kv.usage,
+            max_model_len=self.max_model_len,
+            cache=self.kv.stats(),
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _apply(self, update: SequenceUpdate) -> _Group | None:
+        request = update.request
+        owner = self._seq_owner.get(request.request_id)
+        if owner is None:
+            return None
+        group, index = owner
+        seq = group.seqs.get(index)
+        if seq is None:
+            seq = self._new_sequence(group, index, request)
+        self._counters["generation"] += len(update.new_token_ids)
+        if seq.logprobs is not None and update.new_logprobs:
+            seq.logprobs.extend(update.new_logprobs)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
+                lp.logprob for lp in update.new_logprobs
+            )
+        stop = seq.detokenizer.add_tokens(update.new_token_ids)
+        if stop is not None:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif request.is_finished:
+            seq.detokenizer.finish()
+            seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
+        return group
+
+    def _new_sequence(self, group: _Group, index: int, request: Request) -> _Sequence:
+        params = group.params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            group.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        wants = params.logprobs is not None
+        seq = _Sequence(index, request, detokenizer, [] if wants else None, 0.0 if wants else None)
+        group.seqs[index] = seq
+        return seq
+
+    def _output_and_maybe_forget(self, group: _Group) -> RequestOutput:
+        output = self._output(group)
+        if output.finished:
+            self._forget(group)
+            self._counters["failed" if group.error else "finished"] += 1
+        return output
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = [self._completion(group.seqs[i]) for i in sorted(group.seqs)]
+        if group.error is not None and not completions:
+            completions = [CompletionOutput(0, "", (), finish_reason="error")]
+        first = group.seqs.get(0)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=tuple(group.prompt_token_ids),
+            outputs=tuple(completions),
+            finished=group.finished,
+            num_cached_tokens=first.request.num_cached_tokens if first else 0,
+            error=group.error,
+        )
+
+    @staticmethod
+    def _completion(seq: _Sequence) -> CompletionOutput:
+        finished = seq.finish_reason is not None
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.detokenizer.text if finished else seq.detokenizer.visible_text,
+            token_ids=tuple(seq.request.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+        groups: dict[str, _Group] = {}
+        for request in requests:
+            owner = self._seq_owner.get(request.request_id)
+            if owner is not None:
+                groups[owner[0].request_id] = owner[0]
+        outputs = []
+        for group in groups.values():
+            # A group is one answer: if one of its samples failed, so did it.
+            self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ERROR)
+            group.error = f"{type(exc).__name__}: {exc}"
+            for seq in group.seqs.values():
+                if seq.finish_reason is None:
+                    seq.finish_reason = "error"
+            outputs.append(self._output_and_maybe_forget(group))
+        return outputs
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for seq_id in group.seq_ids:
+            self._seq_owner.pop(seq_id, None)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompt token ids")
+            token_ids = list(self.tokenizer.encode(prompt))
+            text: str | None = prompt
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            token_ids = list(prompt)
+            text = None
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {prompt!r}")
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.vocab_size
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"prompt token ids must be integers, got {token!r}")
+            if not 0 <= token < vocab:
+                raise ValueError(f"prompt token id {token} is outside the vocabulary [0, {vocab})")
+        return text, token_ids
+
+    def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        if params.max_tokens is None:
+            room = self.max_model_len - num_prompt_tokens
+            if room < 1:
+                raise ValueError(
+                    f"prompt ({num_prompt_tokens} tokens) leaves no room for output within "
+                    f"max_model_len ({self.max_model_len})"
+                )
+            params = params.with_max_tokens(room)
+        if self._extra_eos_ids and not params.ignore_eos:
+            extra = tuple(i for i in self._extra_eos_ids if i not in params.stop_token_ids)
+            if extra:
+                params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return params.with_eos(self.eos_token_id)
+
+    def _resolve_max_model_len(self, model_config: Any) -> int:
+        cache_tokens = self.runner.num_blocks * self.runner.block_size
+        model_limit = getattr(model_config, "max_position_embeddings", None)
+        requested = self.config.max_model_len
+        if requested is None:
+            return min(model_limit or cache_tokens, cache_tokens)
+        if model_limit is not None and requested > model_limit:
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds the model's limit ({model_limit})"
+            )
+        if requested > cache_tokens:
+            raise ValueError(
+                f"max_model_len ({requested} tokens) exceeds the whole KV cache "
+                f"({cache_tokens} tokens): raise --kv-cache-memory or lower --max-model-len"
+            )
+        return requested
+
+    @staticmethod
+    def _eos_ids(tokenizer: Any, model_config: Any) -> tuple[int | None, tuple[int, ...]]:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        config_ids = tuple(getattr(model_config, "eos_token_ids", ()) or ())
+        if eos is None and config_ids:
+            eos = config_ids[0]
+        return eos, tuple(i for i in config_ids if i != eos)
+
+    def _make_startup_report(self, memory_bytes: int | None) -> str | None:
+        if self.model_config is None:
+            return None
+        from pagedllm.planner.report import startup_report
+
+        cfg = self.model_config
+        bytes_per_element = _kv_dtype_bytes(self.runner)
+        return startup_report(
+            {
+                "num_hidden_layers": cfg.num_hidden_layers,
+                "num_attention_heads": cfg.num_attention_heads,
+                "num_key_value_heads": cfg.num_key_value_heads,
+                "head_dim": cfg.head_dim,
+                "hidden_size": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size,
+                "intermediate_size": cfg.intermediate_size,
+                "max_position_embeddings": cfg.max_position_embeddings,
+            },
+            bytes_per_element,
+            self.runner.block_size,
+            self.runner.num_blocks,
+            self.max_model_len,
+            memory_bytes=memory_bytes,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+
+def _kv_dtype_bytes(runner: Any) -> int:
+    spec = getattr(runner, "spec", None)
+    if spec is not None:
+        return spec.bytes_per_token // (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim)
+    return 4
+
+
+def _attention_backend(config: EngineConfig) -> Any:
+    name = config.attention_backend
+    if name in ("auto", None):
+        return None  # the loader's default
+    if name == "reference":
+        from pagedllm.attention.reference import ReferenceAttention
+
+        return ReferenceAttention()
+    raise ValueError(f"attention_backend must be 'auto' or 'reference', got {name!r}")

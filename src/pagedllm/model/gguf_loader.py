@@ -1,0 +1,161 @@
+"""Read a ``.gguf`` file as a Hugging Face checkpoint: config dict, dequantised tensors, tokenizer.
+
+Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) to
+float32. llama.cpp stores Llama q/k projection rows permuted for its own rotary
+layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
+The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def read_gguf(
+    path: str | Path,
+) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], Callable[[], Any]]:
+    """(HF config dict, iterator of (HF name, float32 tensor), tokenizer loader)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    reader = GGUFReader(str(path))
+    config = gguf_config(reader)
+    return config, gguf_tensors(reader, config), lambda: gguf_tokenizer(path)
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """A ``config.json``-style dict from the file's metadata; refuses what we cannot run."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("unsupported GGUF rope scaling (rope_freqs.weight, as in Llama 3.1)")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden_size = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden_size,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantised float32 tensors under their Hugging Face names."""
+    from gguf.quants import dequantize
+
+    unpermute = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = torch.from_numpy(array.reshape(shape))
+        if unpermute and name.endswith("self_attn.q_proj.weight"):
+            weight = unpermute_rotary(weight, config["num_attention_heads"])
+        elif unpermute and name.endswith("self_attn.k_proj.weight"):
+            weight = unpermute_rotary(weight, config["num_key_value_heads"])
+        yield name, weight
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of q/k rows (interleaved pairs -> two halves per head)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer (with chat template) that ``transformers`` rebuilds from GGUF metadata."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a normal HF directory (config.json, model.safetensors, tokenizer) from a GGUF file."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, tensors, load_tokenizer = read_gguf(gguf_path)
+    weights = dict(tensors)
+    if config["tie_word_embeddings"]:
+        weights.pop("lm_head.weight", None)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config["pagedllm_converted_from"] = Path(gguf_path).name
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    load_tokenizer().save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()

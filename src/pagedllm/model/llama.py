@@ -1,0 +1,271 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The model sees only flattened tensors and ``AttentionMetadata``: a step's tokens of
+all sequences are one ``[num_tokens]`` batch; the attention backend is the only
+part that knows about sequences, slots and block tables.
+
+q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
+(``gate_up_proj``) at load time: fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.model.config import ModelConfig, RopeConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back before the weight (as transformers does)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] for the "default" and "llama3" rope types."""
+    # Explicit CPU device: the model may be built under a meta-device context.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` -> final hidden states; ``compute_logits`` -> logits."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # A plain attribute, not a buffer: .to(dtype) and to_empty() must not touch it
+        # (rotary frequencies stay float32, as in transformers).
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden_size] -> float32 logits [S, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [T, 1, head_dim], computed in float32 then cast (as transformers does)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
+
+        Raises ``ValueError`` for an unknown tensor name, a shape mismatch, or a
+        parameter left unset.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, offset = target
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
+            _copy_into(params[name], tensor, offset, hf_name, self.config)
+            loaded.add(f"{name}@{offset}")
+        missing = [key for key in self._expected_keys() if key not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}")
+
+    def _expected_keys(self) -> list[str]:
+        keys = []
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                keys += [f"{name}@{part}" for part in ("q", "k", "v")]
+            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+                keys += [f"{name}@{part}" for part in ("gate", "up")]
+            else:
+                keys.append(f"{name}@")
+        return keys
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, str] | None:
+    """HF name -> (our parameter name, fused part or ""); None for tensors to skip."""
+    if "rotary_emb" in hf_name:
+        return None
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None  # some tied checkpoints still store the (identical) head
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, part = _FUSED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), part
+    return name, ""
+
+
+def _copy_into(
+    param: nn.Parameter, tensor: torch.Tensor, part: str, hf_name: str, config: ModelConfig
+) -> None:
+    target = param.data
+    if part:
+        start, stop = _fused_rows(part, config)
+        target = target[start:stop]
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+def _fused_rows(part: str, config: ModelConfig) -> tuple[int, int]:
+    """Row range of one part (q, k, v, gate, up) inside its fused weight or bias."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    ranges = {
+        "q": (0, q),
+        "k": (q, q + kv),
+        "v": (q + kv, q + 2 * kv),
+        "gate": (0, inter),
+        "up": (inter, 2 * inter),
+    }
+    return ranges[part]

@@ -1,0 +1,159 @@
+"""Load a Llama-family model: a local Hugging Face directory, a ``.gguf`` file, or "default".
+
+::
+
+    load_model("path/to/hf_dir")        config.json + *.safetensors (single, or sharded
+                                         with model.safetensors.index.json) + tokenizer
+    load_model("path/to/model.gguf")    dequantised through the ``gguf`` package
+    load_model("default")               SmolLM2-135M-Instruct, converted once (default_model.py)
+
+Nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MODEL_NAME = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A ready model, its validated config, its tokenizer and a display name."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any
+    name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+
+def load_model(
+    model: str | Path = DEFAULT_MODEL_NAME,
+    dtype: str | torch.dtype = "auto",
+    backend: AttentionBackend | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load weights, config and tokenizer. ``ValueError`` for anything unsupported.
+
+    ``dtype``: "float32", "bfloat16", "float16" or "auto" (the config's ``torch_dtype``,
+    float32 when it has none). ``backend``: the attention backend (default: reference).
+    """
+    if str(model) == DEFAULT_MODEL_NAME:
+        from pagedllm.model.default_model import ensure_default_model
+
+        path, name = ensure_default_model(), "SmolLM2-135M-Instruct"
+    else:
+        path = Path(model).expanduser()
+        name = path.stem if path.suffix == ".gguf" else path.name
+    if path.suffix == ".gguf" and path.is_file():
+        from pagedllm.model.gguf_loader import read_gguf
+
+        raw_config, weights, tokenizer_loader = read_gguf(path)
+    elif path.is_dir():
+        raw_config = _read_config(path)
+        weights = iter_safetensors(path)
+        tokenizer_loader = _hf_tokenizer_loader(path)
+    else:
+        raise ValueError(f"model {str(model)!r} is neither a directory nor a .gguf file")
+    config = ModelConfig.from_dict(raw_config)
+    torch_dtype = resolve_dtype(dtype, config)
+    module = build_model(config, weights, torch_dtype, backend, torch.device(device))
+    tokenizer = tokenizer_loader() if load_tokenizer else None
+    return LoadedModel(model=module, config=config, tokenizer=tokenizer, name=name)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """ "auto" follows the config's ``torch_dtype`` (float32 when absent)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        dtype = config.torch_dtype or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(
+    config: ModelConfig,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    backend: AttentionBackend | None = None,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """Allocate the model without initialising it, then load the weights in."""
+    if backend is None:
+        from pagedllm.attention.reference import ReferenceAttention
+
+        backend = ReferenceAttention()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
+    return model.eval().requires_grad_(False)
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint directory, one file at a time."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, handle.get_tensor(name)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The shards named by ``model.safetensors.index.json``, else every ``*.safetensors``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"shards named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {path} (only safetensors checkpoints are supported)")
+    return files
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path} has no config.json")
+    return json.loads(file.read_text())
+
+
+def _hf_tokenizer_loader(path: Path):
+    def load() -> Any:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+
+    return load

@@ -1,0 +1,277 @@
+"""`pagedllm plan`: how many concurrent sessions a model serves on given memory, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from pagedllm.planner import capacity as cap
+from pagedllm.planner.presets import GIB, MIB, dtype_bytes, resolve_memory, resolve_model
+from pagedllm.planner.workloads import (
+    TraceEntry,
+    describe,
+    read_trace,
+    sample_distribution,
+    trace_workload,
+)
+
+DEFAULT_TARGET = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pagedllm plan``."""
+    m = parser.add_argument_group("model and device")
+    m.add_argument("--model", default="default",
+                   help="preset name (Llama-3.1-8B, DeepSeek-V3, ...), 'default', an HF model "
+                   "directory or a config.json")  # fmt: skip
+    m.add_argument("--memory", default="this machine",
+                   help="device memory in GiB, a device (H100-80GB, H200-141GB, A100-40GB, "
+                   "A100-80GB, L4-24GB) or 'this machine' (default)")  # fmt: skip
+    m.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="share of the memory for weights + activations + cache (default 0.9)")  # fmt: skip
+    m.add_argument("--weight-dtype", default="auto", help="bf16, fp16, fp32, fp8, int8, int4; "
+                   "auto = the config's dtype")  # fmt: skip
+    m.add_argument("--kv-dtype", default="auto", help="cache dtype; auto = bf16 (fp32 for fp32 models)")
+    m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (memory is per device)")
+    m.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    m.add_argument("--reserve", type=float, help="activation reserve in GiB (default: estimated)")
+    m.add_argument("--kv-cache-memory", type=float,
+                   help="KV budget in GiB, instead of deriving it from --memory")  # fmt: skip
+    w = parser.add_argument_group("lengths (one of)")
+    source = w.add_mutually_exclusive_group()
+    source.add_argument("--context-len", type=int, nargs="+", metavar="N",
+                        help="fixed sequence lengths, prompt + output (default: a few up to max)")  # fmt: skip
+    source.add_argument("--dist", choices=["sharegpt", "alpaca"], help="a named length distribution")
+    source.add_argument("--trace", help="JSONL: prompt_tokens, output_tokens[, prefix_id, prefix_tokens]")
+    w.add_argument("--num-requests", type=int, default=1000, help="requests drawn for --dist")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of system prompt shared by all (or by each trace prefix_id)")  # fmt: skip
+    w.add_argument("--target-concurrency", type=int,
+                   help=f"sessions that must fit at once (default {DEFAULT_TARGET})")  # fmt: skip
+    s = parser.add_argument_group("simulation and output")
+    s.add_argument("--simulate", action="store_true",
+                   help="replay the lengths through the real scheduler and block manager")  # fmt: skip
+    s.add_argument("--arrival-rate", type=float, default=4.0, help="requests per second (Poisson)")
+    s.add_argument("--step-ms", type=float, default=10.0, help="cost model: fixed ms per step")
+    s.add_argument("--token-ms", type=float, default=0.05, help="cost model: ms per scheduled token")
+    s.add_argument("--sim-requests", type=int, default=200, help="requests replayed (default 200)")
+    s.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="recompute")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="scheduler: sequences per step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="scheduler: tokens per step (chunked prefill)")  # fmt: skip
+    s.add_argument("--plot", metavar="FILE.png", help="write the plots (matplotlib)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute the plan, print it (text or JSON), write the plot; 2 on bad input."""
+    try:
+        plan = build_plan(args)
+        if args.simulate:
+            from pagedllm.planner.simulate import simulate_from_plan
+
+            plan["simulation"] = simulate_from_plan(plan, args)
+    except ValueError as exc:
+        print(f"pagedllm plan: {exc}")
+        return 2
+    if args.plot:
+        from pagedllm.planner.plot import write_plot
+
+        write_plot(plan, args.plot)
+    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    return 0
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure of the plan, as plain data (what ``--json`` prints)."""
+    spec = resolve_model(args.model)
+    device = resolve_memory(args.memory)
+    weight_dtype = spec.weight_dtype if args.weight_dtype == "auto" else args.weight_dtype
+    kv_dtype = args.kv_dtype
+    if kv_dtype == "auto":
+        kv_dtype = "float32" if dtype_bytes(weight_dtype) == 4 else "bfloat16"
+    if args.tp < 1 or args.block_size < 1:
+        raise ValueError("--tp and --block-size must be >= 1")
+    max_model_len = args.max_model_len or spec.max_position_embeddings
+    kvpt = cap.kv_bytes_per_token(spec, dtype_bytes(kv_dtype), args.tp)
+    weights = cap.weight_bytes(spec, dtype_bytes(weight_dtype), args.tp)
+    reserve = int(args.reserve * GIB) if args.reserve is not None else cap.reserve_bytes_estimate(spec, args.tp)
+    budget = cap.kv_budget(device.memory_bytes, args.memory_fraction, weights, reserve)
+    if args.kv_cache_memory is not None:
+        budget = cap.Budget(device.memory_bytes, args.memory_fraction, weights, reserve,
+                            int(args.kv_cache_memory * GIB))  # fmt: skip
+    geometry = cap.cache_geometry(budget.kv_budget_bytes, kvpt, args.block_size)
+    workloads, entries = _workloads(args, max_model_len)
+    target = args.target_concurrency or DEFAULT_TARGET
+    rows = [_row(geometry, w, max_model_len) for w in workloads]
+    main = workloads[-1]  # the longest fixed length: advice sizes for the worst case
+    scheme = "paged_shared" if args.shared_prefix or _has_prefix(main) else "paged"
+    blocks = cap.recommend_block_size(budget.kv_budget_bytes, kvpt, main, max_model_len)
+    fraction = cap.recommend_memory_fraction(
+        device.memory_bytes, weights, reserve, kvpt, args.block_size, main, target, scheme
+    )
+    below = {
+        s: cap.length_below_target(geometry, target, max_model_len, s, args.shared_prefix)
+        for s in cap.SCHEMES
+    }
+    return {
+        "model": {"name": spec.name, "attention": spec.attention, "num_layers": spec.num_layers,
+                  "params": cap.param_count(spec), "max_model_len": max_model_len},  # fmt: skip
+        "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
+        "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
+        "kv_bytes_per_token": kvpt,
+        "kv_formula": cap.kv_formula(spec, dtype_bytes(kv_dtype), args.tp),
+        "budget": asdict(budget),
+        "budget_given": args.kv_cache_memory is not None,
+        "geometry": {**asdict(geometry), "num_tokens": geometry.num_tokens, "block_bytes": geometry.block_bytes},
+        "shared_prefix": args.shared_prefix,
+        "workload": {"label": main.label, "summary": describe(entries) if entries else None,
+                     "num_sequences": len(main.lengths)},  # fmt: skip
+        "concurrency": rows,
+        "target_concurrency": target,
+        "length_below_target": below,
+        "verdicts": [
+            cap.verdict(spec.name, budget, w, cap.max_concurrency(geometry, w, max_model_len), kvpt)
+            for w in workloads
+        ],
+        "block_size_advice": {"block_size": blocks.block_size, "reasoning": blocks.reasoning,
+                              "rows": [asdict(r) for r in blocks.rows]},  # fmt: skip
+        "memory_fraction_advice": asdict(fraction) | {"scheme": scheme},
+        "curve": cap.concurrency_curve(geometry, max_model_len, args.shared_prefix),
+        "trace": [asdict(e) for e in entries] if args.simulate else None,
+    }
+
+
+def _workloads(args: argparse.Namespace, max_model_len: int) -> tuple[list[cap.Workload], list[TraceEntry]]:
+    if args.trace:
+        entries = read_trace(args.trace, args.shared_prefix)
+        return [trace_workload(f"trace {args.trace}", entries)], entries
+    if args.dist:
+        entries = sample_distribution(args.dist, args.num_requests, max_model_len, args.seed, args.shared_prefix)
+        return [trace_workload(f"{args.dist}-like lengths", entries)], entries
+    lengths = args.context_len or sorted({min(n, max_model_len) for n in (1024, 8192, 32768, max_model_len)})
+    for n in lengths:
+        if not 1 <= n <= max_model_len:
+            raise ValueError(f"--context-len {n}: must be between 1 and max_model_len {max_model_len}")
+    workloads = [cap.fixed_workload(n, args.shared_prefix) for n in lengths]
+    if not args.simulate:
+        return workloads, []
+    # Fixed lengths, simulated: the lengths in turn, one request each.
+    entries = [_fixed_entry(lengths[i % len(lengths)], args.shared_prefix) for i in range(args.sim_requests)]
+    return workloads, entries
+
+
+def _fixed_entry(length: int, shared_prefix: int) -> TraceEntry:
+    # A fixed-length session for the simulator: an eighth of it generated, the rest prompt.
+    output = max(1, length // 8)
+    prompt = max(1, length - output)
+    prefix = min(shared_prefix, prompt)
+    return TraceEntry(prompt, length - prompt, "system" if prefix else None, prefix)
+
+
+def _has_prefix(workload: cap.Workload) -> bool:
+    return any(workload.prefix_key(i) for i in range(len(workload.lengths)))
+
+
+def _row(geometry: cap.CacheGeometry, workload: cap.Workload, max_model_len: int) -> dict[str, Any]:
+    conc = cap.max_concurrency(geometry, workload, max_model_len)
+    return {"label": workload.label, "mean_length": workload.mean_length, **asdict(conc)}
+
+
+def render(plan: dict[str, Any]) -> str:
+    """The plan as text: figures, formula, table, verdict, recommendations with reasons."""
+    model, device, budget, geo = plan["model"], plan["device"], plan["budget"], plan["geometry"]
+    mem = budget["memory_bytes"]
+    lines = [
+        f"pagedllm plan: {model['name']} on {device['name']} ({mem / GIB:.2f} GiB per device, "
+        f"tp {device['tp']})",
+        f"  model     {model['attention'].upper()}, {model['num_layers']} layers, "
+        f"{model['params'] / 1e9:.2f}B parameters, max_model_len {model['max_model_len']:,}",
+        f"  KV/token  {plan['kv_formula']}",
+        f"  weights   {model['params'] / 1e9:.2f}B x {plan['dtypes']['weights']} / tp = "
+        f"{budget['weight_bytes'] / GIB:.2f} GiB per device ({budget['weight_bytes'] / mem:.0%} of memory)",
+    ]
+    if plan["budget_given"]:
+        lines.append(f"  KV budget {budget['kv_budget_bytes'] / GIB:.2f} GiB (given by --kv-cache-memory)")
+    else:
+        lines.append(
+            f"  KV budget {mem / GIB:.2f} GiB x {budget['memory_fraction']:.2f} - "
+            f"{budget['weight_bytes'] / GIB:.2f} GiB weights - {budget['reserve_bytes'] / GIB:.2f} GiB "
+            f"activation reserve = {budget['kv_budget_bytes'] / GIB:.2f} GiB"
+        )
+    lines.append(
+        f"  blocks    {geo['num_blocks']:,} blocks x {geo['block_size']} tokens "
+        f"({geo['block_bytes'] / MIB:.2f} MiB each) = {geo['num_tokens']:,} tokens"
+    )
+    if plan["workload"]["summary"]:
+        lines.append(f"  lengths   {plan['workload']['label']}: {plan['workload']['summary']}")
+    lines += ["", *_concurrency_table(plan), "", *_below_target(plan), "", *(f"verdict: {v}" for v in plan["verdicts"])]
+    lines += ["", *_block_size_table(plan), "", *_fraction_lines(plan)]
+    if plan.get("simulation"):
+        from pagedllm.planner.simulate import render_simulation
+
+        lines += ["", *render_simulation(plan["simulation"])]
+    return "\n".join(lines)
+
+
+def _concurrency_table(plan: dict[str, Any]) -> list[str]:
+    shared = plan["shared_prefix"]
+    shared_head = f"paged+{shared}-token prompt" if shared else "paged+shared prompt"
+    head = f"  {'length':<22} {'contig. max-len':>15} {'contig. exact':>14} {'paged':>9} {shared_head:>26}"
+    lines = ["maximum concurrent sequences (per device = per TP group)", head]
+    for row in plan["concurrency"]:
+        lines.append(
+            f"  {row['label']:<22} {row['contiguous_max']:>15,} {row['contiguous_exact']:>14,} "
+            f"{row['paged']:>9,} {row['paged_shared']:>26,}"
+        )
+    if not shared:
+        lines.append("  (no shared prompt given: --shared-prefix N or trace prefix_id)")
+    return lines
+
+
+def _below_target(plan: dict[str, Any]) -> list[str]:
+    target = plan["target_concurrency"]
+    lines = [f"context length at which concurrency drops below {target}:"]
+    for scheme, length in plan["length_below_target"].items():
+        label = cap.SCHEME_LABELS[scheme]
+        if length is None:
+            text = f"never up to max_model_len {plan['model']['max_model_len']:,}"
+        elif scheme == "contiguous_max":
+            text = f"at every length: each sequence reserves max_model_len, {plan['concurrency'][0]['contiguous_max']:,} fit"
+        elif length == 1:
+            text = "at every length (not even 1-token sequences fit)"
+        else:
+            text = f"{length:,} tokens ({target} fit up to {length - 1:,})"
+        lines.append(f"  {label + ':':<38} {text}")
+    return lines
+
+
+def _block_size_table(plan: dict[str, Any]) -> list[str]:
+    advice = plan["block_size_advice"]
+    lines = [
+        f"block size for {plan['workload']['label']}:",
+        f"  {'size':>5} {'blocks':>10} {'blocks/seq':>11} {'last-block waste':>17} "
+        f"{'prompt unshared':>16} {'concurrency':>12} {'block ops/1k tok':>17}",
+    ]
+    for r in advice["rows"]:
+        lines.append(
+            f"  {r['block_size']:>5} {r['num_blocks']:>10,} {r['blocks_per_seq']:>11.1f} "
+            f"{r['internal_waste_tokens']:>8.1f} ({r['internal_waste_fraction']:>5.1%}) "
+            f"{r['prefix_unshared_tokens']:>16} {r['concurrency']:>12,} {r['table_ops_per_1k_tokens']:>17.1f}"
+        )
+    lines.append(f"  recommended --block-size {advice['block_size']}: {advice['reasoning']}")
+    return lines
+
+
+def _fraction_lines(plan: dict[str, Any]) -> list[str]:
+    advice = plan["memory_fraction_advice"]
+    target = plan["target_concurrency"]
+    head = f"memory fraction for {target} concurrent sessions of {plan['workload']['label']}"
+    if plan["budget_given"]:
+        return [f"{head}: not applicable (--kv-cache-memory given)"]
+    choice = "cannot be met" if advice["memory_fraction"] is None else f"{advice['memory_fraction']:.2f}"
+    return [f"{head} ({advice['scheme']}): {choice}", f"  {advice['reasoning']}"]

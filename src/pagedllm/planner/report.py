@@ -1,0 +1,160 @@
+"""The few lines the engine prints at start-up about its KV cache, from the planner's arithmetic.
+
+Unlike a bare "maximum concurrency" multiplier, it says what the figure counts (whole
+blocks per sequence, at max_model_len and at a typical length) and which knob to turn
+when the cache is too small or too large for the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.planner.capacity import (
+    CacheGeometry,
+    blocks_needed,
+    kv_bytes_per_token,
+    kv_formula,
+)
+from pagedllm.planner.presets import GIB, ModelSpec
+
+DEFAULT_TYPICAL_LEN = 1024
+# Above this share of the machine's memory, the cache crowds out everything else.
+LARGE_CACHE_SHARE = 0.8
+# Below this many typical sequences, continuous batching has little to batch.
+FEW_SEQUENCES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StartupFigures:
+    """The numbers behind the start-up report (also handy for ``get_stats`` or logs)."""
+
+    kv_bytes_per_token: int
+    formula: str
+    block_size: int
+    num_blocks: int
+    num_tokens: int
+    cache_bytes: int
+    max_model_len: int
+    concurrency_at_max_len: int
+    typical_len: int
+    concurrency_at_typical_len: int
+    advice: str
+
+
+def startup_figures(
+    model_config: ModelSpec | Mapping[str, Any],
+    kv_dtype_bytes: float,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    typical_len: int | None = None,
+    tp: int = 1,
+    memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+) -> StartupFigures:
+    """Compute what :func:`startup_report` prints; same arguments."""
+    if num_blocks < 0 or max_model_len < 1:
+        raise ValueError("num_blocks must be >= 0 and max_model_len >= 1")
+    kvpt = kv_bytes_per_token(model_config, kv_dtype_bytes, tp)
+    geometry = CacheGeometry(kvpt, block_size, num_blocks)
+    typical = min(typical_len or DEFAULT_TYPICAL_LEN, max_model_len)
+    at_max = num_blocks // blocks_needed(max_model_len, block_size)
+    at_typical = num_blocks // blocks_needed(typical, block_size)
+    cache_bytes = geometry.num_blocks * geometry.block_bytes
+    advice = _advice(geometry, max_model_len, at_max, at_typical, typical, memory_bytes, max_num_seqs)
+    return StartupFigures(
+        kv_bytes_per_token=kvpt,
+        formula=kv_formula(model_config, kv_dtype_bytes, tp),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_tokens=geometry.num_tokens,
+        cache_bytes=cache_bytes,
+        max_model_len=max_model_len,
+        concurrency_at_max_len=at_max,
+        typical_len=typical,
+        concurrency_at_typical_len=at_typical,
+        advice=advice,
+    )
+
+
+def startup_report(
+    model_config: ModelSpec | Mapping[str, Any],
+    kv_dtype_bytes: float,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    typical_len: int | None = None,
+    tp: int = 1,
+    memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+) -> str:
+    """The KV-cache lines the engine prints at start-up.
+
+    ``model_config`` is the HF config dict (or a ``ModelSpec``); ``kv_dtype_bytes`` the
+    cache element size (2 for bf16/fp16); ``block_size``/``num_blocks`` the cache the
+    engine allocated; ``typical_len`` a representative prompt + output length (default
+    1,024 tokens); ``memory_bytes`` the memory the cache was carved from (device memory,
+    or host RAM on CPU) and ``max_num_seqs`` the batch limit, both optional, used only
+    to say whether the cache is too large.
+    """
+    f = startup_figures(
+        model_config,
+        kv_dtype_bytes,
+        block_size,
+        num_blocks,
+        max_model_len,
+        typical_len=typical_len,
+        tp=tp,
+        memory_bytes=memory_bytes,
+        max_num_seqs=max_num_seqs,
+    )
+    return "\n".join(
+        [
+            f"KV cache: {f.kv_bytes_per_token:,} bytes per token ({f.formula})",
+            f"KV cache: {f.num_blocks:,} blocks x {f.block_size} tokens = {f.num_tokens:,} tokens "
+            f"({f.cache_bytes / GIB:.2f} GiB)",
+            f"Maximum concurrency (whole blocks per sequence): {f.concurrency_at_max_len:,} at "
+            f"max_model_len {f.max_model_len:,} tokens, {f.concurrency_at_typical_len:,} at "
+            f"{f.typical_len:,} tokens",
+            f"KV cache: {f.advice}",
+        ]
+    )
+
+
+def _advice(
+    geometry: CacheGeometry,
+    max_model_len: int,
+    at_max: int,
+    at_typical: int,
+    typical: int,
+    memory_bytes: int | None,
+    max_num_seqs: int | None,
+) -> str:
+    cache_bytes = geometry.num_blocks * geometry.block_bytes
+    if at_max < 1:
+        return (
+            f"too small for one {max_model_len:,}-token sequence: raise --kv-cache-memory or "
+            f"--memory-fraction, use --kv-dtype fp8, or lower --max-model-len to "
+            f"{geometry.num_tokens:,} or less"
+        )
+    if memory_bytes and cache_bytes > LARGE_CACHE_SHARE * memory_bytes:
+        return (
+            f"takes {cache_bytes / memory_bytes:.0%} of {memory_bytes / GIB:.1f} GiB, leaving little "
+            "for weights and activations: lower --kv-cache-memory or --memory-fraction"
+        )
+    if max_num_seqs and at_typical > 4 * max_num_seqs:
+        return (
+            f"holds {at_typical:,} typical sequences but at most {max_num_seqs} run at once: "
+            "the surplus only serves as prefix cache; lower --kv-cache-memory or "
+            "--memory-fraction to free memory, or raise --max-num-seqs"
+        )
+    if at_typical < FEW_SEQUENCES:
+        return (
+            f"only {at_typical} sequences of {typical:,} tokens fit, too few to batch: raise "
+            "--kv-cache-memory or --memory-fraction, or use --kv-dtype fp8"
+        )
+    return "sized sensibly for this max_model_len (run `pagedllm plan` to size it for a workload)"

@@ -1,0 +1,345 @@
+"""`pagedllm plan --simulate`: replay a trace through the real scheduler and block manager.
+
+No model runs: each step's results are fabricated (one token per sampled sequence) and
+its duration comes from a simple cost model, ``step_ms + token_ms x batched tokens``.
+Requests arrive as a Poisson process. What comes out is measured, not derived: the
+admitted concurrency over time, the queueing delay (arrival -> first scheduled),
+preemptions by mode, and the three wastes of the paged cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.planner.workloads import TraceEntry
+from pagedllm.sampling_params import SamplingParams
+
+SAMPLED_TOKEN = 7  # any id: there is no EOS to hit, max_tokens ends each request
+MAX_TIMELINE_POINTS = 400
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Seconds a step takes: ``(step_ms + token_ms x batched tokens) / 1000``."""
+
+    step_ms: float = 10.0
+    token_ms: float = 0.05
+
+    def step_seconds(self, num_batched_tokens: int) -> float:
+        return (self.step_ms + self.token_ms * num_batched_tokens) / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    arrival_rate: float = 4.0  # requests per second
+    cost: CostModel = field(default_factory=CostModel)
+    preemption_mode: str = "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_host_blocks: int = 0  # swap tier; swap mode needs some
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    max_steps: int = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class TimelinePoint:
+    time: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    preempted: bool
+    internal_waste_tokens: int
+    external_waste_tokens: int
+    duplicated_tokens: int
+    shared_saved_tokens: int
+
+
+@dataclass(slots=True)
+class _Sample:
+    """Running sums for one request."""
+
+    arrival: float
+    admitted: float | None = None
+    finished: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationResult:
+    num_requests: int
+    arrival_rate: float
+    preemption_mode: str
+    duration_s: float
+    num_steps: int
+    peak_running: int
+    mean_running: float
+    queue_delay_mean_s: float
+    queue_delay_p50_s: float
+    queue_delay_p99_s: float
+    num_preemptions: int
+    preemptions_by_mode: dict[str, int]
+    mean_internal_waste_tokens: float
+    mean_external_waste_tokens: float
+    mean_duplicated_tokens: float
+    mean_shared_saved_tokens: float
+    mean_used_tokens: float
+    timeline: list[dict[str, Any]]
+
+
+def simulate(entries: Sequence[TraceEntry], config: SimulationConfig) -> SimulationResult:
+    """Replay ``entries`` (in order, Poisson arrivals) until every request has finished."""
+    if config.arrival_rate <= 0:
+        raise ValueError(f"--arrival-rate must be positive, got {config.arrival_rate}")
+    if not entries:
+        raise ValueError("nothing to simulate: the trace is empty")
+    kv = KVCacheManager(
+        config.num_blocks,
+        config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_host_blocks=config.num_host_blocks,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            preemption_mode=config.preemption_mode,
+        ),
+        kv,
+    )
+    arrivals = _arrivals(len(entries), config.arrival_rate, config.seed)
+    requests = [_request(i, e, t, config.seed) for i, (e, t) in enumerate(zip(entries, arrivals, strict=True))]
+    return _Replay(scheduler, kv, requests, entries, config).run()
+
+
+def _arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def _request(index: int, entry: TraceEntry, arrival: float, seed: int) -> Request:
+    # Token ids only matter to the prefix cache: a group's prompt is the same ids for
+    # every member, the rest is private to the request.
+    prefix: list[int] = []
+    if entry.prefix_id is not None and entry.prefix_tokens:
+        group = random.Random(f"{seed}/prefix/{entry.prefix_id}")
+        prefix = [group.randrange(1000, 50000) for _ in range(entry.prefix_tokens)]
+    own = random.Random(f"{seed}/request/{index}")
+    rest = [own.randrange(1000, 50000) for _ in range(entry.prompt_tokens - len(prefix))]
+    params = SamplingParams(max_tokens=max(1, entry.output_tokens), ignore_eos=True)
+    return Request(f"r{index}", prefix + rest, sampling_params=params, arrival_time=arrival)
+
+
+class _Replay:
+    """One simulation run (internal, mutable)."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, requests: list[Request],
+                 entries: Sequence[TraceEntry], config: SimulationConfig) -> None:  # fmt: skip
+        self.scheduler, self.kv, self.config = scheduler, kv, config
+        self.pending = list(requests)
+        self.samples = {r.request_id: _Sample(r.arrival_time) for r in requests}
+        self.prefix = {f"r{i}": (e.prefix_id, e.prefix_tokens) for i, e in enumerate(entries) if e.prefix_id}
+        self.points: list[TimelinePoint] = []
+        self.clock = 0.0
+        self.steps = 0
+        self.running_time = 0.0  # integral of num_running over time
+
+    def run(self) -> SimulationResult:
+        while self.pending or self.scheduler.has_unfinished_requests():
+            self._admit_arrivals()
+            if not self.scheduler.has_unfinished_requests():
+                self.clock = self.pending[0].arrival_time
+                continue
+            self._step()
+            if self.steps >= self.config.max_steps:
+                raise ValueError(f"simulation did not finish in {self.config.max_steps} steps")
+        return self._result()
+
+    def _admit_arrivals(self) -> None:
+        while self.pending and self.pending[0].arrival_time <= self.clock:
+            self.scheduler.add_request(self.pending.pop(0))
+
+    def _step(self) -> None:
+        before = self.scheduler.stats().num_preemptions
+        waiting_before = len(self.scheduler.waiting)
+        output = self.scheduler.schedule()
+        for seq in output.scheduled:
+            sample = self.samples[seq.request_id]
+            if sample.admitted is None:
+                sample.admitted = self.clock
+        if output.is_empty:
+            # Nothing can run until something arrives (cannot happen with a running batch).
+            self.clock = self.pending[0].arrival_time if self.pending else self.clock + 1e-3
+            return
+        dt = self.config.cost.step_seconds(output.num_batched_tokens)
+        self.running_time += len(self.scheduler.running) * dt
+        self.clock += dt
+        self.steps += 1
+        for update in self.scheduler.update(output, _fabricate(output)):
+            if update.request.is_finished:
+                self.samples[update.request.request_id].finished = self.clock
+        preempted = self.scheduler.stats().num_preemptions > before
+        stalled = waiting_before > 0 and len(self.scheduler.waiting) >= waiting_before
+        self.points.append(self._point(preempted, stalled))
+
+    def _point(self, preempted: bool, stalled: bool) -> TimelinePoint:
+        stats = self.scheduler.stats()
+        tables = self.kv.live_block_tables()
+        duplicated, saved = self._prompt_copies(tables)
+        return TimelinePoint(
+            time=self.clock,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_swapped=stats.num_swapped,
+            kv_usage=self.kv.usage,
+            preempted=preempted,
+            internal_waste_tokens=self._internal_waste(tables),
+            external_waste_tokens=self._external_waste(stalled),
+            duplicated_tokens=duplicated,
+            shared_saved_tokens=saved,
+        )
+
+    def _internal_waste(self, tables: dict[str, list[int]]) -> int:
+        """Slots reserved but holding no token: the unfilled tail of each last block."""
+        bs = self.config.block_size
+        requests = self.scheduler.requests
+        return sum(len(t) * bs - requests[rid].num_computed_tokens for rid, t in tables.items() if rid in requests)
+
+    def _external_waste(self, stalled: bool) -> int:
+        """Free slots while the queue's head, small enough for them, still waited.
+
+        Paged: every free block serves any request, so this stays near zero (only the
+        admission watermark and the step's token budget can hold the head back).
+        """
+        if not stalled or not self.scheduler.waiting:
+            return 0
+        head = min(self.scheduler.waiting, key=lambda r: r.arrival_time)
+        free_tokens = self.kv.num_free_blocks * self.config.block_size
+        return free_tokens if head.num_tokens <= free_tokens else 0
+
+    def _prompt_copies(self, tables: dict[str, list[int]]) -> tuple[int, int]:
+        """(duplicated, saved): shared-prompt tokens stored beyond one copy per group
+        (partial prompt blocks, misses), and those that sharing kept from being stored."""
+        bs = self.config.block_size
+        stored: dict[str, dict[int, int]] = {}  # group -> block id -> prompt tokens in it
+        content: dict[str, int] = {}  # group -> longest prompt part held by a member
+        logical = 0
+        for rid, table in tables.items():
+            group, prefix_tokens = self.prefix.get(rid, (None, 0))
+            request = self.scheduler.requests.get(rid)
+            if group is None or request is None:
+                continue
+            held = min(prefix_tokens, request.num_computed_tokens)
+            logical += held
+            content[group] = max(content.get(group, 0), held)
+            blocks = stored.setdefault(group, {})
+            for j in range(-(-held // bs)):
+                blocks[table[j]] = max(blocks.get(table[j], 0), min(bs, held - j * bs))
+        physical = sum(sum(b.values()) for b in stored.values())
+        return physical - sum(content.values()), logical - physical
+
+    def _result(self) -> SimulationResult:
+        samples = list(self.samples.values())
+        delays = sorted((s.admitted or 0.0) - s.arrival for s in samples)
+        points = self.points or [TimelinePoint(0, 0, 0, 0, 0, False, 0, 0, 0, 0)]
+        counts = self.scheduler.num_preemptions
+        bs = self.config.block_size
+        return SimulationResult(
+            num_requests=len(samples),
+            arrival_rate=self.config.arrival_rate,
+            preemption_mode=self.config.preemption_mode,
+            duration_s=self.clock,
+            num_steps=self.steps,
+            peak_running=max(p.num_running for p in points),
+            mean_running=self.running_time / self.clock if self.clock else 0.0,
+            queue_delay_mean_s=sum(delays) / len(delays),
+            queue_delay_p50_s=_pct(delays, 0.5),
+            queue_delay_p99_s=_pct(delays, 0.99),
+            num_preemptions=sum(counts.values()),
+            preemptions_by_mode=dict(counts),
+            mean_internal_waste_tokens=_mean([p.internal_waste_tokens for p in points]),
+            mean_external_waste_tokens=_mean([p.external_waste_tokens for p in points]),
+            mean_duplicated_tokens=_mean([p.duplicated_tokens for p in points]),
+            mean_shared_saved_tokens=_mean([p.shared_saved_tokens for p in points]),
+            mean_used_tokens=_mean([p.kv_usage * self.config.num_blocks * bs for p in points]),
+            timeline=[asdict(p) for p in _thin(points)],
+        )
+
+
+def _fabricate(output: SchedulerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        sampled_token_ids=tuple((SAMPLED_TOKEN,) * s.num_samples for s in output.scheduled)
+    )
+
+
+def _thin(points: list[TimelinePoint]) -> list[TimelinePoint]:
+    """At most MAX_TIMELINE_POINTS, keeping every step that preempted."""
+    stride = max(1, len(points) // MAX_TIMELINE_POINTS)
+    return [p for i, p in enumerate(points) if i % stride == 0 or p.preempted]
+
+
+def _pct(sorted_values: list[float], p: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def simulate_from_plan(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Run the simulation the CLI asked for, on the plan's cache geometry."""
+    geometry = plan["geometry"]
+    if geometry["num_blocks"] < 1:
+        raise ValueError("--simulate: the KV budget holds no block")
+    entries = [TraceEntry(**e) for e in plan["trace"]][: args.sim_requests]
+    swap = args.preemption_mode in ("swap", "auto")
+    config = SimulationConfig(
+        num_blocks=geometry["num_blocks"],
+        block_size=geometry["block_size"],
+        max_model_len=plan["model"]["max_model_len"],
+        arrival_rate=args.arrival_rate,
+        cost=CostModel(args.step_ms, args.token_ms),
+        preemption_mode=args.preemption_mode,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_host_blocks=geometry["num_blocks"] if swap else 0,
+        seed=args.seed,
+    )
+    return asdict(simulate(entries, config))
+
+
+def render_simulation(sim: dict[str, Any]) -> list[str]:
+    """Text lines for the CLI."""
+    modes = ", ".join(f"{n} by {m}" for m, n in sim["preemptions_by_mode"].items() if n) or "none"
+    used = sim["mean_used_tokens"] or 1
+    return [
+        f"simulation: {sim['num_requests']} requests at {sim['arrival_rate']:g}/s through the "
+        f"scheduler and block manager ({sim['num_steps']:,} steps, {sim['duration_s']:.1f} s simulated)",
+        f"  admitted concurrency   peak {sim['peak_running']}, mean {sim['mean_running']:.1f}",
+        f"  queueing delay         mean {sim['queue_delay_mean_s']:.2f} s, p50 "
+        f"{sim['queue_delay_p50_s']:.2f} s, p99 {sim['queue_delay_p99_s']:.2f} s",
+        f"  preemptions            {sim['num_preemptions']} ({modes}; mode {sim['preemption_mode']})",
+        f"  waste (mean over steps, of {used:,.0f} tokens in use)",
+        f"    internal  (last-block slack)  {sim['mean_internal_waste_tokens']:,.0f} tokens "
+        f"({sim['mean_internal_waste_tokens'] / used:.1%})",
+        f"    external  (free, unusable)    {sim['mean_external_waste_tokens']:,.0f} tokens",
+        f"    duplication (prompt copies)   {sim['mean_duplicated_tokens']:,.0f} tokens "
+        f"({sim['mean_duplicated_tokens'] / used:.1%}); sharing saved "
+        f"{sim['mean_shared_saved_tokens']:,.0f} tokens",
+    ]

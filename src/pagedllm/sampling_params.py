@@ -1,0 +1,192 @@
+"""Sampling and beam-search parameters, named as in vLLM. Pure Python.
+
+Every invalid value raises ``ValueError`` naming the field, so the server can turn
+it into an HTTP 400 with a useful message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+_GREEDY_EPS = 1e-5
+
+
+def _normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = tuple(stop)
+    for s in stops:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must be a string or a list of strings, got {s!r}")
+        if not s:
+            raise ValueError("stop must not contain empty strings")
+    return stops
+
+
+def _normalize_ids(name: str, ids: Sequence[int] | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    out = tuple(ids)
+    for i in out:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"{name} must hold non-negative integers, got {i!r}")
+    return out
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request's completions (vLLM names and defaults).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
+    ``max_tokens=None`` lets the engine fill it with ``max_model_len - prompt``.
+    ``stop`` strings are matched across token boundaries by the detokenizer and
+    left out of the text unless ``include_stop_str_in_output``.
+    ``logprobs=k`` returns, per generated token, its log-probability and the top k.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] | str | None = ()
+    stop_token_ids: tuple[int, ...] | None = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # Set by the engine: stop_token_ids plus the tokenizer's EOS (unless ignore_eos);
+    # the sampler masks them while fewer than min_tokens have been generated.
+    all_stop_token_ids: frozenset[int] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _normalize_stop(self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", _normalize_ids("stop_token_ids", self.stop_token_ids)
+        )
+        if self.all_stop_token_ids is None:
+            object.__setattr__(self, "all_stop_token_ids", frozenset(self.stop_token_ids))
+        _check_int("n", self.n, minimum=1)
+        object.__setattr__(self, "temperature", _check_float("temperature", self.temperature))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        object.__setattr__(self, "top_p", _check_float("top_p", self.top_p))
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        object.__setattr__(self, "min_p", _check_float("min_p", self.min_p))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-(2**63))
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        self._check_penalties()
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        self._check_logit_bias()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            object.__setattr__(self, name, value)
+        rep = _check_float("repetition_penalty", self.repetition_penalty)
+        if rep <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {rep}")
+        object.__setattr__(self, "repetition_penalty", rep)
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        bias = {}
+        for key, value in dict(self.logit_bias).items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[token_id] = max(-100.0, min(100.0, _check_float("logit_bias", value)))
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with ``max_tokens`` set (used to fill in ``None``)."""
+        return replace(self, max_tokens=max_tokens)
+
+    def with_eos(self, eos_token_id: int | None) -> SamplingParams:
+        """A copy whose ``all_stop_token_ids`` include the EOS token (unless ignored)."""
+        ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return replace(self, all_stop_token_ids=frozenset(ids))
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Beam search (vLLM's ``LLM.beam_search``): keep the ``beam_width`` best
+    sequences by cumulative log-probability, scored at the end with
+    ``cum_logprob / len ** length_penalty``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {temperature}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(
+            self, "length_penalty", _check_float("length_penalty", self.length_penalty)
+        )

@@ -1,0 +1,166 @@
+"""The FastAPI app factory: OpenAI routes, /health, /metrics, /v1/cache.
+
+``create_app`` builds everything one app needs (async engine, metrics registry, routes)
+and keeps it on ``app.state``; nothing lives at module level, so tests build as many
+apps as they like in one process.
+
+The app starts the engine's step thread on first use (``httpx.ASGITransport`` sends no
+lifespan events) and stops it on lifespan shutdown: under uvicorn, SIGTERM stops
+accepting connections, lets in-flight requests finish (``timeout_graceful_shutdown``),
+then aborts what is left and joins the step thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.server.errors import APIError
+from pagedllm.server.metrics import ServerMetrics, cache_report, engine_snapshot
+from pagedllm.server.protocol import ModelCard, ModelList
+from pagedllm.server.serving import ServerContext, create_chat_completion, create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every path but /health needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            401, "missing or invalid API key (Authorization: Bearer ...)", code="invalid_api_key"
+        )
+        await error.response()(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.expected)
+        return False
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
+    served_model_name: str | None = None,
+    shutdown_drain_timeout: float = 0.0,
+) -> FastAPI:
+    """Build the OpenAI-compatible app around an ``LLMEngine`` or an ``AsyncEngine``.
+
+    An ``LLMEngine`` is wrapped in a new ``AsyncEngine`` bounded by
+    ``max_queued_requests``; an ``AsyncEngine`` is used as given (with its own bound).
+    ``served_model_name`` is the name clients send as ``model`` (default: the engine's
+    model name). With ``api_key``, every route but /health requires it.
+    """
+    if isinstance(engine, AsyncEngine):
+        async_engine = engine
+    else:
+        async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests)
+    ctx = _build_context(async_engine, served_model_name)
+    async_engine.add_listener(ctx.metrics.on_outputs)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown(drain_timeout=shutdown_drain_timeout)
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.state.engine = async_engine
+    _add_routes(app, ctx)
+    _add_error_handlers(app, ctx)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app
+
+
+def _build_context(engine: AsyncEngine, served_model_name: str | None) -> ServerContext:
+    llm = engine.engine
+    model = str(getattr(llm, "model_name", None) or llm.config.model)
+    name = served_model_name or model
+    return ServerContext(
+        engine=engine,
+        metrics=ServerMetrics(),
+        model_name=name,
+        model_aliases=frozenset({name, model, str(llm.config.model)}),
+        max_model_len=int(llm.max_model_len),
+        vocab_size=int(llm.runner.vocab_size),
+        block_size=int(llm.runner.block_size),
+        num_blocks=int(llm.runner.num_blocks),
+    )
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "the engine is not running", code="engine_unavailable").response()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request)
+
+    async def report() -> dict[str, Any]:
+        stats, waste = await ctx.engine.call(engine_snapshot)
+        result = cache_report(stats, waste)
+        result["server"] = {"in_flight": ctx.engine.num_in_flight, "queued": ctx.engine.num_queued}
+        return result
+
+    @app.get("/v1/cache")
+    async def cache() -> Response:
+        return JSONResponse(await report())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = ctx.metrics.render(await report())
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        ctx.metrics.rejected.labels(str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

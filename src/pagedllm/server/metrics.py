@@ -1,0 +1,289 @@
+"""Live figures: the ``/v1/cache`` report and the Prometheus metrics of one app.
+
+Everything lives in a per-app ``CollectorRegistry`` (no module-level state), so several
+apps in one process (tests) never share a counter.
+
+Gauges and cumulative engine counters are read from one ``EngineStats`` snapshot per
+scrape (taken between two steps); latency histograms are observed as outputs arrive,
+using the time each step ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedllm"
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_WASTES = ("internal", "external", "duplication")
+
+
+def _get(obj: Any, *names: str, default: Any = 0) -> Any:
+    """The first attribute (or key) of ``obj`` among ``names`` that exists."""
+    for name in names:
+        if isinstance(obj, dict) and name in obj:
+            return obj[name]
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    return default
+
+
+def _waste_entry(waste: Any, kind: str) -> dict[str, float]:
+    """``{"tokens": ..., "fraction": ...}`` for one kind of waste, whatever its shape."""
+    if waste is None:
+        return {"tokens": 0, "fraction": 0.0}
+    value = _get(waste, kind, default=None)
+    if value is not None and not isinstance(value, int | float):
+        return {
+            "tokens": _get(value, "tokens", default=0),
+            "fraction": float(_get(value, "fraction", default=0.0)),
+        }
+    tokens = _get(waste, f"{kind}_tokens", default=value if value is not None else 0)
+    fraction = _get(waste, f"{kind}_fraction", default=0.0)
+    return {"tokens": tokens, "fraction": float(fraction)}
+
+
+def live_waste(engine: Any) -> dict[str, dict[str, float]]:
+    """The three wastes of the paged cache right now (run it on the step thread).
+
+    ``EngineStats`` carries no waste report yet, so this reads the live block tables:
+
+    - internal: slots of held blocks that hold no token yet (at most one partial block
+      per sequence; a block shared by several sequences counts once, at its fullest);
+    - external: 0 by construction, since any free block can serve any request;
+    - duplication: full blocks with identical content (same prefix, same salt) stored
+      in more than one physical block (the prefix cache should keep this at 0).
+
+    Fractions are of the slots of the blocks held by live requests.
+    """
+    kv, scheduler = engine.kv, engine.scheduler
+    bs = kv.block_size
+    requests = {r.request_id: r for q in (scheduler.running, scheduler.waiting) for r in q}
+    filled: dict[int, int] = {}
+    copies: dict[int, set[int]] = {}
+    for request_id, table in kv.live_block_tables().items():
+        request = requests.get(request_id)
+        if request is None:
+            continue
+        tokens = request.num_computed_tokens
+        key = hash(request.extra_keys)
+        for i, block_id in enumerate(table):
+            in_block = min(bs, max(0, tokens - i * bs))
+            filled[block_id] = max(filled.get(block_id, 0), in_block)
+            if in_block == bs:
+                key = hash((key, tuple(request.all_token_ids[i * bs : (i + 1) * bs])))
+                copies.setdefault(key, set()).add(block_id)
+    held = len(filled) * bs
+    internal = sum(bs - n for n in filled.values())
+    duplication = sum((len(ids) - 1) * bs for ids in copies.values())
+
+    def entry(tokens: int) -> dict[str, float]:
+        return {"tokens": tokens, "fraction": tokens / held if held else 0.0}
+
+    return {"internal": entry(internal), "external": entry(0), "duplication": entry(duplication)}
+
+
+def engine_snapshot(engine: Any) -> tuple[Any, Any]:
+    """``(stats, waste)`` for ``cache_report``; run it on the step thread."""
+    stats = engine.get_stats()
+    waste = _get(stats, "waste", default=None)
+    return stats, waste if waste is not None else live_waste(engine)
+
+
+def cache_report(stats: Any, waste: Any = None) -> dict[str, Any]:
+    """The ``/v1/cache`` JSON built from ``LLMEngine.get_stats()`` (and a waste report)."""
+    cache = _get(stats, "cache", "cache_stats", default=stats)
+    blocks_total = int(_get(cache, "blocks_total"))
+    blocks_used = int(_get(cache, "blocks_used"))
+    waste = waste if waste is not None else _get(stats, "waste", default=None)
+    queries = int(_get(cache, "prefix_queries_tokens"))
+    hits = int(_get(cache, "prefix_hits_tokens"))
+    return {
+        "block_size": int(_get(cache, "block_size")),
+        "blocks_total": blocks_total,
+        "blocks_used": blocks_used,
+        "blocks_cached_free": int(_get(cache, "blocks_cached_free")),
+        "blocks_free": int(_get(cache, "blocks_free")),
+        "usage": blocks_used / blocks_total if blocks_total else 0.0,
+        "host_blocks_total": int(_get(cache, "host_blocks_total")),
+        "host_blocks_used": int(_get(cache, "host_blocks_used")),
+        "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
+        "prefix_cache": {
+            "queries_tokens": queries,
+            "hits_tokens": hits,
+            "hit_rate": hits / queries if queries else 0.0,
+        },
+        "running": int(_get(stats, "num_running", "num_running_requests")),
+        "waiting": int(_get(stats, "num_waiting", "num_waiting_requests")),
+        "swapped": int(_get(stats, "num_swapped", "num_swapped_requests")),
+        "preemptions": preemptions_by_mode(stats),
+    }
+
+
+def preemptions_by_mode(stats: Any) -> dict[str, int]:
+    by_mode = _get(stats, "preemptions_by_mode", "num_preemptions_by_mode", default=None)
+    if isinstance(by_mode, dict):
+        return {"recompute": int(by_mode.get("recompute", 0)), "swap": int(by_mode.get("swap", 0))}
+    return {
+        "recompute": int(_get(stats, "num_preemptions_recompute", "num_recompute_preemptions")),
+        "swap": int(_get(stats, "num_preemptions_swap", "num_swap_preemptions")),
+    }
+
+
+class _StatsCollector(Collector):
+    """Gauges and engine-side counters from the latest ``/v1/cache`` report."""
+
+    def __init__(self) -> None:
+        self.report: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.report
+        if r is None:
+            return
+        for state in ("running", "waiting", "swapped"):
+            yield _gauge(f"num_requests_{state}", f"Requests {state}.", r[state])
+        for name in ("blocks_total", "blocks_used", "blocks_cached_free", "blocks_free"):
+            yield _gauge(f"kv_{name}", f"KV cache {name.replace('_', ' ')}.", r[name])
+        yield _gauge("kv_cache_usage", "Fraction of KV blocks held by live requests.", r["usage"])
+        yield _gauge("kv_block_size", "Tokens per KV block.", r["block_size"])
+        yield _gauge("kv_host_blocks_used", "Host (swap) blocks in use.", r["host_blocks_used"])
+        yield _labelled_gauge("kv_waste_tokens", "KV tokens wasted, by kind.", r["waste"], "tokens")
+        yield _labelled_gauge(
+            "kv_waste_fraction", "Fraction of KV wasted, by kind.", r["waste"], "fraction"
+        )
+        prefix = r["prefix_cache"]
+        yield _counter(
+            "prefix_cache_queries_tokens", "Prompt tokens looked up.", prefix["queries_tokens"]
+        )
+        yield _counter(
+            "prefix_cache_hits_tokens", "Prompt tokens found cached.", prefix["hits_tokens"]
+        )
+        preempt = CounterMetricFamily(
+            f"{PREFIX}_num_preemptions", "Preemptions, by mode.", labels=["mode"]
+        )
+        for mode, count in r["preemptions"].items():
+            preempt.add_metric([mode], count)
+        yield preempt
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _labelled_gauge(name: str, doc: str, by_kind: dict[str, Any], key: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["kind"])
+    for kind, entry in by_kind.items():
+        family.add_metric([kind], entry[key])
+    return family
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    last: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    """The metrics of one app: a registry, the stats collector, latency histograms."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    _stats: _StatsCollector = field(default_factory=_StatsCollector)
+    _timings: dict[str, _Timing] = field(default_factory=dict)
+    ttft: Histogram = field(init=False)
+    itl: Histogram = field(init=False)
+    e2e: Histogram = field(init=False)
+    generation_tokens: Counter = field(init=False)
+    prompt_tokens: Counter = field(init=False)
+    finished: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+
+    def __post_init__(self) -> None:
+        reg = self.registry
+        reg.register(self._stats)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between two output steps of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Output tokens generated.", registry=reg
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of requests that started.", registry=reg
+        )
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished",
+            "Requests finished, by reason.",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.rejected = Counter(
+            f"{PREFIX}_requests_rejected",
+            "Requests answered with an error before reaching the engine, by HTTP status.",
+            ["status"],
+            registry=reg,
+        )
+
+    def request_started(self, request_id: str, arrival: float) -> None:
+        self._timings[request_id] = _Timing(arrival)
+
+    def request_ended(self, request_id: str, reason: str) -> None:
+        """The client side is done with the request (finished, aborted or failed)."""
+        if self._timings.pop(request_id, None) is not None:
+            self.finished.labels(reason).inc()
+
+    def request_discarded(self, request_id: str) -> None:
+        """The request never reached the engine (refused)."""
+        self._timings.pop(request_id, None)
+
+    def on_outputs(self, outputs: Sequence[Any], step_time: float) -> None:
+        """AsyncEngine listener: latency and token counts from one step's outputs."""
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            new_tokens = num_tokens - timing.num_tokens
+            if new_tokens > 0:
+                if timing.last is None:
+                    self.ttft.observe(step_time - timing.arrival)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids or ()))
+                else:
+                    self.itl.observe(step_time - timing.last)
+                self.generation_tokens.inc(new_tokens)
+                timing.last = step_time
+                timing.num_tokens = num_tokens
+            if output.finished:
+                self.e2e.observe(step_time - timing.arrival)
+
+    def render(self, report: dict[str, Any]) -> bytes:
+        """The Prometheus text exposition, with gauges from a ``cache_report``."""
+        self._stats.report = report
+        return generate_latest(self.registry)

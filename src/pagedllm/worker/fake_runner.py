@@ -1,0 +1,186 @@
+"""A model runner with no weights, for scheduler, engine and server tests.
+
+It keeps a *fake KV cache* holding token ids instead of keys and values: every
+scheduled token is written to its slot through the block table, copies and swaps
+move those ids between blocks and tiers exactly as the real runner moves K/V, and
+the next token is derived from the whole context *read back through the block
+table*. A paging bug (a wrong slot, a missed copy-on-write, a lost swap) therefore
+changes the output, and with ``strict=True`` it raises ``PagingError`` at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from pagedllm.core.outputs import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.worker.sampler import Sampler
+
+_MASK = (1 << 61) - 1  # a Mersenne prime: a cheap, well-mixed rolling hash
+
+
+class PagingError(RuntimeError):
+    """The context read back through the block table is not the sequence's tokens."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose (``fail_request_ids``) to test failure handling."""
+
+    def __init__(self, request_ids: Iterable[str]) -> None:
+        self.request_ids = tuple(sorted(request_ids))
+        super().__init__(f"injected failure for requests {list(self.request_ids)}")
+
+
+def context_hash(token_ids: Sequence[int], salt: int = 0) -> int:
+    """A deterministic hash of a whole token sequence (not Python's ``hash``)."""
+    h = 1469598103934665603 ^ salt
+    for token in token_ids:
+        h = (h * 1099511628211 + token + 1) & _MASK
+    return h
+
+
+class FakeModelRunner:
+    """``ModelRunner`` that stores token ids in a fake paged cache.
+
+    ``allowed_token_ids`` restricts the generated tokens (for example to printable
+    bytes, so that text stays readable and EOS never appears by chance).
+    ``use_sampler=True`` turns each context into a pseudo-random logits row and
+    samples it with the real ``Sampler``, so that every sampling parameter works.
+    ``fail_request_ids``: a step that schedules one of them raises
+    ``InjectedFailure`` before touching anything. ``step_delay_s`` slows each step.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        vocab_size: int = 256,
+        num_host_blocks: int = 0,
+        allowed_token_ids: Sequence[int] | None = None,
+        use_sampler: bool = False,
+        strict: bool = True,
+        fail_request_ids: Iterable[str] = (),
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.num_host_blocks = num_host_blocks
+        self.allowed_token_ids = tuple(allowed_token_ids or range(vocab_size))
+        self.strict = strict
+        self.fail_request_ids: set[str] = set(fail_request_ids)
+        self.step_delay_s = step_delay_s
+        self.device_slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.host_slots: list[int | None] = [None] * (num_host_blocks * block_size)
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+        self._sampler: Sampler | None = None
+        if use_sampler:
+            from pagedllm.worker.sampler import Sampler
+
+            self._sampler = Sampler()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        failing = {s.request_id for s in scheduler_output.scheduled} & self.fail_request_ids
+        if failing:
+            raise InjectedFailure(failing)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if self._sampler is not None:
+            self._sampler.release(scheduler_output.finished_request_ids)
+        for device_block, host_block in scheduler_output.swap_out:
+            self._move(self.device_slots, device_block, self.host_slots, host_block)
+        for host_block, device_block in scheduler_output.swap_in:
+            self._move(self.host_slots, host_block, self.device_slots, device_block)
+        for src, dst in scheduler_output.block_copies:
+            self._move(self.device_slots, src, self.device_slots, dst)
+        contexts = [self._forward(seq) for seq in scheduler_output.scheduled]
+        self.num_steps += 1
+        if self._sampler is not None:
+            return self._sample(contexts, scheduler_output.scheduled)
+        return self._deterministic(contexts, scheduler_output.scheduled)
+
+    def next_token(self, context: Sequence[int], sample_index: int = 0) -> int:
+        """The token this runner generates after ``context`` (used by tests as a
+        reference: a sequence's expected output is a fold of this function)."""
+        h = context_hash(context, salt=sample_index)
+        return self.allowed_token_ids[h % len(self.allowed_token_ids)]
+
+    # ------------------------------------------------------------------ internals
+
+    def _move(self, src_slots: list, src: int, dst_slots: list, dst: int) -> None:
+        bs = self.block_size
+        dst_slots[dst * bs : (dst + 1) * bs] = src_slots[src * bs : (src + 1) * bs]
+
+    def _slot(self, block_table: Sequence[int], position: int) -> int:
+        return (
+            block_table[position // self.block_size] * self.block_size + position % self.block_size
+        )
+
+    def _forward(self, seq: ScheduledSequence) -> list[int]:
+        """Write this step's tokens, then read the whole context back."""
+        for offset, token in enumerate(seq.token_ids):
+            self.device_slots[self._slot(seq.block_table, seq.start_position + offset)] = token
+        self.num_tokens_computed += len(seq.token_ids)
+        if seq.num_samples == 0:
+            return []
+        end = seq.start_position + len(seq.token_ids)
+        context = [self.device_slots[self._slot(seq.block_table, p)] for p in range(end)]
+        if self.strict:
+            expected = list(seq.prompt_token_ids) + list(seq.output_token_ids)
+            if context != expected[:end]:
+                raise PagingError(
+                    f"request {seq.request_id!r}: context read through block table "
+                    f"{list(seq.block_table)} differs from its tokens"
+                )
+        return [-1 if t is None else t for t in context]
+
+    def _deterministic(
+        self, contexts: list[list[int]], scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        sampled, logprobs = [], []
+        for context, seq in zip(contexts, scheduled, strict=True):
+            tokens = tuple(self.next_token(context, j) for j in range(seq.num_samples))
+            sampled.append(tokens)
+            wants = seq.sampling_params is not None and seq.sampling_params.logprobs is not None
+            logprobs.append(tuple(_certain(t) for t in tokens) if wants and tokens else None)
+        return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(logprobs))
+
+    def _sample(
+        self, contexts: list[list[int]], scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        rows = [
+            self._logits_row(c) for c, s in zip(contexts, scheduled, strict=True) if s.num_samples
+        ]
+        import torch
+
+        assert self._sampler is not None
+        logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+        return self._sampler(logits, scheduled)
+
+    def _logits_row(self, context: list[int]) -> torch.Tensor:
+        """Pseudo-random logits seeded by the context, peaked on ``next_token``."""
+        import torch
+
+        generator = torch.Generator().manual_seed(context_hash(context) % (2**63))
+        row = torch.randn(self.vocab_size, generator=generator)
+        allowed = torch.full((self.vocab_size,), float("-inf"))
+        allowed[list(self.allowed_token_ids)] = 0.0
+        row = row + allowed
+        row[self.next_token(context)] += 4.0
+        return row
+
+
+def _certain(token_id: int) -> TokenLogprob:
+    return TokenLogprob(token_id, 0.0, 1, (token_id,), (0.0,))

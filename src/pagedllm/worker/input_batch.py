@@ -1,0 +1,98 @@
+"""Turn a step's scheduled sequences into the flat tensors the model and attention read.
+
+For sequence i with ``n_i`` new tokens starting at position ``s_i``::
+
+    input_ids       [ seq0 tokens | seq1 tokens | ... ]            (T = sum n_i)
+    positions       [ s0 .. s0+n0-1 | s1 .. s1+n1-1 | ... ]
+    slot_mapping    block_table_i[p // block_size] * block_size + p % block_size
+    query_start_loc [0, n0, n0+n1, ...]
+    seq_lens        [s0+n0, s1+n1, ...]         (context length after this step)
+    block_tables    [num_seqs, max_blocks], padded with 0 (never read past seq_len)
+    logits_indices  row of the last token of each sequence with num_samples > 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.core.outputs import ScheduledSequence
+
+
+@dataclass(frozen=True, slots=True)
+class InputBatch:
+    """Everything one forward pass needs, on the model's device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64, rows whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_input_batch(
+    scheduled: Sequence[ScheduledSequence],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> InputBatch:
+    """Flatten ``scheduled`` (which must not be empty) into an ``InputBatch``."""
+    if not scheduled:
+        raise ValueError("build_input_batch needs at least one scheduled sequence")
+    query_lens = [len(seq.token_ids) for seq in scheduled]
+    seq_lens = [seq.start_position + n for seq, n in zip(scheduled, query_lens, strict=True)]
+    for seq, n, seq_len in zip(scheduled, query_lens, seq_lens, strict=True):
+        _check_sequence(seq, n, seq_len, block_size)
+    starts = [0, *accumulate(query_lens)]
+    input_ids = [token for seq in scheduled for token in seq.token_ids]
+    block_tables = _padded_block_tables(scheduled)
+    positions = torch.cat(
+        [torch.arange(seq.start_position, seq_len) for seq, seq_len in zip(scheduled, seq_lens)]
+    )
+    seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+    block_ids = block_tables[seq_index, positions // block_size].long()
+    slot_mapping = block_ids * block_size + positions % block_size
+    logits_rows = [starts[i + 1] - 1 for i, seq in enumerate(scheduled) if seq.num_samples > 0]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return InputBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        meta=meta,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+    )
+
+
+def _check_sequence(seq: ScheduledSequence, num_new: int, seq_len: int, block_size: int) -> None:
+    """The scheduler owns these invariants; a violation here would corrupt another's cache."""
+    if num_new == 0:
+        raise ValueError(f"request {seq.request_id!r}: no tokens scheduled")
+    if seq.start_position < 0:
+        raise ValueError(f"request {seq.request_id!r}: negative start_position")
+    if len(seq.block_table) * block_size < seq_len:
+        raise ValueError(
+            f"request {seq.request_id!r}: block table of {len(seq.block_table)} blocks "
+            f"cannot hold {seq_len} tokens at block_size {block_size}"
+        )
+
+
+def _padded_block_tables(scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
+    width = max(len(seq.block_table) for seq in scheduled)
+    tables = torch.zeros((len(scheduled), width), dtype=torch.int32)
+    for i, seq in enumerate(scheduled):
+        tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+    return tables

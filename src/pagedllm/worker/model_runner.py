@@ -1,0 +1,113 @@
+"""``TorchModelRunner``: real weights over the paged KV cache.
+
+One step, in the order the ``SchedulerOutput`` contract fixes::
+
+    swap_out -> swap_in -> block copies -> forward -> logits (sampled rows only) -> sample
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagedllm.worker.input_batch import build_input_batch
+from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
+from pagedllm.worker.sampler import Sampler
+
+
+class TorchModelRunner:
+    """Implements the ``ModelRunner`` Protocol (``worker/base.py``) with a torch model.
+
+    ``model`` follows the ``model/`` contract: ``forward(input_ids, positions,
+    kv_caches, meta) -> hidden`` and ``compute_logits(hidden) -> float32 logits``;
+    it must carry a ``config`` (``ModelConfig``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        dtype = kv_dtype or next(model.parameters()).dtype
+        self.spec = KVCacheSpec.from_model_config(self.config, block_size, dtype)
+        self.kv_cache = KVCache(self.spec, num_blocks, num_host_blocks, self.device)
+        self.sampler = sampler or Sampler()
+        self.vocab_size = self.config.vocab_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+
+    @classmethod
+    def from_budget(
+        cls,
+        model: torch.nn.Module,
+        *,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        memory_fraction: float | None = None,
+        num_host_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        sampler: Sampler | None = None,
+    ) -> TorchModelRunner:
+        """Size the device tier from bytes or from a fraction of the free memory."""
+        device = next(model.parameters()).device
+        dtype = kv_dtype or next(model.parameters()).dtype
+        spec = KVCacheSpec.from_model_config(model.config, block_size, dtype)
+        num_blocks = num_blocks_from_budget(
+            spec, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, device=device
+        )
+        if num_blocks == 0:
+            raise ValueError(
+                f"the KV cache budget holds no block ({spec.bytes_per_block} bytes per block)"
+            )
+        return cls(
+            model,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_host_blocks=num_host_blocks,
+            kv_dtype=dtype,
+            sampler=sampler,
+        )
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_cache.device_caches
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Swaps, copies, forward, sampling; releases finished requests' sampler state."""
+        self.apply_block_moves(scheduler_output)
+        scheduled = scheduler_output.scheduled
+        if scheduled:
+            logits = self.compute_logits(scheduled)
+            output = self.sampler(logits, scheduled)
+        else:
+            output = ModelRunnerOutput()
+        if scheduler_output.finished_request_ids:
+            self.sampler.release(scheduler_output.finished_request_ids)
+        return output
+
+    def apply_block_moves(self, scheduler_output: SchedulerOutput) -> None:
+        """swap_out, then swap_in, then copy-on-write copies (the contract's order)."""
+        with torch.inference_mode():
+            self.kv_cache.swap_out(scheduler_output.swap_out)
+            self.kv_cache.swap_in(scheduler_output.swap_in)
+            self.kv_cache.copy_blocks(scheduler_output.block_copies)
+
+    def compute_logits(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """Forward pass; float32 logits [S, vocab] for sequences with ``num_samples > 0``."""
+        batch = build_input_batch(scheduled, self.block_size, self.device)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            if batch.logits_indices.numel() == 0:
+                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            return self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,207 @@
+"""Every fast attention path against ReferenceAttention, the ground truth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.attention import AttentionMetadata, ReferenceAttention
+from pagedllm.attention.cpu import CpuAttention, load_extension
+from pagedllm.attention.select import get_backend
+
+HAS_EXTENSION = load_extension() is not None
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def backends() -> list:
+    params = [pytest.param(lambda: CpuAttention(use_extension=False), id="cpu-torch")]
+    mark = pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+    params.append(
+        pytest.param(lambda: CpuAttention(use_extension=True), id="cpu-kernel", marks=mark)
+    )
+    # The kernel with every query length routed to it (prefill tiles included).
+    params.append(
+        pytest.param(
+            lambda: CpuAttention(use_extension=True, max_kernel_query_len=10**9),
+            id="cpu-kernel-all",
+            marks=mark,
+        )
+    )
+    return params
+
+
+def make_step(
+    shapes: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    extra_columns: int = 2,
+    seed: int = 0,
+):
+    """A random step: each (query_len, seq_len) sequence gets shuffled blocks, its cached prefix
+    already in the cache, and fresh K/V for its query rows. The query is a strided view into a
+    fused QKV tensor, as a model produces it."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-seq_len // block_size) for _, seq_len in shapes]
+    num_blocks = sum(blocks_needed) + 3
+    ids = list(range(1, num_blocks))  # block 0 is only padding
+    rng.shuffle(ids)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    width = max(blocks_needed) + extra_columns
+    tables = torch.zeros(len(shapes), width, dtype=torch.int32)
+    slots = []
+    for i, ((query_len, seq_len), n) in enumerate(zip(shapes, blocks_needed)):
+        table = [ids.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+        for p in range(seq_len - query_len, seq_len):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    num_tokens = sum(q for q, _ in shapes)
+    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    fused = fused.to(dtype)
+    q_end = num_heads * head_dim
+    k_end = q_end + num_kv_heads * head_dim
+    query = fused[:, :q_end].view(num_tokens, num_heads, head_dim)
+    key = fused[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    value = fused[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    query_lens = [q for q, _ in shapes]
+    seq_lens = [s for _, s in shapes]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return query, key, value, k_cache, v_cache, meta, head_dim**-0.5
+
+
+def check_against_reference(backend, step) -> None:
+    query, key, value, k_cache, v_cache, meta, scale = step
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = ReferenceAttention().forward(query, key, value, k_ref, v_ref, meta, scale)
+    got = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    tol = TOLERANCE[query.dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    # The step's K/V landed in the same slots.
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+def test_decode(make_backend, dtype, block_size):
+    shapes = [(1, n) for n in (1, 5, 16, 17, 33, 100)]
+    step = make_step(shapes, block_size=block_size, dtype=dtype, seed=block_size)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+def test_prefill(make_backend, dtype, block_size):
+    shapes = [(n, n) for n in (1, 3, 16, 40)]
+    step = make_step(shapes, block_size=block_size, dtype=dtype, seed=10 + block_size)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+def test_prefill_after_cached_prefix(make_backend, dtype, block_size):
+    # Query chunks below and above the kernel's length limit, prefixes ending mid-block.
+    shapes = [(4, 20), (16, 48), (17, 50), (30, 31), (2, 9)]
+    step = make_step(shapes, block_size=block_size, dtype=dtype, seed=20 + block_size)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_mixed_chunked_batch(make_backend, dtype):
+    # A chunked-prefill step: decodes, a first chunk, a middle chunk, a last chunk.
+    shapes = [(1, 70), (24, 24), (1, 3), (24, 48), (9, 57), (1, 129)]
+    step = make_step(shapes, block_size=16, dtype=dtype, seed=3)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (8, 1, 64), (6, 2, 128), (4, 2, 32), (4, 2, 24)],
+    ids=["mha", "mqa", "gqa-d128", "gqa-d32", "gqa-d24-scalar"],
+)
+def test_head_layouts(make_backend, num_heads, num_kv_heads, head_dim):
+    shapes = [(1, 37), (5, 21), (20, 20), (1, 1)]
+    step = make_step(
+        shapes,
+        block_size=16,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=head_dim,
+    )
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+def test_long_context_decode_bf16(make_backend):
+    shapes = [(1, 1000), (1, 777), (3, 513)]
+    step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=7)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+def test_float32_query_with_bf16_cache(make_backend):
+    query, key, value, k_cache, v_cache, meta, scale = make_step(
+        [(1, 30), (6, 6), (3, 40)], block_size=16, dtype=torch.bfloat16, seed=5
+    )
+    step = (query.float(), key.float(), value.float(), k_cache, v_cache, meta, scale)
+    backend = make_backend()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = ReferenceAttention().forward(*step[:3], k_ref, v_ref, meta, scale)
+    got = backend.forward(*step)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+def test_kernel_reads_through_block_table():
+    # Swapping two blocks in the cache without fixing the table must change the output:
+    # proves the kernel follows the table rather than assuming a layout.
+    query, key, value, k_cache, v_cache, meta, scale = make_step([(1, 40)], block_size=16)
+    backend = CpuAttention(use_extension=True)
+    first = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    b0, b1 = int(meta.block_tables[0, 0]), int(meta.block_tables[0, 1])
+    k_cache[[b0, b1]] = k_cache[[b1, b0]].clone()
+    second = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    assert not torch.allclose(first, second)
+
+
+def test_get_backend():
+    assert get_backend("reference").name == "reference"
+    assert get_backend("cpu").name == "cpu"
+    assert get_backend().name == "cpu"
+    with pytest.raises(ValueError, match="attention backend"):
+        get_backend("gpu")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="rows_per_task"):
+        CpuAttention(rows_per_task=0)

@@ -1,0 +1,330 @@
+"""Hand-built token lists with exact block ids, ref counts and free-list order."""
+
+import pytest
+
+from pagedllm.core import block_pool, kv_cache_manager
+from pagedllm.core.kv_cache_manager import Allocation, ComputedBlocks, KVCacheManager
+from pagedllm.core.request import Request
+
+
+def make_request(request_id: str, tokens: list[int], **kwargs) -> Request:
+    return Request(request_id, list(tokens), **kwargs)
+
+
+def run_prompt(kv: KVCacheManager, req: Request) -> Allocation:
+    """Admit a request: prefix hit, allocate, compute the whole prompt, register."""
+    hit = kv.get_computed_blocks(req)
+    alloc = kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit)
+    assert alloc is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    kv.check_invariants()
+    return alloc
+
+
+def decode(kv: KVCacheManager, req: Request, token: int) -> Allocation | None:
+    """Sample ``token``, then allocate and compute it."""
+    req.append_output_token_ids(token)
+    alloc = kv.allocate_slots(req, 1)
+    if alloc is not None:
+        req.num_computed_tokens += 1
+        kv.cache_full_blocks(req)
+    kv.check_invariants()
+    return alloc
+
+
+def snapshot(kv: KVCacheManager):
+    return (
+        kv.pool.free_queue_order(),
+        kv.pool.cached_free_order(),
+        [kv.pool.ref_count(b) for b in range(kv.num_blocks)],
+        kv.live_block_tables(),
+        {rid: kv.host_block_table(rid) for rid in ("a", "b", "c", "p", "c1")},
+        kv.host_pool.free_queue_order(),
+        kv.pool.hashed_blocks(),
+    )
+
+
+def test_prompt_decode_and_free_order():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    req = make_request("a", range(10))
+    alloc = run_prompt(kv, req)
+    assert alloc == Allocation((0, 1, 2), ())
+    assert kv.block_table("a") == [0, 1, 2]
+    assert set(kv.pool.hashed_blocks()) == {0, 1}  # the partial block 2 has no hash
+    assert decode(kv, req, 10) == Allocation()
+    assert decode(kv, req, 11) == Allocation()  # block 2 now full
+    assert set(kv.pool.hashed_blocks()) == {0, 1, 2}
+    assert decode(kv, req, 12) == Allocation((3,), ())
+    assert kv.block_table("a") == [0, 1, 2, 3]
+    kv.free(req)
+    # Tail first: partial block 3 is plain free, full blocks cached-free tail to head.
+    assert kv.pool.free_queue_order() == [4, 5, 6, 7, 8, 9, 3, 2, 1, 0]
+    assert kv.pool.cached_free_order() == [2, 1, 0]
+    assert kv.stats().blocks_cached_free == 3
+    assert kv.usage == 0.0
+    kv.check_invariants()
+
+
+def test_cache_hit_after_request_finishes():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    first = make_request("a", range(10))
+    run_prompt(kv, first)
+    kv.free(first)
+    second = make_request("b", [*range(8), 99, 98, 97])
+    hit = kv.get_computed_blocks(second)
+    assert hit == ComputedBlocks((0, 1), 8)
+    alloc = kv.allocate_slots(second, 3, hit)
+    # Block 2 (the first request's partial block) went back to the free list tail.
+    assert alloc == Allocation((3,), ())
+    assert kv.block_table("b") == [0, 1, 3]
+    assert kv.pool.ref_count(0) == kv.pool.ref_count(1) == 1
+    assert kv.stats().prefix_hits_tokens == 8
+    assert kv.stats().prefix_queries_tokens == 10 + 11
+    kv.check_invariants()
+
+
+def test_hit_capped_at_num_tokens_minus_one():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    run_prompt(kv, make_request("a", range(12)))
+    same = make_request("b", range(8))
+    assert kv.get_computed_blocks(same) == ComputedBlocks((0,), 4)
+    assert kv.get_computed_blocks(make_request("c", range(9))) == ComputedBlocks((0, 1), 8)
+
+
+def test_hit_shared_by_live_requests():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    run_prompt(kv, make_request("a", range(9)))
+    b = make_request("b", [*range(8), 50])
+    assert run_prompt(kv, b) == Allocation((3,), ())
+    assert kv.block_table("b") == [0, 1, 3]
+    assert [kv.pool.ref_count(x) for x in (0, 1, 2, 3)] == [2, 2, 1, 1]
+
+
+def test_cache_salt_isolates_tenants():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    run_prompt(kv, make_request("a", range(9), cache_salt="t1"))
+    assert kv.get_computed_blocks(make_request("b", range(9), cache_salt="t2")) == ComputedBlocks()
+    assert kv.get_computed_blocks(make_request("c", range(9))) == ComputedBlocks()
+    assert kv.get_computed_blocks(make_request("d", range(9), cache_salt="t1")).num_tokens == 8
+
+
+def test_failed_allocation_changes_nothing():
+    kv = KVCacheManager(6, 4, watermark=0.0)
+    a = make_request("a", range(12))
+    run_prompt(kv, a)
+    kv.free(a)  # blocks 2, 1, 0 cached-free
+    run_prompt(kv, make_request("p", [100, 101, 102, 103, 104]))  # takes blocks 3, 4
+    b = make_request("b", [*range(8), *range(200, 215)])  # needs 2 hit + 4 new blocks
+    hit = kv.get_computed_blocks(b)
+    assert hit == ComputedBlocks((0, 1), 8)
+    before = snapshot(kv)
+    assert kv.allocate_slots(b, b.num_tokens - 8, hit) is None
+    assert snapshot(kv) == before
+    assert kv.allocate_slots(make_request("c", range(300, 330)), 30) is None
+    assert snapshot(kv) == before
+    kv.check_invariants()
+
+
+def test_watermark_applies_to_admission_only():
+    kv = KVCacheManager(10, 4, watermark=0.2)  # keep 2 blocks free at admission
+    big = make_request("a", range(33))  # 9 blocks
+    assert kv.allocate_slots(big, 33, admission=True) is None
+    assert kv.allocate_slots(make_request("b", range(32)), 32, admission=True) is not None
+    kv.free(make_request("b", []))
+    assert kv.allocate_slots(big, 33) is not None
+
+
+def test_fork_then_copy_on_write_of_partial_block():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    parent = make_request("p", range(6))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(6))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    assert kv.block_table("c1") == [0, 1]
+    assert [kv.pool.ref_count(b) for b in (0, 1)] == [2, 2]
+    kv.check_invariants()
+    # The child writes into shared partial block 1: it gets a copy first.
+    assert decode(kv, child, 7) == Allocation((2,), ((1, 2),))
+    assert kv.block_table("c1") == [0, 2]
+    assert [kv.pool.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
+    # The parent is now block 1's only holder and writes in place.
+    assert decode(kv, parent, 8) == Allocation()
+    assert kv.block_table("p") == [0, 1]
+
+
+def test_fork_at_block_boundary_copies_nothing():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    parent = make_request("p", range(8))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(8))
+    child.num_computed_tokens = 8
+    kv.fork(parent, child)
+    assert decode(kv, child, 1) == Allocation((2,), ())
+    assert decode(kv, parent, 2) == Allocation((3,), ())
+    assert kv.block_table("p") == [0, 1, 3]
+    assert kv.block_table("c1") == [0, 1, 2]
+
+
+def test_fork_then_free_keeps_shared_blocks():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    parent = make_request("p", range(6))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(6))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    kv.free(parent)
+    assert [kv.pool.ref_count(b) for b in (0, 1)] == [1, 1]
+    kv.free(child)
+    assert kv.pool.cached_free_order() == [0]
+    assert kv.pool.free_queue_order()[-2:] == [1, 0]
+    kv.check_invariants()
+
+
+def test_hash_recheck_on_fake_collision(monkeypatch):
+    # Every block of the same position collides: only the token re-check saves us.
+    def colliding(parent, token_ids, extra_keys=()):
+        return b"x" * 32 if parent is None else b"y" * 32
+
+    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", colliding)
+    monkeypatch.setattr(block_pool, "hash_block_tokens", colliding)
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    run_prompt(kv, make_request("a", range(9)))
+    other = make_request("b", range(100, 109))
+    assert kv.get_computed_blocks(other) == ComputedBlocks()
+    assert run_prompt(kv, other) == Allocation((3, 4, 5), ())
+    # The duplicate hash is not registered twice: one block per hash.
+    assert set(kv.pool.hashed_blocks()) == {0, 1}
+
+
+def test_stale_computed_blocks_rejected():
+    kv = KVCacheManager(4, 4, watermark=0.0)
+    a = make_request("a", range(9))
+    run_prompt(kv, a)
+    kv.free(a)
+    b = make_request("b", range(9))
+    hit = kv.get_computed_blocks(b)
+    kv.evict_cached_blocks()
+    with pytest.raises(ValueError):
+        kv.allocate_slots(b, 1, hit)
+
+
+def test_swap_out_and_in_round_trip():
+    kv = KVCacheManager(8, 4, num_host_blocks=4, watermark=0.0)
+    a = make_request("a", range(10))
+    run_prompt(kv, a)
+    assert kv.swap_out(a) == [(0, 0), (1, 1), (2, 2)]
+    assert kv.is_swapped("a") and kv.block_table("a") == []
+    assert kv.host_block_table("a") == [0, 1, 2]
+    assert kv.stats().host_blocks_used == 3
+    kv.check_invariants()
+    kv.evict_cached_blocks()  # so swap-in cannot reuse device blocks 0 and 1
+    moves = kv.swap_in(a)
+    assert moves == [(0, 3), (1, 4), (2, 5)]
+    assert kv.block_table("a") == [3, 4, 5]
+    assert kv.stats().host_blocks_used == 0
+    assert set(kv.pool.hashed_blocks()) == {3, 4}
+    kv.check_invariants()
+
+
+def test_swap_in_reuses_cached_full_blocks():
+    kv = KVCacheManager(8, 4, num_host_blocks=4, watermark=0.0)
+    a = make_request("a", range(10))
+    run_prompt(kv, a)
+    kv.swap_out(a)
+    assert kv.pool.cached_free_order() == [1, 0]
+    assert kv.swap_in(a) == [(2, 3)]  # full blocks 0, 1 were still cached on device
+    assert kv.block_table("a") == [0, 1, 3]
+    kv.check_invariants()
+
+
+def test_shared_block_moves_once_each_way():
+    kv = KVCacheManager(8, 4, num_host_blocks=4, enable_prefix_caching=False, watermark=0.0)
+    parent = make_request("p", range(6))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(6))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    assert kv.swap_out(parent) == [(0, 0), (1, 1)]
+    assert kv.swap_out(child) == []  # same physical blocks, already on the host
+    assert kv.host_block_table("c1") == [0, 1]
+    assert [kv.host_pool.ref_count(b) for b in (0, 1)] == [2, 2]
+    assert kv.pool.num_free_blocks == 8
+    kv.check_invariants()
+    # Released device blocks went to the free list's tail: 2 and 3 come first.
+    assert kv.swap_in(child) == [(0, 2), (1, 3)]
+    assert kv.swap_in(parent) == []
+    assert kv.block_table("p") == kv.block_table("c1") == [2, 3]
+    assert [kv.pool.ref_count(b) for b in (2, 3)] == [2, 2]
+    kv.check_invariants()
+    # Still shared and partial: the next write copies.
+    assert decode(kv, child, 6) == Allocation((4,), ((3, 4),))
+
+
+def test_shared_partial_block_written_in_place_is_moved_again():
+    kv = KVCacheManager(8, 4, num_host_blocks=4, enable_prefix_caching=False, watermark=0.0)
+    parent = make_request("p", range(6))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(6))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    assert kv.swap_out(parent) == [(0, 0), (1, 1)]
+    decode(kv, child, 42)  # sole holder now: writes block 1 in place
+    # Block 1 changed since its host copy, so it needs a fresh host block.
+    assert kv.swap_out(child) == [(1, 2)]
+    assert kv.host_block_table("c1") == [0, 2]
+
+
+def test_swap_fails_cleanly_when_a_tier_is_full():
+    kv = KVCacheManager(4, 4, num_host_blocks=2, watermark=0.0)
+    a = make_request("a", range(10))  # 3 blocks
+    run_prompt(kv, a)
+    before = snapshot(kv)
+    assert not kv.can_swap_out(a)
+    assert kv.swap_out(a) is None
+    assert snapshot(kv) == before
+    small = make_request("b", range(100, 106))
+    kv.free(a)
+    kv.evict_cached_blocks()
+    run_prompt(kv, small)
+    assert kv.swap_out(small) is not None
+    run_prompt(kv, make_request("c", range(200, 212)))  # fills the device
+    before = snapshot(kv)
+    assert not kv.can_swap_in(small)
+    assert kv.swap_in(small) is None
+    assert snapshot(kv) == before
+    kv.check_invariants()
+
+
+def test_free_releases_swapped_request():
+    kv = KVCacheManager(4, 4, num_host_blocks=4, watermark=0.0)
+    a = make_request("a", range(6))
+    run_prompt(kv, a)
+    kv.swap_out(a)
+    kv.free(a)
+    assert kv.stats().host_blocks_used == 0
+    assert not kv.is_swapped("a")
+    kv.check_invariants()
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(4, 0)
+    with pytest.raises(ValueError, match="watermark"):
+        KVCacheManager(4, 4, watermark=1.5)
+    kv = KVCacheManager(4, 4)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        kv.allocate_slots(make_request("a", [1]), -1)
+
+
+def test_stats_partition_blocks():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    a = make_request("a", range(10))
+    run_prompt(kv, a)
+    run_prompt(kv, make_request("b", range(50, 55)))
+    kv.free(a)
+    s = kv.stats()
+    assert (s.blocks_used, s.blocks_cached_free, s.blocks_free) == (2, 2, 6)
+    assert s.blocks_used + s.blocks_cached_free + s.blocks_free == s.blocks_total
+    assert kv.usage == pytest.approx(0.2)

@@ -1,0 +1,248 @@
+"""A Hypothesis state machine over the KV cache manager.
+
+It drives allocate / append / fork / copy-on-write / free / swap_out / swap_in /
+evict in random orders, keeps a fake KV store (one token id per slot, on both
+tiers) that applies every copy and move the manager asks for, and after every
+rule checks the manager's invariants and that every request's computed tokens
+can be read back through its block table on its tier.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+
+# A few shared prefixes over a tiny alphabet, so hits, collisions of content
+# across tenants and shared partial blocks all happen often.
+PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5])
+TOKENS = st.integers(0, 3)
+
+
+def snapshot(kv: KVCacheManager, request_ids) -> tuple:
+    return (
+        kv.pool.free_queue_order(),
+        kv.pool.cached_free_order(),
+        [kv.pool.ref_count(b) for b in range(kv.num_blocks)],
+        kv.pool.hashed_blocks(),
+        kv.live_block_tables(),
+        {rid: kv.host_block_table(rid) for rid in request_ids},
+        kv.host_pool.free_queue_order(),
+        [kv.host_pool.ref_count(b) for b in range(kv.num_host_blocks)],
+        kv.stats(),
+    )
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: dict[str, Request] = {}
+        self.swapped: dict[str, Request] = {}
+        self.next_id = 0
+
+    @initialize(
+        num_blocks=st.integers(3, 16),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_host_blocks=st.integers(0, 10),
+        caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1, 0.3]),
+    )
+    def setup(self, num_blocks, block_size, num_host_blocks, caching, watermark) -> None:
+        self.kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=caching,
+            num_host_blocks=num_host_blocks,
+            watermark=watermark,
+        )
+        self.bs = block_size
+        # The fake KV cache: slot -> token id. Freed blocks keep stale contents,
+        # as real memory does, so a wrong reuse shows up as a wrong token.
+        self.device: dict[tuple[int, int], int] = {}
+        self.host: dict[tuple[int, int], int] = {}
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def all_ids(self) -> list[str]:
+        return [*self.running, *self.swapped]
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def write(self, request: Request, start: int, end: int) -> None:
+        table = self.kv.block_table(request.request_id)
+        for pos in range(start, end):
+            self.device[table[pos // self.bs], pos % self.bs] = request.all_token_ids[pos]
+
+    def copy_blocks(self, pairs, src_tier, dst_tier) -> None:
+        # All reads happen before writes, as a batched copy on the worker would.
+        contents = [
+            {off: src_tier[src, off] for off in range(self.bs) if (src, off) in src_tier}
+            for src, _ in pairs
+        ]
+        for (_, dst), content in zip(pairs, contents, strict=True):
+            for off in range(self.bs):
+                dst_tier.pop((dst, off), None)
+            for off, token in content.items():
+                dst_tier[dst, off] = token
+
+    def compute(self, request: Request, num_new: int, allocation) -> None:
+        for _, dst in allocation.block_copies:
+            assert self.kv.pool.ref_count(dst) == 1, "copy-on-write target is shared"
+        self.copy_blocks(allocation.block_copies, self.device, self.device)
+        start = request.num_computed_tokens
+        self.write(request, start, start + num_new)
+        request.num_computed_tokens += num_new
+        self.kv.cache_full_blocks(request)
+
+    # ---- rules ------------------------------------------------------------------
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(TOKENS, min_size=1, max_size=10),
+        salt=st.sampled_from([None, None, "tenant"]),
+        chunk=st.integers(1, 20),
+        admission=st.booleans(),
+    )
+    def add_request(self, prefix, suffix, salt, chunk, admission) -> None:
+        request = Request(self.new_id(), [*prefix, *suffix], cache_salt=salt)
+        hit = self.kv.get_computed_blocks(request)
+        assert hit.num_tokens < request.num_tokens
+        for i, block_id in enumerate(hit.block_ids):
+            tokens = request.all_token_ids[i * self.bs : (i + 1) * self.bs]
+            assert self.kv.pool.block_token_ids(block_id) == tuple(tokens)
+        num_new = min(chunk, request.num_tokens - hit.num_tokens)
+        before = snapshot(self.kv, self.all_ids())
+        allocation = self.kv.allocate_slots(request, num_new, hit, admission=admission)
+        if allocation is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            self.kv.free(request)  # drops the hashes get_computed_blocks kept
+            return
+        request.num_computed_tokens = hit.num_tokens
+        self.compute(request, num_new, allocation)
+        self.running[request.request_id] = request
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=TOKENS, chunk=st.integers(1, 6))
+    def step(self, data, token, chunk) -> None:
+        """Compute the next chunk of a prompt, or append a sampled token (maybe CoW)."""
+        request = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token_ids(token)
+        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        before = snapshot(self.kv, self.all_ids())
+        allocation = self.kv.allocate_slots(request, num_new)
+        if allocation is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            return
+        self.compute(request, num_new, allocation)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if parent.num_computed_tokens < parent.num_tokens:
+            return  # the scheduler forks only after a step computed every token
+        child = Request(
+            self.new_id(),
+            list(parent.prompt_token_ids),
+            output_token_ids=list(parent.output_token_ids),
+            cache_salt=parent.cache_salt,
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        assert self.kv.block_table(child.request_id) == self.kv.block_table(parent.request_id)
+        self.running[child.request_id] = child
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.all_ids())))
+        request = self.running.pop(request_id, None) or self.swapped.pop(request_id)
+        self.kv.free(request)
+        assert self.kv.block_table(request_id) == []
+        assert not self.kv.is_swapped(request_id)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        request = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        before = snapshot(self.kv, self.all_ids())
+        can = self.kv.can_swap_out(request)
+        moves = self.kv.swap_out(request)
+        assert can == (moves is not None)
+        if moves is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            return
+        devices = [d for d, _ in moves]
+        assert len(set(devices)) == len(devices), "a physical block moved twice"
+        self.copy_blocks(moves, self.device, self.host)
+        self.swapped[request.request_id] = self.running.pop(request.request_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data) -> None:
+        request = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
+        before = snapshot(self.kv, self.all_ids())
+        can = self.kv.can_swap_in(request)
+        moves = self.kv.swap_in(request)
+        assert can == (moves is not None)
+        if moves is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            return
+        self.copy_blocks(moves, self.host, self.device)
+        self.running[request.request_id] = self.swapped.pop(request.request_id)
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n) -> None:
+        cached = self.kv.pool.num_cached_free_blocks
+        assert self.kv.evict_cached_blocks(n) == min(n, cached)
+
+    # ---- invariants -------------------------------------------------------------
+
+    @invariant()
+    def manager_consistent(self) -> None:
+        if hasattr(self, "kv"):
+            self.kv.check_invariants()
+
+    @invariant()
+    def no_tokens_lost(self) -> None:
+        """Every computed token reads back through the block table on its tier."""
+        for requests, tier, table_of in (
+            (self.running, getattr(self, "device", {}), self.kv_table),
+            (self.swapped, getattr(self, "host", {}), self.host_table),
+        ):
+            for request in requests.values():
+                table = table_of(request.request_id)
+                for pos in range(request.num_computed_tokens):
+                    slot = (table[pos // self.bs], pos % self.bs)
+                    assert tier.get(slot) == request.all_token_ids[pos], (
+                        f"{request.request_id} lost token {pos}"
+                    )
+
+    def kv_table(self, request_id: str) -> list[int]:
+        return self.kv.block_table(request_id)
+
+    def host_table(self, request_id: str) -> list[int]:
+        return self.kv.host_block_table(request_id)
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=500 if os.environ.get("CI") else 100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVCacheMachine = KVCacheMachine.TestCase

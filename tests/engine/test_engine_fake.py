@@ -1,0 +1,241 @@
+"""LLMEngine on the FakeModelRunner: every paging path must give the reference tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tests.engine.conftest import run_all
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
+
+PROMPTS = [
+    "the quick brown fox jumps",
+    "the quick brown fox sleeps all day",
+    "hello",
+    "the quick brown",
+    "a much longer prompt that spans several blocks of the cache",
+]
+
+
+def reference(runner: FakeModelRunner, prompt_ids: list[int], max_tokens: int, sample: int = 0):
+    """What the fake model generates, computed without any cache."""
+    context = list(prompt_ids)
+    out = [runner.next_token(context, sample)]
+    context.append(out[0])
+    while len(out) < max_tokens:
+        out.append(runner.next_token(context))
+        context.append(out[-1])
+    return out
+
+
+def add_all(engine: LLMEngine, max_tokens: int = 12, n_for: tuple[str, ...] = ()) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        n = 2 if str(i) in n_for else 1
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, n=n))
+
+
+def check_reference(engine: LLMEngine, tokenizer: Any, final: dict, max_tokens: int) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        output = final[str(i)]
+        ids = tokenizer.encode(prompt)
+        for completion in output.outputs:
+            expected = reference(engine.runner, ids, max_tokens, completion.index)
+            assert list(completion.token_ids) == expected, f"prompt {i} sample {completion.index}"
+            assert completion.text == tokenizer.decode(expected)
+            assert completion.finish_reason == "length"
+
+
+CONFIGS = {
+    "big-cache": dict(num_blocks=128),
+    "no-prefix-cache": dict(num_blocks=128, enable_prefix_caching=False),
+    "chunk-3": dict(num_blocks=128, max_num_batched_tokens=3),
+    "chunk-7": dict(num_blocks=128, max_num_batched_tokens=7),
+    "recompute-tiny": dict(num_blocks=20, preemption_mode="recompute"),
+    "recompute-tiny-no-prefix": dict(
+        num_blocks=20, preemption_mode="recompute", enable_prefix_caching=False
+    ),
+    "swap-tiny": dict(num_blocks=20, preemption_mode="swap", host_blocks=40),
+    "auto-tiny-chunked": dict(
+        num_blocks=20, preemption_mode="auto", host_blocks=40, max_num_batched_tokens=5
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tokens_match_the_cache_free_reference(
+    name: str, fake_engine: Callable[..., LLMEngine], tokenizer: Any
+) -> None:
+    engine = fake_engine(**CONFIGS[name])
+    add_all(engine, n_for=("1",))
+    final = run_all(engine)
+    check_reference(engine, tokenizer, final, 12)
+    stats = engine.get_stats()
+    if "tiny" in name:
+        assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"
+    if name.startswith("swap"):
+        assert stats.num_preemptions_swap > 0
+    assert stats.num_requests_finished == len(PROMPTS)
+
+
+def test_parallel_samples_hold_fewer_blocks_than_independent_requests(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    def peak_blocks(engine: LLMEngine) -> int:
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, engine.kv.stats().blocks_used)
+        return peak
+
+    prompt = "a prompt of some thirty bytes"  # 7 full blocks + 1 partial
+    forked = fake_engine(num_blocks=128, enable_prefix_caching=False)
+    forked.add_request("n4", prompt, SamplingParams(max_tokens=4, n=4))
+    separate = fake_engine(num_blocks=128, enable_prefix_caching=False)
+    for i in range(4):
+        separate.add_request(str(i), prompt, SamplingParams(max_tokens=4))
+    forked_peak, separate_peak = peak_blocks(forked), peak_blocks(separate)
+    # 29 prompt + 3 written outputs = 32 tokens: 8 blocks per sequence alone.
+    assert separate_peak == 4 * 8
+    # Forked: the 7 full prompt blocks once, then one private tail block per sample.
+    assert forked_peak == 7 + 4 * 1
+    assert forked_peak < separate_peak
+
+
+def test_stop_string_across_token_boundaries(
+    fake_engine: Callable[..., LLMEngine], tokenizer: Any
+) -> None:
+    engine = fake_engine()
+    engine.add_request("free", "stop here", SamplingParams(max_tokens=20))
+    text = run_all(engine)["free"].outputs[0].text
+    stop = text[6:9]  # three characters: three tokens of the byte-level tokenizer
+    cut = text.index(stop)
+    engine.add_request("cut", "stop here", SamplingParams(max_tokens=20, stop=[stop, "zzzz"]))
+    engine.add_request(
+        "kept",
+        "stop here",
+        SamplingParams(max_tokens=20, stop=stop, include_stop_str_in_output=True),
+    )
+    seen: dict[str, list[str]] = {"cut": [], "kept": []}
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output.outputs[0].text)
+            if output.finished:
+                final[output.request_id] = output
+    assert final["cut"].outputs[0].text == text[:cut]
+    assert final["kept"].outputs[0].text == text[: cut + 3]
+    for name in ("cut", "kept"):
+        completion = final[name].outputs[0]
+        assert completion.finish_reason == "stop" and completion.stop_reason == stop
+        texts = seen[name]
+        # Cumulative text only grows: nothing shown is ever taken back by the stop.
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+def test_abort_frees_every_block_wherever_the_request_is(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = fake_engine(num_blocks=20, preemption_mode="swap", host_blocks=40)
+    add_all(engine, max_tokens=20, n_for=("0",))
+    swapped_seen = False
+    for _ in range(12):
+        engine.step()
+        swapped_seen |= engine.get_stats().num_swapped > 0
+    assert engine.kv.stats().blocks_used > 0
+    engine.abort_request(["0", "1", "nonexistent"])
+    engine.abort_request("4")
+    run_all(engine)
+    engine.add_request("late", "hello", SamplingParams(max_tokens=3))
+    engine.abort_request("late")  # aborted while waiting
+    assert not engine.has_unfinished_requests()
+    assert swapped_seen
+    assert engine.get_stats().num_requests_aborted == 4
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = fake_engine(fail_request_ids=("bad",))
+    engine.add_request("bad", "this one fails", SamplingParams(max_tokens=5, n=2))
+    engine.add_request("also", "same step", SamplingParams(max_tokens=5))
+    outputs = engine.step()  # must not raise
+    assert {o.request_id for o in outputs} == {"bad", "also"}
+    for output in outputs:
+        assert output.finished and output.error and "injected failure" in output.error
+        assert all(c.finish_reason == "error" for c in output.outputs)
+    engine.add_request("good", "this one works", SamplingParams(max_tokens=5))
+    final = run_all(engine)
+    assert final["good"].outputs[0].finish_reason == "length"
+    assert engine.get_stats().num_requests_failed == 2
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.5, top_p=0.95, seed=1234, n=2)
+
+    def run(extra: int, seed: int = 1234, **config: Any) -> list[tuple[int, ...]]:
+        engine = fake_engine(use_sampler=True, **config)
+        for i in range(extra):
+            engine.add_request(f"x{i}", f"other prompt {i}", SamplingParams(max_tokens=9))
+        engine.add_request("s", "sample me", SamplingParams(**{**_fields(params), "seed": seed}))
+        return [c.token_ids for c in run_all(engine)["s"].outputs]
+
+    alone = run(0)
+    assert run(3) == alone
+    assert run(2, num_blocks=12, preemption_mode="recompute") == alone
+    assert run(0, seed=99) != alone
+    assert alone[0] != alone[1]  # the two samples differ
+
+
+def test_logprobs_are_returned_and_summed(fake_engine: Callable[..., LLMEngine]) -> None:
+    engine = fake_engine(use_sampler=True)
+    engine.add_request("lp", "logprobs", SamplingParams(max_tokens=5, temperature=0, logprobs=3))
+    completion = run_all(engine)["lp"].outputs[0]
+    assert len(completion.logprobs) == 5
+    for token, lp in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert lp.token_id == token and lp.rank == 1  # greedy picks the top token
+        assert len(lp.top_token_ids) == 3 and lp.top_token_ids[0] == token
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0]) and lp.logprob < 0
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(x.logprob for x in completion.logprobs)
+    )
+
+
+def test_add_request_rejects_bad_input(fake_engine: Callable[..., LLMEngine]) -> None:
+    engine = fake_engine(num_blocks=8, max_model_len=32)
+    with pytest.raises(ValueError, match=r"prompt \(5 tokens\) \+ max_tokens \(30\)"):
+        engine.add_request("long", "hello", SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("ids", [1, 2, 10_000], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("empty", [], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError):
+        engine.add_request("params", "hello", {"max_tokens": 3})
+    engine.add_request("ok", "hello", SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", "again")
+    final = run_all(engine)
+    assert len(final["ok"].outputs[0].token_ids) == 32 - 5  # max_tokens filled to the limit
+    assert not engine.has_unfinished_requests()
+
+
+def test_stats_count_tokens_and_prefix_hits(fake_engine: Callable[..., LLMEngine]) -> None:
+    engine = fake_engine()
+    engine.add_request("a", "shared prefix of sixteen b", SamplingParams(max_tokens=4))
+    run_all(engine)
+    engine.add_request("b", "shared prefix of sixteen b", SamplingParams(max_tokens=4))
+    final = run_all(engine)
+    assert final["b"].num_cached_tokens == 24  # 6 full blocks of 4 (capped below 26)
+    stats = engine.get_stats()
+    assert stats.num_prompt_tokens == 52 and stats.num_generation_tokens == 8
+    assert stats.cache.prefix_hits_tokens == 24
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def _fields(params: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in params.__dataclass_fields__}

@@ -1,0 +1,151 @@
+"""Helpers for model parity tests: tiny checkpoints, transformers references, a hand driver.
+
+The driver stands in for the scheduler (which is not under test here): it hands out
+block ids from a free list, builds ``SchedulerOutput``s by hand and feeds them to the
+worker, so that every paging path (prefix sharing, chunked prefill, copies, swaps)
+can be forced exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedllm.core.outputs import ScheduledSequence, SchedulerOutput
+from pagedllm.testing import make_tiny_checkpoint
+
+PROMPTS = [
+    [5, 17, 42],
+    [7, 3, 99, 200, 12, 8, 1, 64, 33, 250, 19],
+    [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117],
+    [42],
+]
+
+
+def randomise_biases(path: Path, seed: int = 0) -> None:
+    """transformers initialises biases to zero; a dropped bias must change the output."""
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        for name, tensor in tensors.items():
+            if name.endswith(".bias"):
+                noise = torch.randn(tensor.shape, generator=generator) * 0.5
+                tensors[name] = noise.to(tensor.dtype)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def build_checkpoint(path: Path, arch: str = "llama", **overrides) -> Path:
+    make_tiny_checkpoint(path, arch, **overrides)
+    randomise_biases(path)
+    return path
+
+
+VARIANTS = {
+    "llama_gqa": ("llama", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "llama_mha_bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True}),
+    "llama3_rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "mistral": ("mistral", {}),
+    "qwen2_bias": ("qwen2", {}),
+    "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+class HFReference:
+    """transformers' own model on the same checkpoint: logits of full sequences, no cache."""
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[len, vocab] float32 logits of every position."""
+        ids = torch.tensor([list(token_ids)])
+        return self.model(input_ids=ids).logits[0].float()
+
+    def greedy(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(num_tokens):
+            tokens.append(int(self.logits(tokens)[-1].argmax()))
+        return tokens[len(prompt) :]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class HandDriver:
+    """A minimal stand-in for the scheduler: block ids from a free list, steps by hand."""
+
+    def __init__(self, runner, num_blocks: int | None = None) -> None:
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.free = list(range(num_blocks if num_blocks is not None else runner.num_blocks))
+        # Hand blocks out in a scrambled order so that adjacency can never hide a bug.
+        self.free.reverse()
+        self.seqs: dict[str, Seq] = {}
+
+    def add(self, request_id: str, token_ids: Sequence[int]) -> Seq:
+        seq = Seq(request_id, list(token_ids))
+        self.seqs[request_id] = seq
+        return seq
+
+    def grow(self, seq: Seq, num_tokens: int) -> None:
+        needed = -(-num_tokens // self.block_size)
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self.free.pop())
+
+    def schedule(self, seq: Seq, num_new: int, num_samples: int = 1) -> ScheduledSequence:
+        start = seq.num_computed
+        self.grow(seq, start + num_new)
+        return ScheduledSequence(
+            request_id=seq.request_id,
+            token_ids=tuple(seq.token_ids[start : start + num_new]),
+            start_position=start,
+            block_table=tuple(seq.block_table),
+            num_samples=num_samples,
+        )
+
+    def step(self, scheduled: list[ScheduledSequence], **moves) -> dict[str, torch.Tensor]:
+        """Run one step; returns the logits row of each sampled sequence, by request id."""
+        output = SchedulerOutput(scheduled=tuple(scheduled), **moves)
+        self.runner.apply_block_moves(output)
+        logits = self.runner.compute_logits(output.scheduled)
+        rows: dict[str, torch.Tensor] = {}
+        row = 0
+        for item in scheduled:
+            self.seqs[item.request_id].num_computed += len(item.token_ids)
+            if item.num_samples > 0:
+                rows[item.request_id] = logits[row]
+                row += 1
+        return rows
+
+    def append(self, request_id: str, token_id: int) -> None:
+        self.seqs[request_id].token_ids.append(token_id)

@@ -1,0 +1,113 @@
+"""The planner's predicted concurrency equals what the engine admits.
+
+Given a model and a KV budget in bytes, the planner predicts the blocks and the maximum
+number of concurrent sequences of a fixed length. The engine sizes its cache from the
+same budget and runs requests of that length; the peak number running must equal the
+prediction, or be one fewer: the engine keeps a 1% watermark of blocks free at admission.
+
+The lengths are chosen so that a prompt's blocks already hold every token the sequence
+will cache (prompt + output - 1): what is admitted is what runs to the end, with no
+growth and no preemption, so the peak is the steady-state concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagedllm.cli import main
+from pagedllm.planner.presets import GIB
+
+BLOCK_SIZE = 16
+TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # tiny llama: layers x KV heads x head dim x (K, V) x fp32
+TINY_CONFIG = {  # pagedllm.testing.tiny_config("llama"), as config.json
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "torch_dtype": "float32",
+}
+
+
+def _predicted(model_dir, kv_budget: int, length: int, capsys) -> dict:
+    args = ["plan", "--model", str(model_dir), "--kv-cache-memory", repr(kv_budget / GIB),
+            "--block-size", str(BLOCK_SIZE), "--context-len", str(length), "--json"]  # fmt: skip
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _run(engine, prompt_len: int, output_len: int, num_requests: int) -> int:
+    """Peak number of running sequences over the whole run."""
+    from pagedllm.sampling_params import SamplingParams
+
+    rng = random.Random(prompt_len)  # distinct prompts: no prefix sharing inflates the count
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", [rng.randrange(256) for _ in range(prompt_len)], params)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert engine.scheduler.stats().num_preemptions == 0
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "prompt_len", "output_len"),
+    [(400, 60, 4), (400, 120, 8), (400, 250, 6), (1000, 100, 12), (97, 30, 2)],
+)
+def test_fake_runner_engine_admits_the_predicted_concurrency(
+    tmp_path, capsys, num_blocks, prompt_len, output_len
+):
+    torch = pytest.importorskip("torch")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.worker.fake_runner import FakeModelRunner
+    from pagedllm.worker.kv_cache import KVCacheSpec, num_blocks_from_budget
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    kv_budget = num_blocks * BLOCK_SIZE * TOKEN_BYTES + 100  # a remainder no block can use
+    plan = _predicted(tmp_path, kv_budget, prompt_len + output_len, capsys)
+    spec = KVCacheSpec(2, 2, 16, BLOCK_SIZE, torch.float32)
+    engine_blocks = num_blocks_from_budget(spec, kv_cache_memory=kv_budget)
+    assert plan["kv_bytes_per_token"] == spec.bytes_per_token == TOKEN_BYTES
+    assert plan["geometry"]["num_blocks"] == engine_blocks == num_blocks
+
+    predicted = plan["concurrency"][0]["paged"]
+    runner = FakeModelRunner(engine_blocks, BLOCK_SIZE)
+    config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=1024,
+                          max_num_batched_tokens=prompt_len * (predicted + 8))  # fmt: skip
+    peak = _run(LLMEngine(config, runner), prompt_len, output_len, predicted + 8)
+    assert predicted - 1 <= peak <= predicted
+    # Exactly: admission keeps int(1% of blocks) free once something runs.
+    blocks_per_seq = -(-(prompt_len + output_len) // BLOCK_SIZE)
+    assert peak == (num_blocks - int(0.01 * num_blocks)) // blocks_per_seq
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_engine_admits_the_predicted_concurrency(tmp_path, capsys):
+    """End to end: a real (random) checkpoint, the engine sizing its cache from bytes."""
+    pytest.importorskip("torch")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.testing import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
+    kv_budget = 100 * BLOCK_SIZE * TOKEN_BYTES
+    prompt_len, output_len = 60, 4
+    plan = _predicted(model_dir, kv_budget, prompt_len + output_len, capsys)
+    predicted = plan["concurrency"][0]["paged"]
+    config = EngineConfig(model=str(model_dir), kv_cache_memory=kv_budget, block_size=BLOCK_SIZE,
+                          max_num_batched_tokens=prompt_len * (predicted + 4), max_num_seqs=512)  # fmt: skip
+    engine = LLMEngine.from_config(config)
+    assert plan["kv_bytes_per_token"] == TOKEN_BYTES
+    assert plan["geometry"]["num_blocks"] == engine.runner.num_blocks == 100
+    peak = _run(engine, prompt_len, output_len, predicted + 4)
+    assert predicted == 25
+    assert predicted - 1 <= peak <= predicted

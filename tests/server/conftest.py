@@ -1,0 +1,198 @@
+"""Server test harness: an app over a real ``LLMEngine`` with the ``FakeModelRunner``.
+
+Every test talks to the app in-process (``httpx.ASGITransport``) inside ``asyncio.run``;
+when the test body returns, the harness checks that the KV pool is back to no block
+held by a request (nothing leaked), then shuts the engine's step thread down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.server.app import create_app
+from pagedllm.testing import make_tiny_tokenizer
+from pagedllm.worker.fake_runner import FakeModelRunner
+
+LETTERS = range(ord("a"), ord("z") + 1)  # token id == byte value in the tiny tokenizer
+
+
+@dataclass
+class Harness:
+    app: Any
+    runner: FakeModelRunner
+    tokenizer: Any
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+    def expected_ids(
+        self, prompt_ids: Sequence[int], num_tokens: int, sample: int = 0
+    ) -> list[int]:
+        """What the fake runner generates: sample ``j`` differs only in its first token."""
+        context = list(prompt_ids)
+        out: list[int] = []
+        for i in range(num_tokens):
+            token = self.runner.next_token(context, sample if i == 0 else 0)
+            out.append(token)
+            context.append(token)
+        return out
+
+    def expected_text(self, prompt: str | Sequence[int], num_tokens: int, sample: int = 0) -> str:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.tokenizer.decode(self.expected_ids(ids, num_tokens, sample))
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def run(self, body: Callable[[httpx.AsyncClient], Awaitable[Any]], **client_kw: Any) -> Any:
+        """Run ``body(client)`` against the app, then check no block leaked and shut down."""
+
+        async def main() -> Any:
+            transport = httpx.ASGITransport(app=self.app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://test", timeout=30, **client_kw
+            ) as client:
+                try:
+                    result = await body(client)
+                    await wait_pool_free(self.engine)
+                    return result
+                finally:
+                    await self.engine.shutdown()
+
+        return asyncio.run(main())
+
+
+async def cache_report(engine: Any) -> dict[str, Any]:
+    from pagedllm.server.metrics import cache_report as build
+    from pagedllm.server.metrics import engine_snapshot
+
+    stats, waste = await engine.call(engine_snapshot)
+    return build(stats, waste)
+
+
+async def wait_pool_free(engine: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """Wait until no block is held by a request and nothing runs; fail otherwise."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        report = await cache_report(engine)
+        idle = report["running"] == report["waiting"] == report["swapped"] == 0
+        if report["blocks_used"] == 0 and idle and engine.num_in_flight == 0:
+            assert report["blocks_free"] + report["blocks_cached_free"] == report["blocks_total"]
+            return report
+        if loop.time() > deadline:
+            raise AssertionError(f"KV blocks or requests leaked: {report}")
+        await asyncio.sleep(0.01)
+
+
+class ASGIStream:
+    """Call the ASGI app directly, read its body as it is sent, and disconnect at will.
+
+    (``httpx.ASGITransport`` hands back a streaming body only once the app is done.)
+    """
+
+    def __init__(self, app: Any, path: str, body: dict[str, Any], headers: Sequence = ()):
+        self.app = app
+        self.body = json.dumps(body).encode()
+        self.scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5555),
+            "server": ("test", 80),
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json"), *headers],
+        }  # fmt: skip
+        self.status: int | None = None
+        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._body_sent = False
+        self._disconnect = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> ASGIStream:
+        self.task = asyncio.create_task(self.app(self.scope, self._receive, self._send))
+        return self
+
+    async def next_chunk(self, timeout: float = 10.0) -> bytes | None:
+        """The next body chunk (None once the response is complete)."""
+        return await asyncio.wait_for(self.chunks.get(), timeout)
+
+    async def disconnect(self) -> None:
+        self._disconnect.set()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+    async def _receive(self) -> dict[str, Any]:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self._disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                await self.chunks.put(message["body"])
+            if not message.get("more_body"):
+                await self.chunks.put(None)
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """Split an SSE body into parsed events, checking the framing on the way."""
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    parts = body.split(b"\n\n")
+    assert parts[-1] == b""
+    events: list[Any] = []
+    for part in parts[:-1]:
+        assert part.startswith(b"data: "), part
+        payload = part[len(b"data: ") :]
+        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return events[:-1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture
+def make_harness(tokenizer: Any) -> Callable[..., Harness]:
+    def make(
+        *,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 128,
+        num_host_blocks: int = 0,
+        engine_kw: dict[str, Any] | None = None,
+        runner_kw: dict[str, Any] | None = None,
+        **app_kw: Any,
+    ) -> Harness:
+        runner = FakeModelRunner(
+            num_blocks,
+            block_size,
+            vocab_size=len(tokenizer),
+            num_host_blocks=num_host_blocks,
+            allowed_token_ids=LETTERS,
+            **(runner_kw or {}),
+        )
+        config = EngineConfig(
+            block_size=block_size, max_model_len=max_model_len, **(engine_kw or {})
+        )
+        engine = LLMEngine(config, runner, tokenizer)
+        return Harness(create_app(engine, **app_kw), runner, tokenizer)
+
+    return make

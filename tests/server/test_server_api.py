@@ -1,0 +1,360 @@
+"""The OpenAI routes through httpx.ASGITransport, against the engine with the FakeModelRunner.
+
+The fake runner's tokens are a function of the context read back through the block
+tables, so ``Harness.expected_text`` says exactly what every completion must be.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .conftest import ASGIStream, sse_events
+
+
+def _dumps(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_models_and_health(make_harness):
+    h = make_harness(served_model_name="tiny")
+
+    async def body(client):
+        health = await client.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        models = (await client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert models["data"][0]["max_model_len"] == 128
+        ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        assert ok.status_code == 200 and ok.json()["model"] == "tiny"
+
+    h.run(body)
+
+
+def test_completion_text_and_usage(make_harness):
+    h = make_harness()
+    prompt = "Hello paged world"
+
+    async def body(client):
+        r = await client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 7, "temperature": 0}
+        )
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
+        [choice] = data["choices"]
+        assert choice["text"] == h.expected_text(prompt, 7)
+        assert choice["finish_reason"] == "length" and choice["index"] == 0
+        n_prompt = len(h.tokenizer.encode(prompt))
+        assert data["usage"] == {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": 7,
+            "total_tokens": n_prompt + 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+
+    h.run(body)
+
+
+def test_completion_token_id_batch_with_n(make_harness):
+    h = make_harness()
+    prompts = [[104, 105, 106, 107, 108], [120, 121, 122]]
+
+    async def body(client):
+        r = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 5, "n": 2})
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+        for c in data["choices"]:
+            prompt = prompts[c["index"] // 2]
+            assert c["text"] == h.expected_text(prompt, 5, sample=c["index"] % 2)
+        assert data["usage"]["prompt_tokens"] == 8
+        assert data["usage"]["completion_tokens"] == 20
+        # one token-id prompt (not a batch) is one choice
+        single = await client.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 3})
+        assert [c["text"] for c in single.json()["choices"]] == [h.expected_text(prompts[0], 3)]
+
+    h.run(body)
+
+
+def test_completion_echo_logprobs_and_stop(make_harness):
+    h = make_harness()
+    prompt = "echo me"
+    full = h.expected_text(prompt, 12)
+    stop = full[5:7]
+    cut = full.find(stop)
+
+    async def body(client):
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1},
+        )
+        [c] = r.json()["choices"]
+        assert c["text"] == prompt + full[:4]
+        lp = c["logprobs"]
+        assert lp["tokens"] == list(full[:4])
+        assert lp["token_logprobs"] == [0.0] * 4  # the fake runner is certain
+        assert lp["text_offset"] == [len(prompt) + i for i in range(4)]
+        assert lp["top_logprobs"][0] == {full[0]: 0.0}
+        r = await client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "stop": [stop]}
+        )
+        [c] = r.json()["choices"]
+        assert c["text"] == full[:cut]
+        assert c["finish_reason"] == "stop" and c["stop_reason"] == stop
+
+    h.run(body)
+
+
+def test_completion_stream_bytes(make_harness):
+    """The stream is exactly: one event per delta, a final usage event, [DONE]."""
+    h = make_harness()
+    prompt = "stream this"
+
+    async def body(client):
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 6,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.content)
+        first = events[0]
+        rid, created = first["id"], first["created"]
+        assert rid.startswith("cmpl-")
+        deltas = [e["choices"][0]["text"] for e in events[:-1]]
+        assert "".join(deltas) == h.expected_text(prompt, 6)
+        n_prompt = len(h.tokenizer.encode(prompt))
+        expected = b""
+        for i, text in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length" if last else None,
+                "stop_reason": None,
+            }
+            expected += _dumps(
+                {"id": rid, "object": "text_completion", "created": created,
+                 "model": "default", "choices": [choice], "usage": None}
+            )  # fmt: skip
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": 6,
+            "total_tokens": n_prompt + 6,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        expected += _dumps(
+            {"id": rid, "object": "text_completion", "created": created,
+             "model": "default", "choices": [], "usage": usage}
+        )  # fmt: skip
+        expected += b"data: [DONE]\n\n"
+        assert r.content == expected
+
+        # without include_usage: no usage key at all, no usage event
+        r = await client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "stream": True}
+        )
+        events = sse_events(r.content)
+        assert all("usage" not in e and e["choices"] for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+    h.run(body)
+
+
+def test_completion_stream_batch_n_and_echo(make_harness):
+    h = make_harness()
+    prompts = ["ab", "cd"]
+
+    async def body(client):
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": prompts, "n": 2, "max_tokens": 4, "stream": True, "echo": True},
+        )
+        texts: dict[int, str] = {}
+        finish: dict[int, str] = {}
+        for event in sse_events(r.content):
+            for c in event["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                if c["finish_reason"]:
+                    assert c["index"] not in finish
+                    finish[c["index"]] = c["finish_reason"]
+        assert finish == dict.fromkeys(range(4), "length")
+        for index, text in texts.items():
+            prompt = prompts[index // 2]
+            assert text == prompt + h.expected_text(prompt, 4, sample=index % 2)
+
+    h.run(body)
+
+
+def test_chat_completion(make_harness):
+    h = make_harness()
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    flat = [messages[0], {"role": "user", "content": "hi"}]
+    prompt_ids = h.chat_ids(flat)
+
+    async def body(client):
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "n": 2}
+        )
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+        for choice in data["choices"]:
+            expected = h.tokenizer.decode(h.expected_ids(prompt_ids, 5, choice["index"]))
+            assert choice["message"] == {"role": "assistant", "content": expected}
+            assert choice["finish_reason"] == "length"
+        assert data["usage"]["prompt_tokens"] == len(prompt_ids)
+        assert data["usage"]["completion_tokens"] == 10
+        # max_completion_tokens wins over max_tokens
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": flat, "max_tokens": 9, "max_completion_tokens": 3},
+        )
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+    h.run(body)
+
+
+def test_chat_stream_role_first_and_finish_last(make_harness):
+    h = make_harness()
+    messages = [{"role": "user", "content": "stream please"}]
+    prompt_ids = h.chat_ids(messages)
+
+    async def body(client):
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": messages,
+                "max_completion_tokens": 6,
+                "n": 2,
+                "logprobs": True,
+                "top_logprobs": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        events = sse_events(r.content)
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        usage = events[-1]
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+        per_choice: dict[int, list[dict]] = {0: [], 1: []}
+        for event in events[:-1]:
+            assert event["usage"] is None
+            [choice] = event["choices"]
+            per_choice[choice["index"]].append(choice)
+        for index, choices in per_choice.items():
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in c["delta"] for c in choices[1:])
+            assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+            text = "".join(c["delta"].get("content", "") for c in choices)
+            assert text == h.tokenizer.decode(h.expected_ids(prompt_ids, 6, index))
+            tokens = [
+                t["token"] for c in choices if c["logprobs"] for t in c["logprobs"]["content"]
+            ]
+            assert "".join(tokens) == text
+
+    h.run(body)
+
+
+def test_cached_tokens_and_cache_salt(make_harness):
+    h = make_harness(block_size=4)
+    prompt = list(range(97, 117))  # 20 tokens: 4 full blocks can be reused (cap: 19 tokens)
+
+    async def cached(client, **extra):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def body(client):
+        assert await cached(client) == 0
+        assert await cached(client) == 16
+        assert await cached(client, cache_salt="tenant-a") == 0  # isolated from the others
+        assert await cached(client, cache_salt="tenant-a") == 16
+        assert await cached(client, cache_salt="tenant-b") == 0
+
+    h.run(body)
+
+
+def test_cache_report_and_metrics(make_harness):
+    h = make_harness()
+
+    async def body(client):
+        for _ in range(2):
+            r = await client.post(
+                "/v1/completions", json={"prompt": "metrics", "max_tokens": 4, "stream": True}
+            )
+            assert r.status_code == 200
+        report = (await client.get("/v1/cache")).json()
+        for key in ("block_size", "blocks_total", "blocks_used", "blocks_cached_free",
+                    "blocks_free", "usage", "running", "waiting", "swapped"):  # fmt: skip
+            assert key in report
+        assert report["block_size"] == 4 and report["blocks_total"] == 64
+        assert set(report["waste"]) == {"internal", "external", "duplication"}
+        assert report["prefix_cache"]["queries_tokens"] > 0
+        assert report["prefix_cache"]["hits_tokens"] > 0  # the second request hit the first
+        assert report["blocks_used"] + report["blocks_cached_free"] + report["blocks_free"] == 64
+
+        text = (await client.get("/metrics")).text
+        for name in (
+            "pagedllm_num_requests_running", "pagedllm_num_requests_waiting",
+            "pagedllm_num_requests_swapped", "pagedllm_kv_blocks_used",
+            "pagedllm_kv_blocks_cached_free", "pagedllm_kv_blocks_free",
+            "pagedllm_kv_cache_usage", 'pagedllm_kv_waste_fraction{kind="internal"}',
+            'pagedllm_kv_waste_tokens{kind="duplication"}',
+            "pagedllm_prefix_cache_queries_tokens_total",
+            "pagedllm_prefix_cache_hits_tokens_total",
+            'pagedllm_num_preemptions_total{mode="recompute"}',
+            'pagedllm_num_preemptions_total{mode="swap"}',
+        ):  # fmt: skip
+            assert name in text, name
+        values = _samples(text)
+        assert values["pagedllm_generation_tokens_total"] == 8
+        assert values["pagedllm_time_to_first_token_seconds_count"] == 2
+        assert values["pagedllm_inter_token_latency_seconds_count"] >= 1
+        assert values['pagedllm_requests_finished_total{finish_reason="length"}'] == 2
+        assert values["pagedllm_kv_blocks_total"] == 64
+
+    h.run(body)
+
+
+def test_live_waste_while_running(make_harness):
+    """While a request runs, internal waste is its partly filled last block."""
+    h = make_harness(block_size=4, runner_kw={"step_delay_s": 0.02})
+
+    async def body(client):
+        stream = ASGIStream(
+            h.app, "/v1/completions",
+            {"prompt": [97, 98, 99, 100, 101], "max_tokens": 30, "stream": True},
+        ).start()  # fmt: skip
+        assert (await stream.next_chunk()).startswith(b"data: ")
+        report = (await client.get("/v1/cache")).json()
+        await stream.disconnect()
+        # 5 prompt tokens (+ a few generated) in 4-token blocks: one partial block
+        assert report["blocks_used"] >= 2 and report["running"] == 1
+        internal = report["waste"]["internal"]
+        assert 0 < internal["tokens"] < 4
+        assert internal["fraction"] == internal["tokens"] / (report["blocks_used"] * 4)
+        assert report["waste"]["external"]["tokens"] == 0
+        assert report["waste"]["duplication"]["tokens"] == 0
+
+    h.run(body)
+
+
+def _samples(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

@@ -1,0 +1,124 @@
+"""A real uvicorn on 127.0.0.1 (random free port) serving a tiny random checkpoint,
+driven by the real ``openai`` client: completions, chat, streaming, n>1, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.server.app import create_app
+from pagedllm.testing import make_tiny_checkpoint
+
+API_KEY = "test-key"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(checkpoint), num_blocks=128, block_size=4, max_model_len=256)
+    )
+    app = create_app(engine, api_key=API_KEY, served_model_name="tiny")
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _cache(server: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.get(f"{server}/v1/cache", headers=headers, timeout=10).json()
+
+
+def test_completions_plain_and_streamed_agree(client: openai.OpenAI, server: str) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    plain = client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, **GREEDY)
+    [choice] = plain.choices
+    assert choice.finish_reason == "length"
+    assert plain.usage.completion_tokens == 8
+    assert plain.usage.prompt_tokens == len("Once upon")
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="Once upon", max_tokens=8, stream=True,
+            stream_options={"include_usage": True}, **GREEDY,
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # the second identical prompt hit the prefix cache (2 full blocks of 4 of 9 tokens)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_n_and_batch(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model="tiny", prompt=["alpha", "beta"], n=2, max_tokens=4, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2, 3]
+    assert result.usage.prompt_tokens == len("alpha") + len("beta")
+
+
+def test_chat_plain_and_streamed_with_n(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is paged attention?"}]
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=6, n=2, **GREEDY
+    )
+    assert len(plain.choices) == 2
+    assert all(c.message.role == "assistant" for c in plain.choices)
+    assert plain.choices[0].message.content == plain.choices[1].message.content  # greedy
+    assert plain.usage.completion_tokens == 12
+
+    texts: dict[int, str] = {0: "", 1: ""}
+    roles: dict[int, str | None] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, n=2, stream=True, **GREEDY
+    ):
+        for c in chunk.choices:
+            roles.setdefault(c.index, c.delta.role)
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert finish == {0: "length", 1: "length"}
+    assert texts[0] == texts[1] == plain.choices[0].message.content
+
+
+def test_errors_through_the_client(client: openai.OpenAI, server: str) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5, temperature=7.0)
+    assert "temperature" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="other-model", prompt="x", max_tokens=2)
+    assert httpx.get(f"{server}/health").status_code == 200  # no key needed
+    report = _cache(server)
+    assert report["blocks_used"] == 0 and report["running"] == 0
