@@ -239,3 +239,60 @@ def test_stats_count_tokens_and_prefix_hits(fake_engine: Callable[..., LLMEngine
 
 def _fields(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def test_priority_orders_admission(fake_engine: Callable[..., LLMEngine]) -> None:
+    engine = fake_engine(max_num_seqs=1)
+    engine.add_request("low", "first come", SamplingParams(max_tokens=2), priority=5)
+    engine.add_request("high", "second come", SamplingParams(max_tokens=2), priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("FUZZ_SEEDS", "12"))))
+def test_random_workloads_on_tiny_caches_match_the_reference(
+    seed: int, fake_engine: Callable[..., LLMEngine], tokenizer: Any
+) -> None:
+    import random
+
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    engine = fake_engine(
+        num_blocks=max(rng.choice([10, 16, 40]), 40 // block_size),
+        block_size=block_size,
+        preemption_mode=rng.choice(["recompute", "swap", "auto"]),
+        host_blocks=rng.choice([0, 6, 50]),
+        max_num_batched_tokens=rng.choice([3, 8, 64]),
+        max_num_seqs=rng.choice([3, 5, 16]),
+        enable_prefix_caching=rng.random() < 0.7,
+        max_model_len=40,
+    )
+    stems = ["shared system words ", "other ", ""]
+    expected: dict[str, tuple[list[int], int, int]] = {}
+    aborted: set[str] = set()
+    for step in range(2000):
+        if step < 60 and rng.random() < 0.3:
+            rid = f"r{step}"
+            prompt = rng.choice(stems) + "".join(rng.choice("abcdef ") for _ in range(rng.randint(1, 9)))
+            ids = tokenizer.encode(prompt)[:30]
+            max_tokens, n = rng.randint(1, 40 - len(ids)), rng.choice([1, 1, 2, 3])
+            engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, n=n))
+            expected[rid] = (ids, max_tokens, n)
+        if expected and rng.random() < 0.03:
+            victim = rng.choice(sorted(expected))
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for output in engine.step():
+            if output.finished:
+                ids, max_tokens, n = expected[output.request_id]
+                assert len(output.outputs) == n
+                for c in output.outputs:
+                    assert list(c.token_ids) == reference(engine.runner, ids, max_tokens, c.index)
+                expected.pop(output.request_id)
+        engine.kv.check_invariants()
+        if step >= 60 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert set(expected) <= aborted

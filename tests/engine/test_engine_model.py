@@ -6,10 +6,10 @@ import random
 from collections.abc import Callable
 
 import pytest
+from tests.engine.conftest import run_all
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
-from tests.engine.conftest import run_all
 
 MAX_TOKENS = 12
 
@@ -17,12 +17,14 @@ MAX_TOKENS = 12
 def prompts() -> list[list[int]]:
     rng = random.Random(5)
     system = [rng.randrange(256) for _ in range(19)]  # a shared prefix, not block-aligned
-    return [
-        system + [rng.randrange(256) for _ in range(n)] for n in (3, 11, 1)
-    ] + [[rng.randrange(256) for _ in range(n)] for n in (2, 26)]
+    return [system + [rng.randrange(256) for _ in range(n)] for n in (3, 11, 1)] + [
+        [rng.randrange(256) for _ in range(n)] for n in (2, 26)
+    ]
 
 
-def generate(engine: LLMEngine, params: SamplingParams | None = None) -> list[list[tuple[int, ...]]]:
+def generate(
+    engine: LLMEngine, params: SamplingParams | None = None
+) -> list[list[tuple[int, ...]]]:
     params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts()):
         engine.add_request(str(i), prompt, params)
@@ -42,7 +44,9 @@ def baseline(model_engine: Callable[..., LLMEngine]) -> list[list[tuple[int, ...
 VARIANTS = {
     "prefix-cache": dict(num_blocks=256),
     "chunk-5": dict(num_blocks=256, max_num_batched_tokens=5),
-    "chunk-16-no-prefix": dict(num_blocks=256, max_num_batched_tokens=16, enable_prefix_caching=False),
+    "chunk-16-no-prefix": dict(
+        num_blocks=256, max_num_batched_tokens=16, enable_prefix_caching=False
+    ),
     "recompute-tiny": dict(num_blocks=18, preemption_mode="recompute"),
     "swap-tiny": dict(num_blocks=18, preemption_mode="swap", num_host_blocks=64),
     "auto-tiny-chunk-7": dict(

@@ -48,7 +48,10 @@ def build_checkpoint(path: Path, arch: str = "llama", **overrides) -> Path:
 VARIANTS = {
     "llama_gqa": ("llama", {}),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
-    "llama_mha_bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True}),
+    "llama_mha_bias": (
+        "llama",
+        {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True},
+    ),
     "llama3_rope": (
         "llama",
         {

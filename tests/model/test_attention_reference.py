@@ -31,7 +31,10 @@ def run_case(block_size: int, cached: list[int], new: list[int], seed: int = 0) 
     generator = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new, strict=True)) + 3
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    k_cache, v_cache = (
+        torch.randn(shape, generator=generator),
+        torch.randn(shape, generator=generator),
+    )
     free = torch.randperm(num_blocks, generator=generator).tolist()
     scheduled, full_k, full_v = [], [], []
     for i, (num_cached, num_new) in enumerate(zip(cached, new, strict=True)):
@@ -39,7 +42,9 @@ def run_case(block_size: int, cached: list[int], new: list[int], seed: int = 0) 
         table = [free.pop() for _ in range(-(-seq_len // block_size))]
         k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
         v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-        prefix = ScheduledSequence(f"s{i}", (0,) * num_cached, 0, tuple(table)) if num_cached else None
+        prefix = (
+            ScheduledSequence(f"s{i}", (0,) * num_cached, 0, tuple(table)) if num_cached else None
+        )
         if prefix is not None:  # put the cached prefix into its slots first
             meta = build_input_batch([prefix], block_size).meta
             write_kv(k[:num_cached], v[:num_cached], k_cache, v_cache, meta.slot_mapping)

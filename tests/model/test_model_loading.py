@@ -22,9 +22,17 @@ def config_dict(arch: str = "llama", **overrides) -> dict:
 @pytest.mark.parametrize(
     ("arch", "overrides", "message"),
     [
-        ("llama", {"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+        (
+            "llama",
+            {"architectures": ["GPT2LMHeadModel"]},
+            "unsupported architecture 'GPT2LMHeadModel'",
+        ),
         ("mistral", {"sliding_window": 128}, "sliding_window=128"),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "sliding"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            "sliding",
+        ),
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -88,8 +96,13 @@ def test_family_specifics() -> None:
     raw = config_dict("qwen3")
     del raw["head_dim"]  # Qwen3's default head_dim is 128, not hidden/heads
     assert parse_config(raw).head_dim == 128
-    llama = parse_config(config_dict(attention_bias=True))
-    assert llama.qkv_bias and llama.o_bias
+    llama = parse_config(config_dict(attention_bias=True, mlp_bias=True))
+    assert llama.qkv_bias and llama.o_bias and llama.mlp_bias
+    # transformers hard-codes these families' biases, whatever the config says.
+    qwen2_flagged = parse_config({**config_dict("qwen2"), "attention_bias": True})
+    assert qwen2_flagged.qkv_bias and not qwen2_flagged.o_bias
+    mistral = parse_config({**config_dict("mistral"), "attention_bias": True, "mlp_bias": True})
+    assert not (mistral.qkv_bias or mistral.o_bias or mistral.mlp_bias)
     assert llama.num_kv_heads == 2 and llama.eos_token_ids == (256,)
 
 

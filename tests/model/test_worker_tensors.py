@@ -42,6 +42,13 @@ def test_input_batch_refuses_short_block_table() -> None:
         build_input_batch([ScheduledSequence("a", (1, 2, 3), 2, (0,))], block_size=4)
 
 
+def test_input_batch_refuses_block_outside_cache() -> None:
+    scheduled = [ScheduledSequence("a", (1, 2), 0, (3,))]
+    assert build_input_batch(scheduled, block_size=4, num_blocks=4).num_tokens == 2
+    with pytest.raises(ValueError, match="block id 3 >= num_blocks 3"):
+        build_input_batch(scheduled, block_size=4, num_blocks=3)
+
+
 def test_input_batch_refuses_empty() -> None:
     with pytest.raises(ValueError):
         build_input_batch([], block_size=4)

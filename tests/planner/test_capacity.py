@@ -27,6 +27,7 @@ from pagedllm.planner.presets import (
     MIB,
     dtype_bytes,
     model_presets,
+    parse_size,
     resolve_memory,
     resolve_model,
     spec_from_config,
@@ -115,6 +116,9 @@ def test_config_json_on_disk_reads_like_the_preset(tmp_path):
 def test_memory_inputs():
     assert resolve_memory("80").memory_bytes == 80 * GIB
     assert resolve_memory("24GiB").memory_bytes == 24 * GIB
+    assert resolve_memory("512MiB").memory_bytes == 512 * MIB
+    assert resolve_memory("2GB").memory_bytes == 2 * 10**9
+    assert parse_size("1.5G") == 3 * GIB // 2
     assert resolve_memory("H100-80GB").memory_bytes == 81559 * MIB
     assert resolve_memory("this machine").memory_bytes > 0
     with pytest.raises(ValueError, match="--memory"):

@@ -36,15 +36,25 @@ def test_startup_report_figures_by_hand():
     assert "23,040 bytes per token" in text
     assert "512 blocks x 16 tokens = 8,192 tokens" in text
     assert "4 at max_model_len 2,048 tokens, 16 at 500 tokens" in text
+    assert "(180MiB)" in text  # 512 x 16 x 23,040 bytes
+    same = startup_report(SMOL, 2, 16, 512, 1024)  # typical length defaults to 1,024
+    assert (
+        "Maximum concurrency (whole blocks per sequence): 8 at max_model_len 1,024 tokens\n" in same
+    )
 
 
 def test_startup_report_names_the_knob():
     too_small = startup_report(SMOL, 2, 16, 100, 8192)
     assert "too small for one 8,192-token sequence" in too_small
-    assert "--max-model-len to 1,600 or less" in too_small
-    # 100,000 blocks of 16 tokens hold 1,562 typical sequences; 8 run at once.
+    # One 8,192-token sequence: 512 blocks x 16 x 23,040 bytes = 180 MiB; four: 720 MiB.
+    assert "--kv-cache-memory at least 180MiB (720MiB for 4)" in too_small
+    assert "lower --max-model-len to 1,600" in too_small
+    assert "16-bit --dtype" not in too_small  # already 16-bit
+    assert "16-bit --dtype" in startup_report(SMOL, 4, 16, 100, 8192)
+    # 100,000 blocks of 16 tokens hold 1,562 typical (1,024-token) sequences; 8 run at once,
+    # and 8 x 64 blocks x 368,640 bytes = 180 MiB would hold them.
     too_large = startup_report(SMOL, 2, 16, 100_000, 2048, max_num_seqs=8)
-    assert "the surplus only serves as prefix cache" in too_large
+    assert "the surplus only serves as prefix cache; --kv-cache-memory 180MiB" in too_large
     crowding = startup_report(SMOL, 2, 16, 10_000, 2048, memory_bytes=4 * GIB)
     assert "lower --kv-cache-memory or --memory-fraction" in crowding
     few = startup_report(SMOL, 2, 16, 130, 2048)
@@ -85,8 +95,11 @@ def test_plan_reads_a_config_and_a_trace(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(SMOL))
     trace = tmp_path / "trace.jsonl"
     trace.write_text(
-        "\n".join(json.dumps({"prompt_tokens": 300, "output_tokens": 100, "prefix_id": "a"})
-                  for _ in range(10)) + "\n"  # fmt: skip
+        "\n".join(
+            json.dumps({"prompt_tokens": 300, "output_tokens": 100, "prefix_id": "a"})
+            for _ in range(10)
+        )
+        + "\n"  # fmt: skip
     )
     plan = _plan_json(capsys, "--model", str(tmp_path), "--kv-cache-memory", "1", "--trace", str(trace),
                       "--shared-prefix", "256")  # fmt: skip
@@ -101,6 +114,8 @@ def test_bad_input_is_reported_not_raised(capsys):
     assert "--model" in capsys.readouterr().out
     assert main(["plan", "--memory", "lots"]) == 2
     assert main(["plan", "--model", "Llama-3.1-8B", "--context-len", "999999"]) == 2
+    with pytest.raises(SystemExit):  # argparse: "not a size"
+        main(["plan", "--kv-cache-memory", "lots"])
 
 
 def test_plot_writes_a_png(tmp_path, capsys):

@@ -165,6 +165,14 @@ def sse_events(body: bytes) -> list[Any]:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random Llama checkpoint (byte tokenizer, ChatML template)."""
+    from pagedllm.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

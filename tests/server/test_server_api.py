@@ -358,3 +358,30 @@ def _samples(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+def test_duplication_waste_shows_when_prefix_caching_is_off(make_harness):
+    """Two live requests with the same 12-token prompt: stored twice without the
+    prefix cache, once (bar the partial tail block) with it."""
+    measured = {}
+    for caching in (False, True):
+        h = make_harness(
+            block_size=4,
+            engine_kw={"enable_prefix_caching": caching},
+            runner_kw={"step_delay_s": 0.02},
+        )
+        payload = {"prompt": list(range(97, 109)), "max_tokens": 40, "stream": True}
+
+        async def body(client, h=h, payload=payload, caching=caching):
+            first = ASGIStream(h.app, "/v1/completions", payload).start()
+            await first.next_chunk()
+            second = ASGIStream(h.app, "/v1/completions", payload).start()
+            await second.next_chunk()
+            report = (await client.get("/v1/cache")).json()
+            await first.disconnect()
+            await second.disconnect()
+            measured[caching] = report["waste"]["duplication"]["tokens"]
+
+        h.run(body)
+    assert measured[False] >= 12
+    assert measured[True] < 12

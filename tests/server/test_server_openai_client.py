@@ -16,17 +16,15 @@ import uvicorn
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.app import create_app
-from pagedllm.testing import make_tiny_checkpoint
 
 API_KEY = "test-key"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+def server(tiny_checkpoint: Any) -> Iterator[str]:
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(checkpoint), num_blocks=128, block_size=4, max_model_len=256)
+        EngineConfig(model=str(tiny_checkpoint), num_blocks=128, block_size=4, max_model_len=256)
     )
     app = create_app(engine, api_key=API_KEY, served_model_name="tiny")
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
@@ -122,3 +120,52 @@ def test_errors_through_the_client(client: openai.OpenAI, server: str) -> None:
     assert httpx.get(f"{server}/health").status_code == 200  # no key needed
     report = _cache(server)
     assert report["blocks_used"] == 0 and report["running"] == 0
+
+
+def test_logprobs_through_the_client(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
+    text = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2, **GREEDY)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+
+
+EDGE_VALUES = [
+    {"top_k": 100000},
+    {"top_k": -1, "top_p": 0.01},
+    {"seed": 2**63 - 1, "temperature": 1.5},
+    {"seed": -(2**63)},
+    {"min_p": 1.0},
+    {"temperature": 1e-9},
+    {"repetition_penalty": 100.0, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+    {"logprobs": 20},
+    {"stop_token_ids": [99999]},
+    {"stop": ["a", "b", "c", "d", "e", "f"]},
+    {"logit_bias": {"5": 100, "7": -100}},
+    {"logit_bias": {"999999": 1}},
+    {"min_tokens": 3, "max_tokens": 3},
+    {"n": 16, "max_tokens": 2},
+    {"prompt": [0]},
+    {"prompt": [319] * 200, "max_tokens": 56},
+]
+
+
+def test_edge_values_answer_200_or_400_never_5xx(server: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for extra in EDGE_VALUES:
+        body = {"model": "tiny", "prompt": "edge", "max_tokens": 3, **extra}
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code in (200, 400), (extra, r.status_code, r.text)
+    assert _cache(server)["blocks_used"] == 0

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata, write_kv
-from pagedllm.attention.reference import causal_mask, gather_context
+from pagedllm.attention.reference import causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -84,20 +84,22 @@ class CpuAttention:
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = torch.empty(q.shape, dtype=cache_dtype, device=q.device)
+        short = [n <= self.max_kernel_query_len for n in meta.query_lens_list]
         if self._kernel_applies(q, k_cache):
-            self._op(
-                out,
-                q,
-                k_cache,
-                v_cache,
-                _int32(meta.block_tables),
-                _int32(meta.seq_lens),
-                _int32(meta.query_start_loc),
-                scale,
-                self.max_kernel_query_len,
-                self.rows_per_task,
-            )
-            rest = [i for i, n in enumerate(meta.query_lens_list) if n > self.max_kernel_query_len]
+            if any(short):
+                self._op(
+                    out,
+                    q,
+                    k_cache,
+                    v_cache,
+                    _int32(meta.block_tables),
+                    _int32(meta.seq_lens),
+                    _int32(meta.query_start_loc),
+                    scale,
+                    self.max_kernel_query_len,
+                    self.rows_per_task,
+                )
+            rest = [i for i, ok in enumerate(short) if not ok]
         else:
             decode = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
             if decode:
@@ -186,13 +188,20 @@ def _prefill_sdpa(
                 qi, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
-            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+            k = _gather(k_cache, meta.block_tables[i], seq_len)
+            v = _gather(v_cache, meta.block_tables[i], seq_len)
             mask = causal_mask(query_len, seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[start : start + query_len] = o.squeeze(0).transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[1, num_kv_heads, seq_len, head_dim] view of one context, copied block by block."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.view(-1, cache.shape[2], cache.shape[3])[:seq_len].transpose(0, 1).unsqueeze(0)
 
 
 def cache_dir() -> Path:

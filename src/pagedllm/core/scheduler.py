@@ -197,18 +197,27 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
         """Advance counters, append sampled tokens, fork parallel samples, finish."""
         updates: list[SequenceUpdate] = []
-        for i, seq in enumerate(output.scheduled):
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) since it was scheduled
-            request.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_full_blocks(request)
+        for i, request in self.advance(output):
             tokens = result.sampled_token_ids[i] if i < len(result.sampled_token_ids) else ()
             if not tokens:
                 continue
             logprobs = result.logprobs[i] if i < len(result.logprobs) else None
             updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
         return updates
+
+    def advance(self, output: SchedulerOutput) -> list[tuple[int, Request]]:
+        """The model ran ``output``: advance ``num_computed_tokens`` and register
+        newly full blocks. Returns ``(index in output.scheduled, request)`` for the
+        requests still running (one finished since ``schedule()`` is skipped)."""
+        advanced = []
+        for i, seq in enumerate(output.scheduled):
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request)
+            advanced.append((i, request))
+        return advanced
 
     def fork(self, parent: Request, child_id: str) -> Request:
         """A new running request sharing all of ``parent``'s blocks (and tokens)."""
@@ -275,7 +284,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            assert num_new > 0, "a running request always has a token to compute"
+            if num_new <= 0:
+                continue  # parked: a beam waiting for its siblings (beam search)
             copies = self._allocate_or_preempt(request, num_new, step)
             if copies is not None:
                 step.add(request, num_new, copies)
@@ -327,8 +337,12 @@ class Scheduler:
     # --------------------------------------------------------------- swapped
 
     def _schedule_swapped(self, step: _Step) -> None:
+        # Swap in first, allocate after: requests swapped out together may come back
+        # sharing a block, and one must not write into it before the other holds it
+        # (allocate_slots then sees the share and copies on write).
+        resumed = []
         for request in sorted(self.swapped, key=self._priority_key):
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if len(resumed) >= step.budget or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self.kv.can_swap_in(request):
                 break
@@ -340,6 +354,10 @@ class Scheduler:
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            resumed.append(request)
+        for request in resumed:
+            if step.budget <= 0:
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             allocation = self.kv.allocate_slots(request, num_new)
             if allocation is not None:  # else it is running and grows next step

@@ -216,8 +216,10 @@ class AsyncEngine:
         try:
             await self._submit(lambda: self._add_all(specs))
         except BaseException:
+            # Refused, or the caller was cancelled while the add was queued: in the
+            # latter case the add still runs, so abort after it (commands run in order).
             for stream in streams:
-                self._forget(stream)
+                self.abort(stream.request_id)
             raise
         return streams
 
@@ -315,6 +317,7 @@ class AsyncEngine:
             if stream.first_output_time is None:
                 self._num_queued -= 1
         stream.finished = True
+        stream._latest = None  # aborted: nothing more is delivered
         stream._ready.set()  # a waiting iterator ends instead of hanging
 
     def _deliver(self, outputs: Sequence[RequestOutput], step_time: float) -> None:

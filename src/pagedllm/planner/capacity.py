@@ -66,7 +66,9 @@ def kv_bytes_per_token(
     return int(round(elements * kv_dtype_bytes))
 
 
-def kv_formula(model_config: ModelSpec | Mapping[str, Any], kv_dtype_bytes: float, tp: int = 1) -> str:
+def kv_formula(
+    model_config: ModelSpec | Mapping[str, Any], kv_dtype_bytes: float, tp: int = 1
+) -> str:
     """``kv_bytes_per_token`` written out, e.g. ``32 layers x 8 KV heads x ... = 131,072 bytes``."""
     spec = _spec(model_config)
     total = kv_bytes_per_token(spec, kv_dtype_bytes, tp)
@@ -80,7 +82,9 @@ def kv_formula(model_config: ModelSpec | Mapping[str, Any], kv_dtype_bytes: floa
     kind = spec.attention.upper()
     heads = f"{spec.num_kv_heads} KV heads"
     if tp > 1:
-        heads = f"({spec.num_kv_heads} KV heads / TP {tp} -> {_kv_heads_per_rank(spec, tp)} per rank)"
+        heads = (
+            f"({spec.num_kv_heads} KV heads / TP {tp} -> {_kv_heads_per_rank(spec, tp)} per rank)"
+        )
     return (
         f"{kind}: {spec.num_layers} layers x {heads} x {spec.head_dim} head dim x "
         f"2 (K and V) x {size} = {total:,} bytes/token"
@@ -135,7 +139,11 @@ def reserve_bytes_estimate(model_config: ModelSpec | Mapping[str, Any], tp: int 
     the one number the user may want to override (``--reserve``).
     """
     spec = _spec(model_config)
-    inter = spec.moe_intermediate_size * spec.num_experts_per_tok if spec.is_moe else spec.intermediate_size
+    inter = (
+        spec.moe_intermediate_size * spec.num_experts_per_tok
+        if spec.is_moe
+        else spec.intermediate_size
+    )
     per_token = (4 * spec.hidden_size + 2 * inter // tp) * 4
     return per_token * ACTIVATION_CHUNK_TOKENS + spec.vocab_size * LOGITS_ROWS * 4
 
@@ -273,7 +281,10 @@ def max_concurrency(geometry: CacheGeometry, workload: Workload, max_model_len: 
     tokens, bs = geometry.num_tokens, geometry.block_size
     blocks = [blocks_needed(n, bs) for n in workload.lengths]
     shared = _shared_blocks(workload, bs)
-    own = [b - shared_full for b, shared_full in zip(blocks, _own_prefix_blocks(workload, bs), strict=True)]
+    own = [
+        b - shared_full
+        for b, shared_full in zip(blocks, _own_prefix_blocks(workload, bs), strict=True)
+    ]
     return Concurrency(
         contiguous_max=tokens // max_model_len,
         contiguous_exact=int(tokens / workload.mean_length),
@@ -360,7 +371,7 @@ def recommend_block_size(
     workload: Workload,
     max_model_len: int,
     candidates: Sequence[int] = BLOCK_SIZE_CANDIDATES,
-    tolerance: float = 0.01,
+    tolerance: float = 0.02,
 ) -> BlockSizeAdvice:
     """Waste at each candidate block size beside its per-block overhead, and a choice.
 
@@ -379,18 +390,25 @@ def recommend_block_size(
     smallest = min(rows, key=lambda row: row.block_size)
     reasoning = (
         f"best concurrency among block sizes {candidates[0]}..{candidates[-1]} is {best:,}; "
-        f"block size {chosen.block_size} keeps {chosen.concurrency:,} "
-        f"(within {tolerance:.0%}) with {chosen.table_ops_per_1k_tokens:.0f} block operations "
-        f"per 1k tokens instead of {smallest.table_ops_per_1k_tokens:.0f} at {smallest.block_size}; "
-        f"its last-block waste is {chosen.internal_waste_fraction:.1%} of the cache"
+        f"block size {chosen.block_size} keeps {chosen.concurrency:,} (within {tolerance:.0%})"
     )
+    if chosen is not smallest:
+        reasoning += (
+            f" with {chosen.table_ops_per_1k_tokens:.0f} block operations per 1k tokens instead "
+            f"of {smallest.table_ops_per_1k_tokens:.0f} at {smallest.block_size}"
+        )
+    reasoning += f"; its last-block waste is {chosen.internal_waste_fraction:.1%} of the cache"
     larger = [row for row in rows if row.block_size > chosen.block_size]
     if larger:
         nxt = larger[0]
         reasoning += (
             f"; {nxt.block_size} would drop to {nxt.concurrency:,} "
             f"({nxt.internal_waste_fraction:.1%} waste"
-            + (f", {nxt.prefix_unshared_tokens} prompt tokens unshared" if nxt.prefix_unshared_tokens else "")
+            + (
+                f", {nxt.prefix_unshared_tokens} prompt tokens unshared"
+                if nxt.prefix_unshared_tokens
+                else ""
+            )
             + ")"
         )
     return BlockSizeAdvice(rows, chosen.block_size, reasoning)
@@ -492,14 +510,20 @@ def verdict(
             f"{model_name} cannot hold one of the {sessions}: one needs {need / GIB:.2f} GiB of "
             f"cache, the budget is {budget.kv_budget_bytes / GIB:.2f} GiB; the cache is the limit"
         )
-    limit = (
-        "the cache is the limit"
-        if budget.weight_share < 0.5
-        else "the weights take most of it (a larger --tp or a smaller --weight-dtype frees cache)"
-    )
+    if budget.weight_share < 0.5:
+        limit = f"the weights are {weight_pct} of memory, the cache is the limit"
+    else:
+        limit = (
+            f"the weights are {weight_pct} of memory and leave the cache little room "
+            "(a larger --tp or a smaller --weight-dtype frees some)"
+        )
+    if concurrency.paged_shared > concurrency.paged:
+        how = f"paged, sharing the prompt; {concurrency.paged:,} without sharing"
+    else:
+        how = "paged"
     return (
-        f"{model_name} fits {best:,} concurrent {sessions} (paged; {concurrency.contiguous_max:,} "
-        f"with max-length reservation); the weights are {weight_pct} of memory, {limit}"
+        f"{model_name} fits {best:,} concurrent {sessions} ({how}; "
+        f"{concurrency.contiguous_max:,} with max-length reservation); {limit}"
     )
 
 
@@ -511,7 +535,7 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def scan_lengths(max_model_len: int, points: int = 40) -> list[int]:
+def scan_lengths(max_model_len: int, points: int = 160) -> list[int]:
     """Context lengths from 128 to ``max_model_len``, evenly spaced on a log scale."""
     low = min(128, max_model_len)
     if max_model_len <= low:
@@ -533,4 +557,3 @@ def concurrency_curve(
         for scheme in SCHEMES:
             curve[scheme].append((length, conc.get(scheme)))
     return curve
-

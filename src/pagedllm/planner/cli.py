@@ -8,7 +8,14 @@ from dataclasses import asdict
 from typing import Any
 
 from pagedllm.planner import capacity as cap
-from pagedllm.planner.presets import GIB, MIB, dtype_bytes, resolve_memory, resolve_model
+from pagedllm.planner.presets import (
+    GIB,
+    MIB,
+    dtype_bytes,
+    parse_size,
+    resolve_memory,
+    resolve_model,
+)
 from pagedllm.planner.workloads import (
     TraceEntry,
     describe,
@@ -33,19 +40,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="share of the memory for weights + activations + cache (default 0.9)")  # fmt: skip
     m.add_argument("--weight-dtype", default="auto", help="bf16, fp16, fp32, fp8, int8, int4; "
                    "auto = the config's dtype")  # fmt: skip
-    m.add_argument("--kv-dtype", default="auto", help="cache dtype; auto = bf16 (fp32 for fp32 models)")
+    m.add_argument(
+        "--kv-dtype", default="auto", help="cache dtype; auto = bf16 (fp32 for fp32 models)"
+    )
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (memory is per device)")
+    m.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (memory is per device)"
+    )
     m.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
-    m.add_argument("--reserve", type=float, help="activation reserve in GiB (default: estimated)")
-    m.add_argument("--kv-cache-memory", type=float,
-                   help="KV budget in GiB, instead of deriving it from --memory")  # fmt: skip
+    m.add_argument("--reserve", type=_size_arg,
+                   help="activation reserve, e.g. 2GiB (default: estimated)")  # fmt: skip
+    m.add_argument("--kv-cache-memory", type=_size_arg,
+                   help="KV budget, e.g. 4GiB (a bare number is GiB), instead of deriving it "
+                   "from --memory")  # fmt: skip
     w = parser.add_argument_group("lengths (one of)")
     source = w.add_mutually_exclusive_group()
     source.add_argument("--context-len", type=int, nargs="+", metavar="N",
                         help="fixed sequence lengths, prompt + output (default: a few up to max)")  # fmt: skip
-    source.add_argument("--dist", choices=["sharegpt", "alpaca"], help="a named length distribution")
-    source.add_argument("--trace", help="JSONL: prompt_tokens, output_tokens[, prefix_id, prefix_tokens]")
+    source.add_argument(
+        "--dist", choices=["sharegpt", "alpaca"], help="a named length distribution"
+    )
+    source.add_argument(
+        "--trace", help="JSONL: prompt_tokens, output_tokens[, prefix_id, prefix_tokens]"
+    )
     w.add_argument("--num-requests", type=int, default=1000, help="requests drawn for --dist")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--shared-prefix", type=int, default=0,
@@ -57,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="replay the lengths through the real scheduler and block manager")  # fmt: skip
     s.add_argument("--arrival-rate", type=float, default=4.0, help="requests per second (Poisson)")
     s.add_argument("--step-ms", type=float, default=10.0, help="cost model: fixed ms per step")
-    s.add_argument("--token-ms", type=float, default=0.05, help="cost model: ms per scheduled token")
+    s.add_argument(
+        "--token-ms", type=float, default=0.05, help="cost model: ms per scheduled token"
+    )
     s.add_argument("--sim-requests", type=int, default=200, help="requests replayed (default 200)")
     s.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="recompute")
     s.add_argument("--max-num-seqs", type=int, default=256, help="scheduler: sequences per step")
@@ -65,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="scheduler: tokens per step (chunked prefill)")  # fmt: skip
     s.add_argument("--plot", metavar="FILE.png", help="write the plots (matplotlib)")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,11 +125,14 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     max_model_len = args.max_model_len or spec.max_position_embeddings
     kvpt = cap.kv_bytes_per_token(spec, dtype_bytes(kv_dtype), args.tp)
     weights = cap.weight_bytes(spec, dtype_bytes(weight_dtype), args.tp)
-    reserve = int(args.reserve * GIB) if args.reserve is not None else cap.reserve_bytes_estimate(spec, args.tp)
+    reserve = (
+        args.reserve if args.reserve is not None else cap.reserve_bytes_estimate(spec, args.tp)
+    )
     budget = cap.kv_budget(device.memory_bytes, args.memory_fraction, weights, reserve)
     if args.kv_cache_memory is not None:
-        budget = cap.Budget(device.memory_bytes, args.memory_fraction, weights, reserve,
-                            int(args.kv_cache_memory * GIB))  # fmt: skip
+        budget = cap.Budget(
+            device.memory_bytes, args.memory_fraction, weights, reserve, args.kv_cache_memory
+        )
     geometry = cap.cache_geometry(budget.kv_budget_bytes, kvpt, args.block_size)
     workloads, entries = _workloads(args, max_model_len)
     target = args.target_concurrency or DEFAULT_TARGET
@@ -119,18 +148,30 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         for s in cap.SCHEMES
     }
     return {
-        "model": {"name": spec.name, "attention": spec.attention, "num_layers": spec.num_layers,
-                  "params": cap.param_count(spec), "max_model_len": max_model_len},  # fmt: skip
+        "model": {
+            "name": spec.name,
+            "attention": spec.attention,
+            "num_layers": spec.num_layers,
+            "params": cap.param_count(spec),
+            "max_model_len": max_model_len,
+        },  # fmt: skip
         "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
         "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
         "kv_bytes_per_token": kvpt,
         "kv_formula": cap.kv_formula(spec, dtype_bytes(kv_dtype), args.tp),
         "budget": asdict(budget),
         "budget_given": args.kv_cache_memory is not None,
-        "geometry": {**asdict(geometry), "num_tokens": geometry.num_tokens, "block_bytes": geometry.block_bytes},
+        "geometry": {
+            **asdict(geometry),
+            "num_tokens": geometry.num_tokens,
+            "block_bytes": geometry.block_bytes,
+        },
         "shared_prefix": args.shared_prefix,
-        "workload": {"label": main.label, "summary": describe(entries) if entries else None,
-                     "num_sequences": len(main.lengths)},  # fmt: skip
+        "workload": {
+            "label": main.label,
+            "summary": describe(entries) if entries else None,
+            "num_sequences": len(main.lengths),
+        },  # fmt: skip
         "concurrency": rows,
         "target_concurrency": target,
         "length_below_target": below,
@@ -138,30 +179,44 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             cap.verdict(spec.name, budget, w, cap.max_concurrency(geometry, w, max_model_len), kvpt)
             for w in workloads
         ],
-        "block_size_advice": {"block_size": blocks.block_size, "reasoning": blocks.reasoning,
-                              "rows": [asdict(r) for r in blocks.rows]},  # fmt: skip
+        "block_size_advice": {
+            "block_size": blocks.block_size,
+            "reasoning": blocks.reasoning,
+            "rows": [asdict(r) for r in blocks.rows],
+        },  # fmt: skip
         "memory_fraction_advice": asdict(fraction) | {"scheme": scheme},
         "curve": cap.concurrency_curve(geometry, max_model_len, args.shared_prefix),
         "trace": [asdict(e) for e in entries] if args.simulate else None,
     }
 
 
-def _workloads(args: argparse.Namespace, max_model_len: int) -> tuple[list[cap.Workload], list[TraceEntry]]:
+def _workloads(
+    args: argparse.Namespace, max_model_len: int
+) -> tuple[list[cap.Workload], list[TraceEntry]]:
     if args.trace:
         entries = read_trace(args.trace, args.shared_prefix)
         return [trace_workload(f"trace {args.trace}", entries)], entries
     if args.dist:
-        entries = sample_distribution(args.dist, args.num_requests, max_model_len, args.seed, args.shared_prefix)
+        entries = sample_distribution(
+            args.dist, args.num_requests, max_model_len, args.seed, args.shared_prefix
+        )
         return [trace_workload(f"{args.dist}-like lengths", entries)], entries
-    lengths = args.context_len or sorted({min(n, max_model_len) for n in (1024, 8192, 32768, max_model_len)})
+    lengths = args.context_len or sorted(
+        {min(n, max_model_len) for n in (1024, 8192, 32768, max_model_len)}
+    )
     for n in lengths:
         if not 1 <= n <= max_model_len:
-            raise ValueError(f"--context-len {n}: must be between 1 and max_model_len {max_model_len}")
+            raise ValueError(
+                f"--context-len {n}: must be between 1 and max_model_len {max_model_len}"
+            )
     workloads = [cap.fixed_workload(n, args.shared_prefix) for n in lengths]
     if not args.simulate:
         return workloads, []
     # Fixed lengths, simulated: the lengths in turn, one request each.
-    entries = [_fixed_entry(lengths[i % len(lengths)], args.shared_prefix) for i in range(args.sim_requests)]
+    entries = [
+        _fixed_entry(lengths[i % len(lengths)], args.shared_prefix)
+        for i in range(args.sim_requests)
+    ]
     return workloads, entries
 
 
@@ -196,7 +251,9 @@ def render(plan: dict[str, Any]) -> str:
         f"{budget['weight_bytes'] / GIB:.2f} GiB per device ({budget['weight_bytes'] / mem:.0%} of memory)",
     ]
     if plan["budget_given"]:
-        lines.append(f"  KV budget {budget['kv_budget_bytes'] / GIB:.2f} GiB (given by --kv-cache-memory)")
+        lines.append(
+            f"  KV budget {budget['kv_budget_bytes'] / GIB:.2f} GiB (given by --kv-cache-memory)"
+        )
     else:
         lines.append(
             f"  KV budget {mem / GIB:.2f} GiB x {budget['memory_fraction']:.2f} - "
@@ -209,7 +266,14 @@ def render(plan: dict[str, Any]) -> str:
     )
     if plan["workload"]["summary"]:
         lines.append(f"  lengths   {plan['workload']['label']}: {plan['workload']['summary']}")
-    lines += ["", *_concurrency_table(plan), "", *_below_target(plan), "", *(f"verdict: {v}" for v in plan["verdicts"])]
+    lines += [
+        "",
+        *_concurrency_table(plan),
+        "",
+        *_below_target(plan),
+        "",
+        *(f"verdict: {v}" for v in plan["verdicts"]),
+    ]
     lines += ["", *_block_size_table(plan), "", *_fraction_lines(plan)]
     if plan.get("simulation"):
         from pagedllm.planner.simulate import render_simulation
@@ -273,5 +337,7 @@ def _fraction_lines(plan: dict[str, Any]) -> list[str]:
     head = f"memory fraction for {target} concurrent sessions of {plan['workload']['label']}"
     if plan["budget_given"]:
         return [f"{head}: not applicable (--kv-cache-memory given)"]
-    choice = "cannot be met" if advice["memory_fraction"] is None else f"{advice['memory_fraction']:.2f}"
+    choice = (
+        "cannot be met" if advice["memory_fraction"] is None else f"{advice['memory_fraction']:.2f}"
+    )
     return [f"{head} ({advice['scheme']}): {choice}", f"  {advice['reasoning']}"]

@@ -46,11 +46,15 @@ def _concurrency_axes(ax: Any, plan: dict[str, Any]) -> None:
         # A session shorter than the shared prompt is not a session of this workload.
         kept = [(x, y) for x, y in points if y > 0 and (scheme != "paged_shared" or x > shared)]
         xs, ys = [x for x, _ in kept], [y for _, y in kept]
-        label = SCHEME_LABELS[scheme] + (f" ({shared:,} tokens)" if scheme == "paged_shared" else "")
+        label = SCHEME_LABELS[scheme] + (
+            f" ({shared:,} tokens)" if scheme == "paged_shared" else ""
+        )
         if not kept:
             label += ": none fit"
         color, style = STYLES[scheme]
         ax.step(xs, ys, where="post", color=color, linestyle=style, label=label, linewidth=1.8)
+    for row in plan["concurrency"]:
+        ax.axvline(row["mean_length"], color="black", linestyle=":", linewidth=0.7, alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(_tokens))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,9 @@ def _llama_like(name: str, layers: int, hidden: int, heads: int, kv_heads: int, 
     )
 
 
-def _mla(name: str, heads: int, experts: int, first_dense: int, vocab: int, max_pos: int) -> ModelSpec:
+def _mla(
+    name: str, heads: int, experts: int, first_dense: int, vocab: int, max_pos: int
+) -> ModelSpec:
     # DeepSeek-V3 and Kimi K2 share the MLA geometry: latent 512 + RoPE key 64.
     return ModelSpec(
         name=name,
@@ -260,17 +263,42 @@ def resolve_memory(memory: str) -> DevicePreset:
     presets = device_presets()
     if key in presets:
         return presets[key]
-    number = text.lower().removesuffix("gib").removesuffix("gb").strip()
     try:
-        gib = float(number)
+        num_bytes = parse_size(text)
     except ValueError:
         known = ", ".join(d.name for d in presets.values())
         raise ValueError(
-            f"--memory {memory!r}: give GiB (e.g. 80) or a device ({known}, 'this machine')"
+            f"--memory {memory!r}: give a size (80 = 80 GiB, 24GiB, 16000MiB) or a device "
+            f"({known}, 'this machine')"
         ) from None
-    if gib <= 0:
-        raise ValueError(f"--memory must be positive, got {memory!r}")
-    return DevicePreset(f"{gib:g} GiB", int(gib * GIB))
+    return DevicePreset(f"{num_bytes / GIB:g} GiB", num_bytes)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": GIB,  # a bare number is GiB here (the engine's --kv-cache-memory reads bytes)
+    "g": GIB,
+    "gib": GIB,
+    "m": MIB,
+    "mib": MIB,
+    "t": 1024 * GIB,
+    "tib": 1024 * GIB,
+    "gb": 10**9,
+    "mb": 10**6,
+    "tb": 10**12,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``80`` (GiB), ``24GiB``, ``512MiB``, ``1.5G`` (binary) or ``2GB`` (decimal)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 80, 24GiB, 512MiB, 2GB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
 
 
 def dtype_bytes(dtype: str) -> float:

@@ -7,6 +7,7 @@ when the cache is too small or too large for the machine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from pagedllm.planner.capacity import (
     kv_bytes_per_token,
     kv_formula,
 )
-from pagedllm.planner.presets import GIB, ModelSpec
+from pagedllm.planner.presets import GIB, MIB, ModelSpec
 
 DEFAULT_TYPICAL_LEN = 1024
 # Above this share of the machine's memory, the cache crowds out everything else.
@@ -64,7 +65,16 @@ def startup_figures(
     at_max = num_blocks // blocks_needed(max_model_len, block_size)
     at_typical = num_blocks // blocks_needed(typical, block_size)
     cache_bytes = geometry.num_blocks * geometry.block_bytes
-    advice = _advice(geometry, max_model_len, at_max, at_typical, typical, memory_bytes, max_num_seqs)
+    advice = _advice(
+        geometry,
+        max_model_len,
+        at_max,
+        at_typical,
+        typical,
+        memory_bytes,
+        max_num_seqs,
+        kv_dtype_bytes,
+    )
     return StartupFigures(
         kv_bytes_per_token=kvpt,
         formula=kv_formula(model_config, kv_dtype_bytes, tp),
@@ -112,17 +122,33 @@ def startup_report(
         memory_bytes=memory_bytes,
         max_num_seqs=max_num_seqs,
     )
+    if f.typical_len == f.max_model_len:
+        at = f"{f.concurrency_at_max_len:,} at max_model_len {f.max_model_len:,} tokens"
+    else:
+        at = (
+            f"{f.concurrency_at_max_len:,} at max_model_len {f.max_model_len:,} tokens, "
+            f"{f.concurrency_at_typical_len:,} at {f.typical_len:,} tokens"
+        )
     return "\n".join(
         [
             f"KV cache: {f.kv_bytes_per_token:,} bytes per token ({f.formula})",
             f"KV cache: {f.num_blocks:,} blocks x {f.block_size} tokens = {f.num_tokens:,} tokens "
-            f"({f.cache_bytes / GIB:.2f} GiB)",
-            f"Maximum concurrency (whole blocks per sequence): {f.concurrency_at_max_len:,} at "
-            f"max_model_len {f.max_model_len:,} tokens, {f.concurrency_at_typical_len:,} at "
-            f"{f.typical_len:,} tokens",
+            f"({_size(f.cache_bytes)})",
+            f"Maximum concurrency (whole blocks per sequence): {at}",
             f"KV cache: {f.advice}",
         ]
     )
+
+
+def _size(num_bytes: float) -> str:
+    """``1.50GiB`` / ``200MiB``: the form ``--kv-cache-memory`` accepts."""
+    if num_bytes >= GIB:
+        return f"{num_bytes / GIB:.2f}GiB"
+    return f"{max(1, math.ceil(num_bytes / MIB))}MiB"
+
+
+def _sequences(n: int) -> str:
+    return f"{n:,} sequence" + ("" if n == 1 else "s")
 
 
 def _advice(
@@ -133,28 +159,36 @@ def _advice(
     typical: int,
     memory_bytes: int | None,
     max_num_seqs: int | None,
+    kv_dtype_bytes: float,
 ) -> str:
     cache_bytes = geometry.num_blocks * geometry.block_bytes
+    # The engine's knobs: --kv-cache-memory / --memory-fraction size the cache; a 16-bit
+    # --dtype halves a float32 cache's bytes per token.
+    dtype_hint = ", or a 16-bit --dtype (halves the bytes per token)" if kv_dtype_bytes >= 4 else ""
+    one_long = blocks_needed(max_model_len, geometry.block_size) * geometry.block_bytes
     if at_max < 1:
         return (
-            f"too small for one {max_model_len:,}-token sequence: raise --kv-cache-memory or "
-            f"--memory-fraction, use --kv-dtype fp8, or lower --max-model-len to "
-            f"{geometry.num_tokens:,} or less"
+            f"too small for one {max_model_len:,}-token sequence: give --kv-cache-memory at least "
+            f"{_size(one_long)} ({_size(FEW_SEQUENCES * one_long)} for {FEW_SEQUENCES}) or a larger "
+            f"--memory-fraction{dtype_hint}, or lower --max-model-len to {geometry.num_tokens:,}"
         )
     if memory_bytes and cache_bytes > LARGE_CACHE_SHARE * memory_bytes:
         return (
-            f"takes {cache_bytes / memory_bytes:.0%} of {memory_bytes / GIB:.1f} GiB, leaving little "
-            "for weights and activations: lower --kv-cache-memory or --memory-fraction"
+            f"takes {cache_bytes / memory_bytes:.0%} of {_size(memory_bytes)}, leaving little for "
+            "weights and activations: lower --kv-cache-memory or --memory-fraction"
         )
     if max_num_seqs and at_typical > 4 * max_num_seqs:
+        enough = max_num_seqs * blocks_needed(typical, geometry.block_size) * geometry.block_bytes
         return (
-            f"holds {at_typical:,} typical sequences but at most {max_num_seqs} run at once: "
-            "the surplus only serves as prefix cache; lower --kv-cache-memory or "
-            "--memory-fraction to free memory, or raise --max-num-seqs"
+            f"holds {_sequences(at_typical)} of {typical:,} tokens but at most {max_num_seqs} run "
+            f"at once: the surplus only serves as prefix cache; --kv-cache-memory {_size(enough)} "
+            "would hold a full batch of them, or raise --max-num-seqs"
         )
     if at_typical < FEW_SEQUENCES:
+        enough = FEW_SEQUENCES * blocks_needed(typical, geometry.block_size) * geometry.block_bytes
         return (
-            f"only {at_typical} sequences of {typical:,} tokens fit, too few to batch: raise "
-            "--kv-cache-memory or --memory-fraction, or use --kv-dtype fp8"
+            f"only {_sequences(at_typical)} of {typical:,} tokens "
+            f"{'fits' if at_typical == 1 else 'fit'}, too few to batch: give "
+            f"--kv-cache-memory at least {_size(enough)} or a larger --memory-fraction{dtype_hint}"
         )
     return "sized sensibly for this max_model_len (run `pagedllm plan` to size it for a workload)"

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pagedllm.core.accounting import waste
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request
@@ -24,6 +25,7 @@ from pagedllm.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = 7  # any id: there is no EOS to hit, max_tokens ends each request
 MAX_TIMELINE_POINTS = 400
+MAX_WASTE_SAMPLES = 100  # the wastes are measured on 100..200 steps of a run
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +57,21 @@ class SimulationConfig:
 
 @dataclass(frozen=True, slots=True)
 class TimelinePoint:
+    """The state after one step. The wastes (``core.accounting.waste``, in token slots)
+    are measured on a sample of steps (``None`` elsewhere): measuring costs more than
+    a step."""
+
     time: float
     num_running: int
     num_waiting: int
     num_swapped: int
     kv_usage: float
     preempted: bool
-    internal_waste_tokens: int
-    external_waste_tokens: int
-    duplicated_tokens: int
-    shared_saved_tokens: int
+    free_while_waiting_tokens: int
+    internal_waste_tokens: int | None = None
+    external_waste_tokens: int | None = None
+    duplicated_tokens: int | None = None
+    shared_saved_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -85,6 +92,7 @@ class SimulationResult:
     num_steps: int
     peak_running: int
     mean_running: float
+    mean_running_saturated: float | None  # while some request waited (None: none did)
     queue_delay_mean_s: float
     queue_delay_p50_s: float
     queue_delay_p99_s: float
@@ -92,6 +100,7 @@ class SimulationResult:
     preemptions_by_mode: dict[str, int]
     mean_internal_waste_tokens: float
     mean_external_waste_tokens: float
+    mean_free_while_waiting_tokens: float
     mean_duplicated_tokens: float
     mean_shared_saved_tokens: float
     mean_used_tokens: float
@@ -120,8 +129,11 @@ def simulate(entries: Sequence[TraceEntry], config: SimulationConfig) -> Simulat
         kv,
     )
     arrivals = _arrivals(len(entries), config.arrival_rate, config.seed)
-    requests = [_request(i, e, t, config.seed) for i, (e, t) in enumerate(zip(entries, arrivals, strict=True))]
-    return _Replay(scheduler, kv, requests, entries, config).run()
+    requests = [
+        _request(i, e, t, config.seed)
+        for i, (e, t) in enumerate(zip(entries, arrivals, strict=True))
+    ]
+    return _Replay(scheduler, kv, requests, config).run()
 
 
 def _arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -149,16 +161,21 @@ def _request(index: int, entry: TraceEntry, arrival: float, seed: int) -> Reques
 class _Replay:
     """One simulation run (internal, mutable)."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, requests: list[Request],
-                 entries: Sequence[TraceEntry], config: SimulationConfig) -> None:  # fmt: skip
+    def __init__(
+        self, scheduler: Scheduler, kv: KVCacheManager, requests: list[Request],
+        config: SimulationConfig,
+    ) -> None:  # fmt: skip
         self.scheduler, self.kv, self.config = scheduler, kv, config
         self.pending = list(requests)
         self.samples = {r.request_id: _Sample(r.arrival_time) for r in requests}
-        self.prefix = {f"r{i}": (e.prefix_id, e.prefix_tokens) for i, e in enumerate(entries) if e.prefix_id}
         self.points: list[TimelinePoint] = []
+        self.waste_stride = 1  # measure the wastes every this many steps
+        self._num_measured = 0
         self.clock = 0.0
         self.steps = 0
         self.running_time = 0.0  # integral of num_running over time
+        self.saturated_time = 0.0  # time during which requests waited
+        self.saturated_running_time = 0.0  # integral of num_running over that time
 
     def run(self) -> SimulationResult:
         while self.pending or self.scheduler.has_unfinished_requests():
@@ -189,6 +206,9 @@ class _Replay:
             return
         dt = self.config.cost.step_seconds(output.num_batched_tokens)
         self.running_time += len(self.scheduler.running) * dt
+        if self.scheduler.waiting:
+            self.saturated_time += dt
+            self.saturated_running_time += len(self.scheduler.running) * dt
         self.clock += dt
         self.steps += 1
         for update in self.scheduler.update(output, _fabricate(output)):
@@ -200,64 +220,58 @@ class _Replay:
 
     def _point(self, preempted: bool, stalled: bool) -> TimelinePoint:
         stats = self.scheduler.stats()
-        tables = self.kv.live_block_tables()
-        duplicated, saved = self._prompt_copies(tables)
-        return TimelinePoint(
+        point = TimelinePoint(
             time=self.clock,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_swapped=stats.num_swapped,
             kv_usage=self.kv.usage,
             preempted=preempted,
-            internal_waste_tokens=self._internal_waste(tables),
-            external_waste_tokens=self._external_waste(stalled),
-            duplicated_tokens=duplicated,
-            shared_saved_tokens=saved,
+            free_while_waiting_tokens=self._free_while_waiting(stalled),
         )
+        if self.steps % self.waste_stride:
+            return point
+        self._num_measured += 1
+        if self._num_measured > 2 * MAX_WASTE_SAMPLES:  # measure half as often from now on
+            self.waste_stride *= 2
+            self._num_measured //= 2
+        return replace(point, **self._wastes())
 
-    def _internal_waste(self, tables: dict[str, list[int]]) -> int:
-        """Slots reserved but holding no token: the unfilled tail of each last block."""
-        bs = self.config.block_size
+    def _wastes(self) -> dict[str, int]:
+        """The three wastes now (core.accounting), and the prompt tokens sharing saved."""
         requests = self.scheduler.requests
-        return sum(len(t) * bs - requests[rid].num_computed_tokens for rid, t in tables.items() if rid in requests)
+        tables = self.kv.live_block_tables()
+        token_ids = {rid: requests[rid].all_token_ids for rid in tables}
+        head = min(self.scheduler.waiting, key=lambda r: r.arrival_time, default=None)
+        next_len = None if head is None else head.num_prompt_tokens + self._max_tokens(head)
+        report = waste(self.kv, token_ids, next_len)
+        logical = sum(self.kv.num_slots(rid) for rid in tables)
+        return {
+            "internal_waste_tokens": report.internal_tokens,
+            "external_waste_tokens": report.external_tokens,
+            "duplicated_tokens": report.duplication_tokens or 0,
+            "shared_saved_tokens": logical - report.filled_slots,
+        }
 
-    def _external_waste(self, stalled: bool) -> int:
-        """Free slots while the queue's head, small enough for them, still waited.
+    @staticmethod
+    def _max_tokens(request: Request) -> int:
+        params = request.sampling_params
+        return params.max_tokens if params is not None and params.max_tokens else 1
 
-        Paged: every free block serves any request, so this stays near zero (only the
-        admission watermark and the step's token budget can hold the head back).
-        """
+    def _free_while_waiting(self, stalled: bool) -> int:
+        """Free slots while the queue's head, small enough for them, still waited: held
+        back by the step's token budget, ``max_num_seqs`` or the admission watermark."""
         if not stalled or not self.scheduler.waiting:
             return 0
         head = min(self.scheduler.waiting, key=lambda r: r.arrival_time)
         free_tokens = self.kv.num_free_blocks * self.config.block_size
         return free_tokens if head.num_tokens <= free_tokens else 0
 
-    def _prompt_copies(self, tables: dict[str, list[int]]) -> tuple[int, int]:
-        """(duplicated, saved): shared-prompt tokens stored beyond one copy per group
-        (partial prompt blocks, misses), and those that sharing kept from being stored."""
-        bs = self.config.block_size
-        stored: dict[str, dict[int, int]] = {}  # group -> block id -> prompt tokens in it
-        content: dict[str, int] = {}  # group -> longest prompt part held by a member
-        logical = 0
-        for rid, table in tables.items():
-            group, prefix_tokens = self.prefix.get(rid, (None, 0))
-            request = self.scheduler.requests.get(rid)
-            if group is None or request is None:
-                continue
-            held = min(prefix_tokens, request.num_computed_tokens)
-            logical += held
-            content[group] = max(content.get(group, 0), held)
-            blocks = stored.setdefault(group, {})
-            for j in range(-(-held // bs)):
-                blocks[table[j]] = max(blocks.get(table[j], 0), min(bs, held - j * bs))
-        physical = sum(sum(b.values()) for b in stored.values())
-        return physical - sum(content.values()), logical - physical
-
     def _result(self) -> SimulationResult:
         samples = list(self.samples.values())
         delays = sorted((s.admitted or 0.0) - s.arrival for s in samples)
-        points = self.points or [TimelinePoint(0, 0, 0, 0, 0, False, 0, 0, 0, 0)]
+        points = self.points or [TimelinePoint(0.0, 0, 0, 0, 0.0, False, 0)]
+        measured = [p for p in points if p.internal_waste_tokens is not None] or points
         counts = self.scheduler.num_preemptions
         bs = self.config.block_size
         return SimulationResult(
@@ -268,16 +282,20 @@ class _Replay:
             num_steps=self.steps,
             peak_running=max(p.num_running for p in points),
             mean_running=self.running_time / self.clock if self.clock else 0.0,
+            mean_running_saturated=(
+                self.saturated_running_time / self.saturated_time if self.saturated_time else None
+            ),
             queue_delay_mean_s=sum(delays) / len(delays),
             queue_delay_p50_s=_pct(delays, 0.5),
             queue_delay_p99_s=_pct(delays, 0.99),
             num_preemptions=sum(counts.values()),
             preemptions_by_mode=dict(counts),
-            mean_internal_waste_tokens=_mean([p.internal_waste_tokens for p in points]),
-            mean_external_waste_tokens=_mean([p.external_waste_tokens for p in points]),
-            mean_duplicated_tokens=_mean([p.duplicated_tokens for p in points]),
-            mean_shared_saved_tokens=_mean([p.shared_saved_tokens for p in points]),
-            mean_used_tokens=_mean([p.kv_usage * self.config.num_blocks * bs for p in points]),
+            mean_internal_waste_tokens=_mean([p.internal_waste_tokens or 0 for p in measured]),
+            mean_external_waste_tokens=_mean([p.external_waste_tokens or 0 for p in measured]),
+            mean_free_while_waiting_tokens=_mean([p.free_while_waiting_tokens for p in points]),
+            mean_duplicated_tokens=_mean([p.duplicated_tokens or 0 for p in measured]),
+            mean_shared_saved_tokens=_mean([p.shared_saved_tokens or 0 for p in measured]),
+            mean_used_tokens=_mean([p.kv_usage * self.config.num_blocks * bs for p in measured]),
             timeline=[asdict(p) for p in _thin(points)],
         )
 
@@ -331,14 +349,21 @@ def render_simulation(sim: dict[str, Any]) -> list[str]:
     return [
         f"simulation: {sim['num_requests']} requests at {sim['arrival_rate']:g}/s through the "
         f"scheduler and block manager ({sim['num_steps']:,} steps, {sim['duration_s']:.1f} s simulated)",
-        f"  admitted concurrency   peak {sim['peak_running']}, mean {sim['mean_running']:.1f}",
+        f"  admitted concurrency   peak {sim['peak_running']}, mean {sim['mean_running']:.1f}"
+        + (
+            f", mean {sim['mean_running_saturated']:.1f} while requests waited"
+            if sim["mean_running_saturated"] is not None
+            else ", no request ever waited"
+        ),
         f"  queueing delay         mean {sim['queue_delay_mean_s']:.2f} s, p50 "
         f"{sim['queue_delay_p50_s']:.2f} s, p99 {sim['queue_delay_p99_s']:.2f} s",
         f"  preemptions            {sim['num_preemptions']} ({modes}; mode {sim['preemption_mode']})",
-        f"  waste (mean over steps, of {used:,.0f} tokens in use)",
+        f"  waste (core.accounting, mean over sampled steps, of {used:,.0f} tokens in use)",
         f"    internal  (last-block slack)  {sim['mean_internal_waste_tokens']:,.0f} tokens "
         f"({sim['mean_internal_waste_tokens'] / used:.1%})",
         f"    external  (free, unusable)    {sim['mean_external_waste_tokens']:,.0f} tokens",
+        f"    (not waste: {sim['mean_free_while_waiting_tokens']:,.0f} tokens free while the queue's "
+        "head waited for the token budget, max_num_seqs or the watermark)",
         f"    duplication (prompt copies)   {sim['mean_duplicated_tokens']:,.0f} tokens "
         f"({sim['mean_duplicated_tokens'] / used:.1%}); sharing saved "
         f"{sim['mean_shared_saved_tokens']:,.0f} tokens",

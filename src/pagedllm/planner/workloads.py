@@ -8,12 +8,11 @@ optionally with ``"prefix_id"`` (requests with the same id share a system prompt
 from __future__ import annotations
 
 import json
-import math
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.core.traces import make_trace
 from pagedllm.planner.capacity import Workload
 
 
@@ -29,43 +28,31 @@ class TraceEntry:
         return self.prompt_tokens + self.output_tokens
 
 
-# (mean prompt tokens, mean output tokens, lognormal sigma of each): the means the vLLM
-# paper reports for ShareGPT (161 / 338) and Alpaca (19 / 58) after tokenisation.
-DISTRIBUTIONS: dict[str, tuple[float, float, float, float]] = {
-    "sharegpt": (161.0, 338.0, 1.0, 0.9),
-    "alpaca": (19.3, 58.5, 0.6, 0.8),
-}
-
-
 def sample_distribution(
     name: str, num_requests: int, max_model_len: int, seed: int = 0, shared_prefix: int = 0
 ) -> list[TraceEntry]:
-    """``num_requests`` lengths drawn from a lognormal fitted to a named dataset's means.
+    """``num_requests`` lengths from a named distribution (``core.traces.make_trace``:
+    log-normal with the ShareGPT or Alpaca means the vLLM paper reports).
 
-    A ``shared_prefix`` > 0 prepends that many system-prompt tokens (one shared group).
-    Each request is clipped so that prompt + output fits ``max_model_len``.
+    A ``shared_prefix`` > 0 starts every prompt with that many system-prompt tokens
+    (one shared group), counted in the prompt. Each request fits ``max_model_len``.
     """
-    key = name.lower()
-    if key not in DISTRIBUTIONS:
-        raise ValueError(f"--dist {name!r}: known distributions are {', '.join(DISTRIBUTIONS)}")
+    if name.lower() not in ("sharegpt", "alpaca"):
+        raise ValueError(f"--dist {name!r}: known distributions are sharegpt, alpaca")
     if num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
-    mean_in, mean_out, sigma_in, sigma_out = DISTRIBUTIONS[key]
-    rng = random.Random(seed)
-    entries = []
-    for _ in range(num_requests):
-        prompt = shared_prefix + _lognormal(rng, mean_in, sigma_in)
-        output = _lognormal(rng, mean_out, sigma_out)
-        prompt = min(prompt, max_model_len - 1)
-        output = max(1, min(output, max_model_len - prompt))
-        prefix = "system" if shared_prefix else None
-        entries.append(TraceEntry(prompt, output, prefix, min(shared_prefix, prompt)))
-    return entries
-
-
-def _lognormal(rng: random.Random, mean: float, sigma: float) -> int:
-    mu = math.log(mean) - sigma**2 / 2  # so that the distribution's mean is `mean`
-    return max(1, round(rng.lognormvariate(mu, sigma)))
+    if not 0 <= shared_prefix < max_model_len - 1:
+        raise ValueError(f"--shared-prefix must be in [0, max_model_len - 1), got {shared_prefix}")
+    trace = make_trace(
+        name.lower(),
+        num_requests,
+        seed,
+        max_model_len=max_model_len,
+        shared_prefix_len=shared_prefix,
+        shared_prefix_fraction=1.0 if shared_prefix else 0.0,
+    )
+    prefix_id = "system" if shared_prefix else None
+    return [TraceEntry(r.num_prompt_tokens, r.output_len, prefix_id, shared_prefix) for r in trace]
 
 
 def read_trace(path: str | Path, shared_prefix: int = 0) -> list[TraceEntry]:
@@ -78,7 +65,9 @@ def read_trace(path: str | Path, shared_prefix: int = 0) -> list[TraceEntry]:
             row = json.loads(line)
             prompt, output = int(row["prompt_tokens"]), int(row["output_tokens"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--trace {path}:{number}: needs prompt_tokens and output_tokens ({exc})") from None
+            raise ValueError(
+                f"--trace {path}:{number}: needs prompt_tokens and output_tokens ({exc})"
+            ) from None
         if prompt < 1 or output < 0:
             raise ValueError(f"--trace {path}:{number}: prompt_tokens >= 1 and output_tokens >= 0")
         prefix_id = row.get("prefix_id")
@@ -93,7 +82,10 @@ def read_trace(path: str | Path, shared_prefix: int = 0) -> list[TraceEntry]:
 def write_trace(path: str | Path, entries: Iterable[TraceEntry]) -> None:
     lines = []
     for e in entries:
-        row: dict[str, object] = {"prompt_tokens": e.prompt_tokens, "output_tokens": e.output_tokens}
+        row: dict[str, object] = {
+            "prompt_tokens": e.prompt_tokens,
+            "output_tokens": e.output_tokens,
+        }
         if e.prefix_id is not None:
             row["prefix_id"] = e.prefix_id
             row["prefix_tokens"] = e.prefix_tokens

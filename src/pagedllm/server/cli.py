@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
@@ -67,5 +68,18 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
     )
-    uvicorn.Server(config).run()
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal so that the
+    # previous handler runs; ours turns it into a clean exit instead of death by signal.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        uvicorn.Server(config).run()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -36,59 +36,53 @@ def _get(obj: Any, *names: str, default: Any = 0) -> Any:
     return default
 
 
-def _waste_entry(waste: Any, kind: str) -> dict[str, float]:
+def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
     """``{"tokens": ..., "fraction": ...}`` for one kind of waste, whatever its shape."""
     if waste is None:
         return {"tokens": 0, "fraction": 0.0}
     value = _get(waste, kind, default=None)
-    if value is not None and not isinstance(value, int | float):
-        return {
-            "tokens": _get(value, "tokens", default=0),
-            "fraction": float(_get(value, "fraction", default=0.0)),
-        }
+    if isinstance(value, dict):
+        return {"tokens": value.get("tokens"), "fraction": value.get("fraction")}
     tokens = _get(waste, f"{kind}_tokens", default=value if value is not None else 0)
     fraction = _get(waste, f"{kind}_fraction", default=0.0)
     return {"tokens": tokens, "fraction": float(fraction)}
 
 
-def live_waste(engine: Any) -> dict[str, dict[str, float]]:
-    """The three wastes of the paged cache right now (run it on the step thread).
+def live_waste(engine: Any) -> dict[str, Any]:
+    """The three wastes of the paged cache right now, by ``core.accounting``.
 
-    ``EngineStats`` carries no waste report yet, so this reads the live block tables:
-
-    - internal: slots of held blocks that hold no token yet (at most one partial block
-      per sequence; a block shared by several sequences counts once, at its fullest);
-    - external: 0 by construction, since any free block can serve any request;
-    - duplication: full blocks with identical content (same prefix, same salt) stored
-      in more than one physical block (the prefix cache should keep this at 0).
-
-    Fractions are of the slots of the blocks held by live requests.
+    Run it on the step thread (it reads the scheduler's queues and block tables).
+    Fractions are of the slots held by live requests; ``headroom_tokens`` is free slots.
     """
-    kv, scheduler = engine.kv, engine.scheduler
-    bs = kv.block_size
-    requests = {r.request_id: r for q in (scheduler.running, scheduler.waiting) for r in q}
-    filled: dict[int, int] = {}
-    copies: dict[int, set[int]] = {}
-    for request_id, table in kv.live_block_tables().items():
-        request = requests.get(request_id)
-        if request is None:
-            continue
-        tokens = request.num_computed_tokens
-        key = hash(request.extra_keys)
-        for i, block_id in enumerate(table):
-            in_block = min(bs, max(0, tokens - i * bs))
-            filled[block_id] = max(filled.get(block_id, 0), in_block)
-            if in_block == bs:
-                key = hash((key, tuple(request.all_token_ids[i * bs : (i + 1) * bs])))
-                copies.setdefault(key, set()).add(block_id)
-    held = len(filled) * bs
-    internal = sum(bs - n for n in filled.values())
-    duplication = sum((len(ids) - 1) * bs for ids in copies.values())
+    from pagedllm.core.accounting import waste
 
-    def entry(tokens: int) -> dict[str, float]:
-        return {"tokens": tokens, "fraction": tokens / held if held else 0.0}
-
-    return {"internal": entry(internal), "external": entry(0), "duplication": entry(duplication)}
+    scheduler = engine.scheduler
+    requests = {
+        r.request_id: r
+        for queue in (scheduler.running, scheduler.waiting, scheduler.swapped)
+        for r in queue
+    }
+    tables = engine.kv.live_block_tables()
+    token_ids = None
+    if all(rid in requests for rid in tables):
+        token_ids = {rid: requests[rid].all_token_ids for rid in tables}
+    next_len = None
+    if scheduler.waiting:
+        first = scheduler.waiting[0]
+        params = first.sampling_params
+        next_len = first.num_tokens + ((params.max_tokens or 0) if params else 0)
+    report = waste(engine.kv, token_ids, next_request_len=next_len)
+    return {
+        "internal": {"tokens": report.internal_tokens, "fraction": report.internal_fraction},
+        "external": {"tokens": report.external_tokens, "fraction": report.external_fraction},
+        "duplication": {
+            "tokens": report.duplication_tokens,
+            "fraction": report.duplication_fraction
+            if report.duplication_tokens is not None
+            else None,
+        },
+        "headroom_tokens": report.headroom_tokens,
+    }
 
 
 def engine_snapshot(engine: Any) -> tuple[Any, Any]:
@@ -116,6 +110,7 @@ def cache_report(stats: Any, waste: Any = None) -> dict[str, Any]:
         "host_blocks_total": int(_get(cache, "host_blocks_total")),
         "host_blocks_used": int(_get(cache, "host_blocks_used")),
         "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
+        "headroom_tokens": _get(waste, "headroom_tokens", default=None),
         "prefix_cache": {
             "queries_tokens": queries,
             "hits_tokens": hits,
@@ -185,7 +180,8 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 def _labelled_gauge(name: str, doc: str, by_kind: dict[str, Any], key: str) -> GaugeMetricFamily:
     family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["kind"])
     for kind, entry in by_kind.items():
-        family.add_metric([kind], entry[key])
+        if entry[key] is not None:  # duplication is unknown when token ids are missing
+            family.add_metric([kind], entry[key])
     return family
 
 

@@ -10,6 +10,7 @@ logprobs it has sent and emits only what is new.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -55,6 +56,7 @@ from pagedllm.server.protocol import (
 from pagedllm.server.sse import DONE, EventStreamResponse, sse_event, until_disconnect
 
 M = TypeVar("M", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 
@@ -119,6 +121,11 @@ def check_model(ctx: ServerContext, name: str | None) -> None:
 
 
 def check_common(req: SamplingFields) -> None:
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(
+            f"response_format {kind!r} is not supported (only 'text')", param="response_format"
+        )
     if req.logit_bias:
         for key in req.logit_bias:
             if not key.lstrip("-").isdigit():
@@ -290,8 +297,10 @@ def usage_of(outputs: Sequence[Any]) -> Usage:
 
 def new_id(prefix: str, request: Request) -> str:
     """``prefix-`` + the client's ``X-Request-Id`` header (as vLLM does) or a random id."""
-    given = request.headers.get("x-request-id")
-    return f"{prefix}-{given or uuid.uuid4().hex}"
+    given = request.headers.get("x-request-id", "")
+    if not (0 < len(given) <= 128 and given.isprintable()):
+        given = uuid.uuid4().hex
+    return f"{prefix}-{given}"
 
 
 # ---------------------------------------------------------------- logprobs
@@ -478,6 +487,9 @@ async def completion_events(
             yield sse_event(chunk)
     except APIError as exc:
         yield exc.sse_event()
+    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
+        logger.exception("stream %s failed", request_id)
+        yield APIError(500, f"internal error: {type(exc).__name__}: {exc}").sse_event()
     finally:
         for stream in streams:
             stream.abort()
@@ -628,6 +640,9 @@ async def chat_events(
             yield chunk([], usage_of([last]))
     except APIError as exc:
         yield exc.sse_event()
+    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
+        logger.exception("stream %s failed", request_id)
+        yield APIError(500, f"internal error: {type(exc).__name__}: {exc}").sse_event()
     finally:
         stream.abort()
     yield DONE

@@ -41,8 +41,13 @@ def build_input_batch(
     scheduled: Sequence[ScheduledSequence],
     block_size: int,
     device: torch.device | str = "cpu",
+    num_blocks: int | None = None,
 ) -> InputBatch:
-    """Flatten ``scheduled`` (which must not be empty) into an ``InputBatch``."""
+    """Flatten ``scheduled`` (which must not be empty) into an ``InputBatch``.
+
+    With ``num_blocks``, a block id outside the cache is refused here, on the host,
+    rather than becoming an out-of-bounds write on the device.
+    """
     if not scheduled:
         raise ValueError("build_input_batch needs at least one scheduled sequence")
     query_lens = [len(seq.token_ids) for seq in scheduled]
@@ -52,6 +57,8 @@ def build_input_batch(
     starts = [0, *accumulate(query_lens)]
     input_ids = [token for seq in scheduled for token in seq.token_ids]
     block_tables = _padded_block_tables(scheduled)
+    if num_blocks is not None and int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block id {int(block_tables.max())} >= num_blocks {num_blocks}")
     positions = torch.cat(
         [torch.arange(seq.start_position, seq_len) for seq, seq_len in zip(scheduled, seq_lens)]
     )

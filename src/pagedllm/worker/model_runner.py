@@ -105,7 +105,7 @@ class TorchModelRunner:
 
     def compute_logits(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Forward pass; float32 logits [S, vocab] for sequences with ``num_samples > 0``."""
-        batch = build_input_batch(scheduled, self.block_size, self.device)
+        batch = build_input_batch(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if batch.logits_indices.numel() == 0:

@@ -1,0 +1,237 @@
+"""Beam search on the paged cache: beams fork and share blocks up to their branch point.
+
+Each round, every live beam has one token not yet computed. When the model has run
+it, the beam's logits give its ``2 * beam_width`` best next tokens; once all beams
+of a prompt have theirs, the best ``beam_width`` candidates by score are kept::
+
+    beam "The cat"  --fork-->  "The cat sat"   (shares every block of "The cat";
+                    --fork-->  "The cat is"     the partial last block is copied on
+                                                its first write: copy-on-write)
+
+and the old beams are freed (blocks still held by children stay). A candidate
+ending in EOS is complete. The algorithm and score are vLLM's ``LLM.beam_search``:
+``score = cum_logprob / len(tokens) ** length_penalty`` (prompt included, a final
+EOS not counted); scores use the model's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.outputs import TokenLogprob
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchSequence:
+    """One finished beam. ``tokens`` = prompt + output."""
+
+    tokens: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchOutput:
+    """The best ``beam_width`` sequences of one prompt, best first."""
+
+    prompt_token_ids: tuple[int, ...]
+    sequences: tuple[BeamSearchSequence, ...]
+
+
+def beam_search_score(
+    tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float
+) -> float:
+    """vLLM's score: the cumulative log-probability over length ** length_penalty."""
+    length = len(tokens)
+    if eos_token_id is not None and tokens and tokens[-1] == eos_token_id:
+        length -= 1
+    return cum_logprob / (length**length_penalty)
+
+
+@dataclass(slots=True)
+class _Beam:
+    request: Request
+    cum_logprob: float
+
+
+@dataclass(slots=True)
+class _Candidate:
+    tokens: list[int]  # prompt + output
+    parent: _Beam
+    cum_logprob: float
+    score: float
+
+
+@dataclass(slots=True)
+class _Instance:
+    """The beams of one prompt."""
+
+    prompt_token_ids: list[int]
+    beams: list[_Beam]
+    completed: list[_Candidate] = field(default_factory=list)
+
+
+class _BeamSearch:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        params: BeamSearchParams,
+        on_step: Callable[[LLMEngine], None] | None,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.params = params
+        self.on_step = on_step
+        self.eos = engine.eos_token_id
+        self.sampling = SamplingParams(
+            temperature=0.0,
+            logprobs=2 * params.beam_width,
+            max_tokens=params.max_tokens,
+            ignore_eos=True,
+        )
+        self._ids = (f"__beam-{i}" for i in itertools.count())
+        self._results: dict[str, TokenLogprob] = {}
+
+    def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
+        instances = [self._start(p) for p in prompts]
+        try:
+            while any(inst.beams for inst in instances):
+                self._step()
+                for inst in instances:
+                    if inst.beams and all(
+                        b.request.request_id in self._results for b in inst.beams
+                    ):
+                        self._select(inst)
+                if self.on_step is not None:
+                    self.on_step(self.engine)
+        finally:
+            live = [b.request.request_id for inst in instances for b in inst.beams]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return [self._finish(inst) for inst in instances]
+
+    def _start(self, prompt: list[int]) -> _Instance:
+        request = Request(next(self._ids), prompt, self.sampling, eos_token_id=self.eos)
+        self.scheduler.add_request(request)
+        return _Instance(list(prompt), [_Beam(request, 0.0)])
+
+    def _step(self) -> None:
+        output = self.scheduler.schedule()
+        result = self.engine.runner.execute(output)
+        for i, request in self.scheduler.advance(output):
+            lps = result.logprobs[i] if i < len(result.logprobs) else None
+            if lps and output.scheduled[i].num_samples:
+                self._results[request.request_id] = lps[0]
+
+    def _select(self, inst: _Instance) -> None:
+        width = self.params.beam_width
+        candidates = []
+        for beam in inst.beams:
+            top = self._results.pop(beam.request.request_id)
+            tokens = beam.request.all_token_ids
+            for token, logprob in zip(top.top_token_ids, top.top_logprobs, strict=True):
+                candidate = self._candidate(tokens + [token], beam, beam.cum_logprob + logprob)
+                if token == self.eos and not self.params.ignore_eos:
+                    inst.completed.append(candidate)
+                else:
+                    candidates.append(candidate)
+        candidates.sort(key=lambda c: c.score, reverse=True)
+        chosen = candidates[:width]
+        old = [b.request.request_id for b in inst.beams]
+        num_output = len(inst.beams[0].request.output_token_ids) + 1
+        at_limit = (
+            num_output >= self.params.max_tokens
+            or len(inst.prompt_token_ids) + num_output >= self.engine.max_model_len
+        )
+        if at_limit:
+            inst.completed.extend(chosen)
+            inst.beams = []
+        else:
+            inst.beams = [self._spawn(c) for c in chosen]
+        self.scheduler.finish_requests(old, RequestStatus.FINISHED_STOPPED)
+
+    def _candidate(self, tokens: list[int], parent: _Beam, cum: float) -> _Candidate:
+        score = beam_search_score(tokens, cum, self.eos, self.params.length_penalty)
+        return _Candidate(tokens, parent, cum, score)
+
+    def _spawn(self, candidate: _Candidate) -> _Beam:
+        parent = candidate.parent.request
+        token = candidate.tokens[-1]
+        if parent.status is RequestStatus.RUNNING:
+            child = self.scheduler.fork(parent, next(self._ids))  # shares every block
+            child.append_output_token_ids(token)
+        else:  # preempted while waiting for its siblings: recompute (prefix cache helps)
+            child = Request(
+                next(self._ids),
+                list(parent.prompt_token_ids),
+                self.sampling,
+                eos_token_id=self.eos,
+                output_token_ids=[*parent.output_token_ids, token],
+            )
+            self.scheduler.add_request(child)
+        return _Beam(child, candidate.cum_logprob)
+
+    def _finish(self, inst: _Instance) -> BeamSearchOutput:
+        best = sorted(inst.completed, key=lambda c: c.score, reverse=True)[: self.params.beam_width]
+        num_prompt = len(inst.prompt_token_ids)
+        sequences = []
+        for c in best:
+            output = tuple(c.tokens[num_prompt:])
+            ended = bool(output) and output[-1] == self.eos and not self.params.ignore_eos
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=tuple(c.tokens),
+                    output_token_ids=output,
+                    text=self._decode(output),
+                    cum_logprob=c.cum_logprob,
+                    score=c.score,
+                    finish_reason="stop" if ended else "length",
+                )
+            )
+        return BeamSearchOutput(tuple(inst.prompt_token_ids), tuple(sequences))
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        tokenizer: Any = self.engine.tokenizer
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def beam_search(
+    engine: LLMEngine,
+    prompts: Sequence[str | Sequence[int]],
+    params: BeamSearchParams,
+    *,
+    on_step: Callable[[LLMEngine], None] | None = None,
+) -> list[BeamSearchOutput]:
+    """Beam search for each prompt, on an idle engine (its scheduler and cache).
+
+    Prompts run together, as many at a time as ``max_num_seqs`` allows beams.
+    ``on_step(engine)`` is called after every model step (tests watch the blocks).
+    """
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    if engine.has_unfinished_requests():
+        raise ValueError("beam search needs an idle engine (no unfinished requests)")
+    max_seqs = engine.config.max_num_seqs
+    if params.beam_width > max_seqs:
+        raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({max_seqs})")
+    token_lists = [engine.tokenize(p) for p in prompts]
+    for ids in token_lists:
+        engine.scheduler.check_fits(len(ids), params.max_tokens)
+    per_batch = max(1, max_seqs // params.beam_width)
+    outputs: list[BeamSearchOutput] = []
+    for start in range(0, len(token_lists), per_batch):
+        search = _BeamSearch(engine, params, on_step)
+        outputs.extend(search.run(token_lists[start : start + per_batch]))
+    return outputs
