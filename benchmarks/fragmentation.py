@@ -11,8 +11,9 @@ paged schemes keep the KV cache manager's watermark free at admission, and
 preempt the newest request by recompute when a running sequence cannot grow).
 
 Prints a table, then as its last line one JSON object keyed by scheme with
-mean_concurrency (running sequences, averaged over the steps in which arrived
-requests were still waiting, i.e. while memory or max_num_seqs was the limit),
+mean_concurrency (running sequences, averaged over the steps up to the last
+admission: while requests were still arriving or waiting, so the drain at the
+end does not count), mean_concurrency_all_steps,
 peak_concurrency, internal_waste / external_waste / duplication_waste (fractions
 of allocated slots, summed over samples) and admission_failures (steps in which
 the head of the queue did not fit).
@@ -66,9 +67,8 @@ class Seq:
 @dataclass(slots=True)
 class Totals:
     steps: int = 0
-    saturated_steps: int = 0
-    concurrency_saturated: int = 0
-    concurrency_all: int = 0
+    last_admission_step: int = 0
+    concurrency: list[int] = field(default_factory=list)  # running sequences per step
     peak_concurrency: int = 0
     admission_failures: int = 0
     preemptions: int = 0
@@ -114,7 +114,12 @@ class PagedScheme:
     def _admit_one(self, work: Work, request_id: str) -> Request | None:
         request = Request(request_id, list(work.tokens))
         hit = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, admission=True) is None:
+        if (
+            self.kv.allocate_slots(
+                request, request.num_tokens - hit.num_tokens, hit, admission=True
+            )
+            is None
+        ):
             self.kv.free(request)
             return None
         request.num_computed_tokens = request.num_tokens
@@ -229,6 +234,7 @@ def simulate(name: str, trace: list[TraceRequest], args: argparse.Namespace) -> 
                 totals.admission_failures += 1
                 break
             waiting.popleft()
+            totals.last_admission_step = totals.steps
             group = next(groups)
             for request in admitted:
                 seq = Seq(request, work.remaining, work.trace, group)
@@ -236,12 +242,8 @@ def simulate(name: str, trace: list[TraceRequest], args: argparse.Namespace) -> 
                     running.append(seq)
                 else:
                     scheme.free(seq)
-        concurrency = len(running)
-        totals.concurrency_all += concurrency
-        totals.peak_concurrency = max(totals.peak_concurrency, concurrency)
-        if waiting:
-            totals.saturated_steps += 1
-            totals.concurrency_saturated += concurrency
+        totals.concurrency.append(len(running))
+        totals.peak_concurrency = max(totals.peak_concurrency, len(running))
         if running and totals.steps % args.sample_every == 0:
             _sample(totals, scheme, running, waiting)
         totals.steps += 1
@@ -264,10 +266,11 @@ def summarize(t: Totals) -> dict:
     def frac(x: int) -> float:
         return round(x / t.allocated, 5) if t.allocated else 0.0
 
-    mean_sat = t.concurrency_saturated / t.saturated_steps if t.saturated_steps else None
-    mean_all = t.concurrency_all / t.steps if t.steps else 0.0
+    loaded = t.concurrency[: t.last_admission_step + 1]
+    mean_loaded = sum(loaded) / len(loaded) if loaded else 0.0
+    mean_all = sum(t.concurrency) / t.steps if t.steps else 0.0
     return {
-        "mean_concurrency": round(mean_sat if mean_sat is not None else mean_all, 2),
+        "mean_concurrency": round(mean_loaded, 2),
         "mean_concurrency_all_steps": round(mean_all, 2),
         "peak_concurrency": t.peak_concurrency,
         "internal_waste": frac(t.internal),
@@ -282,12 +285,18 @@ def summarize(t: Totals) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a small trace that runs in seconds")
     p.add_argument("--trace", choices=TRACE_KINDS, default="sharegpt")
     p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, req/s (inf: all at t=0)")
-    p.add_argument("--step-time", type=float, default=0.05, help="seconds per decode step (for arrivals)")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson, req/s (inf: all at t=0)"
+    )
+    p.add_argument(
+        "--step-time", type=float, default=0.05, help="seconds per decode step (for arrivals)"
+    )
     p.add_argument("--input-range", type=int, nargs=2, default=(1, 1024), metavar=("MIN", "MAX"))
     p.add_argument("--output-range", type=int, nargs=2, default=(1, 1024), metavar=("MIN", "MAX"))
     p.add_argument("--shared-prefix-len", type=int, default=0)
@@ -296,7 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens-slack", type=float, default=1.0, help="max_tokens / output_len")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--num-slots", type=int, default=None, help="token budget (default 32 * max_model_len)")
+    p.add_argument(
+        "--num-slots", type=int, default=None, help="token budget (default 32 * max_model_len)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument("--sample-every", type=int, default=10, help="steps between waste samples")
@@ -336,7 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         f"max_model_len={args.max_model_len} max_num_seqs={args.max_num_seqs}"
     )
     results = {name: summarize(simulate(name, trace, args)) for name in args.schemes}
-    header = ("scheme", "mean_conc", "peak", "internal", "external", "dup", "adm_fail", "preempt", "steps")
+    header = (
+        "scheme",
+        "mean_conc",
+        "peak",
+        "internal",
+        "external",
+        "dup",
+        "adm_fail",
+        "preempt",
+        "steps",
+    )
     print("{:<20}{:>10}{:>7}{:>10}{:>10}{:>8}{:>10}{:>9}{:>7}".format(*header))
     for name, r in results.items():
         print(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -52,9 +52,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     @initialize(
-        num_blocks=st.integers(3, 16),
+        num_blocks=st.integers(3, 32),
         block_size=st.sampled_from([1, 2, 4]),
-        num_host_blocks=st.integers(0, 10),
+        num_host_blocks=st.integers(0, 32),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
     )
@@ -99,6 +99,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 dst_tier[dst, off] = token
 
     def compute(self, request: Request, num_new: int, allocation) -> None:
+        if allocation.block_copies:
+            event("copy-on-write")
         for _, dst in allocation.block_copies:
             assert self.kv.pool.ref_count(dst) == 1, "copy-on-write target is shared"
         self.copy_blocks(allocation.block_copies, self.device, self.device)
@@ -124,9 +126,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             tokens = request.all_token_ids[i * self.bs : (i + 1) * self.bs]
             assert self.kv.pool.block_token_ids(block_id) == tuple(tokens)
         num_new = min(chunk, request.num_tokens - hit.num_tokens)
+        if hit.num_tokens:
+            event("prefix hit")
         before = snapshot(self.kv, self.all_ids())
         allocation = self.kv.allocate_slots(request, num_new, hit, admission=admission)
         if allocation is None:
+            event("admission refused")
             assert snapshot(self.kv, self.all_ids()) == before
             self.kv.free(request)  # drops the hashes get_computed_blocks kept
             return
@@ -188,6 +193,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         devices = [d for d, _ in moves]
         assert len(set(devices)) == len(devices), "a physical block moved twice"
+        if len(moves) < len(self.kv.host_block_table(request.request_id)):
+            event("swap_out shared a host block")
         self.copy_blocks(moves, self.device, self.host)
         self.swapped[request.request_id] = self.running.pop(request.request_id)
 
@@ -202,6 +209,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if moves is None:
             assert snapshot(self.kv, self.all_ids()) == before
             return
+        if len(moves) < len(self.kv.block_table(request.request_id)):
+            event("swap_in reused a device block")
         self.copy_blocks(moves, self.host, self.device)
         self.running[request.request_id] = self.swapped.pop(request.request_id)
 
@@ -241,7 +250,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(
     max_examples=500 if os.environ.get("CI") else 100,
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -30,7 +30,7 @@ def test_generate_returns_outputs_in_input_order(fake_engine: Callable[..., LLME
     assert outputs[0].prompt == prompts[0] and outputs[2].prompt is None
     assert outputs[2].prompt_token_ids == (104, 105)
     assert all(o.finished for o in outputs)
-    single = llm.generate("short", SamplingParams(max_tokens=2), use_tqdm=False)
+    single = llm.generate("short", SamplingParams(max_tokens=2))  # with a progress bar
     assert single[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 

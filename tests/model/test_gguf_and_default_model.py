@@ -27,6 +27,8 @@ GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -55,8 +57,12 @@ def write_tiny_gguf(checkpoint: Path, out: Path, quantize_q8: bool) -> Path:
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
+    arch = config["model_type"]  # llama, qwen2, qwen3: llama.cpp's names too
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = GGUFWriter(str(out), "llama")
+    writer = GGUFWriter(str(out), arch)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -69,9 +75,11 @@ def write_tiny_gguf(checkpoint: Path, out: Path, quantize_q8: bool) -> Path:
     add_tokenizer(writer, checkpoint)
     for name, tensor in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
         array = tensor.float().numpy()
-        if ".q_proj." in name:
+        if arch != "llama":  # llama.cpp permutes q/k rows of Llama only
+            pass
+        elif ".q_proj.weight" in name:
             array = llama_cpp_permute(array, heads)
-        elif ".k_proj." in name:
+        elif ".k_proj.weight" in name:
             array = llama_cpp_permute(array, kv_heads)
         if quantize_q8 and array.ndim == 2:
             data = quantize(array, GGMLQuantizationType.Q8_0)
@@ -116,7 +124,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     assert torch.equal(back, torch.from_numpy(weight))
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "llama_tied"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "llama_tied", "qwen2_bias", "qwen3_qk_norm"])
 def test_float_gguf_equals_its_source_checkpoint(tmp_path, checkpoints, variant) -> None:
     source = checkpoints(variant)
     gguf_file = write_tiny_gguf(source, tmp_path / "tiny.gguf", quantize_q8=False)
@@ -240,7 +248,6 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-@pytest.mark.slow
 def test_default_model_chat_logits_match_transformers(default_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 

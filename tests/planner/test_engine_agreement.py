@@ -36,8 +36,18 @@ TINY_CONFIG = {  # pagedllm.testing.tiny_config("llama"), as config.json
 
 
 def _predicted(model_dir, kv_budget: int, length: int, capsys) -> dict:
-    args = ["plan", "--model", str(model_dir), "--kv-cache-memory", repr(kv_budget / GIB),
-            "--block-size", str(BLOCK_SIZE), "--context-len", str(length), "--json"]  # fmt: skip
+    args = [
+        "plan",
+        "--model",
+        str(model_dir),
+        "--kv-cache-memory",
+        repr(kv_budget / GIB),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--context-len",
+        str(length),
+        "--json",
+    ]
     assert main(args) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -81,8 +91,12 @@ def test_fake_runner_engine_admits_the_predicted_concurrency(
 
     predicted = plan["concurrency"][0]["paged"]
     runner = FakeModelRunner(engine_blocks, BLOCK_SIZE)
-    config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=1024,
-                          max_num_batched_tokens=prompt_len * (predicted + 8))  # fmt: skip
+    config = EngineConfig(
+        block_size=BLOCK_SIZE,
+        max_model_len=1024,
+        max_num_seqs=1024,
+        max_num_batched_tokens=prompt_len * (predicted + 8),
+    )
     peak = _run(LLMEngine(config, runner), prompt_len, output_len, predicted + 8)
     assert predicted - 1 <= peak <= predicted
     # Exactly: admission keeps int(1% of blocks) free once something runs.
@@ -103,8 +117,13 @@ def test_tiny_checkpoint_engine_admits_the_predicted_concurrency(tmp_path, capsy
     prompt_len, output_len = 60, 4
     plan = _predicted(model_dir, kv_budget, prompt_len + output_len, capsys)
     predicted = plan["concurrency"][0]["paged"]
-    config = EngineConfig(model=str(model_dir), kv_cache_memory=kv_budget, block_size=BLOCK_SIZE,
-                          max_num_batched_tokens=prompt_len * (predicted + 4), max_num_seqs=512)  # fmt: skip
+    config = EngineConfig(
+        model=str(model_dir),
+        kv_cache_memory=kv_budget,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=prompt_len * (predicted + 4),
+        max_num_seqs=512,
+    )
     engine = LLMEngine.from_config(config)
     assert plan["kv_bytes_per_token"] == TOKEN_BYTES
     assert plan["geometry"]["num_blocks"] == engine.runner.num_blocks == 100

@@ -68,8 +68,17 @@ def _plan_json(capsys, *args: str) -> dict:
 
 
 def test_plan_json_for_a_preset(capsys):
-    plan = _plan_json(capsys, "--model", "Llama-3.1-8B", "--memory", "80", "--context-len", "32768",
-                      "--reserve", "1")  # fmt: skip
+    plan = _plan_json(
+        capsys,
+        "--model",
+        "Llama-3.1-8B",
+        "--memory",
+        "80",
+        "--context-len",
+        "32768",
+        "--reserve",
+        "1",
+    )
     assert plan["kv_bytes_per_token"] == 131_072
     budget = plan["budget"]
     assert budget["kv_budget_bytes"] == int(80 * GIB * 0.9) - budget["weight_bytes"] - GIB
@@ -82,8 +91,26 @@ def test_plan_json_for_a_preset(capsys):
 
 
 def test_plan_text_shows_formula_verdict_and_reasons(capsys):
-    assert main(["plan", "--model", "DeepSeek-V3", "--memory", "H200-141GB", "--tp", "8",
-                 "--dist", "sharegpt", "--num-requests", "200", "--shared-prefix", "500"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "DeepSeek-V3",
+                "--memory",
+                "H200-141GB",
+                "--tp",
+                "8",
+                "--dist",
+                "sharegpt",
+                "--num-requests",
+                "200",
+                "--shared-prefix",
+                "500",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "61 layers x (512 latent rank + 64 RoPE dims) x 2 bytes = 70,272 bytes/token" in out
     assert "verdict: DeepSeek-V3 fits" in out
@@ -99,10 +126,19 @@ def test_plan_reads_a_config_and_a_trace(tmp_path, capsys):
             json.dumps({"prompt_tokens": 300, "output_tokens": 100, "prefix_id": "a"})
             for _ in range(10)
         )
-        + "\n"  # fmt: skip
+        + "\n"
     )
-    plan = _plan_json(capsys, "--model", str(tmp_path), "--kv-cache-memory", "1", "--trace", str(trace),
-                      "--shared-prefix", "256")  # fmt: skip
+    plan = _plan_json(
+        capsys,
+        "--model",
+        str(tmp_path),
+        "--kv-cache-memory",
+        "1",
+        "--trace",
+        str(trace),
+        "--shared-prefix",
+        "256",
+    )
     blocks = GIB // (23_040 * 16)
     (row,) = plan["concurrency"]
     assert row["paged"] == blocks // 25  # 400 tokens -> 25 blocks
@@ -120,8 +156,22 @@ def test_bad_input_is_reported_not_raised(capsys):
 
 def test_plot_writes_a_png(tmp_path, capsys):
     path = tmp_path / "plan.png"
-    assert main(["plan", "--model", "Qwen2.5-7B", "--memory", "L4-24GB", "--shared-prefix", "1000",
-                 "--plot", str(path)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "Qwen2.5-7B",
+                "--memory",
+                "L4-24GB",
+                "--shared-prefix",
+                "1000",
+                "--plot",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
 

@@ -308,7 +308,7 @@ def test_cache_report_and_metrics(make_harness):
         text = (await client.get("/metrics")).text
         for name in (
             "pagedllm_num_requests_running", "pagedllm_num_requests_waiting",
-            "pagedllm_num_requests_swapped", "pagedllm_kv_blocks_used",
+            "pagedllm_num_requests_swapped", "pagedllm_kv_blocks_used", "pagedllm_num_requests_queued",
             "pagedllm_kv_blocks_cached_free", "pagedllm_kv_blocks_free",
             "pagedllm_kv_cache_usage", 'pagedllm_kv_waste_fraction{kind="internal"}',
             'pagedllm_kv_waste_tokens{kind="duplication"}',
@@ -385,3 +385,34 @@ def test_duplication_waste_shows_when_prefix_caching_is_off(make_harness):
         h.run(body)
     assert measured[False] >= 12
     assert measured[True] < 12
+
+
+def test_chat_stream_bytes(make_harness):
+    h = make_harness()
+    messages = [{"role": "user", "content": "bytes"}]
+    prompt_ids = h.chat_ids(messages)
+
+    async def body(client):
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 5, "stream": True},
+        )
+        events = sse_events(r.content)
+        rid, created = events[0]["id"], events[0]["created"]
+        assert rid.startswith("chatcmpl-")
+        deltas = [e["choices"][0]["delta"].get("content", "") for e in events[1:]]
+        assert "".join(deltas) == h.tokenizer.decode(h.expected_ids(prompt_ids, 5))
+
+        def chunk(delta, finish=None):
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": None}  # fmt: skip
+            return _dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": "default", "choices": [choice]})  # fmt: skip
+
+        expected = chunk({"role": "assistant", "content": ""})
+        for i, text in enumerate(deltas):
+            last = i == len(deltas) - 1
+            expected += chunk({"content": text} if text else {}, "length" if last else None)
+        assert r.content == expected + b"data: [DONE]\n\n"
+
+    h.run(body)

@@ -103,6 +103,9 @@ class KVCacheManager:
         self.watermark = watermark
         self._watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks)
+        # Read-only alias of the pool's ref counts (the list is never replaced): the
+        # decode fast path runs for every sequence every step.
+        self._ref_counts = self.pool._ref_counts
         self.host_pool = BlockPool(num_host_blocks)
         self._tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
@@ -158,9 +161,27 @@ class KVCacheManager:
         in ``block_copies``. ``admission=True`` also keeps ``watermark`` of all blocks
         free. Returns ``None`` when there is no room, and then nothing has changed.
         """
+        request_id = request.request_id
+        if computed_blocks is None and num_new_tokens > 0:
+            # The decode fast path: the tokens land in private blocks the table holds.
+            table = self._tables.get(request_id)
+            if table is not None:
+                bs = self.block_size
+                start = request.num_computed_tokens
+                total = start + num_new_tokens
+                last = (total - 1) // bs
+                if last < len(table):
+                    ref_counts = self._ref_counts
+                    first = start // bs
+                    if ref_counts[table[first]] == 1 and (
+                        first == last
+                        or all(ref_counts[b] == 1 for b in table[first + 1 : last + 1])
+                    ):
+                        if total > self._num_slots.get(request_id, 0):
+                            self._num_slots[request_id] = total
+                        return _NOTHING_NEW
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        request_id = request.request_id
         if request_id in self._host_tables:
             raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
         bs = self.block_size
@@ -181,7 +202,6 @@ class KVCacheManager:
         cow_indices = self._cow_indices(table, start, total) if table and num_new_tokens else ()
 
         if not hit_ids and not num_new_blocks and not cow_indices:
-            # The decode fast path: the last block has room and is private.
             if table is None:
                 self._count_prefix_query(request, computed_blocks)
                 self._tables[request_id] = []
@@ -220,12 +240,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         request_id = request.request_id
+        bs = self.block_size
+        done = self._num_registered.get(request_id, 0)
+        if request.num_computed_tokens // bs <= done:
+            return  # nothing new is full: the common decode case
         table = self._tables.get(request_id)
         if not table:
             return
-        bs = self.block_size
         num_full = min(request.num_computed_tokens // bs, len(table))
-        done = self._num_registered.get(request_id, 0)
         if num_full <= done:
             return
         hashes = self._ensure_hashes(request)

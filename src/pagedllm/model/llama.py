@@ -197,11 +197,11 @@ class LlamaForCausalLM(nn.Module):
             target = _map_name(hf_name, self.config)
             if target is None:
                 continue
-            name, offset = target
+            name, part = target
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
-            _copy_into(params[name], tensor, offset, hf_name, self.config)
-            loaded.add(f"{name}@{offset}")
+            _copy_into(params[name], tensor, part, hf_name, self.config)
+            loaded.add(f"{name}@{part}")
         missing = [key for key in self._expected_keys() if key not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}")

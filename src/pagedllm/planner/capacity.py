@@ -72,7 +72,7 @@ def kv_formula(
     """``kv_bytes_per_token`` written out, e.g. ``32 layers x 8 KV heads x ... = 131,072 bytes``."""
     spec = _spec(model_config)
     total = kv_bytes_per_token(spec, kv_dtype_bytes, tp)
-    size = f"{_num(kv_dtype_bytes)} bytes"
+    size = "1 byte" if kv_dtype_bytes == 1 else f"{_num(kv_dtype_bytes)} bytes"
     if spec.attention == "mla":
         return (
             f"MLA: {spec.num_layers} layers x ({spec.kv_lora_rank} latent rank + "
@@ -371,15 +371,18 @@ def recommend_block_size(
     workload: Workload,
     max_model_len: int,
     candidates: Sequence[int] = BLOCK_SIZE_CANDIDATES,
-    tolerance: float = 0.02,
+    tolerance: float = 0.05,
 ) -> BlockSizeAdvice:
     """Waste at each candidate block size beside its per-block overhead, and a choice.
 
     Small blocks waste less in each sequence's last block and share more of a system
     prompt, but every block is one more block-table entry to gather, one more
     allocation and one more hash. The choice: the largest block size whose
-    concurrency is within ``tolerance`` of the best candidate's.
+    concurrency is within ``tolerance`` of the best candidate's (a policy: how many
+    sessions one gives up for fewer block operations; ``--block-size-tolerance``).
     """
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"block size tolerance must be in [0, 1), got {tolerance}")
     rows = tuple(
         _block_size_row(kv_budget_bytes, kv_bytes_per_token, workload, max_model_len, bs)
         for bs in candidates
@@ -546,9 +549,11 @@ def scan_lengths(max_model_len: int, points: int = 160) -> list[int]:
 
 
 def concurrency_curve(
-    geometry: CacheGeometry, max_model_len: int, shared_prefix: int = 0,
+    geometry: CacheGeometry,
+    max_model_len: int,
+    shared_prefix: int = 0,
     lengths: Sequence[int] | None = None,
-) -> dict[str, list[tuple[int, int]]]:  # fmt: skip
+) -> dict[str, list[tuple[int, int]]]:
     """Concurrency versus context length, per scheme (for the plot and ``--json``)."""
     lengths = list(lengths or scan_lengths(max_model_len))
     curve: dict[str, list[tuple[int, int]]] = {scheme: [] for scheme in SCHEMES}

@@ -11,6 +11,7 @@ from pagedllm.planner import capacity as cap
 from pagedllm.planner.presets import (
     GIB,
     MIB,
+    ModelSpec,
     dtype_bytes,
     parse_size,
     resolve_memory,
@@ -30,16 +31,29 @@ DEFAULT_TARGET = 16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedllm plan``."""
     m = parser.add_argument_group("model and device")
-    m.add_argument("--model", default="default",
-                   help="preset name (Llama-3.1-8B, DeepSeek-V3, ...), 'default', an HF model "
-                   "directory or a config.json")  # fmt: skip
-    m.add_argument("--memory", default="this machine",
-                   help="device memory in GiB, a device (H100-80GB, H200-141GB, A100-40GB, "
-                   "A100-80GB, L4-24GB) or 'this machine' (default)")  # fmt: skip
-    m.add_argument("--memory-fraction", type=float, default=0.9,
-                   help="share of the memory for weights + activations + cache (default 0.9)")  # fmt: skip
-    m.add_argument("--weight-dtype", default="auto", help="bf16, fp16, fp32, fp8, int8, int4; "
-                   "auto = the config's dtype")  # fmt: skip
+    m.add_argument(
+        "--model",
+        default="default",
+        help="preset name (Llama-3.1-8B, DeepSeek-V3, ...), 'default', an HF model "
+        "directory or a config.json",
+    )
+    m.add_argument(
+        "--memory",
+        default="this machine",
+        help="device memory in GiB, a device (H100-80GB, H200-141GB, A100-40GB, "
+        "A100-80GB, L4-24GB) or 'this machine' (default)",
+    )
+    m.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="share of the memory for weights + activations + cache (default 0.9)",
+    )
+    m.add_argument(
+        "--weight-dtype",
+        default="auto",
+        help="bf16, fp16, fp32, fp8, int8, int4; auto = the config's dtype",
+    )
     m.add_argument(
         "--kv-dtype", default="auto", help="cache dtype; auto = bf16 (fp32 for fp32 models)"
     )
@@ -48,15 +62,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, help="tensor-parallel degree (memory is per device)"
     )
     m.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
-    m.add_argument("--reserve", type=_size_arg,
-                   help="activation reserve, e.g. 2GiB (default: estimated)")  # fmt: skip
-    m.add_argument("--kv-cache-memory", type=_size_arg,
-                   help="KV budget, e.g. 4GiB (a bare number is GiB), instead of deriving it "
-                   "from --memory")  # fmt: skip
+    m.add_argument(
+        "--reserve", type=_size_arg, help="activation reserve, e.g. 2GiB (default: estimated)"
+    )
+    m.add_argument(
+        "--kv-cache-memory",
+        type=_size_arg,
+        help="KV budget, e.g. 4GiB (a bare number is GiB), instead of deriving it from --memory",
+    )
     w = parser.add_argument_group("lengths (one of)")
     source = w.add_mutually_exclusive_group()
-    source.add_argument("--context-len", type=int, nargs="+", metavar="N",
-                        help="fixed sequence lengths, prompt + output (default: a few up to max)")  # fmt: skip
+    source.add_argument(
+        "--context-len",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="fixed sequence lengths, prompt + output (default: a few up to max)",
+    )
     source.add_argument(
         "--dist", choices=["sharegpt", "alpaca"], help="a named length distribution"
     )
@@ -65,13 +87,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--num-requests", type=int, default=1000, help="requests drawn for --dist")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--shared-prefix", type=int, default=0,
-                   help="tokens of system prompt shared by all (or by each trace prefix_id)")  # fmt: skip
-    w.add_argument("--target-concurrency", type=int,
-                   help=f"sessions that must fit at once (default {DEFAULT_TARGET})")  # fmt: skip
+    w.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens of system prompt shared by all (or by each trace prefix_id)",
+    )
+    w.add_argument(
+        "--block-size-tolerance",
+        type=float,
+        default=0.05,
+        help="sessions one may give up for larger blocks (default 0.05 = 5%%)",
+    )
+    w.add_argument(
+        "--target-concurrency",
+        type=int,
+        help=f"sessions that must fit at once (default {DEFAULT_TARGET})",
+    )
     s = parser.add_argument_group("simulation and output")
-    s.add_argument("--simulate", action="store_true",
-                   help="replay the lengths through the real scheduler and block manager")  # fmt: skip
+    s.add_argument(
+        "--simulate",
+        action="store_true",
+        help="replay the lengths through the real scheduler and block manager",
+    )
     s.add_argument("--arrival-rate", type=float, default=4.0, help="requests per second (Poisson)")
     s.add_argument("--step-ms", type=float, default=10.0, help="cost model: fixed ms per step")
     s.add_argument(
@@ -80,8 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sim-requests", type=int, default=200, help="requests replayed (default 200)")
     s.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="recompute")
     s.add_argument("--max-num-seqs", type=int, default=256, help="scheduler: sequences per step")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="scheduler: tokens per step (chunked prefill)")  # fmt: skip
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="scheduler: tokens per step (chunked prefill)",
+    )
     s.add_argument("--plot", metavar="FILE.png", help="write the plots (matplotlib)")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -96,11 +138,11 @@ def _size_arg(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Compute the plan, print it (text or JSON), write the plot; 2 on bad input."""
     try:
-        plan = build_plan(args)
+        plan, entries = _build(args)
         if args.simulate:
             from pagedllm.planner.simulate import simulate_from_plan
 
-            plan["simulation"] = simulate_from_plan(plan, args)
+            plan["simulation"] = simulate_from_plan(plan, entries, args)
     except ValueError as exc:
         print(f"pagedllm plan: {exc}")
         return 2
@@ -114,79 +156,130 @@ def run(args: argparse.Namespace) -> int:
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Every figure of the plan, as plain data (what ``--json`` prints)."""
-    spec = resolve_model(args.model)
-    device = resolve_memory(args.memory)
-    weight_dtype = spec.weight_dtype if args.weight_dtype == "auto" else args.weight_dtype
-    kv_dtype = args.kv_dtype
-    if kv_dtype == "auto":
-        kv_dtype = "float32" if dtype_bytes(weight_dtype) == 4 else "bfloat16"
+    return _build(args)[0]
+
+
+def _build(args: argparse.Namespace) -> tuple[dict[str, Any], list[TraceEntry]]:
     if args.tp < 1 or args.block_size < 1:
         raise ValueError("--tp and --block-size must be >= 1")
+    spec = resolve_model(args.model)
     max_model_len = args.max_model_len or spec.max_position_embeddings
-    kvpt = cap.kv_bytes_per_token(spec, dtype_bytes(kv_dtype), args.tp)
-    weights = cap.weight_bytes(spec, dtype_bytes(weight_dtype), args.tp)
-    reserve = (
-        args.reserve if args.reserve is not None else cap.reserve_bytes_estimate(spec, args.tp)
+    plan = _memory_figures(args, spec)
+    geometry = cap.cache_geometry(
+        plan["budget"]["kv_budget_bytes"], plan["kv_bytes_per_token"], args.block_size
     )
-    budget = cap.kv_budget(device.memory_bytes, args.memory_fraction, weights, reserve)
-    if args.kv_cache_memory is not None:
-        budget = cap.Budget(
-            device.memory_bytes, args.memory_fraction, weights, reserve, args.kv_cache_memory
-        )
-    geometry = cap.cache_geometry(budget.kv_budget_bytes, kvpt, args.block_size)
     workloads, entries = _workloads(args, max_model_len)
+    main = max(workloads, key=lambda w: w.mean_length)  # advice sizes for the worst case
     target = args.target_concurrency or DEFAULT_TARGET
-    rows = [_row(geometry, w, max_model_len) for w in workloads]
-    main = workloads[-1]  # the longest fixed length: advice sizes for the worst case
-    scheme = "paged_shared" if args.shared_prefix or _has_prefix(main) else "paged"
-    blocks = cap.recommend_block_size(budget.kv_budget_bytes, kvpt, main, max_model_len)
-    fraction = cap.recommend_memory_fraction(
-        device.memory_bytes, weights, reserve, kvpt, args.block_size, main, target, scheme
-    )
-    below = {
-        s: cap.length_below_target(geometry, target, max_model_len, s, args.shared_prefix)
-        for s in cap.SCHEMES
-    }
-    return {
-        "model": {
-            "name": spec.name,
-            "attention": spec.attention,
-            "num_layers": spec.num_layers,
-            "params": cap.param_count(spec),
-            "max_model_len": max_model_len,
-        },  # fmt: skip
-        "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
-        "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
-        "kv_bytes_per_token": kvpt,
-        "kv_formula": cap.kv_formula(spec, dtype_bytes(kv_dtype), args.tp),
-        "budget": asdict(budget),
-        "budget_given": args.kv_cache_memory is not None,
+    plan |= {
+        "model": _model_figures(spec, max_model_len),
         "geometry": {
             **asdict(geometry),
             "num_tokens": geometry.num_tokens,
             "block_bytes": geometry.block_bytes,
         },
         "shared_prefix": args.shared_prefix,
+        "workload_shares_prefix": _has_prefix(main),
         "workload": {
             "label": main.label,
             "summary": describe(entries) if entries else None,
             "num_sequences": len(main.lengths),
-        },  # fmt: skip
-        "concurrency": rows,
+        },
+        "concurrency": [_row(geometry, w, max_model_len) for w in workloads],
         "target_concurrency": target,
-        "length_below_target": below,
-        "verdicts": [
-            cap.verdict(spec.name, budget, w, cap.max_concurrency(geometry, w, max_model_len), kvpt)
-            for w in workloads
-        ],
+        "length_below_target": {
+            s: cap.length_below_target(geometry, target, max_model_len, s, args.shared_prefix)
+            for s in cap.SCHEMES
+        },
+        "verdicts": [_verdict(spec, plan, geometry, w, max_model_len) for w in workloads],
+        "curve": cap.concurrency_curve(geometry, max_model_len, args.shared_prefix),
+    }
+    plan |= _advice(args, plan, main, max_model_len, target)
+    return plan, entries
+
+
+def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    """Dtypes, bytes per token, weights and the KV budget on one device."""
+    device = resolve_memory(args.memory)
+    weight_dtype = spec.weight_dtype if args.weight_dtype == "auto" else args.weight_dtype
+    kv_dtype = args.kv_dtype
+    if kv_dtype == "auto":
+        kv_dtype = "float32" if dtype_bytes(weight_dtype) == 4 else "bfloat16"
+    weights = cap.weight_bytes(spec, dtype_bytes(weight_dtype), args.tp)
+    reserve = args.reserve
+    if reserve is None:
+        reserve = cap.reserve_bytes_estimate(spec, args.tp)
+    budget = cap.kv_budget(device.memory_bytes, args.memory_fraction, weights, reserve)
+    if args.kv_cache_memory is not None:
+        budget = cap.Budget(
+            device.memory_bytes, args.memory_fraction, weights, reserve, args.kv_cache_memory
+        )
+    return {
+        "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
+        "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
+        "kv_bytes_per_token": cap.kv_bytes_per_token(spec, dtype_bytes(kv_dtype), args.tp),
+        "kv_formula": cap.kv_formula(spec, dtype_bytes(kv_dtype), args.tp),
+        "budget": asdict(budget),
+        "budget_given": args.kv_cache_memory is not None,
+    }
+
+
+def _model_figures(spec: ModelSpec, max_model_len: int) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "attention": spec.attention,
+        "num_layers": spec.num_layers,
+        "params": cap.param_count(spec),
+        "max_model_len": max_model_len,
+    }
+
+
+def _verdict(
+    spec: ModelSpec,
+    plan: dict[str, Any],
+    geometry: cap.CacheGeometry,
+    workload: cap.Workload,
+    max_model_len: int,
+) -> str:
+    budget = cap.Budget(**plan["budget"])
+    conc = cap.max_concurrency(geometry, workload, max_model_len)
+    return cap.verdict(spec.name, budget, workload, conc, plan["kv_bytes_per_token"])
+
+
+def _advice(
+    args: argparse.Namespace,
+    plan: dict[str, Any],
+    workload: cap.Workload,
+    max_model_len: int,
+    target: int,
+) -> dict[str, Any]:
+    """Block size and memory fraction, tuned to the workload, with their reasons."""
+    budget, kvpt = plan["budget"], plan["kv_bytes_per_token"]
+    scheme = "paged_shared" if args.shared_prefix or _has_prefix(workload) else "paged"
+    blocks = cap.recommend_block_size(
+        budget["kv_budget_bytes"],
+        kvpt,
+        workload,
+        max_model_len,
+        tolerance=args.block_size_tolerance,
+    )
+    fraction = cap.recommend_memory_fraction(
+        budget["memory_bytes"],
+        budget["weight_bytes"],
+        budget["reserve_bytes"],
+        kvpt,
+        args.block_size,
+        workload,
+        target,
+        scheme,
+    )
+    return {
         "block_size_advice": {
             "block_size": blocks.block_size,
             "reasoning": blocks.reasoning,
             "rows": [asdict(r) for r in blocks.rows],
-        },  # fmt: skip
+        },
         "memory_fraction_advice": asdict(fraction) | {"scheme": scheme},
-        "curve": cap.concurrency_curve(geometry, max_model_len, args.shared_prefix),
-        "trace": [asdict(e) for e in entries] if args.simulate else None,
     }
 
 
@@ -292,7 +385,7 @@ def _concurrency_table(plan: dict[str, Any]) -> list[str]:
             f"  {row['label']:<22} {row['contiguous_max']:>15,} {row['contiguous_exact']:>14,} "
             f"{row['paged']:>9,} {row['paged_shared']:>26,}"
         )
-    if not shared:
+    if not plan["workload_shares_prefix"]:
         lines.append("  (no shared prompt given: --shared-prefix N or trace prefix_id)")
     return lines
 

@@ -60,8 +60,14 @@ def _concurrency_axes(ax: Any, plan: dict[str, Any]) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
     target = plan["target_concurrency"]
     ax.axhline(target, color="gray", linewidth=0.8)
-    ax.annotate(f"target {target}", (ax.get_xlim()[0], target), textcoords="offset points",
-                xytext=(4, 3), fontsize=8, color="gray")  # fmt: skip
+    ax.annotate(
+        f"target {target}",
+        (ax.get_xlim()[0], target),
+        textcoords="offset points",
+        xytext=(4, 3),
+        fontsize=8,
+        color="gray",
+    )
     ax.set_xlabel("tokens per sequence (prompt + output)")
     ax.set_ylabel("maximum concurrent sequences")
     model, device = plan["model"], plan["device"]
@@ -83,13 +89,25 @@ def _timeline_axes(ax: Any, sim: dict[str, Any]) -> None:
         ax.plot(t, [p["num_swapped"] for p in timeline], label="swapped", color="tab:purple")
     preempt_t = [p["time"] for p in timeline if p["preempted"]]
     if preempt_t:
-        ax.plot(preempt_t, [0] * len(preempt_t), "|", color="tab:red", markersize=10,
-                label=f"preemption ({sim['preemption_mode']})")  # fmt: skip
+        ax.plot(
+            preempt_t,
+            [0] * len(preempt_t),
+            "|",
+            color="tab:red",
+            markersize=10,
+            label=f"preemption ({sim['preemption_mode']})",
+        )
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("sequences")
     usage = ax.twinx()
-    usage.plot(t, [100 * p["kv_usage"] for p in timeline], color="tab:green", alpha=0.5,
-               linewidth=0.8, label="KV blocks in use (%)")  # fmt: skip
+    usage.plot(
+        t,
+        [100 * p["kv_usage"] for p in timeline],
+        color="tab:green",
+        alpha=0.5,
+        linewidth=0.8,
+        label="KV blocks in use (%)",
+    )
     usage.set_ylabel("KV blocks in use (%)")
     usage.set_ylim(0, 105)
     ax.set_title(

@@ -141,8 +141,17 @@ def _config_weight_dtype(config: Mapping[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _llama_like(name: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int,
-                vocab: int, max_pos: int, **extra: Any) -> ModelSpec:  # fmt: skip
+def _llama_like(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    vocab: int,
+    max_pos: int,
+    **extra: Any,
+) -> ModelSpec:
     return ModelSpec(
         name=name,
         num_layers=layers,

@@ -162,9 +162,12 @@ class _Replay:
     """One simulation run (internal, mutable)."""
 
     def __init__(
-        self, scheduler: Scheduler, kv: KVCacheManager, requests: list[Request],
+        self,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        requests: list[Request],
         config: SimulationConfig,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.scheduler, self.kv, self.config = scheduler, kv, config
         self.pending = list(requests)
         self.samples = {r.request_id: _Sample(r.arrival_time) for r in requests}
@@ -320,12 +323,16 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def simulate_from_plan(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def simulate_from_plan(
+    plan: dict[str, Any], entries: Sequence[TraceEntry], args: argparse.Namespace
+) -> dict[str, Any]:
     """Run the simulation the CLI asked for, on the plan's cache geometry."""
     geometry = plan["geometry"]
     if geometry["num_blocks"] < 1:
         raise ValueError("--simulate: the KV budget holds no block")
-    entries = [TraceEntry(**e) for e in plan["trace"]][: args.sim_requests]
+    if args.sim_requests < 1:
+        raise ValueError(f"--sim-requests must be >= 1, got {args.sim_requests}")
+    entries = list(entries)[: args.sim_requests]
     swap = args.preemption_mode in ("swap", "auto")
     config = SimulationConfig(
         num_blocks=geometry["num_blocks"],

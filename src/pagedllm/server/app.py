@@ -26,10 +26,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.server.chat import create_chat_completion
+from pagedllm.server.completions import create_completion
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics, cache_report, engine_snapshot
 from pagedllm.server.protocol import ModelCard, ModelList
-from pagedllm.server.serving import ServerContext, create_chat_completion, create_completion
+from pagedllm.server.serving import ServerContext
 
 logger = logging.getLogger(__name__)
 

@@ -145,6 +145,13 @@ class _StatsCollector(Collector):
             return
         for state in ("running", "waiting", "swapped"):
             yield _gauge(f"num_requests_{state}", f"Requests {state}.", r[state])
+        server = r.get("server")
+        if server is not None:
+            yield _gauge(
+                "num_requests_queued",
+                "Accepted requests still waiting for their first token (bounded).",
+                server["queued"],
+            )
         for name in ("blocks_total", "blocks_used", "blocks_cached_free", "blocks_free"):
             yield _gauge(f"kv_{name}", f"KV cache {name.replace('_', ' ')}.", r[name])
         yield _gauge("kv_cache_usage", "Fraction of KV blocks held by live requests.", r["usage"])

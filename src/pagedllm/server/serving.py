@@ -1,11 +1,11 @@
-"""The completions and chat completions endpoints: validate, tokenize, add, stream.
+"""What the completions and chat endpoints share: validate, tokenize, add, follow.
 
 Everything that can be checked before the engine is checked here (types, ranges, model
 name, prompt length against ``max_model_len`` and the cache size, the queue bound), so a
 bad request never reaches the engine or disturbs the others.
 
-Engine outputs are cumulative; a stream keeps, per choice, how much text and how many
-logprobs it has sent and emits only what is new.
+Engine outputs are cumulative; a stream keeps, per choice (``ChoiceState``), how much
+text and how many logprobs it has sent and emits only what is new.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import (
     AsyncEngine,
@@ -34,26 +33,14 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     ChatLogprobs,
-    ChatStreamChoice,
     ChatTokenLogprob,
-    CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
-    DeltaMessage,
     PromptTokensDetails,
     SamplingFields,
     TopLogprob,
     Usage,
 )
-from pagedllm.server.sse import DONE, EventStreamResponse, sse_event, until_disconnect
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger(__name__)
@@ -91,7 +78,7 @@ class Prompt:
 
 
 @dataclass(slots=True)
-class _ChoiceState:
+class ChoiceState:
     text_len: int = 0
     num_logprobs: int = 0
     text_offset: int = 0
@@ -295,6 +282,12 @@ def usage_of(outputs: Sequence[Any]) -> Usage:
     )
 
 
+def internal_error_event(request_id: str, exc: Exception) -> bytes:
+    """The SSE error event for an unexpected failure after a stream started (logged)."""
+    logger.exception("stream %s failed", request_id, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").sse_event()
+
+
 def new_id(prefix: str, request: Request) -> str:
     """``prefix-`` + the client's ``X-Request-Id`` header (as vLLM does) or a random id."""
     given = request.headers.get("x-request-id", "")
@@ -351,323 +344,3 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[in
             )
         )
     return ChatLogprobs(content=content)
-
-
-# ---------------------------------------------------------------- /v1/completions
-
-
-def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
-    """One ``Prompt`` per entry of a string, token-id list, or batch of either."""
-    if isinstance(prompt, str):
-        batch: list[Any] = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        batch = [prompt]
-    else:
-        batch = list(prompt)
-    if not batch:
-        raise bad_request("prompt must not be an empty list", param="prompt")
-    prompts = []
-    for i, item in enumerate(batch):
-        param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            token_ids = list(ctx.tokenizer.encode(item))
-            prompts.append(Prompt(token_ids, item))
-        else:
-            _check_token_ids(ctx, item, param)
-            prompts.append(Prompt(list(item), None))
-        if not prompts[-1].token_ids:
-            raise bad_request(f"{param} must not be empty", param=param)
-    return prompts
-
-
-def _check_token_ids(ctx: ServerContext, token_ids: Sequence[int], param: str) -> None:
-    for token_id in token_ids:
-        if not 0 <= token_id < ctx.vocab_size:
-            raise bad_request(
-                f"{param}: token id {token_id} is outside the vocabulary (0..{ctx.vocab_size - 1})",
-                param=param,
-            )
-
-
-async def create_completion(ctx: ServerContext, request: Request) -> Response:
-    req = parse_body(CompletionRequest, await request.body())
-    check_model(ctx, req.model)
-    check_common(req)
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of different from n is not supported", param="best_of")
-    prompts = completion_prompts(ctx, req.prompt)
-    request_id = new_id("cmpl", request)
-    specs = []
-    for i, prompt in enumerate(prompts):
-        prompt_param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        max_tokens = resolve_max_tokens(
-            ctx, len(prompt.token_ids), req.max_tokens, prompt_param, "max_tokens"
-        )
-        params = sampling_params(req, max_tokens, req.logprobs)
-        specs.append(
-            RequestSpec(f"{request_id}-{i}", prompt.token_ids, params, req.priority, req.cache_salt)
-        )
-    if req.echo:
-        prompts = [
-            p if p.text is not None else Prompt(p.token_ids, _decode(ctx, p)) for p in prompts
-        ]
-    streams = await add_streams(ctx, specs)
-    created = int(time.time())
-    if req.stream:
-        return EventStreamResponse(
-            completion_events(ctx, req, request_id, created, prompts, streams)
-        )
-    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
-    if not done:
-        return Response(status_code=499)
-    choices = []
-    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        for c in sorted(output.outputs, key=lambda c: c.index):
-            prefix = prompt.text if req.echo and prompt.text else ""
-            logprobs = None
-            if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, len(prefix))
-            choices.append(
-                CompletionChoice(
-                    index=i * req.n + c.index,
-                    text=prefix + c.text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-    body = CompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices,
-        usage=usage_of(outputs),
-    )  # fmt: skip
-    return JSONResponse(body.model_dump(mode="json"))
-
-
-def _decode(ctx: ServerContext, prompt: Prompt) -> str:
-    return ctx.tokenizer.decode(prompt.token_ids)
-
-
-async def completion_events(
-    ctx: ServerContext,
-    req: CompletionRequest,
-    request_id: str,
-    created: int,
-    prompts: Sequence[Prompt],
-    streams: Sequence[RequestStream],
-) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
-    finals = []
-    try:
-        for i, (prompt, stream) in enumerate(zip(prompts, streams, strict=True)):
-            states: dict[int, _ChoiceState] = {}
-            last = None
-            async with aclosing(outputs_of(ctx, stream)) as outputs:
-                async for output in outputs:
-                    last = output
-                    choices = []
-                    for c in output.outputs:
-                        state = states.setdefault(c.index, _ChoiceState())
-                        choice = _completion_delta(ctx, req, prompt, c, state, i * req.n)
-                        if choice is not None:
-                            choices.append(choice)
-                    if choices:
-                        chunk = CompletionStreamResponse(
-                            id=request_id, created=created, model=ctx.model_name, choices=choices
-                        )
-                        yield sse_event(chunk, exclude=exclude)
-            finals.append(last)
-        if include_usage:
-            chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=ctx.model_name, choices=[],
-                usage=usage_of(finals),
-            )  # fmt: skip
-            yield sse_event(chunk)
-    except APIError as exc:
-        yield exc.sse_event()
-    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
-        logger.exception("stream %s failed", request_id)
-        yield APIError(500, f"internal error: {type(exc).__name__}: {exc}").sse_event()
-    finally:
-        for stream in streams:
-            stream.abort()
-    yield DONE
-
-
-def _completion_delta(
-    ctx: ServerContext,
-    req: CompletionRequest,
-    prompt: Prompt,
-    c: Any,
-    state: _ChoiceState,
-    index_base: int,
-) -> CompletionChoice | None:
-    if state.finished:
-        return None
-    text = c.text[state.text_len :]
-    if req.echo and not state.started and prompt.text:
-        text = prompt.text + text
-        state.text_offset = 0
-    logprobs = None
-    entries = c.logprobs[state.num_logprobs :] if c.logprobs and req.logprobs is not None else []
-    if entries:
-        ids = c.token_ids[state.num_logprobs : state.num_logprobs + len(entries)]
-        offset = state.text_offset + (
-            len(prompt.text or "") if req.echo and not state.started else 0
-        )
-        logprobs = completion_logprobs(ctx.tokenizer, entries, ids, offset)
-    if not text and not entries and not c.finish_reason:
-        return None
-    state.started = True
-    state.text_len = len(c.text)
-    state.num_logprobs += len(entries)
-    state.text_offset += len(text)
-    state.finished = c.finish_reason is not None
-    return CompletionChoice(
-        index=index_base + c.index,
-        text=text,
-        logprobs=logprobs,
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-    )
-
-
-# ---------------------------------------------------------------- /v1/chat/completions
-
-
-def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> Prompt:
-    """The messages through the tokenizer's chat template."""
-    tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-    conversation = []
-    for message in req.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        conversation.append({"role": message.role, "content": content or ""})
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
-        )
-    except Exception as exc:  # jinja templates raise anything (e.g. role order rules)
-        raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
-    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if not token_ids:
-        raise bad_request("messages produce an empty prompt", param="messages")
-    return Prompt(token_ids, text)
-
-
-async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
-    req = parse_body(ChatCompletionRequest, await request.body())
-    check_model(ctx, req.model)
-    check_common(req)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-    prompt = chat_prompt(ctx, req)
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), asked, "messages", param)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs)
-    request_id = new_id("chatcmpl", request)
-    spec = RequestSpec(f"{request_id}-0", prompt.token_ids, params, req.priority, req.cache_salt)
-    streams = await add_streams(ctx, [spec])
-    created = int(time.time())
-    if req.stream:
-        return EventStreamResponse(chat_events(ctx, req, request_id, created, streams[0]))
-    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
-    if not done:
-        return Response(status_code=499)
-    output = outputs[0]
-    choices = []
-    for c in sorted(output.outputs, key=lambda c: c.index):
-        logprobs_body = None
-        if req.logprobs and c.logprobs is not None:
-            logprobs_body = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids)
-        choices.append(
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=logprobs_body,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-        )
-    body = ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices,
-        usage=usage_of(outputs),
-    )  # fmt: skip
-    return JSONResponse(body.model_dump(mode="json"))
-
-
-async def chat_events(
-    ctx: ServerContext,
-    req: ChatCompletionRequest,
-    request_id: str,
-    created: int,
-    stream: RequestStream,
-) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> bytes:
-        body = ChatCompletionStreamResponse(
-            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
-        )
-        return sse_event(body, exclude=exclude)
-
-    states: dict[int, _ChoiceState] = {}
-    last = None
-    try:
-        async with aclosing(outputs_of(ctx, stream)) as outputs:
-            async for output in outputs:
-                last = output
-                for c in sorted(output.outputs, key=lambda c: c.index):
-                    state = states.setdefault(c.index, _ChoiceState())
-                    if not state.started:
-                        state.started = True
-                        role = DeltaMessage(role="assistant", content="")
-                        yield chunk([ChatStreamChoice(index=c.index, delta=role)])
-                    choice = _chat_delta(ctx, req, c, state)
-                    if choice is not None:
-                        yield chunk([choice])
-        if include_usage and last is not None:
-            yield chunk([], usage_of([last]))
-    except APIError as exc:
-        yield exc.sse_event()
-    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
-        logger.exception("stream %s failed", request_id)
-        yield APIError(500, f"internal error: {type(exc).__name__}: {exc}").sse_event()
-    finally:
-        stream.abort()
-    yield DONE
-
-
-def _chat_delta(
-    ctx: ServerContext, req: ChatCompletionRequest, c: Any, state: _ChoiceState
-) -> ChatStreamChoice | None:
-    if state.finished:
-        return None
-    text = c.text[state.text_len :]
-    entries = c.logprobs[state.num_logprobs :] if c.logprobs and req.logprobs else []
-    if not text and not entries and not c.finish_reason:
-        return None
-    logprobs = None
-    if entries:
-        ids = c.token_ids[state.num_logprobs : state.num_logprobs + len(entries)]
-        logprobs = chat_logprobs(ctx.tokenizer, entries, ids)
-    state.text_len = len(c.text)
-    state.num_logprobs += len(entries)
-    state.finished = c.finish_reason is not None
-    return ChatStreamChoice(
-        index=c.index,
-        delta=DeltaMessage(content=text) if text else DeltaMessage(),
-        logprobs=logprobs,
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-    )

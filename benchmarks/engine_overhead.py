@@ -1,0 +1,158 @@
+"""Where a decode step's time goes at 64 running sequences.
+
+Builds an engine on model (a) (see ``throughput.py``), admits 64 requests of the standard
+workload with room to decode, steps until all of them are decoding, then times N decode
+steps, split into: scheduling (``Scheduler.schedule``), building inputs
+(``build_input_batch``), forward (model body), logits (LM head), sampling, detokenizing,
+scheduler update, and the rest of ``LLMEngine.step``. Engine overhead = scheduling +
+inputs + sampling + detokenizing + update + rest; goal <= 10% of step time.
+Last line: one JSON object.
+
+    .venv/bin/python benchmarks/engine_overhead.py [--model a] [--steps 32] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import throughput  # noqa: E402  (sets the offline environment first)
+import torch  # noqa: E402
+
+import pagedllm.worker.model_runner as model_runner_module  # noqa: E402
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+
+PARTS = ("schedule", "inputs", "forward", "logits", "sampling", "detokenize", "update")
+OVERHEAD = ("schedule", "inputs", "sampling", "detokenize", "update", "rest")
+
+
+class Timers:
+    """Accumulates seconds per part; `wrap` times a callable under a part's name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.enabled = False
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+
+class TimedSampler:
+    def __init__(self, sampler, timers: Timers) -> None:
+        self._sampler = sampler
+        self._call = timers.wrap("sampling", sampler.__call__)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+
+def instrument(llm: LLM, timers: Timers) -> None:
+    engine = llm.engine
+    runner = engine.runner
+    model = runner.model
+    engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timers.wrap("update", engine.scheduler.update)
+    model_runner_module.build_input_batch = timers.wrap(
+        "inputs", model_runner_module.build_input_batch
+    )
+    model.forward = timers.wrap("forward", model.forward)
+    model.compute_logits = timers.wrap("logits", model.compute_logits)
+    runner.sampler = TimedSampler(runner.sampler, timers)
+    IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="a", help="a | default | checkpoint directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table")
+    args = parser.parse_args(argv)
+    if args.num_seqs < 1 or args.steps < 1:
+        raise ValueError("--num-seqs and --steps must be >= 1")
+
+    model = throughput.resolve_model(args.model)
+    work = throughput.standard_workload(args.num_seqs)
+    kwargs = {"dtype": args.dtype}
+    if args.attention_backend:
+        kwargs["attention_backend"] = args.attention_backend
+    llm = LLM(model=str(model), **kwargs)
+    engine = llm.engine
+    timers = Timers()
+    instrument(llm, timers)
+    # Every request decodes for longer than the measured window.
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
+    for i, prompt in enumerate(work.prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    started: set[str] = set()
+    while len(started) < args.num_seqs:  # until every prompt is prefilled
+        for output in engine.step():
+            if output.outputs and output.outputs[0].token_ids:
+                started.add(output.request_id)
+    engine.step()  # the first all-decode step
+    stats = engine.get_stats()
+    if stats.num_running != args.num_seqs:
+        raise RuntimeError(f"{stats.num_running} sequences running, expected {args.num_seqs}")
+
+    timers.enabled = True
+    profiler = None
+    if args.profile:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    total = time.perf_counter() - start
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    timers.enabled = False
+
+    parts = {p: timers.seconds[p] for p in PARTS}
+    parts["rest"] = max(0.0, total - sum(parts.values()))
+    overhead = sum(parts[p] for p in OVERHEAD)
+    step_ms = total / args.steps * 1e3
+    print(
+        f"model={model.name} dtype={args.dtype} seqs={args.num_seqs} steps={args.steps} "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(f"{'part':<12}{'ms/step':>10}{'share':>8}")
+    for name, seconds in parts.items():
+        print(f"{name:<12}{seconds / args.steps * 1e3:>10.3f}{seconds / total:>8.1%}")
+    print(f"{'step':<12}{step_ms:>10.3f}  ({args.num_seqs / (total / args.steps):.0f} tok/s)")
+    print(f"engine overhead {overhead / total:.1%} of step time (goal <= 10%)")
+    if profiler is not None:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    result = {
+        "num_seqs": args.num_seqs,
+        "steps": args.steps,
+        "step_ms": round(step_ms, 3),
+        "parts_ms": {k: round(v / args.steps * 1e3, 4) for k, v in parts.items()},
+        "overhead_fraction": round(overhead / total, 4),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

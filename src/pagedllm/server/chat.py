@@ -1,0 +1,189 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, ``n``
+answers out, whole or as Server-Sent Events (the role first, the finish reason last)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.engine.async_engine import RequestSpec, RequestStream
+from pagedllm.server.errors import APIError, bad_request
+from pagedllm.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    DeltaMessage,
+    Usage,
+)
+from pagedllm.server.serving import (
+    ChoiceState,
+    Prompt,
+    ServerContext,
+    add_streams,
+    chat_logprobs,
+    check_common,
+    check_model,
+    final_outputs,
+    internal_error_event,
+    new_id,
+    outputs_of,
+    parse_body,
+    resolve_max_tokens,
+    sampling_params,
+    usage_of,
+)
+from pagedllm.server.sse import DONE, EventStreamResponse, sse_event, until_disconnect
+
+
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> Prompt:
+    """The messages through the tokenizer's chat template."""
+    tokenizer = ctx.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    conversation = []
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        conversation.append({"role": message.role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+        )
+    except Exception as exc:  # jinja templates raise anything (e.g. role order rules)
+        raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
+    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not token_ids:
+        raise bad_request("messages produce an empty prompt", param="messages")
+    return Prompt(token_ids, text)
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
+    req = parse_body(ChatCompletionRequest, await request.body())
+    _check_request(ctx, req)
+    prompt = chat_prompt(ctx, req)
+    request_id = new_id("chatcmpl", request)
+    streams = await add_streams(ctx, [_spec(ctx, req, f"{request_id}-0", prompt)])
+    created = int(time.time())
+    if req.stream:
+        return EventStreamResponse(chat_events(ctx, req, request_id, created, streams[0]))
+    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
+    if not done:
+        return Response(status_code=499)  # nobody is listening any more
+    choices = [_choice(ctx, req, c) for c in sorted(outputs[0].outputs, key=lambda c: c.index)]
+    body = ChatCompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices,
+        usage=usage_of(outputs),
+    )  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> None:
+    check_model(ctx, req.model)
+    check_common(req)
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+
+
+def _spec(
+    ctx: ServerContext, req: ChatCompletionRequest, request_id: str, prompt: Prompt
+) -> RequestSpec:
+    # max_completion_tokens is the current name; max_tokens the deprecated one.
+    if req.max_completion_tokens is not None:
+        asked, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        asked, param = req.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), asked, "messages", param)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, logprobs)
+    return RequestSpec(request_id, prompt.token_ids, params, req.priority, req.cache_salt)
+
+
+def _choice(ctx: ServerContext, req: ChatCompletionRequest, c: Any) -> ChatChoice:
+    logprobs = None
+    if req.logprobs and c.logprobs is not None:
+        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids)
+    return ChatChoice(
+        index=c.index,
+        message=AssistantMessage(content=c.text),
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )
+
+
+async def chat_events(
+    ctx: ServerContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    created: int,
+    stream: RequestStream,
+) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> bytes:
+        body = ChatCompletionStreamResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+        )
+        return sse_event(body, exclude=exclude)
+
+    states: dict[int, ChoiceState] = {}
+    last = None
+    try:
+        async with aclosing(outputs_of(ctx, stream)) as outputs:
+            async for output in outputs:
+                last = output
+                for c in sorted(output.outputs, key=lambda c: c.index):
+                    state = states.setdefault(c.index, ChoiceState())
+                    if not state.started:
+                        state.started = True
+                        role = DeltaMessage(role="assistant", content="")
+                        yield chunk([ChatStreamChoice(index=c.index, delta=role)])
+                    choice = _chat_delta(ctx, req, c, state)
+                    if choice is not None:
+                        yield chunk([choice])
+        if include_usage and last is not None:
+            yield chunk([], usage_of([last]))
+    except APIError as exc:
+        yield exc.sse_event()
+    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
+        yield internal_error_event(request_id, exc)
+    finally:
+        stream.abort()
+    yield DONE
+
+
+def _chat_delta(
+    ctx: ServerContext, req: ChatCompletionRequest, c: Any, state: ChoiceState
+) -> ChatStreamChoice | None:
+    if state.finished:
+        return None
+    text = c.text[state.text_len :]
+    entries = c.logprobs[state.num_logprobs :] if c.logprobs and req.logprobs else []
+    if not text and not entries and not c.finish_reason:
+        return None
+    logprobs = None
+    if entries:
+        ids = c.token_ids[state.num_logprobs : state.num_logprobs + len(entries)]
+        logprobs = chat_logprobs(ctx.tokenizer, entries, ids)
+    state.text_len = len(c.text)
+    state.num_logprobs += len(entries)
+    state.finished = c.finish_reason is not None
+    return ChatStreamChoice(
+        index=c.index,
+        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )

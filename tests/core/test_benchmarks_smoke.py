@@ -1,0 +1,76 @@
+"""The core benchmarks run, end with one JSON line, and show what they must show."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_fragmentation_small_trace(capsys):
+    args = [
+        "--quick",
+        "--num-requests",
+        "60",
+        "--max-model-len",
+        "512",
+        "--num-slots",
+        "4096",
+        "--shared-prefix-len",
+        "64",
+        "--shared-prefix-fraction",
+        "1.0",
+        "-n",
+        "2",
+    ]
+    assert load("fragmentation").main(args) == 0
+    result = last_json(capsys)
+    assert list(result) == ["contiguous_max_len", "contiguous_exact", "paged", "paged_shared"]
+    keys = {
+        "mean_concurrency",
+        "peak_concurrency",
+        "internal_waste",
+        "external_waste",
+        "duplication_waste",
+        "admission_failures",
+    }
+    assert all(keys <= set(r) for r in result.values())
+    assert result["contiguous_max_len"]["peak_concurrency"] <= 4096 // 512
+    assert (
+        result["paged"]["mean_concurrency"] > 1.3 * result["contiguous_max_len"]["mean_concurrency"]
+    )
+    assert result["paged"]["external_waste"] == 0.0
+    assert result["paged"]["internal_waste"] < result["contiguous_exact"]["internal_waste"]
+    # Every request shares a 64-token system prompt and samples twice.
+    assert result["paged"]["duplication_waste"] > 0.05
+    assert result["paged_shared"]["duplication_waste"] < result["paged"]["duplication_waste"] / 2
+    assert result["paged_shared"]["mean_concurrency"] > result["paged"]["mean_concurrency"]
+
+
+def test_core_ops_quick(capsys):
+    assert load("core_ops").main(["--quick", "--num-seqs", "16", "--steps", "20"]) == 0
+    result = last_json(capsys)
+    for key in ("decode_step_us", "allocate_slots_us", "free_us", "prefix_lookup_us"):
+        assert result[key] > 0
+    assert result["num_seqs"] == 16
+
+
+@pytest.mark.parametrize("bad", [["--trace", "nope"]])
+def test_fragmentation_rejects_bad_args(bad):
+    with pytest.raises(SystemExit):
+        load("fragmentation").main(bad)
