@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per process: tests are many small ops, and servers started by tests run beside them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -130,7 +130,7 @@ def make_tiny_checkpoint(
 
 
 def _randomise_norms(model: Any, seed: int) -> None:
-    """Norm weights start at 1.0; perturb them so a wrong norm cannot hide."""
+    """Norm weights start at 1.0 and biases at 0.0; perturb both so a dropped one cannot hide."""
     import torch
 
     generator = torch.Generator().manual_seed(seed + 1)
@@ -138,6 +138,9 @@ def _randomise_norms(model: Any, seed: int) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 noise = torch.rand(param.shape, generator=generator) * 0.5 + 0.75
+                param.copy_(noise.to(param.dtype))
+            elif name.endswith("bias"):
+                noise = torch.randn(param.shape, generator=generator) * 0.1
                 param.copy_(noise.to(param.dtype))
 
 

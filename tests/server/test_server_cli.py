@@ -18,6 +18,8 @@ import pytest
 
 from pagedllm.server import cli
 
+from .conftest import sse_events
+
 
 def test_flags_and_defaults():
     parser = argparse.ArgumentParser()
@@ -63,7 +65,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_cleanly(tiny_checkpoint: An
         body: dict[str, Any] = {}
 
         def stream() -> None:
-            payload = {"prompt": "tell me", "max_tokens": 150, "stream": True,
+            payload = {"prompt": "tell me", "max_tokens": 20, "stream": True,
                        "ignore_eos": True, "temperature": 0}  # fmt: skip
             with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=60) as r:
                 chunks = []
@@ -89,3 +91,42 @@ def test_sigterm_finishes_in_flight_stream_and_exits_cleanly(tiny_checkpoint: An
     assert content.endswith(b"data: [DONE]\n\n")
     last = json.loads(content.split(b"\n\n")[-3][len(b"data: ") :])
     assert last["choices"][0]["finish_reason"] == "length"
+
+
+def test_shutdown_drains_then_ends_late_streams_with_an_event(make_harness):
+    """The path SIGTERM takes (``should_exit``), in process: a short stream finishes, a
+    long one is ended after the drain timeout with an error event and [DONE], not cut."""
+    h = make_harness(runner_kw={"step_delay_s": 0.05})
+    server = cli.server_for(h.app, host="127.0.0.1", port=0, drain_timeout=1.0,
+                            log_level="warning")  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    bodies: dict[str, bytes] = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        payload = {"prompt": name, "max_tokens": max_tokens, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=30) as r:
+            bodies[name] = b"".join(r.iter_bytes())
+
+    readers = [threading.Thread(target=stream, args=a) for a in (("short", 8), ("long", 120))]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.2)  # both admitted and streaming
+    server.should_exit = True
+    for reader in readers:
+        reader.join(30)
+    thread.join(30)
+    assert not thread.is_alive()
+    short, long = (sse_events(bodies[k]) for k in ("short", "long"))
+    assert short[-1]["choices"][0]["finish_reason"] == "length"
+    assert long[-1]["error"]["code"] == "engine_unavailable"
+    stats = h.engine.engine.get_stats()
+    assert stats.num_unfinished_requests == 0 and stats.cache.blocks_used == 0
+    assert stats.num_requests_aborted == 1
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=2)

@@ -286,11 +286,12 @@ class AsyncEngine:
             stream = self._streams[request_id]
             self._forget(stream)
             stream._fail(EngineClosedError("the server is shutting down"))
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             return
         self._commands.put((lambda: self._abort_in_engine(ids), None))
-        self._commands.put(None)
-        await asyncio.to_thread(self._thread.join)
+        self._commands.put(None)  # a second shutdown adds another: never read, harmless
+        await asyncio.to_thread(thread.join)
         self._thread = None
 
     # ------------------------------------------------------------------ event-loop side

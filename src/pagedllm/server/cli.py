@@ -1,18 +1,56 @@
 """``pagedllm serve``: the OpenAI-compatible server under uvicorn.
 
-SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits up to
-``--shutdown-timeout`` seconds for in-flight requests to finish; the app's lifespan then
-aborts whatever is left (freeing its blocks) and stops the step thread.
+SIGTERM / Ctrl-C: the listening socket closes and the engine refuses new requests at once
+(503, /health too); in-flight requests get ``--shutdown-timeout`` seconds to finish, then
+whatever still runs is aborted (its blocks freed) and its stream ends with an error event
+and ``data: [DONE]``; the step thread stops and the process exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
+import socket
+from typing import Any
+
+import uvicorn
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
+from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
+
+# uvicorn's own deadline comes this long after ours, so that streams we end have time
+# to send their last event before uvicorn would cancel them mid-stream.
+_UVICORN_GRACE_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn whose shutdown first drains the app's engine (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.ensure_future(self.engine.shutdown(drain_timeout=self.drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await drain
+
+
+def server_for(
+    app: Any, *, host: str, port: int, drain_timeout: float, **kw: Any
+) -> GracefulServer:
+    """A ``GracefulServer`` for an app made by ``create_app``."""
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=int(drain_timeout + _UVICORN_GRACE_S),
+        **kw,
+    )  # fmt: skip
+    return GracefulServer(config, app.state.engine, drain_timeout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,13 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the engine and serve until SIGTERM / Ctrl-C; 0 on a clean exit."""
-    import uvicorn
-
     from pagedllm.engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_queued_requests < 1:
         raise SystemExit("--max-queued-requests must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise SystemExit("--shutdown-timeout must be non-negative")
     engine = LLMEngine.from_config(config_from_args(args))
     app = create_app(
         engine,
@@ -61,18 +99,15 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
+    server = server_for(
+        app, host=args.host, port=args.port, drain_timeout=args.shutdown_timeout,
         log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
-    )
+    )  # fmt: skip
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal so that the
     # previous handler runs; ours turns it into a clean exit instead of death by signal.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
