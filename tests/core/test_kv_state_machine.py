@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pagedllm.core.accounting import waste
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 
@@ -240,6 +241,18 @@ class KVCacheMachine(RuleBasedStateMachine):
                     assert tier.get(slot) == request.all_token_ids[pos], (
                         f"{request.request_id} lost token {pos}"
                     )
+
+    @invariant()
+    def waste_is_consistent(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        tokens = {rid: r.all_token_ids for rid, r in self.running.items()}
+        report = waste(self.kv, tokens, next_request_len=5)
+        assert report.allocated_slots == self.kv.pool.num_used_blocks * self.bs
+        assert 0 <= report.internal_tokens <= report.allocated_slots
+        assert 0 <= report.duplication_tokens <= report.filled_slots
+        assert report.external_tokens == 0
+        assert report.headroom_tokens == self.kv.pool.num_free_blocks * self.bs
 
     def kv_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)

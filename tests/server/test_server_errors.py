@@ -289,3 +289,29 @@ def test_shutdown_ends_streams_and_refuses_new_requests(make_harness):
         assert (await h.engine.get_stats()).num_unfinished_requests == 0
 
     h.run(body)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_before_any_output_aborts(make_harness, stream):
+    """The client leaves while its request still waits to be added: it is aborted, and
+    nothing (blocks, in-flight entries, latency bookkeeping) stays behind."""
+    h = make_harness(runner_kw={"step_delay_s": 0.01})
+    gate = threading.Event()
+
+    async def body(client):
+        h.engine.start()
+        held = asyncio.ensure_future(h.engine.call(lambda engine: gate.wait(10)))
+        payload = {"prompt": "bye", "max_tokens": 50, "stream": stream}
+        asgi = ASGIStream(h.app, "/v1/completions", payload).start()
+        await asyncio.sleep(0.05)
+        asgi._disconnect.set()  # gone before the add went through
+        gate.set()
+        await held
+        await asyncio.wait_for(asgi.task, 10)
+        await wait_pool_free(h.engine, timeout=2.0)
+        stats = await h.engine.get_stats()
+        assert stats.num_requests_aborted == 1
+        assert stats.num_generation_tokens < 50
+        assert h.app.state.ctx.metrics._timings == {}
+
+    h.run(body)

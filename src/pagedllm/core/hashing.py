@@ -32,10 +32,9 @@ def hash_block_tokens(
     parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()
 ) -> bytes:
     """The sha256 identity of one full block, chained over its parent's hash."""
-    h = hashlib.sha256()
-    h.update(_ROOT if parent_hash is None else parent_hash)
-    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    h.update(struct.pack("<I", len(extra_keys)))
+    n = len(token_ids)
+    h = hashlib.sha256(_ROOT if parent_hash is None else parent_hash)
+    h.update(struct.pack(f"<I{n}qI", n, *token_ids, len(extra_keys)))
     if extra_keys:
         h.update(_encode_extra_keys(extra_keys))
     return h.digest()

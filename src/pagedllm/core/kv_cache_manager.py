@@ -110,7 +110,12 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}  # tokens each table must hold
-        self._block_hashes: dict[str, list[bytes]] = {}  # full-block hashes, grown lazily
+        # Full-block hashes, grown lazily, of requests holding blocks; a request still
+        # waiting keeps its hashes in the one-entry `_pending_hashes` between
+        # get_computed_blocks and allocate_slots, so a waiting request that is dropped
+        # without free() leaves nothing behind.
+        self._block_hashes: dict[str, list[bytes]] = {}
+        self._pending_hashes: tuple[Request, list[bytes]] | None = None
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
         # Copies made by swaps, for moving a shared block once. source -> (target, fill):
         # the target holds the source's first `fill` slots. Holders of a block never
@@ -298,6 +303,8 @@ class KVCacheManager:
             self.host_pool.decref(reversed(host_table))
         self._num_slots.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
+        if self._pending_hashes is not None and self._pending_hashes[0] is request:
+            self._pending_hashes = None
         self._num_registered.pop(request_id, None)
 
     def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
@@ -451,7 +458,17 @@ class KVCacheManager:
 
     def _ensure_hashes(self, request: Request) -> list[bytes]:
         """The request's full-block hashes, extended incrementally as tokens arrive."""
-        hashes = self._block_hashes.setdefault(request.request_id, [])
+        request_id = request.request_id
+        hashes = self._block_hashes.get(request_id)
+        if hashes is None:
+            pending = self._pending_hashes
+            hashes = pending[1] if pending is not None and pending[0] is request else []
+            if request_id in self._tables or request_id in self._host_tables:
+                self._block_hashes[request_id] = hashes
+                if pending is not None and pending[0] is request:
+                    self._pending_hashes = None
+            else:
+                self._pending_hashes = (request, hashes)
         bs = self.block_size
         num_full = request.num_tokens // bs
         if len(hashes) < num_full:

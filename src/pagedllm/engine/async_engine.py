@@ -167,9 +167,6 @@ class AsyncEngine:
         """Accepted requests still waiting for their first output."""
         return self._num_queued
 
-    def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     @property
     def is_running(self) -> bool:
         return not self._closing and self._dead is None

@@ -143,6 +143,12 @@ class LLMEngine:
             ("steps", "prompt", "generation", "computed", "finished", "failed", "aborted"), 0
         )
         self.startup_report = self._make_startup_report(memory_bytes)
+        self.model_name: str | None = None  # set by from_config
+        if config.preemption_mode == "swap" and runner.num_host_blocks == 0:
+            logger.warning(
+                "preemption_mode='swap' without a host tier (swap_space=0): "
+                "preempted requests will be recomputed"
+            )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -31,6 +31,7 @@ from pagedllm.server.serving import (
     chat_logprobs,
     check_common,
     check_model,
+    close_streams,
     final_outputs,
     internal_error_event,
     new_id,
@@ -74,7 +75,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     streams = await add_streams(ctx, [_spec(ctx, req, f"{request_id}-0", prompt)])
     created = int(time.time())
     if req.stream:
-        return EventStreamResponse(chat_events(ctx, req, request_id, created, streams[0]))
+        events = chat_events(ctx, req, request_id, created, streams[0])
+        return EventStreamResponse(events, on_close=lambda: close_streams(ctx, streams))
     done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
     if not done:
         return Response(status_code=499)  # nobody is listening any more

@@ -26,6 +26,7 @@ from pagedllm.server.serving import (
     add_streams,
     check_common,
     check_model,
+    close_streams,
     completion_logprobs,
     final_outputs,
     internal_error_event,
@@ -86,7 +87,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         events = completion_events(ctx, req, request_id, created, prompts, streams)
-        return EventStreamResponse(events)
+        return EventStreamResponse(events, on_close=lambda: close_streams(ctx, streams))
     done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
     if not done:
         return Response(status_code=499)  # nobody is listening any more

@@ -261,8 +261,14 @@ async def final_outputs(ctx: ServerContext, streams: Sequence[RequestStream]) ->
     try:
         return [await final_output(ctx, s) for s in streams]
     finally:
-        for stream in streams:
-            stream.abort()
+        close_streams(ctx, streams)
+
+
+def close_streams(ctx: ServerContext, streams: Sequence[RequestStream]) -> None:
+    """Abort what is still running and close the metrics of every stream (idempotent)."""
+    for stream in streams:
+        stream.abort()
+        ctx.metrics.request_ended(stream.request_id, "abort")
 
 
 def _finish_reason(output: Any) -> str:

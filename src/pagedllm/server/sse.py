@@ -39,9 +39,18 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], status_code: int = 200) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], None] | None = None,
+        status_code: int = 200,
+    ) -> None:
+        """``on_close`` runs however the response ends, even if ``events`` never started
+        (closing a generator that never ran skips its ``finally``)."""
         super().__init__(content=None, status_code=status_code)
         self.events = events
+        self.on_close = on_close
         self.headers["cache-control"] = "no-cache"
         self.headers["x-accel-buffering"] = "no"
         self.headers["content-type"] = "text/event-stream; charset=utf-8"
@@ -63,6 +72,8 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def until_disconnect(

@@ -28,6 +28,9 @@
 
 namespace {
 
+// How many blocks ahead of the one being read to prefetch.
+constexpr int64_t PREFETCH_AHEAD = 2;
+
 struct Task {
   int64_t seq;
   int64_t kv_head;
@@ -86,6 +89,17 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Blocks sit at random addresses, so the hardware prefetcher stops at every block edge:
+// ask for the rows of a block ahead of time.
+template <typename T, int NC>
+inline void prefetch_rows(const T* first_row, int64_t stride, int64_t n) {
+  constexpr int64_t lines = (NC * 16 * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const char* p = reinterpret_cast<const char*>(first_row);
+  const int64_t step = stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(p + o * step + l * 64, _MM_HINT_T0);
 }
 
 // softmax over row[0:n] in place, zeros in row[n:width].
@@ -149,10 +163,18 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 
   // Pass 1: scores.
   const int64_t kv_off = task.kv_head * D;
+  for (int64_t i = 0; i < PREFETCH_AHEAD && i * a.block_size < kmax; ++i)
+    prefetch_rows<T, NC>(a.k_cache + table[i] * a.cache_stride_block + kv_off, a.cache_stride_token,
+                         std::min(a.block_size, kmax - i * a.block_size));
   for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
     const int64_t block = table[bi];
     const int64_t n_in_block = std::min(a.block_size, kmax - b0);
     const T* kblock = a.k_cache + block * a.cache_stride_block + kv_off;
+    if (b0 + PREFETCH_AHEAD * a.block_size < kmax) {
+      const int64_t ahead = table[bi + PREFETCH_AHEAD];
+      prefetch_rows<T, NC>(a.k_cache + ahead * a.cache_stride_block + kv_off, a.cache_stride_token,
+                           std::min(a.block_size, kmax - b0 - PREFETCH_AHEAD * a.block_size));
+    }
     for (int64_t o = 0; o < n_in_block; ++o) {
       const T* krow = kblock + o * a.cache_stride_token;
       __m512 k[NC];
@@ -166,6 +188,9 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
       }
     }
   }
+  for (int64_t i = 0; i < PREFETCH_AHEAD && i * a.block_size < kmax; ++i)
+    prefetch_rows<T, NC>(a.v_cache + table[i] * a.cache_stride_block + kv_off, a.cache_stride_token,
+                         std::min(a.block_size, kmax - i * a.block_size));
   // Softmax per query vector over the keys its row may see.
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = task.row_begin + m / a.group;
@@ -183,6 +208,11 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
       const int64_t block = table[bi];
       const int64_t n_in_block = std::min(a.block_size, kmax - b0);
       const T* vblock = a.v_cache + block * a.cache_stride_block + kv_off;
+      if (m0 == 0 && b0 + PREFETCH_AHEAD * a.block_size < kmax) {
+        const int64_t ahead = table[bi + PREFETCH_AHEAD];
+        prefetch_rows<T, NC>(a.v_cache + ahead * a.cache_stride_block + kv_off, a.cache_stride_token,
+                             std::min(a.block_size, kmax - b0 - PREFETCH_AHEAD * a.block_size));
+      }
       for (int64_t o = 0; o < n_in_block; ++o) {
         const T* vrow = vblock + o * a.cache_stride_token;
         __m512 v[NC];
