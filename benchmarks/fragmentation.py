@@ -50,10 +50,13 @@ class Work:
     tokens: list[int]  # what must be in the cache at admission
     remaining: int  # tokens still to generate after admission
     n: int  # sequences to start (parallel samples); 1 when resuming
+    # Slots to reserve beyond the prompt under the contiguous "exact" policy: what
+    # max_tokens allows (the last sampled token never needs a slot).
+    reserve_remaining: int
 
     @property
     def total_len(self) -> int:
-        return len(self.tokens) + self.remaining
+        return len(self.tokens) + self.reserve_remaining
 
 
 @dataclass(slots=True, eq=False)
@@ -149,7 +152,10 @@ class ContiguousScheme:
         admitted = []
         for _ in range(work.n):
             request = Request(new_id(), list(work.tokens))
-            if self.alloc.allocate(request.request_id, request.num_tokens, work.remaining) is None:
+            if (
+                self.alloc.allocate(request.request_id, request.num_tokens, work.reserve_remaining)
+                is None
+            ):
                 for r in admitted:
                     self.alloc.free(r.request_id)
                 return None
@@ -198,7 +204,8 @@ def simulate(name: str, trace: list[TraceRequest], args: argparse.Namespace) -> 
         victims = [s for s in running if s.group == group]
         for seq in reversed(victims):
             finish(seq)
-            waiting.appendleft(Work(seq.trace, list(seq.request.all_token_ids), seq.remaining, 1))
+            tokens = list(seq.request.all_token_ids)
+            waiting.appendleft(Work(seq.trace, tokens, seq.remaining, 1, seq.remaining))
         totals.preemptions += 1
         return group
 
@@ -207,7 +214,9 @@ def simulate(name: str, trace: list[TraceRequest], args: argparse.Namespace) -> 
         now = totals.steps * args.step_time
         while pending and pending[0].arrival_time <= now:
             r = pending.popleft()
-            waiting.append(Work(r, list(r.prompt_token_ids), r.output_len - 1, r.n))
+            waiting.append(
+                Work(r, list(r.prompt_token_ids), r.output_len - 1, r.n, r.max_tokens - 1)
+            )
         for seq in list(running):
             if seq not in running:
                 continue  # preempted while an older sequence grew

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedllm.core.accounting import waste
 from pagedllm.core.contiguous import ContiguousAllocator
@@ -86,3 +88,26 @@ def test_external_waste_counts_small_holes():
     assert report.external_tokens == 40
     assert report.duplication_tokens is None
     assert waste(alloc, None, next_request_len=20).external_tokens == 0
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([(), (1, 2, 3), (1, 2, 4, 4)]), st.lists(st.integers(0, 2), max_size=5)
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_contiguous_duplication_matches_brute_force(specs):
+    alloc = ContiguousAllocator(1000, policy="exact", max_model_len=20)
+    tokens = {}
+    for i, (prefix, suffix) in enumerate(specs):
+        seq = [*prefix, *suffix] or [0]
+        tokens[f"r{i}"] = seq
+        assert alloc.allocate(f"r{i}", len(seq), 3) is not None
+    prefixes = {tuple(seq[: p + 1]) for seq in tokens.values() for p in range(len(seq))}
+    report = waste(alloc, tokens)
+    assert report.filled_slots == sum(len(seq) for seq in tokens.values())
+    assert report.duplication_tokens == report.filled_slots - len(prefixes)
+    assert report.internal_tokens == 3 * len(specs)

@@ -328,3 +328,55 @@ def test_stats_partition_blocks():
     assert (s.blocks_used, s.blocks_cached_free, s.blocks_free) == (2, 2, 6)
     assert s.blocks_used + s.blocks_cached_free + s.blocks_free == s.blocks_total
     assert kv.usage == pytest.approx(0.2)
+
+
+def test_waiting_request_dropped_without_free_leaves_nothing():
+    kv = KVCacheManager(4, 4, watermark=0.0)
+    run_prompt(kv, make_request("a", range(16)))  # fills the cache
+    for i in range(5):  # waiting requests asked about, never admitted, never freed
+        waiting = make_request(f"w{i}", range(100 * i, 100 * i + 9))
+        kv.get_computed_blocks(waiting)
+        assert kv.allocate_slots(waiting, 9, kv.get_computed_blocks(waiting)) is None
+    assert set(kv._block_hashes) == {"a"}
+    # The hashes computed while waiting are kept once the request is admitted.
+    b = make_request("b", range(12))
+    hit = kv.get_computed_blocks(b)
+    kv.free(make_request("a", []))
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 8
+    assert kv.allocate_slots(b, 4, hit) is not None
+    assert len(kv._block_hashes["b"]) == 3
+    kv.check_invariants()
+
+
+def test_chunked_prefill_registers_blocks_as_they_fill():
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    req = make_request("a", range(14))
+    hit = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, 6, hit) == Allocation((0, 1), ())
+    req.num_computed_tokens = 6
+    kv.cache_full_blocks(req)
+    assert set(kv.pool.hashed_blocks()) == {0}  # block 1 holds 2 of 4 tokens
+    assert kv.allocate_slots(req, 6) == Allocation((2,), ())
+    req.num_computed_tokens = 12
+    kv.cache_full_blocks(req)
+    assert set(kv.pool.hashed_blocks()) == {0, 1, 2}
+    assert kv.allocate_slots(req, 2) == Allocation((3,), ())
+    assert kv.num_slots("a") == 14
+    kv.check_invariants()
+
+
+def test_admission_watermark_counts_revived_cached_blocks():
+    kv = KVCacheManager(10, 4, watermark=0.2)  # keep 2 blocks free at admission
+    a = make_request("a", range(16))
+    run_prompt(kv, a)
+    kv.free(a)  # 4 cached-free blocks; all 10 count as free
+    b = make_request("b", [*range(16), *range(50, 70)])  # 4 hit blocks + 5 new
+    hit = kv.get_computed_blocks(b)
+    assert hit == ComputedBlocks((0, 1, 2, 3), 16)
+    # Reviving 4 + allocating 5 leaves 1 free block: below the watermark.
+    assert kv.allocate_slots(b, b.num_tokens - 16, hit, admission=True) is None
+    assert kv.pool.cached_free_order() == [3, 2, 1, 0]
+    assert kv.allocate_slots(b, b.num_tokens - 16, hit) == Allocation((4, 5, 6, 7, 8), ())
+    assert kv.pool.num_free_blocks == 1
+    kv.check_invariants()

@@ -253,6 +253,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert 0 <= report.duplication_tokens <= report.filled_slots
         assert report.external_tokens == 0
         assert report.headroom_tokens == self.kv.pool.num_free_blocks * self.bs
+        # Brute force: physical slots written vs distinct (position, prefix) stored.
+        slots, prefixes = set(), set()
+        for request_id, request in self.running.items():
+            table = self.kv.block_table(request_id)
+            for pos in range(self.kv.num_slots(request_id)):
+                slots.add((table[pos // self.bs], pos % self.bs))
+                prefixes.add(tuple(request.all_token_ids[: pos + 1]))
+        assert report.filled_slots == len(slots)
+        assert report.duplication_tokens == len(slots) - len(prefixes)
 
     def kv_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)

@@ -33,7 +33,9 @@ from pagedllm.attention.reference import causal_mask
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_ops.cpp")
+)
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
 # Query rows per kernel task: each task reads its context once for rows x group query vectors.
@@ -211,26 +213,45 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def load_extension() -> Callable[..., None] | None:
-    """Build (once per machine) and load the C++ kernel; ``None`` if that is impossible.
+def load_library() -> bool:
+    """Build (once per machine) and load the C++ kernels; ``False`` if that is impossible.
 
-    ``PAGEDLLM_NO_EXTENSION=1`` disables it (the torch path is used instead).
+    ``PAGEDLLM_NO_EXTENSION=1`` disables them (torch paths are used instead).
     """
     if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
-        return None
-    if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "paged_attention"):
-        return torch.ops.pagedllm.paged_attention
+        return False
+    if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "argmax_rows"):
+        return True
     try:
-        library = build_extension()
-        torch.ops.load_library(str(library))
-        return torch.ops.pagedllm.paged_attention
+        torch.ops.load_library(str(build_extension()))
+        return True
     except Exception as exc:  # any failure means "use the torch path", never a crash
-        logger.warning("pagedllm: C++ attention kernel unavailable (%s); using torch", exc)
-        return None
+        logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using torch", exc)
+        return False
+
+
+def load_extension() -> Callable[..., None] | None:
+    """The paged attention kernel, or ``None`` when the C++ kernels are unavailable."""
+    return torch.ops.pagedllm.paged_attention if load_library() else None
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for 2-D CPU logits, ~10x faster through the C++ kernel
+    (same result: the first index of the maximum)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+        and load_library()
+    ):
+        return torch.ops.pagedllm.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def build_extension(directory: Path | None = None) -> Path:
-    """Compile ``csrc/paged_attention.cpp`` into a shared library; returns its path.
+    """Compile the ``csrc/*.cpp`` kernels into one shared library; returns its path.
 
     The file name carries a hash of the source, the flags, the torch version and the CPU's
     feature flags, so a cached build is reused only where it is valid.
@@ -249,14 +270,11 @@ def build_extension(directory: Path | None = None) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
         "-w",
     ]
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()]
-        )
-    ).hexdigest()[:16]
+    parts = [src.read_bytes() for src in SOURCES]
+    parts += [" ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"paged_attention_{digest}.so"
+    target = directory / f"pagedllm_cpu_{digest}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -265,7 +283,7 @@ def build_extension(directory: Path | None = None) -> Path:
     # Build into a private file, then rename: concurrent builders never see half a library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
-    cmd = [compiler, *flags, *includes, str(SOURCE), *libs, "-o", tmp]
+    cmd = [compiler, *flags, *includes, *map(str, SOURCES), *libs, "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:

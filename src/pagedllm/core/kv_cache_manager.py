@@ -210,6 +210,7 @@ class KVCacheManager:
             if table is None:
                 self._count_prefix_query(request, computed_blocks)
                 self._tables[request_id] = []
+                self._adopt_pending_hashes(request)
             if total > self._num_slots.get(request_id, 0):
                 self._num_slots[request_id] = total
             return _NOTHING_NEW
@@ -237,6 +238,7 @@ class KVCacheManager:
                 copies.append((src, dst))
         table.extend(new_ids[len(cow_indices) :])
         self._tables[request_id] = table
+        self._adopt_pending_hashes(request)
         self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
         return Allocation(tuple(new_ids), tuple(copies))
 
@@ -354,7 +356,12 @@ class KVCacheManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back to the device; returns the ``(host, device)``
         moves, or ``None`` (no change) when the device lacks room. Full blocks still
-        cached on the device are reused instead of moved."""
+        cached on the device are reused instead of moved.
+
+        The host blocks are released at once, and the worker runs a step's swap-outs
+        before its swap-ins: so never ``swap_out`` after ``swap_in`` within one step
+        (a swap-out could overwrite a host block before it is read back).
+        """
         request_id = request.request_id
         if request_id not in self._host_tables:
             raise ValueError(f"request {request_id!r} is not swapped out")
@@ -485,6 +492,12 @@ class KVCacheManager:
         if computed is not None and self.enable_prefix_caching:
             self._prefix_queries_tokens += request.num_tokens
             self._prefix_hits_tokens += computed.num_tokens
+
+    def _adopt_pending_hashes(self, request: Request) -> None:
+        pending = self._pending_hashes
+        if pending is not None and pending[0] is request:
+            self._block_hashes[request.request_id] = pending[1]
+            self._pending_hashes = None
 
     def _check_hit(self, request: Request, hit_ids: tuple[int, ...]) -> None:
         hashes = self._ensure_hashes(request)
