@@ -21,6 +21,13 @@ def backends() -> list:
     params.append(
         pytest.param(lambda: CpuAttention(use_extension=True), id="cpu-kernel", marks=mark)
     )
+    params.append(
+        pytest.param(
+            lambda: CpuAttention(use_extension=True, bf16_dot=False),
+            id="cpu-kernel-fp32dot",
+            marks=mark,
+        )
+    )
     # The kernel with every query length routed to it (prefill tiles included).
     params.append(
         pytest.param(

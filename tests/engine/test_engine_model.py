@@ -104,3 +104,18 @@ def test_seeded_sampling_is_reproducible(model_engine: Callable[..., LLMEngine])
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def test_block_moves_alone_run_no_forward(model_engine: Callable[..., LLMEngine]) -> None:
+    """The engine's first half of a step: moves with nothing scheduled (see LLMEngine.step)."""
+    import torch
+
+    from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+    runner = model_engine(num_blocks=8, max_model_len=32).runner
+    k_cache, v_cache = runner.kv_caches[0]
+    k_cache[0].fill_(1.5)
+    v_cache[0].fill_(-2.0)
+    result = runner.execute(SchedulerOutput(block_copies=((0, 3),)))
+    assert result == ModelRunnerOutput()
+    assert torch.equal(k_cache[3], k_cache[0]) and torch.equal(v_cache[3], v_cache[0])

@@ -52,7 +52,26 @@ def test_chat_uses_the_chat_template(fake_engine: Callable[..., LLMEngine], toke
     (output,) = llm.chat(messages, SamplingParams(max_tokens=3), use_tqdm=False)
     text = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert list(output.prompt_token_ids) == tokenizer.encode(text)
-    assert len(llm.chat([messages, messages[1:]], use_tqdm=False)) == 2
+    assert output.prompt == text  # the templated text, not None
+    both = llm.chat([messages, messages[1:]], use_tqdm=False)
+    assert [o.prompt for o in both] == [text, text[text.index("<|im_start|>user") :]]
+
+
+def test_token_prompts_can_carry_their_text(fake_engine: Callable[..., LLMEngine]) -> None:
+    engine = fake_engine()
+    llm = LLM.from_engine(engine)
+    ids = engine.tokenize("hello")
+    params = SamplingParams(max_tokens=2)
+    labelled, bare = llm.generate(
+        [{"prompt": "hello", "prompt_token_ids": ids}, {"prompt_token_ids": ids}], params,
+        use_tqdm=False,
+    )  # fmt: skip
+    assert labelled.prompt == "hello" and bare.prompt is None
+    assert labelled.outputs[0].token_ids == bare.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt_text"):
+        engine.add_request("x", "text prompt", params, prompt_text="other")
+    with pytest.raises(TypeError, match="prompt_text"):
+        engine.add_request("x", ids, params, prompt_text=5)  # type: ignore[arg-type]
 
 
 def test_llm_on_a_tiny_checkpoint(tiny_model_dir: Path, engines: list[LLMEngine]) -> None:

@@ -77,10 +77,8 @@ class Harness:
 
 async def cache_report(engine: Any) -> dict[str, Any]:
     from pagedllm.server.metrics import cache_report as build
-    from pagedllm.server.metrics import engine_snapshot
 
-    stats, waste = await engine.call(engine_snapshot)
-    return build(stats, waste)
+    return build(await engine.get_stats())
 
 
 async def wait_pool_free(engine: Any, timeout: float = 10.0) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from .conftest import ASGIStream, wait_pool_free
+from .conftest import ASGIStream, sse_events, wait_pool_free
 
 BAD_COMPLETIONS = [
     # (raw body, expected param or None, words the message must contain)
@@ -199,6 +199,47 @@ def test_failing_request_gets_500_and_server_continues(make_harness):
         assert ok.json()["choices"][0]["text"] == h.expected_text("doomed", 4)
         metrics = (await client.get("/metrics")).text
         assert 'pagedllm_requests_finished_total{finish_reason="error"} 2.0' in metrics
+
+    h.run(body)
+
+
+def test_failing_request_fails_alone_while_a_concurrent_one_succeeds(make_harness):
+    """The culprit gets its 500 / error event; a request sharing its steps is untouched."""
+    h = make_harness(runner_kw={"step_delay_s": 0.01})
+    h.runner.fail_request_ids.update({"cmpl-boom-0", "chatcmpl-bang-0"})
+
+    async def body(client):
+        good = ASGIStream(
+            h.app, "/v1/completions", {"prompt": "survivor", "max_tokens": 12, "stream": True}
+        ).start()
+        first = await good.next_chunk()
+        assert first is not None and first.startswith(b"data: ")  # it is running now
+        doomed = {"prompt": "doomed", "max_tokens": 4}
+        messages = [{"role": "user", "content": "doomed"}]
+        plain, streamed = await asyncio.gather(
+            client.post("/v1/completions", json=doomed, headers={"X-Request-Id": "boom"}),
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": messages, "stream": True},
+                headers={"X-Request-Id": "bang"},
+            ),
+        )
+        assert plain.status_code == 500
+        assert "InjectedFailure" in plain.json()["error"]["message"]
+        assert streamed.status_code == 200
+        error_event = streamed.content.split(b"\n\n")[-3]
+        assert json.loads(error_event[len(b"data: ") :])["error"]["type"] == (
+            "internal_server_error"
+        )
+        body_bytes = first
+        while (chunk := await good.next_chunk()) is not None:
+            body_bytes += chunk
+        await good.task
+        events = [e for e in sse_events(body_bytes) if e["choices"]]
+        assert "".join(e["choices"][0]["text"] for e in events) == h.expected_text("survivor", 12)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        stats = await h.engine.get_stats()
+        assert stats.num_requests_failed == 2 and stats.num_requests_finished == 1
 
     h.run(body)
 

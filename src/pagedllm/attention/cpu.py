@@ -47,6 +47,9 @@ class CpuAttention:
 
     ``use_extension``: ``None`` tries the C++ kernel and falls back to torch quietly;
     ``True`` requires it (``RuntimeError`` if it cannot be built); ``False`` never uses it.
+    ``bf16_dot``: in bfloat16, multiply with the CPU's bf16 dot-product instructions
+    (probabilities rounded to bf16 before the sum over V, as SDPA's flash kernel does);
+    ``False`` keeps every product in fp32.
     """
 
     name = "cpu"
@@ -57,6 +60,7 @@ class CpuAttention:
         use_extension: bool | None = None,
         max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN,
         rows_per_task: int = ROWS_PER_TASK,
+        bf16_dot: bool = True,
     ) -> None:
         if max_kernel_query_len < 0:
             raise ValueError("max_kernel_query_len must be >= 0")
@@ -67,6 +71,7 @@ class CpuAttention:
             raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
         self.max_kernel_query_len = max_kernel_query_len
         self.rows_per_task = rows_per_task
+        self.bf16_dot = bf16_dot
 
     @property
     def uses_extension(self) -> bool:
@@ -100,6 +105,7 @@ class CpuAttention:
                     scale,
                     self.max_kernel_query_len,
                     self.rows_per_task,
+                    self.bf16_dot,
                 )
             rest = [i for i, ok in enumerate(short) if not ok]
         else:

@@ -58,8 +58,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
-        ``{"prompt_token_ids": [...]}``, or a list of those. ``sampling_params``:
-        one for all, or one per prompt.
+        ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``: the text
+        reported in the output, not re-tokenized), or a list of those.
+        ``sampling_params``: one for all, or one per prompt.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
@@ -70,7 +71,11 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
                 request_id = str(next(self._ids))
                 self.engine.add_request(
-                    request_id, _prompt_value(prompt), p, priority=priority[i] if priority else 0
+                    request_id,
+                    _prompt_value(prompt),
+                    p,
+                    priority=priority[i] if priority else 0,
+                    prompt_text=_prompt_text(prompt),
                 )
                 ids.append(request_id)
         except BaseException:
@@ -90,10 +95,10 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}``)
         or to several, through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [
-            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)}
-            for c in conversations
-        ]
+        prompts = []
+        for conversation in conversations:
+            text = self.render_chat(conversation, add_generation_prompt, chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(
@@ -103,19 +108,32 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template."""
+        return self._encode_rendered(
+            self.render_chat(messages, add_generation_prompt, chat_template)
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """A conversation rendered by the chat template, as text."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer")
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             [dict(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
         )
+
+    def _encode_rendered(self, text: str) -> list[int]:
         # The template already carries its special tokens (BOS included).
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
@@ -167,6 +185,13 @@ def _prompt_value(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     return list(prompt)
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """The text to report for a prompt given as token ids with a ``"prompt"``."""
+    if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt")
+    return None
 
 
 def _params_per_prompt(

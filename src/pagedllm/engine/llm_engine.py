@@ -6,8 +6,13 @@ The loop is three verbs::
 
 A request of ``n`` samples is one group: the parent computes the prompt once and
 the scheduler forks ``n - 1`` children sharing its blocks. The engine never raises
-out of ``step()`` because one step failed: the requests of that step finish with
-``finish_reason="error"`` and their blocks are freed.
+out of ``step()`` because the runner failed. A step runs its block moves (swaps,
+copy-on-write copies) first, as a runner call with nothing scheduled, then the
+forward. If the moves fail, every request of the step finishes with
+``finish_reason="error"`` (the cache can no longer be trusted). If the forward
+fails, each sequence is re-run alone and only those that raise again fail (their
+whole group, with the error text); the others get their normal outputs. The retry
+cost is paid only on failure.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedllm.core.accounting import WasteReport, waste
 from pagedllm.core.kv_cache_manager import CacheStats, KVCacheManager
-from pagedllm.core.outputs import TokenLogprob
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import (
     Scheduler,
@@ -38,7 +44,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A snapshot for metrics and tests (totals count since start-up)."""
+    """A snapshot for metrics and tests (totals count since start-up).
+
+    ``waste.external_tokens`` is measured against the next waiting request (its
+    prompt plus ``max_tokens``); 0 when nobody waits.
+    """
 
     num_running: int
     num_waiting: int
@@ -57,6 +67,9 @@ class EngineStats:
     kv_cache_usage: float
     max_model_len: int
     cache: CacheStats
+    # Internal, external and duplication waste of the device tier now
+    # (``core.accounting.waste``); computed by ``get_stats`` only.
+    waste: WasteReport | None = None
 
 
 @dataclass(slots=True)
@@ -201,9 +214,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        prompt_text: str | None = None,
     ) -> None:
         """Queue a request. ``ValueError``/``TypeError`` for bad input, a request id
-        in use, or a request that can never fit (prompt + max_tokens too long)."""
+        in use, or a request that can never fit (prompt + max_tokens too long).
+
+        ``prompt_text``: when ``prompt`` is token ids, the text its outputs report
+        as ``prompt`` (for example a rendered chat template); never tokenized."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
         params = SamplingParams() if params is None else params
@@ -212,6 +229,12 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
+        if prompt_text is not None:
+            if not isinstance(prompt_text, str):
+                raise TypeError(f"prompt_text must be a string, got {prompt_text!r}")
+            if text is not None:
+                raise ValueError("prompt_text is only for prompts given as token ids")
+            text = prompt_text
         params = self._complete_params(params, len(token_ids))
         seq_ids = [request_id] + [child_request_id(request_id, j) for j in range(1, params.n)]
         for seq_id in seq_ids:
@@ -262,19 +285,35 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        forward = replace(scheduler_output, block_copies=(), swap_out=(), swap_in=())
+        if _has_block_moves(scheduler_output):
+            # The moves run alone first: if they fail, nobody's cache can be trusted
+            # and every request of the step fails; if they succeed, a failing forward
+            # can be retried sequence by sequence without repeating them.
+            try:
+                self.runner.execute(replace(scheduler_output, scheduled=()))
+            except Exception as exc:  # one bad step must not take the engine down
+                logger.exception("block moves failed; failing the step's requests")
+                return self._fail(self.scheduler.fail_last_step(), exc)
+            forward = replace(forward, finished_request_ids=frozenset())
+        failed: list[RequestOutput] = []
+        culprits: dict[str, Exception] = {}
         try:
-            result = self.runner.execute(scheduler_output)
-        except Exception as exc:  # one bad step must not take the engine down
-            logger.exception("model step failed; failing its requests")
-            return self._fail(self.scheduler.fail_last_step(), exc)
+            result = self.runner.execute(forward)
+        except Exception as exc:
+            logger.warning("step failed (%s); retrying its sequences one by one", _describe(exc))
+            result, culprits = self._retry_alone(forward)
+            failed = self._fail_culprits(culprits)
         self._counters["steps"] += 1
-        self._counters["computed"] += scheduler_output.num_batched_tokens
+        self._counters["computed"] += sum(
+            len(s.token_ids) for s in forward.scheduled if s.request_id not in culprits
+        )
         touched: dict[str, _Group] = {}
-        for update in self.scheduler.update(scheduler_output, result):
+        for update in self.scheduler.update(forward, result):
             group = self._apply(update)
             if group is not None:
                 touched[group.request_id] = group
-        return [self._output_and_maybe_forget(g) for g in touched.values()]
+        return failed + [self._output_and_maybe_forget(g) for g in touched.values()]
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -297,9 +336,27 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage,
             max_model_len=self.max_model_len,
             cache=self.kv.stats(),
+            waste=self._waste(),
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _waste(self) -> WasteReport:
+        """The cache's three wastes, from the live block tables and request tokens
+        (linear in the live tokens; only ``get_stats`` pays for it)."""
+        requests = self.scheduler.requests
+        tables = self.kv.live_block_tables()
+        token_ids = None
+        if all(rid in requests for rid in tables):
+            token_ids = {rid: requests[rid].all_token_ids for rid in tables}
+        next_len = None
+        if self.scheduler.waiting:
+            # Admission order (see Scheduler): priority, then arrival.
+            first = min(self.scheduler.waiting, key=lambda r: (r.priority, r.arrival_time))
+            params = first.sampling_params
+            max_tokens = (params.max_tokens or 0) if params is not None else 0
+            next_len = len(first.prompt_token_ids) + max_tokens
+        return waste(self.kv, token_ids, next_request_len=next_len)
 
     def _apply(self, update: SequenceUpdate) -> _Group | None:
         request = update.request
@@ -374,6 +431,59 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
         )
 
+    def _retry_alone(
+        self, forward: SchedulerOutput
+    ) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        """Re-run each sequence of a failed forward on its own; returns the outputs
+        aligned with ``forward.scheduled`` (empty for a culprit) and the culprits.
+
+        Rewriting a sequence's new-token slots is safe: the retry writes the same
+        tokens at the same positions (so the same K/V), and those slots lie only in
+        blocks the sequence holds alone. A block shared by several sequences is
+        either full (prefix-cache hits and fork ancestors; full blocks are never
+        written again, and a cache hit stops one token short of the prompt so the
+        recomputed last token lands in a fresh block) or the partial last block of
+        a fork, which copy-on-write duplicated in this step's block moves, already
+        done. Blocks written this step are registered in the prefix cache only
+        after the step succeeds (``scheduler.update``), so no other sequence can
+        have read them. A parent of ``n`` samples is retried with the same
+        ``num_samples``; children are forked only once its sampling succeeded.
+
+        Limit: a seeded request's generator advances when the sampler draws. If the
+        batched attempt failed *after* its draws (an error in the sampler's last
+        stages or a deferred device error), the retry draws the next values and the
+        seeded request's token differs from an undisturbed run. Forward-pass errors
+        and ``FakeModelRunner``'s injected failures come before any draw, so for
+        them the retry reproduces the exact tokens.
+        """
+        n = len(forward.scheduled)
+        sampled: list[tuple[int, ...]] = [()] * n
+        logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * n
+        culprits: dict[str, Exception] = {}
+        finished_ids = forward.finished_request_ids  # releasing twice is harmless
+        for i, seq in enumerate(forward.scheduled):
+            alone = SchedulerOutput(scheduled=(seq,), finished_request_ids=finished_ids)
+            try:
+                result = self.runner.execute(alone)
+            except Exception as exc:
+                logger.error("request %r failed: %s", seq.request_id, _describe(exc))
+                culprits[seq.request_id] = exc
+                continue
+            if result.sampled_token_ids:
+                sampled[i] = tuple(result.sampled_token_ids[0])
+            if result.logprobs:
+                logprobs[i] = result.logprobs[0]
+        return ModelRunnerOutput(tuple(sampled), tuple(logprobs)), culprits
+
+    def _fail_culprits(self, culprits: dict[str, Exception]) -> list[RequestOutput]:
+        """Fail the groups of the sequences that raised, each with its own error."""
+        outputs: list[RequestOutput] = []
+        for request_id, exc in culprits.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                outputs.extend(self._fail([request], exc))
+        return outputs
+
     def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
         groups: dict[str, _Group] = {}
         for request in requests:
@@ -384,7 +494,7 @@ class LLMEngine:
         for group in groups.values():
             # A group is one answer: if one of its samples failed, so did it.
             self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ERROR)
-            group.error = f"{type(exc).__name__}: {exc}"
+            group.error = _describe(exc)
             for seq in group.seqs.values():
                 if seq.finish_reason is None:
                     seq.finish_reason = "error"
@@ -482,6 +592,14 @@ class LLMEngine:
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
         )
+
+
+def _has_block_moves(output: SchedulerOutput) -> bool:
+    return bool(output.swap_out or output.swap_in or output.block_copies)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _kv_dtype_bytes(runner: Any) -> int:

@@ -29,7 +29,7 @@ from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.errors import APIError
-from pagedllm.server.metrics import ServerMetrics, cache_report, engine_snapshot
+from pagedllm.server.metrics import ServerMetrics, cache_report
 from pagedllm.server.protocol import ModelCard, ModelList
 from pagedllm.server.serving import ServerContext
 
@@ -137,8 +137,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await create_chat_completion(ctx, request)
 
     async def report() -> dict[str, Any]:
-        stats, waste = await ctx.engine.call(engine_snapshot)
-        result = cache_report(stats, waste)
+        result = cache_report(await ctx.engine.get_stats())
         result["server"] = {"in_flight": ctx.engine.num_in_flight, "queued": ctx.engine.num_queued}
         return result
 

@@ -37,67 +37,23 @@ def _get(obj: Any, *names: str, default: Any = 0) -> Any:
 
 
 def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
-    """``{"tokens": ..., "fraction": ...}`` for one kind of waste, whatever its shape."""
+    """``{"tokens": ..., "fraction": ...}`` for one kind of waste of a ``WasteReport``
+    (``EngineStats.waste``); None values when the engine could not measure it."""
     if waste is None:
-        return {"tokens": 0, "fraction": 0.0}
-    value = _get(waste, kind, default=None)
-    if isinstance(value, dict):
-        return {"tokens": value.get("tokens"), "fraction": value.get("fraction")}
-    tokens = _get(waste, f"{kind}_tokens", default=value if value is not None else 0)
-    fraction = _get(waste, f"{kind}_fraction", default=0.0)
-    return {"tokens": tokens, "fraction": float(fraction)}
+        return {"tokens": None, "fraction": None}
+    tokens = getattr(waste, f"{kind}_tokens")
+    if tokens is None:  # duplication needs every live request's token ids
+        return {"tokens": None, "fraction": None}
+    return {"tokens": tokens, "fraction": float(getattr(waste, f"{kind}_fraction"))}
 
 
-def live_waste(engine: Any) -> dict[str, Any]:
-    """The three wastes of the paged cache right now, by ``core.accounting``.
-
-    Run it on the step thread (it reads the scheduler's queues and block tables).
-    Fractions are of the slots held by live requests; ``headroom_tokens`` is free slots.
-    """
-    from pagedllm.core.accounting import waste
-
-    scheduler = engine.scheduler
-    requests = {
-        r.request_id: r
-        for queue in (scheduler.running, scheduler.waiting, scheduler.swapped)
-        for r in queue
-    }
-    tables = engine.kv.live_block_tables()
-    token_ids = None
-    if all(rid in requests for rid in tables):
-        token_ids = {rid: requests[rid].all_token_ids for rid in tables}
-    next_len = None
-    if scheduler.waiting:
-        first = scheduler.waiting[0]
-        params = first.sampling_params
-        next_len = first.num_tokens + ((params.max_tokens or 0) if params else 0)
-    report = waste(engine.kv, token_ids, next_request_len=next_len)
-    return {
-        "internal": {"tokens": report.internal_tokens, "fraction": report.internal_fraction},
-        "external": {"tokens": report.external_tokens, "fraction": report.external_fraction},
-        "duplication": {
-            "tokens": report.duplication_tokens,
-            "fraction": report.duplication_fraction
-            if report.duplication_tokens is not None
-            else None,
-        },
-        "headroom_tokens": report.headroom_tokens,
-    }
-
-
-def engine_snapshot(engine: Any) -> tuple[Any, Any]:
-    """``(stats, waste)`` for ``cache_report``; run it on the step thread."""
-    stats = engine.get_stats()
-    waste = _get(stats, "waste", default=None)
-    return stats, waste if waste is not None else live_waste(engine)
-
-
-def cache_report(stats: Any, waste: Any = None) -> dict[str, Any]:
-    """The ``/v1/cache`` JSON built from ``LLMEngine.get_stats()`` (and a waste report)."""
+def cache_report(stats: Any) -> dict[str, Any]:
+    """The ``/v1/cache`` JSON built from one ``LLMEngine.get_stats()`` snapshot (its
+    ``waste`` is computed by the engine, on the step thread)."""
     cache = _get(stats, "cache", "cache_stats", default=stats)
     blocks_total = int(_get(cache, "blocks_total"))
     blocks_used = int(_get(cache, "blocks_used"))
-    waste = waste if waste is not None else _get(stats, "waste", default=None)
+    waste = _get(stats, "waste", default=None)
     queries = int(_get(cache, "prefix_queries_tokens"))
     hits = int(_get(cache, "prefix_hits_tokens"))
     return {

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -59,6 +60,7 @@ struct Args {
   int64_t group;  // query heads per kv head
   int64_t head_dim;
   float scale;
+  bool use_bf16_dot;  // query rows contiguous in head_dim, so pairs can be read in place
 };
 
 inline float to_float(float x) { return x; }
@@ -239,6 +241,176 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+  }
+  for (int g = 0; g < 4; ++g) {
+    __m512* tt = t + 4 * g;
+    __m512* uu = u + 4 * g;
+    uu[0] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[1] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(3, 2, 3, 2));
+    uu[2] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[3] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+    r[4 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+    r[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+    r[12 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+struct Bf16Buffers {
+  std::vector<int64_t> offsets;  // element offset of each context row (same for K and V)
+  std::vector<float> scores;
+  std::vector<uint16_t> probs;  // softmax as bf16, rows padded to an even length
+  std::vector<float> acc;
+};
+
+// bf16 path (head_dim = 32 * NP): dot products with AVX512-BF16 `vdpbf16ps`, fp32 sums.
+// Scores take 16 keys at a time: their rows are transposed so that each lane holds one key
+// and every instruction multiplies one (broadcast) pair of query dims: no horizontal sums.
+// The weighted sum of V takes keys in pairs, interleaved so each lane pairs (v_t, v_t+1).
+template <int NP>
+void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& buf) {
+  constexpr int D = NP * 32;
+  constexpr int PAIRS = D / 2;
+  const int64_t s = task.seq;
+  const int64_t q0 = a.query_start_loc[s];
+  const int64_t query_len = a.query_start_loc[s + 1] - q0;
+  const int64_t first_pos = a.seq_lens[s] - query_len;
+  const int64_t rows = task.row_end - task.row_begin;
+  const int64_t M = rows * a.group;
+  const int64_t kmax = first_pos + task.row_end;
+  const int32_t* table = a.block_tables + s * a.bt_stride;
+  const int64_t head0 = task.kv_head * a.group;
+  const int64_t kv_off = task.kv_head * D;
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(a.k_cache);
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
+
+  buf.offsets.resize(kmax);
+  for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
+    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
+    const int64_t n = std::min(a.block_size, kmax - b0);
+    for (int64_t o = 0; o < n; ++o) buf.offsets[b0 + o] = base + o * a.cache_stride_token;
+  }
+  const int64_t* off = buf.offsets.data();
+  constexpr int64_t AHEAD = 64;  // keys; prefetch K/V rows this far ahead
+  constexpr int LINES = D * 2 / 64;
+
+  // Pass 1: scores.
+  buf.scores.resize(M * kmax);
+  float* sc = buf.scores.data();
+  alignas(64) __m512i kt[PAIRS];
+  for (int64_t t0 = 0; t0 < kmax; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, kmax - t0);
+    for (int64_t i = t0 + AHEAD; i < std::min(kmax, t0 + AHEAD + 16); ++i)
+      for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64 * l, _MM_HINT_T0);
+    for (int c = 0; c < NP; ++c) {
+      __m512i* r = kt + 16 * c;
+      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(kc + off[t0 + (i < n ? i : 0)] + 32 * c);
+      transpose16(r);
+    }
+    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : ((1u << n) - 1u));
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = task.row_begin + m / a.group;
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(
+          a.query + (q0 + r) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head);
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int p = 0; p < PAIRS; p += 2) {
+        acc0 = _mm512_dpbf16_ps(acc0, as_bh(_mm512_set1_epi32(static_cast<int>(qp[p]))), as_bh(kt[p]));
+        acc1 = _mm512_dpbf16_ps(acc1, as_bh(_mm512_set1_epi32(static_cast<int>(qp[p + 1]))), as_bh(kt[p + 1]));
+      }
+      const __m512 sum = _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(a.scale));
+      _mm512_mask_storeu_ps(sc + m * kmax + t0, valid, sum);
+    }
+  }
+  // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
+  const int64_t width = (kmax + 1) & ~int64_t{1};
+  buf.probs.assign(M * width, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = task.row_begin + m / a.group;
+    float* row = sc + m * kmax;
+    softmax_row(row, first_pos + r + 1, kmax);
+    uint16_t* dst = buf.probs.data() + m * width;
+    int64_t t = 0;
+    for (; t + 16 <= kmax; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t))));
+    for (; t < kmax; ++t) dst[t] = c10::BFloat16(row[t]).x;
+  }
+  // Pass 2: sum of p_t * v_t, two keys per instruction.
+  constexpr int MB = NP <= 2 ? 4 : 2;
+  buf.acc.resize(M * D);
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t mb = std::min<int64_t>(MB, M - m0);
+    __m512 acc[MB][2 * NP];
+    for (int i = 0; i < MB; ++i)
+      for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kmax; t += 2) {
+      if (m0 == 0 && t + AHEAD < kmax)
+        for (int l = 0; l < LINES; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD]) + 64 * l, _MM_HINT_T0);
+          if (t + AHEAD + 1 < kmax)
+            _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD + 1]) + 64 * l, _MM_HINT_T0);
+        }
+      const uint16_t* v0 = vc + off[t];
+      const uint16_t* v1 = t + 1 < kmax ? vc + off[t + 1] : v0;  // its probability is 0
+      __m512i lo[NP], hi[NP];
+      for (int c = 0; c < NP; ++c) {
+        const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+        const __m512i y = _mm512_loadu_si512(v1 + 32 * c);
+        lo[c] = _mm512_unpacklo_epi16(x, y);
+        hi[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int i = 0; i < MB; ++i) {
+        if (i < mb) {
+          const uint32_t pp = *reinterpret_cast<const uint32_t*>(buf.probs.data() + (m0 + i) * width + t);
+          const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pp)));
+          for (int c = 0; c < NP; ++c) {
+            acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], p, as_bh(lo[c]));
+            acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], p, as_bh(hi[c]));
+          }
+        }
+      }
+    }
+    // unpacklo/hi interleave within 128-bit lanes: lane j of `lo` is dim (j/4)*8 + j%4,
+    // of `hi` dim (j/4)*8 + 4 + j%4 (within each 32-dim chunk).
+    for (int i = 0; i < mb; ++i) {
+      float* dst = buf.acc.data() + (m0 + i) * D;
+      for (int c = 0; c < NP; ++c) {
+        alignas(64) float l[16], h[16];
+        _mm512_store_ps(l, acc[i][2 * c]);
+        _mm512_store_ps(h, acc[i][2 * c + 1]);
+        for (int j = 0; j < 16; ++j) {
+          dst[32 * c + (j / 4) * 8 + j % 4] = l[j];
+          dst[32 * c + (j / 4) * 8 + 4 + j % 4] = h[j];
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = task.row_begin + m / a.group;
+    c10::BFloat16* dst = a.out + (q0 + r) * a.out_stride_token + (head0 + m % a.group) * D;
+    const float* src = buf.acc.data() + m * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(src[d]);
+  }
+}
+#endif
+
 // Portable path for any head_dim (and machines without AVX-512).
 template <typename T>
 void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& scores, std::vector<float>& qbuf,
@@ -322,7 +494,26 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qbuf, acc;
+#if defined(__AVX512BF16__)
+    Bf16Buffers bf16_buffers;
+#endif
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (a.use_bf16_dot && a.head_dim == 64) {
+          attend_bf16<2>(a, tasks[i], bf16_buffers);
+          continue;
+        }
+        if (a.use_bf16_dot && a.head_dim == 128) {
+          attend_bf16<4>(a, tasks[i], bf16_buffers);
+          continue;
+        }
+        if (a.use_bf16_dot && a.head_dim == 32) {
+          attend_bf16<1>(a, tasks[i], bf16_buffers);
+          continue;
+        }
+      }
+#endif
 #if defined(__AVX512F__)
       if (a.head_dim == 64) {
         attend_vec<T, 4>(a, tasks[i], scores, qbuf, acc);
@@ -345,7 +536,7 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 // out: [num_tokens, num_heads, head_dim], written only for the rows of sequences handled here.
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, int64_t max_query_len, int64_t rows_per_task) {
+                     double scale, int64_t max_query_len, int64_t rows_per_task, bool fast_bf16) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -384,6 +575,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     a.group = num_heads / num_kv_heads;
     a.head_dim = head_dim;
     a.scale = static_cast<float>(scale);
+    a.use_bf16_dot = query.stride(2) == 1 && k_cache.stride(3) == 1 && fast_bf16;
     run_tasks<T>(a, tasks);
   };
   if (query.scalar_type() == at::kBFloat16) {
@@ -400,7 +592,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, int rows_per_task) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, int rows_per_task, "
+      "bool fast_bf16=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention", &paged_attention); }
