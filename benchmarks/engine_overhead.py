@@ -34,21 +34,25 @@ OVERHEAD = ("schedule", "inputs", "sampling", "detokenize", "update", "rest")
 
 
 class Timers:
-    """Accumulates seconds per part; `wrap` times a callable under a part's name."""
+    """Accumulates seconds per part; `wrap` times a callable under a part's name.
 
-    def __init__(self) -> None:
+    `clock`: time.perf_counter (wall) or time.process_time (this process's CPU time: steadier
+    on a shared machine, and equal to wall time with one thread on an idle one)."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.enabled = False
+        self.clock = clock
 
     def wrap(self, part: str, fn):
         def timed(*args, **kwargs):
             if not self.enabled:
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - start
+                self.seconds[part] += self.clock() - start
 
         return timed
 
@@ -88,10 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "process"],
+        default="wall",
+        help="process = CPU time of this process (use with --threads 1 on a busy machine)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
     if args.num_seqs < 1 or args.steps < 1:
         raise ValueError("--num-seqs and --steps must be >= 1")
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = throughput.resolve_model(args.model)
     work = throughput.standard_workload(args.num_seqs)
     kwargs = {"dtype": args.dtype}
@@ -99,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["attention_backend"] = args.attention_backend
     llm = LLM(model=str(model), **kwargs)
     engine = llm.engine
-    timers = Timers()
+    timers = Timers(time.process_time if args.clock == "process" else time.perf_counter)
     instrument(llm, timers)
     # Every request decodes for longer than the measured window.
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
@@ -120,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    start = time.perf_counter()
+    start = timers.clock()
     for _ in range(args.steps):
         engine.step()
-    total = time.perf_counter() - start
+    total = timers.clock() - start
     if profiler is not None:
         profiler.__exit__(None, None, None)
     timers.enabled = False
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = total / args.steps * 1e3
     print(
         f"model={model.name} dtype={args.dtype} seqs={args.num_seqs} steps={args.steps} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} clock={args.clock}"
     )
     print(f"{'part':<12}{'ms/step':>10}{'share':>8}")
     for name, seconds in parts.items():

@@ -57,3 +57,95 @@ def test_disabled_extension_uses_torch_path(monkeypatch):
     assert not backend.uses_extension
     with pytest.raises(RuntimeError, match="could not be built"):
         cpu.CpuAttention(use_extension=True)
+
+
+# ---------------------------------------------------------------- fused layer ops
+# Reference expressions: exactly what model/llama.py computes without the fused ops.
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# fp32: tiny differences from a different summation order; bf16: one rounding step apart at
+# most, and only where an fp32 intermediate lands on a rounding boundary.
+OP_TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=0)}
+DTYPE_IDS = ["fp32", "bf16"]
+
+
+def close_or_one_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
+    if got.dtype == torch.bfloat16:
+        # At most 1/1000 of the elements may differ, and then by one bf16 step.
+        diff = (got.float() - expected.float()).abs()
+        ulp = expected.float().abs().clamp_min(1e-30) * 2**-7
+        assert bool((diff <= ulp * 1.01).all()), float((diff / ulp).max())
+        assert (diff > 0).float().mean().item() <= 1e-3
+    else:
+        torch.testing.assert_close(got, expected, **OP_TOLERANCE[got.dtype])
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", [64, 100, 512])
+def test_rms_norm(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    close_or_one_ulp(cpu.layer_ops().rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6))
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+def test_add_rms_norm_updates_the_residual(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 96, generator=gen).to(dtype)
+    residual = torch.randn(9, 96, generator=gen).to(dtype)
+    w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    expected_residual = x + residual
+    expected = torch_rms_norm(expected_residual, w, 1e-5)
+    got = cpu.layer_ops().add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    close_or_one_ulp(got, expected)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_in_place_on_fused_qkv_views(dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 11, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected_q, expected_k = torch_rope(q, cos, sin), torch_rope(k, cos, sin)
+    cpu.layer_ops().rope_(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_silu_mul(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(13, 2 * inter, generator=gen) * 4).to(dtype)
+    gate, up = x.split(inter, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = cpu.layer_ops().silu_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    else:
+        close_or_one_ulp(got, expected)

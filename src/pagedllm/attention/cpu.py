@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -256,6 +257,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def layer_ops() -> Any | None:
+    """``torch.ops.pagedllm`` when the C++ kernels load, else ``None``: fused layer ops
+    ``rms_norm(x, w, eps)``, ``add_rms_norm(x, residual, w, eps)`` (residual += x in place),
+    ``rope_(q, k, cos, sin)`` (in place), ``silu_mul(gate_up)``, ``argmax_rows(logits)``.
+    Each rounds where the unfused torch expression rounds."""
+    return torch.ops.pagedllm if load_library() else None
+
+
 def build_extension(directory: Path | None = None) -> Path:
     """Compile the ``csrc/*.cpp`` kernels into one shared library; returns its path.
 
@@ -268,6 +277,8 @@ def build_extension(directory: Path | None = None) -> Path:
     torch_lib = cpp_extension.library_paths()[0]
     flags = [
         "-O3",
+        # No a*b+c fused into one rounding: the layer ops must round where torch rounds.
+        "-ffp-contract=off",
         "-march=native",
         "-std=c++20",
         "-fPIC",

@@ -19,6 +19,12 @@ from collections.abc import Iterable, Sequence
 
 from pagedllm.core.hashing import hash_block_tokens
 
+# Codes of ``BlockPool.block_states`` (small ints: the dashboard ships one per block).
+BLOCK_FREE = 0
+BLOCK_CACHED_FREE = 1
+BLOCK_USED = 2
+BLOCK_STATE_NAMES = ("free", "cached_free", "used")
+
 
 class BlockPool:
     """``num_blocks`` KV blocks with ref counts and a hash -> block prefix index."""
@@ -164,6 +170,18 @@ class BlockPool:
 
     def block_token_ids(self, block_id: int) -> tuple[int, ...] | None:
         return self._block_tokens.get(block_id)
+
+    def block_states(self) -> list[int]:
+        """Every block's state by block id (a new list): ``BLOCK_FREE``,
+        ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (ref count > 0)."""
+        states = [BLOCK_USED if count else BLOCK_FREE for count in self._ref_counts]
+        for block_id in self._cached_free:
+            states[block_id] = BLOCK_CACHED_FREE
+        return states
+
+    def ref_counts(self) -> list[int]:
+        """Every block's ref count by block id (a new list)."""
+        return list(self._ref_counts)
 
     def check_invariants(
         self, block_size: int | None = None, *, verify_hashes: bool = False

@@ -434,6 +434,19 @@ class KVCacheManager:
         """Every device block table, by request id (copies)."""
         return {rid: list(table) for rid, table in self._tables.items()}
 
+    def live_host_block_tables(self) -> dict[str, list[int]]:
+        """Every host (swap tier) block table, by request id (copies)."""
+        return {rid: list(table) for rid, table in self._host_tables.items()}
+
+    def block_states(self, *, host: bool = False) -> list[int]:
+        """Each device (or host) block's state by id: ``block_pool.BLOCK_FREE``,
+        ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (a new list)."""
+        return (self.host_pool if host else self.pool).block_states()
+
+    def block_ref_counts(self, *, host: bool = False) -> list[int]:
+        """Each device (or host) block's ref count by id (a new list)."""
+        return (self.host_pool if host else self.pool).ref_counts()
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless pools, tables and the prefix index agree."""
         bs = self.block_size

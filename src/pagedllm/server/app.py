@@ -1,4 +1,4 @@
-"""The FastAPI app factory: OpenAI routes, /health, /metrics, /v1/cache.
+"""The FastAPI app factory: OpenAI routes, /health, /metrics, /v1/cache, /dashboard.
 
 ``create_app`` builds everything one app needs (async engine, metrics registry, routes)
 and keeps it on ``app.state``; nothing lives at module level, so tests build as many
@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
+from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics, cache_report
 from pagedllm.server.protocol import ModelCard, ModelList
@@ -36,11 +37,13 @@ from pagedllm.server.serving import ServerContext
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
-PUBLIC_PATHS = frozenset({"/health"})
+# The dashboard page is public; the JSON it polls needs the key (see server/dashboard.py).
+PUBLIC_PATHS = frozenset({"/health", DASHBOARD_PATH})
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every path but /health needs ``Authorization: Bearer KEY``."""
+    """Pure ASGI middleware: every path but /health and /dashboard (the page; its JSON
+    is not public) needs ``Authorization: Bearer KEY``."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -75,7 +78,8 @@ def create_app(
     An ``LLMEngine`` is wrapped in a new ``AsyncEngine`` bounded by
     ``max_queued_requests``; an ``AsyncEngine`` is used as given (with its own bound).
     ``served_model_name`` is the name clients send as ``model`` (default: the engine's
-    model name). With ``api_key``, every route but /health requires it.
+    model name). With ``api_key``, every route but /health and the /dashboard page
+    requires it.
     """
     if isinstance(engine, AsyncEngine):
         async_engine = engine
@@ -149,6 +153,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def metrics() -> Response:
         body = ctx.metrics.render(await report())
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    add_dashboard_routes(app, ctx)
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -117,8 +118,270 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// Fused element-wise layer ops. Each replaces 3-12 small ATen ops (each a dispatch and a
+// pass over memory) and rounds exactly where the unfused torch code rounds, so results match
+// it: products and sums are rounded to the tensor dtype at the same points.
+
+#if defined(__AVX512F__)
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i)
+    if (m & (1u << i)) p[i] = c10::BFloat16(tmp[i]);
+#endif
+}
+inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const c10::BFloat16* p, __mmask16 m) {
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// Round to T and back: where torch stores an intermediate in T.
+inline __m512 round_to(__m512 v, float*) { return v; }
+inline __m512 round_to(__m512 v, c10::BFloat16*) {
+#if defined(__AVX512BF16__)
+  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(c10::BFloat16(tmp[i]));
+  return _mm512_load_ps(tmp);
+#endif
+}
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u); }
+
+inline __m512 exp512_any(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+template <typename F>
+void dispatch_float_types(const at::Tensor& t, const char* name, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else if (t.scalar_type() == at::kBFloat16) {
+    f(static_cast<c10::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, name, " supports float32 and bfloat16");
+  }
+}
+
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)); with `residual`: first residual += x
+// (rounded to T) and the norm reads the new residual. x, residual, out: [rows, hidden].
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden,
+                   int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* src = residual ? residual + r * hidden : nullptr;
+      T* dst = out + r * hidden;
+#if defined(__AVX512F__)
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail_mask(hidden - i);
+        __m512 v = load16m(xr + i, m);
+        if (src) {
+          v = round_to(_mm512_add_ps(v, load16m(src + i, m)), static_cast<T*>(nullptr));
+          store16(src + i, v, m);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(hidden) + eps);
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const T* read = src ? src : xr;
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail_mask(hidden - i);
+        const __m512 y = round_to(_mm512_mul_ps(load16m(read + i, m), vinv), static_cast<T*>(nullptr));
+        store16(dst + i, _mm512_mul_ps(load16m(weight + i, m), y), m);
+      }
+#else
+      float ss = 0.0f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        float v = to_float(xr[i]);
+        if (src) {
+          v = to_float(static_cast<T>(v + to_float(src[i])));
+          src[i] = static_cast<T>(v);
+        }
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      const T* read = src ? src : xr;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float y = to_float(static_cast<T>(to_float(read[i]) * inv));
+        dst[i] = static_cast<T>(to_float(weight[i]) * y);
+      }
+#endif
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with unit last stride");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous [hidden] in x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  dispatch_float_types(x, "rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(ptr<T>(x), nullptr, ptr<T>(weight), ptr<T>(out), x.size(0), x.size(1), x.stride(0),
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x; returns rms_norm(residual). residual is updated in place.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be contiguous, shaped and typed like x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be contiguous [hidden] in x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  dispatch_float_types(x, "add_rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(ptr<T>(x), ptr<T>(residual), ptr<T>(weight), ptr<T>(out), x.size(0), x.size(1), x.stride(0),
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
+// In place, for x in (q, k): x = x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to T as the unfused torch expression does. x: [tokens, heads, head_dim] (any
+// token/head strides); cos, sin: [tokens, head_dim] contiguous.
+template <typename T>
+void rope_one(at::Tensor& x, const T* cos, const T* sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  T* base = ptr<T>(x);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = base + t * st + h * sh;
+#if defined(__AVX512F__)
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail_mask(half - i);
+          const __m512 x1 = load16m(v + i, m), x2 = load16m(v + half + i, m);
+          const __m512 a1 = round_to(_mm512_mul_ps(x1, load16m(c + i, m)), static_cast<T*>(nullptr));
+          const __m512 b1 = round_to(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16m(s + i, m)),
+                                     static_cast<T*>(nullptr));
+          const __m512 a2 = round_to(_mm512_mul_ps(x2, load16m(c + half + i, m)), static_cast<T*>(nullptr));
+          const __m512 b2 = round_to(_mm512_mul_ps(x1, load16m(s + half + i, m)), static_cast<T*>(nullptr));
+          store16(v + i, _mm512_add_ps(a1, b1), m);
+          store16(v + half + i, _mm512_add_ps(a2, b2), m);
+        }
+#else
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(v[i]), x2 = to_float(v[half + i]);
+          const float a1 = to_float(static_cast<T>(x1 * to_float(c[i])));
+          const float b1 = to_float(static_cast<T>(-x2 * to_float(s[i])));
+          const float a2 = to_float(static_cast<T>(x2 * to_float(c[half + i])));
+          const float b2 = to_float(static_cast<T>(x1 * to_float(s[half + i])));
+          v[i] = static_cast<T>(a1 + b1);
+          v[half + i] = static_cast<T>(a2 + b2);
+        }
+#endif
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "rope_: q, k [T, H, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == q.size(2) &&
+                  cos.size(0) == q.size(0) && sin.sizes() == cos.sizes() && k.size(2) == q.size(2) &&
+                  k.size(0) == q.size(0) && q.size(2) % 2 == 0,
+              "rope_: cos/sin must be contiguous [T, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
+                  k.scalar_type() == q.scalar_type(),
+              "rope_: one dtype for q, k, cos, sin");
+  dispatch_float_types(q, "rope_", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_one<T>(q, ptr<T>(cos), ptr<T>(sin));
+    rope_one<T>(k, ptr<T>(cos), ptr<T>(sin));
+  });
+}
+
+// x: [T, 2 * inter] = [gate | up]  ->  to_T(silu(gate)) * up, rounded to T.
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: last dim must be even");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({rows, inter}, x.options());
+  dispatch_float_types(x, "silu_mul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* src = ptr<T>(x);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = src + r * stride;
+        const T* u = g + inter;
+        T* o = dst + r * inter;
+#if defined(__AVX512F__)
+        for (int64_t i = 0; i < inter; i += 16) {
+          const __mmask16 m = tail_mask(inter - i);
+          const __m512 gv = load16m(g + i, m);
+          const __m512 e = exp512_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          const __m512 silu = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                       static_cast<T*>(nullptr));
+          store16(o + i, _mm512_mul_ps(silu, load16m(u + i, m)), m);
+        }
+#else
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gv = to_float(g[i]);
+          const float silu = to_float(static_cast<T>(gv / (1.0f + std::exp(-gv))));
+          o[i] = static_cast<T>(silu * to_float(u[i]));
+        }
+#endif
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+}
