@@ -51,9 +51,7 @@ class ReferenceAttention:
                 k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
                 v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
             mask = causal_mask(query_len, seq_len, query.device)
-            o = F.scaled_dot_product_attention(
-                q.to(k.dtype), k, v, attn_mask=mask, scale=scale
-            )
+            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale)
             out[start : start + query_len] = o.transpose(0, 1).to(query.dtype)
             start += query_len
         return out
