@@ -33,6 +33,16 @@ def decode(kv: KVCacheManager, req: Request, token: int) -> Allocation | None:
     return alloc
 
 
+def fork_after_prompt(kv: KVCacheManager, num_tokens: int) -> tuple[Request, Request]:
+    """Run parent "p"'s prompt of ``num_tokens``, then fork child "c1" sharing all of it."""
+    parent = make_request("p", range(num_tokens))
+    run_prompt(kv, parent)
+    child = make_request("c1", range(num_tokens))
+    child.num_computed_tokens = num_tokens
+    kv.fork(parent, child)
+    return parent, child
+
+
 def snapshot(kv: KVCacheManager):
     return (
         kv.pool.free_queue_order(),
@@ -137,11 +147,7 @@ def test_watermark_applies_to_admission_only():
 
 def test_fork_then_copy_on_write_of_partial_block():
     kv = KVCacheManager(10, 4, watermark=0.0)
-    parent = make_request("p", range(6))
-    run_prompt(kv, parent)
-    child = make_request("c1", range(6))
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
+    parent, child = fork_after_prompt(kv, 6)
     assert kv.block_table("c1") == [0, 1]
     assert [kv.pool.ref_count(b) for b in (0, 1)] == [2, 2]
     kv.check_invariants()
@@ -156,11 +162,7 @@ def test_fork_then_copy_on_write_of_partial_block():
 
 def test_fork_at_block_boundary_copies_nothing():
     kv = KVCacheManager(10, 4, watermark=0.0)
-    parent = make_request("p", range(8))
-    run_prompt(kv, parent)
-    child = make_request("c1", range(8))
-    child.num_computed_tokens = 8
-    kv.fork(parent, child)
+    parent, child = fork_after_prompt(kv, 8)
     assert decode(kv, child, 1) == Allocation((2,), ())
     assert decode(kv, parent, 2) == Allocation((3,), ())
     assert kv.block_table("p") == [0, 1, 3]
@@ -169,11 +171,7 @@ def test_fork_at_block_boundary_copies_nothing():
 
 def test_fork_then_free_keeps_shared_blocks():
     kv = KVCacheManager(10, 4, watermark=0.0)
-    parent = make_request("p", range(6))
-    run_prompt(kv, parent)
-    child = make_request("c1", range(6))
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
+    parent, child = fork_after_prompt(kv, 6)
     kv.free(parent)
     assert [kv.pool.ref_count(b) for b in (0, 1)] == [1, 1]
     kv.free(child)
@@ -241,11 +239,7 @@ def test_swap_in_reuses_cached_full_blocks():
 
 def test_shared_block_moves_once_each_way():
     kv = KVCacheManager(8, 4, num_host_blocks=4, enable_prefix_caching=False, watermark=0.0)
-    parent = make_request("p", range(6))
-    run_prompt(kv, parent)
-    child = make_request("c1", range(6))
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
+    parent, child = fork_after_prompt(kv, 6)
     assert kv.swap_out(parent) == [(0, 0), (1, 1)]
     assert kv.swap_out(child) == []  # same physical blocks, already on the host
     assert kv.host_block_table("c1") == [0, 1]
@@ -264,11 +258,7 @@ def test_shared_block_moves_once_each_way():
 
 def test_shared_partial_block_written_in_place_is_moved_again():
     kv = KVCacheManager(8, 4, num_host_blocks=4, enable_prefix_caching=False, watermark=0.0)
-    parent = make_request("p", range(6))
-    run_prompt(kv, parent)
-    child = make_request("c1", range(6))
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
+    parent, child = fork_after_prompt(kv, 6)
     assert kv.swap_out(parent) == [(0, 0), (1, 1)]
     decode(kv, child, 42)  # sole holder now: writes block 1 in place
     # Block 1 changed since its host copy, so it needs a fresh host block.

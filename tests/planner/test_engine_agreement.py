@@ -22,17 +22,6 @@ from pagedllm.planner.presets import GIB
 
 BLOCK_SIZE = 16
 TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # tiny llama: layers x KV heads x head dim x (K, V) x fp32
-TINY_CONFIG = {  # pagedllm.testing.tiny_config("llama"), as config.json
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "torch_dtype": "float32",
-}
 
 
 def _predicted(model_dir, kv_budget: int, length: int, capsys) -> dict:
@@ -78,10 +67,11 @@ def test_fake_runner_engine_admits_the_predicted_concurrency(
     torch = pytest.importorskip("torch")
     from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.testing import tiny_config
     from pagedllm.worker.fake_runner import FakeModelRunner
     from pagedllm.worker.kv_cache import KVCacheSpec, num_blocks_from_budget
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    tiny_config("llama", dtype="float32").save_pretrained(tmp_path)  # config.json only
     kv_budget = num_blocks * BLOCK_SIZE * TOKEN_BYTES + 100  # a remainder no block can use
     plan = _predicted(tmp_path, kv_budget, prompt_len + output_len, capsys)
     spec = KVCacheSpec(2, 2, 16, BLOCK_SIZE, torch.float32)

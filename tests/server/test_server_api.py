@@ -16,6 +16,16 @@ def _dumps(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The usage object of a request with no cached prompt tokens."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
 def test_models_and_health(make_harness):
     h = make_harness(served_model_name="tiny")
 
@@ -47,12 +57,7 @@ def test_completion_text_and_usage(make_harness):
         assert choice["text"] == h.expected_text(prompt, 7)
         assert choice["finish_reason"] == "length" and choice["index"] == 0
         n_prompt = len(h.tokenizer.encode(prompt))
-        assert data["usage"] == {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": 7,
-            "total_tokens": n_prompt + 7,
-            "prompt_tokens_details": {"cached_tokens": 0},
-        }
+        assert data["usage"] == _usage(n_prompt, 7)
 
     h.run(body)
 
@@ -145,15 +150,9 @@ def test_completion_stream_bytes(make_harness):
                 {"id": rid, "object": "text_completion", "created": created,
                  "model": "default", "choices": [choice], "usage": None}
             )  # fmt: skip
-        usage = {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": 6,
-            "total_tokens": n_prompt + 6,
-            "prompt_tokens_details": {"cached_tokens": 0},
-        }
         expected += _dumps(
             {"id": rid, "object": "text_completion", "created": created,
-             "model": "default", "choices": [], "usage": usage}
+             "model": "default", "choices": [], "usage": _usage(n_prompt, 6)}
         )  # fmt: skip
         expected += b"data: [DONE]\n\n"
         assert r.content == expected

@@ -3,16 +3,15 @@ answers out, whole or as Server-Sent Events (the role first, the finish reason l
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import RequestSpec, RequestStream
-from pagedllm.server.errors import APIError, bad_request
+from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,21 +26,18 @@ from pagedllm.server.serving import (
     ChoiceState,
     Prompt,
     ServerContext,
-    add_streams,
     chat_logprobs,
     check_common,
     check_model,
-    close_streams,
-    final_outputs,
-    internal_error_event,
     new_id,
     outputs_of,
     parse_body,
     resolve_max_tokens,
+    respond,
     sampling_params,
     usage_of,
 )
-from pagedllm.server.sse import DONE, EventStreamResponse, sse_event, until_disconnect
+from pagedllm.server.sse import sse_event
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> Prompt:
@@ -72,20 +68,19 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     _check_request(ctx, req)
     prompt = chat_prompt(ctx, req)
     request_id = new_id("chatcmpl", request)
-    streams = await add_streams(ctx, [_spec(ctx, req, f"{request_id}-0", prompt)])
-    created = int(time.time())
-    if req.stream:
-        events = chat_events(ctx, req, request_id, created, streams[0])
-        return EventStreamResponse(events, on_close=lambda: close_streams(ctx, streams))
-    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
-    if not done:
-        return Response(status_code=499)  # nobody is listening any more
-    choices = [_choice(ctx, req, c) for c in sorted(outputs[0].outputs, key=lambda c: c.index)]
-    body = ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices,
-        usage=usage_of(outputs),
+
+    def body(outputs: list[Any], created: int) -> ChatCompletionResponse:
+        choices = [_choice(ctx, req, c) for c in sorted(outputs[0].outputs, key=lambda c: c.index)]
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices,
+            usage=usage_of(outputs),
+        )  # fmt: skip
+
+    spec = _spec(ctx, req, f"{request_id}-0", prompt)
+    return await respond(
+        ctx, request, request_id, [spec], req.stream, body,
+        lambda streams, created: chat_events(ctx, req, request_id, created, streams[0]),
     )  # fmt: skip
-    return JSONResponse(body.model_dump(mode="json"))
 
 
 def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> None:
@@ -130,7 +125,7 @@ async def chat_events(
     request_id: str,
     created: int,
     stream: RequestStream,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
 
@@ -142,28 +137,20 @@ async def chat_events(
 
     states: dict[int, ChoiceState] = {}
     last = None
-    try:
-        async with aclosing(outputs_of(ctx, stream)) as outputs:
-            async for output in outputs:
-                last = output
-                for c in sorted(output.outputs, key=lambda c: c.index):
-                    state = states.setdefault(c.index, ChoiceState())
-                    if not state.started:
-                        state.started = True
-                        role = DeltaMessage(role="assistant", content="")
-                        yield chunk([ChatStreamChoice(index=c.index, delta=role)])
-                    choice = _chat_delta(ctx, req, c, state)
-                    if choice is not None:
-                        yield chunk([choice])
-        if include_usage and last is not None:
-            yield chunk([], usage_of([last]))
-    except APIError as exc:
-        yield exc.sse_event()
-    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
-        yield internal_error_event(request_id, exc)
-    finally:
-        stream.abort()
-    yield DONE
+    async with aclosing(outputs_of(ctx, stream)) as outputs:
+        async for output in outputs:
+            last = output
+            for c in sorted(output.outputs, key=lambda c: c.index):
+                state = states.setdefault(c.index, ChoiceState())
+                if not state.started:
+                    state.started = True
+                    role = DeltaMessage(role="assistant", content="")
+                    yield chunk([ChatStreamChoice(index=c.index, delta=role)])
+                choice = _chat_delta(ctx, req, c, state)
+                if choice is not None:
+                    yield chunk([choice])
+    if include_usage and last is not None:
+        yield chunk([], usage_of([last]))
 
 
 def _chat_delta(

@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import RequestSpec, RequestStream
-from pagedllm.server.errors import APIError, bad_request
+from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -23,21 +22,18 @@ from pagedllm.server.serving import (
     ChoiceState,
     Prompt,
     ServerContext,
-    add_streams,
     check_common,
     check_model,
-    close_streams,
     completion_logprobs,
-    final_outputs,
-    internal_error_event,
     new_id,
     outputs_of,
     parse_body,
     resolve_max_tokens,
+    respond,
     sampling_params,
     usage_of,
 )
-from pagedllm.server.sse import DONE, EventStreamResponse, sse_event, until_disconnect
+from pagedllm.server.sse import sse_event
 
 
 def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
@@ -83,24 +79,22 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
         prompts = [
             p if p.text is not None else Prompt(p.token_ids, _decode(ctx, p)) for p in prompts
         ]
-    streams = await add_streams(ctx, specs)
-    created = int(time.time())
-    if req.stream:
-        events = completion_events(ctx, req, request_id, created, prompts, streams)
-        return EventStreamResponse(events, on_close=lambda: close_streams(ctx, streams))
-    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
-    if not done:
-        return Response(status_code=499)  # nobody is listening any more
-    choices = [
-        _choice(ctx, req, i, prompt, c)
-        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))
-        for c in sorted(output.outputs, key=lambda c: c.index)
-    ]
-    body = CompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices,
-        usage=usage_of(outputs),
+
+    def body(outputs: list[Any], created: int) -> CompletionResponse:
+        choices = [
+            _choice(ctx, req, i, prompt, c)
+            for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))
+            for c in sorted(output.outputs, key=lambda c: c.index)
+        ]
+        return CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices,
+            usage=usage_of(outputs),
+        )  # fmt: skip
+
+    return await respond(
+        ctx, request, request_id, specs, req.stream, body,
+        lambda streams, created: completion_events(ctx, req, request_id, created, prompts, streams),
     )  # fmt: skip
-    return JSONResponse(body.model_dump(mode="json"))
 
 
 def _check_request(ctx: ServerContext, req: CompletionRequest) -> None:
@@ -158,43 +152,34 @@ async def completion_events(
     created: int,
     prompts: Sequence[Prompt],
     streams: Sequence[RequestStream],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
     finals = []
-    try:
-        for i, (prompt, stream) in enumerate(zip(prompts, streams, strict=True)):
-            states: dict[int, ChoiceState] = {}
-            last = None
-            async with aclosing(outputs_of(ctx, stream)) as outputs:
-                async for output in outputs:
-                    last = output
-                    choices = []
-                    for c in output.outputs:
-                        state = states.setdefault(c.index, ChoiceState())
-                        choice = _completion_delta(ctx, req, prompt, c, state, i * req.n)
-                        if choice is not None:
-                            choices.append(choice)
-                    if choices:
-                        chunk = CompletionStreamResponse(
-                            id=request_id, created=created, model=ctx.model_name, choices=choices
-                        )
-                        yield sse_event(chunk, exclude=exclude)
-            finals.append(last)
-        if include_usage:
-            chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=ctx.model_name, choices=[],
-                usage=usage_of(finals),
-            )  # fmt: skip
-            yield sse_event(chunk)
-    except APIError as exc:
-        yield exc.sse_event()
-    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
-        yield internal_error_event(request_id, exc)
-    finally:
-        for stream in streams:
-            stream.abort()
-    yield DONE
+    for i, (prompt, stream) in enumerate(zip(prompts, streams, strict=True)):
+        states: dict[int, ChoiceState] = {}
+        last = None
+        async with aclosing(outputs_of(ctx, stream)) as outputs:
+            async for output in outputs:
+                last = output
+                choices = []
+                for c in output.outputs:
+                    state = states.setdefault(c.index, ChoiceState())
+                    choice = _completion_delta(ctx, req, prompt, c, state, i * req.n)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=ctx.model_name, choices=choices
+                    )
+                    yield sse_event(chunk, exclude=exclude)
+        finals.append(last)
+    if include_usage:
+        chunk = CompletionStreamResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=[],
+            usage=usage_of(finals),
+        )  # fmt: skip
+        yield sse_event(chunk)
 
 
 def _completion_delta(

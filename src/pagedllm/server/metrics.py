@@ -155,6 +155,11 @@ class _Timing:
     num_tokens: int = 0
 
 
+def _latency_histogram(registry: CollectorRegistry, name: str, doc: str) -> Histogram:
+    """``pagedllm_<name>`` with the shared latency buckets."""
+    return Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
+
+
 @dataclass(slots=True)
 class ServerMetrics:
     """The metrics of one app: a registry, the stats collector, latency histograms."""
@@ -173,23 +178,14 @@ class ServerMetrics:
     def __post_init__(self) -> None:
         reg = self.registry
         reg.register(self._stats)
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "Time from arrival to the first output token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+        self.ttft = _latency_histogram(
+            reg, "time_to_first_token_seconds", "Time from arrival to the first output token."
         )
-        self.itl = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds",
-            "Time between two output steps of one request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+        self.itl = _latency_histogram(
+            reg, "inter_token_latency_seconds", "Time between two output steps of one request."
         )
-        self.e2e = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+        self.e2e = _latency_histogram(
+            reg, "e2e_request_latency_seconds", "Time from arrival to the last token."
         )
         self.generation_tokens = Counter(
             f"{PREFIX}_generation_tokens", "Output tokens generated.", registry=reg

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import (
     AsyncEngine,
@@ -41,6 +42,7 @@ from pagedllm.server.protocol import (
     TopLogprob,
     Usage,
 )
+from pagedllm.server.sse import DONE, EventStreamResponse, until_disconnect
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger(__name__)
@@ -269,6 +271,50 @@ def close_streams(ctx: ServerContext, streams: Sequence[RequestStream]) -> None:
     for stream in streams:
         stream.abort()
         ctx.metrics.request_ended(stream.request_id, "abort")
+
+
+async def respond(
+    ctx: ServerContext,
+    request: Request,
+    request_id: str,
+    specs: Sequence[RequestSpec],
+    stream: bool,
+    body: Callable[[list[Any], int], BaseModel],
+    events: Callable[[list[RequestStream], int], AsyncGenerator[bytes, None]],
+) -> Response:
+    """Add the requests, then answer with ``body(final outputs, created)`` as JSON once
+    all have finished, or (``stream``) with ``events(streams, created)`` as Server-Sent
+    Events; 499 if the client leaves first."""
+    streams = await add_streams(ctx, specs)
+    created = int(time.time())
+    if stream:
+        return EventStreamResponse(
+            event_stream(request_id, streams, events(streams, created)),
+            on_close=lambda: close_streams(ctx, streams),
+        )
+    done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
+    if not done:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(body(outputs, created).model_dump(mode="json"))
+
+
+async def event_stream(
+    request_id: str, streams: Sequence[RequestStream], events: AsyncGenerator[bytes, None]
+) -> AsyncIterator[bytes]:
+    """``events`` then ``[DONE]``; a failure ends it with an OpenAI error event, and the
+    requests are aborted however it ends."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    except APIError as exc:
+        yield exc.sse_event()
+    except Exception as exc:  # a bug must still end the stream in the OpenAI shape
+        yield internal_error_event(request_id, exc)
+    finally:
+        for stream in streams:
+            stream.abort()
+    yield DONE
 
 
 def _finish_reason(output: Any) -> str:
