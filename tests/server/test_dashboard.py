@@ -76,7 +76,8 @@ def test_blocks_show_a_shared_prefix_with_exact_ids_and_ref_counts(make_harness)
 
 
 def test_blocks_after_api_requests_and_consistent_while_busy(make_harness):
-    h = make_harness(num_blocks=64, block_size=4)
+    # Slow steps keep the four requests alive together long enough for the polls to see them.
+    h = make_harness(num_blocks=64, block_size=4, runner_kw={"step_delay_s": 0.01})
     prompt = "abcdefgh"  # 8 tokens: two full blocks
 
     async def body(client):
