@@ -110,7 +110,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of blocks admission keeps free for running requests",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    group.add_argument("--attention-backend", default="auto")
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "reference"],
+        help="auto: the fastest available (cpu); reference: the plain ground truth",
+    )
+    group.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads for the model step (default: one per core)",
+    )
     group.add_argument("--device", default="cpu")
 
 
@@ -134,4 +145,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         attention_backend=args.attention_backend,
         device=args.device,
+        num_threads=getattr(args, "num_threads", None),
     )

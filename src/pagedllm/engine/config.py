@@ -12,6 +12,8 @@ GIB = 1 << 30
 DEFAULT_KV_CACHE_MEMORY = 1 * GIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The names pagedllm.attention.select.get_backend accepts (kept here so config stays torch-free).
+ATTENTION_BACKENDS = ("auto", "cpu", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "cpu"
+    # torch intra-op threads for the model step; None keeps torch's default (one per core).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
@@ -66,6 +70,13 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.num_threads is not None:
+            self._check_positive("num_threads", self.num_threads)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -174,6 +174,8 @@ class LLMEngine:
         from pagedllm.worker.model_runner import TorchModelRunner
 
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         loaded = load_model(
             config.model, config.dtype, _attention_backend(config), device=config.device
         )
@@ -610,11 +612,8 @@ def _kv_dtype_bytes(runner: Any) -> int:
 
 
 def _attention_backend(config: EngineConfig) -> Any:
-    name = config.attention_backend
-    if name in ("auto", None):
-        return None  # the loader's default
-    if name == "reference":
-        from pagedllm.attention.reference import ReferenceAttention
+    """The backend named by ``config.attention_backend`` ("auto" picks the fastest)."""
+    from pagedllm.attention.select import get_backend
 
-        return ReferenceAttention()
-    raise ValueError(f"attention_backend must be 'auto' or 'reference', got {name!r}")
+    name = config.attention_backend
+    return get_backend("auto" if name is None else name)

@@ -110,4 +110,8 @@ class TorchModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if batch.logits_indices.numel() == 0:
                 return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            if batch.logits_indices.numel() == hidden.shape[0]:
+                # One row per token means every sequence has one token and samples
+                # (plain decode): the rows are already in order, no gather needed.
+                return self.model.compute_logits(hidden)
             return self.model.compute_logits(hidden[batch.logits_indices])

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
@@ -45,14 +46,22 @@ class _Rows:
 
 class Sampler:
     """Turns logits (one row per scheduled sequence with ``num_samples > 0``, in order)
-    into a ``ModelRunnerOutput`` aligned with all scheduled sequences."""
+    into a ``ModelRunnerOutput`` aligned with all scheduled sequences.
 
-    def __init__(self) -> None:
+    ``fast_greedy``: when every sampling row is plain greedy (no logit bias, penalties,
+    active min_tokens mask or logprobs), take one argmax of the raw logits and skip the
+    general pipeline; ``False`` always runs the general pipeline (the ground truth).
+    """
+
+    def __init__(self, *, fast_greedy: bool = True) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.fast_greedy = fast_greedy
 
     def __call__(
         self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]
     ) -> ModelRunnerOutput:
+        if self.fast_greedy and all(_plain_greedy(seq) for seq in scheduled):
+            return self._greedy(logits, scheduled)
         rows = self._expand(scheduled, logits.device)
         if not rows.seqs:
             return ModelRunnerOutput(
@@ -69,6 +78,19 @@ class Sampler:
         """Drop per-request state (seeded generators) of finished requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+
+    def _greedy(
+        self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        """One argmax per logits row; a row with n samples gives n copies of its token."""
+        best = _argmax_rows(logits) if logits.shape[0] else []
+        tokens: list[int] = []
+        row = 0
+        for seq in scheduled:
+            if seq.num_samples:
+                tokens.extend([best[row]] * seq.num_samples)
+                row += 1
+        return self._assemble(scheduled, tokens, [None] * len(tokens))
 
     # ------------------------------------------------------------------ stages
 
@@ -206,6 +228,31 @@ class Sampler:
             per_seq_logprobs.append(tuple(lps) if k and all(lp is not None for lp in lps) else None)
             row += k
         return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(per_seq_logprobs))
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax as ints (first index of the maximum, as torch.argmax).
+
+    On CPU, numpy's argmax over a [rows, vocab] float array is about ten times faster than
+    torch's reduction (measured here: 0.4 ms vs 4-5 ms for 64 x 32000 on one thread).
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return np.argmax(logits.detach().numpy(), axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
+def _plain_greedy(seq: ScheduledSequence) -> bool:
+    """True when this sequence's rows reduce to an argmax of the raw logits."""
+    if seq.num_samples == 0:
+        return True
+    p = seq.sampling_params or _DEFAULT_PARAMS
+    return (
+        p.greedy
+        and not p.logit_bias
+        and not p.needs_penalties
+        and p.logprobs is None
+        and not (p.min_tokens and len(seq.output_token_ids) < p.min_tokens)
+    )
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
