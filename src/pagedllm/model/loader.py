@@ -58,7 +58,7 @@ def load_model(
     """Load weights, config and tokenizer. ``ValueError`` for anything unsupported.
 
     ``dtype``: "float32", "bfloat16", "float16" or "auto" (the config's ``torch_dtype``,
-    float32 when it has none). ``backend``: the attention backend (default: reference).
+    float32 when it has none). ``backend``: the attention backend (default: the fastest available, ``get_backend("auto")``).
     """
     if str(model) == DEFAULT_MODEL_NAME:
         from pagedllm.model.default_model import ensure_default_model
@@ -106,9 +106,9 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Allocate the model without initialising it, then load the weights in."""
     if backend is None:
-        from pagedllm.attention.reference import ReferenceAttention
+        from pagedllm.attention.select import get_backend
 
-        backend = ReferenceAttention()
+        backend = get_backend("auto")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
