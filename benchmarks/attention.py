@@ -56,7 +56,9 @@ def paged_case(batch: int, context: int, query_len: int, dtype: torch.dtype, see
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     tables = torch.tensor(ids, dtype=torch.int32).view(batch, blocks_per_seq)
     positions = torch.arange(context - query_len, context)
-    slots = (tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE).view(-1)
+    slots = (tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE).view(
+        -1
+    )
     tokens = batch * query_len
     query = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
     key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -121,7 +123,11 @@ def cases(quick: bool) -> list[tuple[str, int, int, int]]:
     if quick:
         return [("decode", 8, 512, 1), ("decode", 64, 512, 1), ("prefill_prefix", 2, 1024, 128)]
     decode = [("decode", b, c, 1) for b in (1, 8, 32, 64) for c in (128, 512, 2048)]
-    prefill = [("prefill_prefix", b, c, q) for b in (1, 4) for c, q in ((512, 128), (1024, 512), (2048, 256))]
+    prefill = [
+        ("prefill_prefix", b, c, q)
+        for b in (1, 4)
+        for c, q in ((512, 128), (1024, 512), (2048, 256))
+    ]
     return decode + prefill
 
 
@@ -134,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     backend = get_backend(args.backend)
     extension = getattr(backend, "uses_extension", False)
-    print(f"backend={backend.name} extension={extension} dtype={args.dtype} threads={torch.get_num_threads()}")
-    print(f"{'kind':<15}{'batch':>6}{'context':>8}{'query':>6}{'paged ms':>11}{'contig ms':>11}{'overhead':>10}")
+    print(
+        f"backend={backend.name} extension={extension} dtype={args.dtype} threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{'kind':<15}{'batch':>6}{'context':>8}{'query':>6}{'paged ms':>11}{'contig ms':>11}{'overhead':>10}"
+    )
     rows = []
     for kind, batch, context, query_len in cases(args.quick):
         row = measure(backend, kind, batch, context, query_len, dtype)
@@ -146,7 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     worst = max(r["overhead"] for r in rows)
     print(f"worst overhead {worst:+.1%} (goal <= +10%)")
-    print(json.dumps({"backend": backend.name, "extension": extension, "dtype": args.dtype, "worst_overhead": worst, "cases": rows}))
+    print(
+        json.dumps(
+            {
+                "backend": backend.name,
+                "extension": extension,
+                "dtype": args.dtype,
+                "worst_overhead": worst,
+                "cases": rows,
+            }
+        )
+    )
     return 0
 
 

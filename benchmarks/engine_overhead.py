@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import throughput  # noqa: E402  (sets the offline environment first)
 import torch  # noqa: E402
 
 import pagedllm.worker.model_runner as model_runner_module  # noqa: E402
+import throughput  # noqa: E402  (sets the offline environment before any model loads)
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
@@ -57,18 +57,6 @@ class Timers:
         return timed
 
 
-class TimedSampler:
-    def __init__(self, sampler, timers: Timers) -> None:
-        self._sampler = sampler
-        self._call = timers.wrap("sampling", sampler.__call__)
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._sampler, name)
-
-
 def instrument(llm: LLM, timers: Timers) -> None:
     engine = llm.engine
     runner = engine.runner
@@ -80,7 +68,12 @@ def instrument(llm: LLM, timers: Timers) -> None:
     )
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("logits", model.compute_logits)
-    runner.sampler = TimedSampler(runner.sampler, timers)
+    # Patched on the class, so the runner still sees its own Sampler (and may take its
+    # greedy shortcut, timed as sampling too).
+    sampler_cls = type(runner.sampler)
+    sampler_cls.__call__ = timers.wrap("sampling", sampler_cls.__call__)
+    if hasattr(runner, "_greedy"):
+        runner._greedy = timers.wrap("sampling", runner._greedy)
     IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)
 
 

@@ -28,6 +28,13 @@ def backends() -> list:
             marks=mark,
         )
     )
+    params.append(
+        pytest.param(
+            lambda: CpuAttention(use_extension=True, amx=False),
+            id="cpu-kernel-no-amx",
+            marks=mark,
+        )
+    )
     # The kernel with every query length routed to it (prefill tiles included).
     params.append(
         pytest.param(
@@ -169,7 +176,7 @@ def test_head_layouts(make_backend, num_heads, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize("make_backend", backends())
 def test_long_context_decode_bf16(make_backend):
-    shapes = [(1, 1000), (1, 777), (3, 513)]
+    shapes = [(1, 1000), (1, 777), (3, 513), (40, 1100), (300, 300)]
     step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=7)
     check_against_reference(make_backend(), step)
 
@@ -212,3 +219,27 @@ def test_get_backend():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rows_per_task"):
         CpuAttention(rows_per_task=0)
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+def test_kernel_leaves_matmuls_intact():
+    # The kernel borrows the CPU's tile unit, whose configuration oneDNN caches per thread:
+    # bf16 matmuls and SDPA before and after it must give identical results.
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 512, generator=gen).bfloat16()
+    w = torch.randn(768, 512, generator=gen).bfloat16()
+    q = torch.randn(1, 8, 40, 64, generator=gen).bfloat16()
+    kv = torch.randn(1, 2, 40, 64, generator=gen).bfloat16()
+
+    def work():
+        linear = torch.nn.functional.linear(x, w)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q, kv, kv, is_causal=True, enable_gqa=True
+        )
+        return linear, sdpa
+
+    before = work()
+    step = make_step([(1, 300), (1, 64), (4, 90)], block_size=16, dtype=torch.bfloat16)
+    CpuAttention(use_extension=True).forward(*step)
+    after = work()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])

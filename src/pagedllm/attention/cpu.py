@@ -23,8 +23,8 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,12 @@ SOURCES = tuple(
 )
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
-# Query rows per kernel task: each task reads its context once for rows x group query vectors.
+# Query rows per kernel task: each task reads its context once for rows x group query vectors
+# (with the tile unit: as many rows as fill 16 query vectors).
 ROWS_PER_TASK = 4
+# With the tile unit (bf16, head_dim 64), longer queries go to the kernel too while their
+# context is at most this long: it beats SDPA there (measured by benchmarks/attention.py).
+LONG_QUERY_MAX_SEQ_LEN = 1024
 
 
 class CpuAttention:
@@ -50,7 +54,8 @@ class CpuAttention:
     ``True`` requires it (``RuntimeError`` if it cannot be built); ``False`` never uses it.
     ``bf16_dot``: in bfloat16, multiply with the CPU's bf16 dot-product instructions
     (probabilities rounded to bf16 before the sum over V, as SDPA's flash kernel does);
-    ``False`` keeps every product in fp32.
+    ``False`` keeps every product in fp32. ``amx``: compute bf16 scores (head_dim 64) on the
+    tile matrix unit where the CPU has one.
     """
 
     name = "cpu"
@@ -60,12 +65,13 @@ class CpuAttention:
         *,
         use_extension: bool | None = None,
         max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN,
-        rows_per_task: int = ROWS_PER_TASK,
+        rows_per_task: int | None = None,
         bf16_dot: bool = True,
+        amx: bool = True,
     ) -> None:
         if max_kernel_query_len < 0:
             raise ValueError("max_kernel_query_len must be >= 0")
-        if rows_per_task < 1:
+        if rows_per_task is not None and rows_per_task < 1:
             raise ValueError("rows_per_task must be >= 1")
         self._op = None if use_extension is False else load_extension()
         if use_extension is True and self._op is None:
@@ -73,6 +79,7 @@ class CpuAttention:
         self.max_kernel_query_len = max_kernel_query_len
         self.rows_per_task = rows_per_task
         self.bf16_dot = bf16_dot
+        self.amx = amx and self._op is not None and bool(torch.ops.pagedllm.amx_available())
 
     @property
     def uses_extension(self) -> bool:
@@ -92,8 +99,15 @@ class CpuAttention:
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = torch.empty(q.shape, dtype=cache_dtype, device=q.device)
-        short = [n <= self.max_kernel_query_len for n in meta.query_lens_list]
         if self._kernel_applies(q, k_cache):
+            group = q.shape[1] // k_cache.shape[2]
+            tiles = self.amx and self.bf16_dot and q.dtype == torch.bfloat16 and q.shape[2] == 64
+            long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
+            rows = self.rows_per_task or (max(1, 16 // group) if tiles else ROWS_PER_TASK)
+            short = [
+                n <= self.max_kernel_query_len or s <= long_max
+                for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+            ]
             if any(short):
                 self._op(
                     out,
@@ -105,8 +119,10 @@ class CpuAttention:
                     _int32(meta.query_start_loc),
                     scale,
                     self.max_kernel_query_len,
-                    self.rows_per_task,
+                    rows,
                     self.bf16_dot,
+                    self.amx,
+                    long_max,
                 )
             rest = [i for i, ok in enumerate(short) if not ok]
         else:
@@ -321,3 +337,8 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return sys.platform
+
+
+if __name__ == "__main__":
+    # `python -m pagedllm.attention.cpu`: build (or find) the kernels now, e.g. at install time.
+    print(build_extension())

@@ -6,12 +6,19 @@ part that knows about sequences, slots and block tables.
 
 q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
 (``gate_up_proj``) at load time: fewer, larger matmuls.
+
+``optimize_for_cpu()`` (the runner calls it) switches on the CPU fast paths, which give
+the plain code's results: bf16 linear weights pre-packed in oneDNN's blocked layout
+(identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer ops from
+``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
+which round where the torch expressions round.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,36 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.model.config import ModelConfig, RopeConfig
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of a bf16 CPU weight for ``Linear``, or None where unsupported."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -73,10 +110,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -100,17 +137,37 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_fused(
+        self,
+        ops: Any,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``forward`` with the rotary embedding applied in place by one C++ op;
+        cos, sin: [T, head_dim]."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        ops.rope_(q, k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -136,6 +193,32 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(
+        self,
+        ops: Any,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with fused ops. The residual stream is carried separately and the
+        previous layer's last add happens inside this layer's first norm::
+
+            residual += hidden; x = norm(residual)   (one op, same roundings)
+
+        Returns (this layer's MLP output, residual) for the next layer to add."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual = hidden
+            x = ops.rms_norm(hidden, norm1.weight, norm1.eps)
+        else:
+            x = ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
+        attn = self.self_attn.forward_fused(ops, x, cos, sin, kv_cache, meta)
+        x = ops.add_rms_norm(attn, residual, norm2.weight, norm2.eps)
+        return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x))), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` -> final hidden states; ``compute_logits`` -> logits."""
@@ -152,11 +235,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # A plain attribute, not a buffer: .to(dtype) and to_empty() must not touch it
         # (rotary frequencies stay float32, as in transformers).
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        # Set by optimize_for_cpu(): the fused ops namespace and a packed tied LM head.
+        self.fused_ops: Any = None
+        self.packed_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -168,14 +254,51 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
+        if self.fused_ops is not None and hidden.device.type == "cpu":
+            return self._forward_fused(hidden, cos, sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
 
+    def optimize_for_cpu(self) -> None:
+        """Switch on the CPU fast paths (see the module docstring); a no-op elsewhere.
+        Call after the weights are loaded: packed weights are copies."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            return
+        from pagedllm.attention.cpu import layer_ops
+
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.packed_head = pack_weight(self.embed_tokens.weight)
+        if self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16):
+            self.fused_ops = layer_ops()
+
+    def _forward_fused(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ops = self.fused_ops
+        cos, sin = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer.forward_fused(ops, hidden, residual, cos, sin, kv_cache, meta)
+        if residual is None:
+            return self.norm(hidden)
+        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_head is not None:
+            return packed_linear(hidden, self.packed_head, None).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim], computed in float32 then cast (as transformers does)."""

@@ -3,6 +3,9 @@
 One step, in the order the ``SchedulerOutput`` contract fixes::
 
     swap_out -> swap_in -> block copies -> forward -> logits (sampled rows only) -> sample
+
+On CPU the runner switches on the model's fast paths (``optimize_for_cpu``: packed bf16
+weights, fused C++ layer ops); ``optimize=False`` keeps the plain model code.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class TorchModelRunner:
         num_host_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
         sampler: Sampler | None = None,
+        optimize: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -46,6 +50,8 @@ class TorchModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        if optimize and self.device.type == "cpu" and hasattr(model, "optimize_for_cpu"):
+            model.optimize_for_cpu()
 
     @classmethod
     def from_budget(
@@ -58,6 +64,7 @@ class TorchModelRunner:
         num_host_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
         sampler: Sampler | None = None,
+        optimize: bool = True,
     ) -> TorchModelRunner:
         """Size the device tier from bytes or from a fraction of the free memory."""
         device = next(model.parameters()).device
@@ -77,6 +84,7 @@ class TorchModelRunner:
             num_host_blocks=num_host_blocks,
             kv_dtype=dtype,
             sampler=sampler,
+            optimize=optimize,
         )
 
     @property

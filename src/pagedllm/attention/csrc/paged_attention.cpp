@@ -20,6 +20,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <type_traits>
 #include <vector>
 
@@ -61,6 +65,7 @@ struct Args {
   int64_t head_dim;
   float scale;
   bool use_bf16_dot;  // query rows contiguous in head_dim, so pairs can be read in place
+  bool use_amx;       // scores on the tile unit (bf16, head_dim 64)
 };
 
 inline float to_float(float x) { return x; }
@@ -241,6 +246,182 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX (tile matrix unit) for the scores pass.
+// On these CPUs the tile unit multiplies bf16 about 20x faster than the AVX-512 units, so
+// the scores of 16 keys x up to 16 query vectors are two tile multiplies (head_dim 64):
+// A = 16 K rows (read in place when they sit in one block), B = the task's query vectors
+// in the pair-interleaved layout the unit wants, C = 16 x 16 fp32 scores.
+
+// Keys ahead of the current group whose K/V rows are prefetched.
+constexpr int64_t AMX_AHEAD = 64;
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the tile state only on request, once per process.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+    constexpr long XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Tiles are per-thread state shared with oneDNN/ATen kernels, which may cache the
+// configuration they last set: save it before ours and put it back after.
+class TileScope {
+ public:
+  TileScope() {
+    _tile_storeconfig(&saved_);
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() {
+    if (saved_.palette_id != 0) {
+      _tile_loadconfig(&saved_);
+    } else {
+      _tile_release();
+    }
+  }
+
+ private:
+  TileConfig saved_{};
+};
+
+// Scores for one task with head_dim 64 and M <= 16 query vectors:
+// sc[m * kmax + t] = scale * q_m . k_t for t < kmax.
+inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const int64_t* off, int64_t kmax,
+                         int64_t M, float* sc, uint16_t* scratch_rows, float* scratch_c, uint32_t* qt) {
+  const int64_t s = task.seq;
+  const int64_t q0 = a.query_start_loc[s];
+  const int64_t head0 = task.kv_head * a.group;
+  // B tiles: qt[c][p][n] = (q_n[32c + 2p], q_n[32c + 2p + 1]) for chunk c of 32 dims.
+  std::fill(qt, qt + 2 * 16 * 16, 0u);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = task.row_begin + m / a.group;
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(
+        a.query + (q0 + r) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head);
+    for (int c = 0; c < 2; ++c)
+      for (int p = 0; p < 16; ++p) qt[(c * 16 + p) * 16 + m] = qp[c * 16 + p];
+  }
+  _tile_loadd(2, qt, 64);
+  _tile_loadd(3, qt + 256, 64);
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(a.k_cache);
+  const int64_t row_bytes = a.cache_stride_token * 2;
+  // Two groups of 16 keys per round in separate tiles (C: 0 and 4; A: 1, 5, 6, 7): a tile
+  // multiply has a long latency and tiles are not renamed, so one chain would stall.
+  auto rows_of = [&](int64_t t0, uint16_t* scratch, int64_t& stride) -> const uint16_t* {
+    const int64_t n = std::min<int64_t>(16, kmax - t0);
+    if (n == 16 && t0 / a.block_size == (t0 + 15) / a.block_size) {
+      stride = row_bytes;  // 16 rows of one block: read in place
+      return kc + off[t0];
+    }
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < n) {
+        std::memcpy(scratch + i * 64, kc + off[t0 + i], 128);
+      } else {
+        std::memset(scratch + i * 64, 0, 128);
+      }
+    }
+    stride = 128;
+    return scratch;
+  };
+  auto extract = [&](int64_t t0, const float* c) {
+    const int64_t n = std::min<int64_t>(16, kmax - t0);
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = sc + m * kmax + t0;
+      for (int64_t i = 0; i < n; ++i) dst[i] = c[i * 16 + m] * a.scale;
+    }
+  };
+  for (int64_t t0 = 0; t0 < kmax; t0 += 32) {
+    for (int64_t i = t0 + AMX_AHEAD; i < std::min(kmax, t0 + AMX_AHEAD + 32); ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64, _MM_HINT_T0);
+    }
+    const bool second = t0 + 16 < kmax;
+    int64_t stride0 = 0, stride1 = 0;
+    const uint16_t* r0 = rows_of(t0, scratch_rows, stride0);
+    const uint16_t* r1 = second ? rows_of(t0 + 16, scratch_rows + 16 * 64, stride1) : nullptr;
+    _tile_zero(0);
+    _tile_loadd(1, r0, stride0);
+    _tile_loadd(5, r0 + 32, stride0);
+    if (second) {
+      _tile_zero(4);
+      _tile_loadd(6, r1, stride1);
+      _tile_loadd(7, r1 + 32, stride1);
+    }
+    _tile_dpbf16ps(0, 1, 2);
+    if (second) _tile_dpbf16ps(4, 6, 2);
+    _tile_dpbf16ps(0, 5, 3);
+    if (second) _tile_dpbf16ps(4, 7, 3);
+    _tile_stored(0, scratch_c, 64);
+    if (second) _tile_stored(4, scratch_c + 256, 64);
+    extract(t0, scratch_c);
+    if (second) extract(t0 + 16, scratch_c + 256);
+  }
+}
+
+// out[m][:] = sum_t p[m][t] v_t for head_dim 64, M <= 16. probs: [16][width] bf16, zero
+// beyond M rows and kmax columns, width a multiple of 32. 32 keys per step: A = 16 x 32
+// probabilities, B = V rows interleaved in key pairs (4 tiles of 16 dims), C = 4 tiles.
+// unpacklo/hi interleave within 128-bit lanes, so tile column i of B_j holds dim
+// 32 * (j / 2) + (i / 4) * 8 + 4 * (j % 2) + i % 4.
+inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off, int64_t kmax, int64_t M,
+                               const uint16_t* probs, int64_t width, uint32_t* btiles, float* ctile, float* acc) {
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t t0 = 0; t0 < kmax; t0 += 32) {
+    for (int64_t i = t0 + AMX_AHEAD; i < std::min(kmax, t0 + AMX_AHEAD + 32); ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]), _MM_HINT_T0),
+          _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]) + 64, _MM_HINT_T0);
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t t = std::min(t0 + 2 * p, kmax - 1);      // rows past kmax: any valid row,
+      const int64_t u = std::min(t0 + 2 * p + 1, kmax - 1);  // their probability is 0
+      const uint16_t* x = vc + off[t];
+      const uint16_t* y = vc + off[u];
+      const __m512i x0 = _mm512_loadu_si512(x), y0 = _mm512_loadu_si512(y);
+      const __m512i x1 = _mm512_loadu_si512(x + 32), y1 = _mm512_loadu_si512(y + 32);
+      _mm512_store_si512(btiles + (0 * 16 + p) * 16, _mm512_unpacklo_epi16(x0, y0));
+      _mm512_store_si512(btiles + (1 * 16 + p) * 16, _mm512_unpackhi_epi16(x0, y0));
+      _mm512_store_si512(btiles + (2 * 16 + p) * 16, _mm512_unpacklo_epi16(x1, y1));
+      _mm512_store_si512(btiles + (3 * 16 + p) * 16, _mm512_unpackhi_epi16(x1, y1));
+    }
+    _tile_loadd(0, probs + t0, width * 2);
+    _tile_loadd(1, btiles + 0 * 256, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, btiles + 1 * 256, 64);
+    _tile_dpbf16ps(5, 0, 1);
+    _tile_loadd(1, btiles + 2 * 256, 64);
+    _tile_dpbf16ps(6, 0, 1);
+    _tile_loadd(1, btiles + 3 * 256, 64);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+  _tile_stored(4, ctile + 0 * 256, 64);
+  _tile_stored(5, ctile + 1 * 256, 64);
+  _tile_stored(6, ctile + 2 * 256, 64);
+  _tile_stored(7, ctile + 3 * 256, 64);
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 16; ++i)
+        acc[m * 64 + 32 * (j / 2) + (i / 4) * 8 + 4 * (j % 2) + i % 4] = ctile[j * 256 + m * 16 + i];
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
 inline void transpose16(__m512i* r) {
@@ -278,6 +459,12 @@ struct Bf16Buffers {
   std::vector<float> scores;
   std::vector<uint16_t> probs;  // softmax as bf16, rows padded to an even length
   std::vector<float> acc;
+  bool use_amx = false;  // set per thread when the tile unit is configured
+  alignas(64) uint16_t amx_rows[2 * 16 * 64];
+  alignas(64) float amx_c[2 * 16 * 16];
+  alignas(64) uint32_t amx_qt[2 * 16 * 16];
+  alignas(64) uint32_t amx_b[4 * 16 * 16];
+  alignas(64) float amx_out[4 * 16 * 16];
 };
 
 // bf16 path (head_dim = 32 * NP): dot products with AVX512-BF16 `vdpbf16ps`, fp32 sums.
@@ -314,8 +501,14 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   // Pass 1: scores.
   buf.scores.resize(M * kmax);
   float* sc = buf.scores.data();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool amx = NP == 2 && M <= 16 && buf.use_amx;
+  if (amx) scores_amx64(a, task, off, kmax, M, sc, buf.amx_rows, buf.amx_c, buf.amx_qt);
+#else
+  const bool amx = false;
+#endif
   alignas(64) __m512i kt[PAIRS];
-  for (int64_t t0 = 0; t0 < kmax; t0 += 16) {
+  for (int64_t t0 = 0; t0 < (amx ? 0 : kmax); t0 += 16) {
     const int64_t n = std::min<int64_t>(16, kmax - t0);
     for (int64_t i = t0 + AHEAD; i < std::min(kmax, t0 + AHEAD + 16); ++i)
       for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64 * l, _MM_HINT_T0);
@@ -339,8 +532,8 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
     }
   }
   // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
-  const int64_t width = (kmax + 1) & ~int64_t{1};
-  buf.probs.assign(M * width, 0);
+  const int64_t width = amx ? (kmax + 31) & ~int64_t{31} : (kmax + 1) & ~int64_t{1};
+  buf.probs.assign((amx ? 16 : M) * width, 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = task.row_begin + m / a.group;
     float* row = sc + m * kmax;
@@ -355,7 +548,11 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   // Pass 2: sum of p_t * v_t, two keys per instruction.
   constexpr int MB = NP <= 2 ? 4 : 2;
   buf.acc.resize(M * D);
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx)
+    weighted_sum_amx64(a, off, kmax, M, buf.probs.data(), width, buf.amx_b, buf.amx_out, buf.acc.data());
+#endif
+  for (int64_t m0 = 0; m0 < (amx ? 0 : M); m0 += MB) {
     const int64_t mb = std::min<int64_t>(MB, M - m0);
     __m512 acc[MB][2 * NP];
     for (int i = 0; i < MB; ++i)
@@ -470,12 +667,19 @@ void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& score
   }
 }
 
+// A sequence is ours when its query has at most max_query_len rows, or (longer queries)
+// when its context has at most long_max_seq_len tokens.
+inline bool handled(int64_t query_len, int64_t seq_len, int64_t max_query_len, int64_t long_max_seq_len) {
+  return query_len > 0 && (query_len <= max_query_len || seq_len <= long_max_seq_len);
+}
+
 std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs,
-                             int64_t num_kv_heads, int64_t max_query_len, int64_t rows_per_task) {
+                             int64_t num_kv_heads, int64_t max_query_len, int64_t rows_per_task,
+                             int64_t long_max_seq_len) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
-    if (query_len == 0 || query_len > max_query_len) continue;
+    if (!handled(query_len, seq_lens[s], max_query_len, long_max_seq_len)) continue;
     const int64_t first_pos = seq_lens[s] - query_len;
     for (int64_t r0 = 0; r0 < query_len; r0 += rows_per_task) {
       const int64_t r1 = std::min(query_len, r0 + rows_per_task);
@@ -496,6 +700,15 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
     std::vector<float> scores, qbuf, acc;
 #if defined(__AVX512BF16__)
     Bf16Buffers bf16_buffers;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::optional<TileScope> tiles;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (a.use_bf16_dot && a.use_amx && a.head_dim == 64 && amx_permitted()) {
+        tiles.emplace();
+        bf16_buffers.use_amx = true;
+      }
+    }
 #endif
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
 #if defined(__AVX512BF16__)
@@ -536,7 +749,8 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 // out: [num_tokens, num_heads, head_dim], written only for the rows of sequences handled here.
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, int64_t max_query_len, int64_t rows_per_task, bool fast_bf16) {
+                     double scale, int64_t max_query_len, int64_t rows_per_task, bool fast_bf16,
+                     bool use_amx, int64_t long_max_seq_len) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -551,7 +765,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
   const int64_t num_seqs = seq_lens.size(0);
   auto tasks = make_tasks(seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), num_seqs, num_kv_heads,
-                          max_query_len, std::max<int64_t>(1, rows_per_task));
+                          max_query_len, std::max<int64_t>(1, rows_per_task), long_max_seq_len);
   if (tasks.empty()) return;
 
   auto fill = [&](auto* tag) {
@@ -576,6 +790,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     a.head_dim = head_dim;
     a.scale = static_cast<float>(scale);
     a.use_bf16_dot = query.stride(2) == 1 && k_cache.stride(3) == 1 && fast_bf16;
+    a.use_amx = a.use_bf16_dot && use_amx;
     run_tasks<T>(a, tasks);
   };
   if (query.scalar_type() == at::kBFloat16) {
@@ -587,13 +802,23 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// Whether bf16 head_dim-64 work may use the tile unit (built with AMX and allowed by the OS).
+bool amx_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, int rows_per_task, "
-      "bool fast_bf16=True) -> ()");
+      "bool fast_bf16=True, bool use_amx=True, int long_max_seq_len=0) -> ()");
+  m.def("amx_available() -> bool", &amx_available);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention", &paged_attention); }
