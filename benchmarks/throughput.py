@@ -12,7 +12,10 @@ missing; ``default`` = pagedllm's default model; or a checkpoint directory.
 
 Baselines in the same run: Hugging Face ``generate`` on the same checkpoint, static padded
 batches (8 and 32 by default, greedy, min_new_tokens = max_new_tokens); with
-``--vs-vllm PYTHON``, vLLM's ``LLM.generate`` run by that interpreter in a subprocess.
+``--vs-vllm PYTHON``, vLLM's ``LLM.generate`` run by that interpreter in a subprocess
+(vLLM-CPU needs ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` in the environment; its best configuration
+also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``, and
+``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives it both cores instead of one).
 A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
 ceiling measured in the same run. The last line is one JSON object keyed by engine.
 
@@ -204,13 +207,9 @@ def run_hf(model: Path, dtype: str, work: Workload, batch_size: int) -> dict:
 
 VLLM_SCRIPT = r"""
 import json, sys, time
-spec = json.load(open(sys.argv[1]))
-t0 = time.perf_counter()
-from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0)
-startup = time.perf_counter() - t0
 
-def generate(prompts, max_tokens):
+
+def generate(llm, SamplingParams, prompts, max_tokens):
     items = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     t = time.perf_counter()
@@ -220,9 +219,21 @@ def generate(prompts, max_tokens):
     assert produced == sum(max_tokens), (produced, sum(max_tokens))
     return elapsed
 
-generate(*spec["warmup"])
-elapsed = generate(spec["prompts"], spec["max_tokens"])
-print("VLLM_RESULT " + json.dumps({"elapsed": elapsed, "startup_s": startup}), flush=True)
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0)
+    startup = time.perf_counter() - t0
+    generate(llm, SamplingParams, *spec["warmup"])
+    elapsed = generate(llm, SamplingParams, spec["prompts"], spec["max_tokens"])
+    print("VLLM_RESULT " + json.dumps({"elapsed": elapsed, "startup_s": startup}), flush=True)
+
+
+# vLLM starts its engine core in a child process: the guard keeps the child from re-running this.
+if __name__ == "__main__":
+    main()
 """
 
 
