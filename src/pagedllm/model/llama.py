@@ -292,13 +292,17 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(hidden)
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden_size] -> float32 logits [S, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``
+        leaves them in the head's dtype (for the sampler's greedy argmax, which needs no
+        float32 copy)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_head is not None:
-            return packed_linear(hidden, self.packed_head, None).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self.packed_head is not None:
+            logits = packed_linear(hidden, self.packed_head, None)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        return logits.float() if float32 else logits
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim], computed in float32 then cast (as transformers does)."""

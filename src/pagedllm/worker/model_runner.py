@@ -96,7 +96,10 @@ class TorchModelRunner:
         self.apply_block_moves(scheduler_output)
         scheduled = scheduler_output.scheduled
         if scheduled:
-            logits = self.compute_logits(scheduled)
+            # A greedy fast-path batch takes its argmax on the model's dtype.
+            fast = getattr(self.sampler, "uses_fast_path", None)
+            float32 = not (fast is not None and fast(scheduled))
+            logits = self.compute_logits(scheduled, float32=float32)
             output = self.sampler(logits, scheduled)
         else:
             output = ModelRunnerOutput()
@@ -111,8 +114,11 @@ class TorchModelRunner:
             self.kv_cache.swap_in(scheduler_output.swap_in)
             self.kv_cache.copy_blocks(scheduler_output.block_copies)
 
-    def compute_logits(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """Forward pass; float32 logits [S, vocab] for sequences with ``num_samples > 0``."""
+    def compute_logits(
+        self, scheduled: Sequence[ScheduledSequence], *, float32: bool = True
+    ) -> torch.Tensor:
+        """Forward pass; float32 logits [S, vocab] for sequences with ``num_samples > 0``
+        (``float32=False``: in the model's dtype, for the sampler's greedy fast path)."""
         batch = build_input_batch(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -121,5 +127,11 @@ class TorchModelRunner:
             if batch.logits_indices.numel() == hidden.shape[0]:
                 # One row per token means every sequence has one token and samples
                 # (plain decode): the rows are already in order, no gather needed.
-                return self.model.compute_logits(hidden)
-            return self.model.compute_logits(hidden[batch.logits_indices])
+                return self._logits(hidden, float32)
+            return self._logits(hidden[batch.logits_indices], float32)
+
+    def _logits(self, hidden: torch.Tensor, float32: bool) -> torch.Tensor:
+        # Models without the keyword (the contract's plain form) give float32.
+        if float32:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, float32=False)
