@@ -61,8 +61,12 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
     @property
+    def has_block_moves(self) -> bool:
+        return bool(self.block_copies or self.swap_out or self.swap_in)
+
+    @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.block_copies or self.swap_out or self.swap_in)
+        return not (self.scheduled or self.has_block_moves)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,7 @@ class _Group:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # a tuple once: every step's output shares it
     params: SamplingParams
     seq_ids: list[str]
     seqs: dict[int, _Sequence] = field(default_factory=dict)
@@ -252,7 +252,7 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
-        group = _Group(request_id, text, token_ids, params, seq_ids)
+        group = _Group(request_id, text, tuple(token_ids), params, seq_ids)
         self._groups[request_id] = group
         for j, seq_id in enumerate(seq_ids):
             self._seq_owner[seq_id] = (group, j)
@@ -288,7 +288,7 @@ class LLMEngine:
             return []
         scheduler_output = self.scheduler.schedule()
         forward = replace(scheduler_output, block_copies=(), swap_out=(), swap_in=())
-        if _has_block_moves(scheduler_output):
+        if scheduler_output.has_block_moves:
             # The moves run alone first: if they fail, nobody's cache can be trusted
             # and every request of the step fails; if they succeed, a failing forward
             # can be retried sequence by sequence without repeating them.
@@ -413,7 +413,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
-            prompt_token_ids=tuple(group.prompt_token_ids),
+            prompt_token_ids=group.prompt_token_ids,
             outputs=tuple(completions),
             finished=group.finished,
             num_cached_tokens=first.request.num_cached_tokens if first else 0,
@@ -594,10 +594,6 @@ class LLMEngine:
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
         )
-
-
-def _has_block_moves(output: SchedulerOutput) -> bool:
-    return bool(output.swap_out or output.swap_in or output.block_copies)
 
 
 def _describe(exc: BaseException) -> str:

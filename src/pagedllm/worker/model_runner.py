@@ -24,7 +24,7 @@ class TorchModelRunner:
     """Implements the ``ModelRunner`` Protocol (``worker/base.py``) with a torch model.
 
     ``model`` follows the ``model/`` contract: ``forward(input_ids, positions,
-    kv_caches, meta) -> hidden`` and ``compute_logits(hidden) -> float32 logits``;
+    kv_caches, meta) -> hidden`` and ``compute_logits(hidden, *, float32=True) -> logits``;
     it must carry a ``config`` (``ModelConfig``).
     """
 
@@ -97,10 +97,9 @@ class TorchModelRunner:
         scheduled = scheduler_output.scheduled
         if scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype.
-            fast = getattr(self.sampler, "uses_fast_path", None)
-            float32 = not (fast is not None and fast(scheduled))
-            logits = self.compute_logits(scheduled, float32=float32)
-            output = self.sampler(logits, scheduled)
+            fast_path = self.sampler.uses_fast_path(scheduled)
+            logits = self.compute_logits(scheduled, float32=not fast_path)
+            output = self.sampler(logits, scheduled, fast_path=fast_path)
         else:
             output = ModelRunnerOutput()
         if scheduler_output.finished_request_ids:
@@ -127,11 +126,5 @@ class TorchModelRunner:
             if batch.logits_indices.numel() == hidden.shape[0]:
                 # One row per token means every sequence has one token and samples
                 # (plain decode): the rows are already in order, no gather needed.
-                return self._logits(hidden, float32)
-            return self._logits(hidden[batch.logits_indices], float32)
-
-    def _logits(self, hidden: torch.Tensor, float32: bool) -> torch.Tensor:
-        # Models without the keyword (the contract's plain form) give float32.
-        if float32:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden, float32=False)
+                return self.model.compute_logits(hidden, float32=float32)
+            return self.model.compute_logits(hidden[batch.logits_indices], float32=float32)
