@@ -106,13 +106,8 @@ class IncrementalDetokenizer:
         """The final text: flush characters still waiting for more bytes."""
         pending = self._read_offset < len(self._tokens)
         if self.tokenizer is not None and self.stop_reason is None and pending:
-            prefix = self._window_prefix()
-            whole = self._decode(self._tokens[self._prefix_offset :])
             before = len(self.text)
-            if len(whole) > len(prefix):
-                self.text += whole[len(prefix) :]
-            self._prefix_offset = self._read_offset = len(self._tokens)
-            self._prefix_text = ""
+            self.text += self._decode_new(final=True)
             if self.stop:
                 self._find_stop(before)
         return self.text
@@ -130,7 +125,9 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         return self._prefix_text
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, *, final: bool = False) -> str:
+        """What the newest tokens add to the text; ``final`` also emits an incomplete
+        character instead of waiting for more bytes."""
         if len(self._tokens) - self._prefix_offset > _MAX_WINDOW:
             start = max(self._prefix_offset, self._read_offset - _MOVE_CONTEXT)
             if start != self._prefix_offset:
@@ -140,7 +137,7 @@ class IncrementalDetokenizer:
         whole = self._decode(self._tokens[self._prefix_offset :])
         # Equal length with no U+FFFD: the tokens decoded to nothing (a skipped special
         # token); still move read_offset so the cached prefix stays the window's decode.
-        if len(whole) >= len(prefix) and not whole.endswith("\ufffd"):
+        if final or (len(whole) >= len(prefix) and not whole.endswith("\ufffd")):
             self._read_offset = len(self._tokens)
             self._prefix_text = whole
             return whole[len(prefix) :]
