@@ -3,42 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
 from pagedllm.engine.config import DTYPES, EngineConfig
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 10**3,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 10**12,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from pagedllm.planner.presets import parse_size as _parse_size
 
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``4GiB``, ``512MiB``, ``1.5G`` (binary), ``2GB`` (decimal) or ``1024``."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2GB, 1073741824)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
+    return _parse_size(text, bare_unit=1)
 
 
 def _size_arg(text: str) -> int:

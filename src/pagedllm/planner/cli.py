@@ -154,12 +154,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Every figure of the plan, as plain data (what ``--json`` prints)."""
-    return _build(args)[0]
-
-
 def _build(args: argparse.Namespace) -> tuple[dict[str, Any], list[TraceEntry]]:
+    """Every figure of the plan, as plain data (what ``--json`` prints), and the trace."""
     if args.tp < 1 or args.block_size < 1:
         raise ValueError("--tp and --block-size must be >= 1")
     spec = resolve_model(args.model)

@@ -285,26 +285,35 @@ def resolve_memory(memory: str) -> DevicePreset:
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _UNITS = {
-    "": GIB,  # a bare number is GiB here (the engine's --kv-cache-memory reads bytes)
-    "g": GIB,
-    "gib": GIB,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
     "m": MIB,
     "mib": MIB,
+    "g": GIB,
+    "gib": GIB,
     "t": 1024 * GIB,
     "tib": 1024 * GIB,
-    "gb": 10**9,
+    "kb": 10**3,
     "mb": 10**6,
+    "gb": 10**9,
     "tb": 10**12,
 }
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``80`` (GiB), ``24GiB``, ``512MiB``, ``1.5G`` (binary) or ``2GB`` (decimal)."""
+def parse_size(text: str | int, bare_unit: int = GIB) -> int:
+    """Bytes from ``24GiB``, ``512MiB``, ``1.5G`` (binary), ``2GB`` (decimal) or a bare number.
+
+    A bare number is in units of ``bare_unit``: GiB for the planner (``80``), bytes for
+    the engine's ``--kv-cache-memory`` (``bare_unit=1``). An int is taken as bytes.
+    """
+    if isinstance(text, int):
+        return text
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 80, 24GiB, 512MiB, 2GB)")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    if match is None or (unit and unit not in _UNITS):
+        raise ValueError(f"not a size: {text!r} (examples: 24GiB, 512MiB, 2GB)")
+    value = int(float(match.group(1)) * (_UNITS[unit] if unit else bare_unit))
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value
