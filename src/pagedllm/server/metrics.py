@@ -18,22 +18,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedllm.engine.llm_engine import EngineStats
+
 PREFIX = "pagedllm"
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _WASTES = ("internal", "external", "duplication")
-
-
-def _get(obj: Any, *names: str, default: Any = 0) -> Any:
-    """The first attribute (or key) of ``obj`` among ``names`` that exists."""
-    for name in names:
-        if isinstance(obj, dict) and name in obj:
-            return obj[name]
-        if hasattr(obj, name):
-            return getattr(obj, name)
-    return default
 
 
 def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
@@ -47,45 +39,34 @@ def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
     return {"tokens": tokens, "fraction": float(getattr(waste, f"{kind}_fraction"))}
 
 
-def cache_report(stats: Any) -> dict[str, Any]:
+def cache_report(stats: EngineStats) -> dict[str, Any]:
     """The ``/v1/cache`` JSON built from one ``LLMEngine.get_stats()`` snapshot (its
     ``waste`` is computed by the engine, on the step thread)."""
-    cache = _get(stats, "cache", "cache_stats", default=stats)
-    blocks_total = int(_get(cache, "blocks_total"))
-    blocks_used = int(_get(cache, "blocks_used"))
-    waste = _get(stats, "waste", default=None)
-    queries = int(_get(cache, "prefix_queries_tokens"))
-    hits = int(_get(cache, "prefix_hits_tokens"))
+    cache, waste = stats.cache, stats.waste
+    queries, hits = cache.prefix_queries_tokens, cache.prefix_hits_tokens
     return {
-        "block_size": int(_get(cache, "block_size")),
-        "blocks_total": blocks_total,
-        "blocks_used": blocks_used,
-        "blocks_cached_free": int(_get(cache, "blocks_cached_free")),
-        "blocks_free": int(_get(cache, "blocks_free")),
-        "usage": blocks_used / blocks_total if blocks_total else 0.0,
-        "host_blocks_total": int(_get(cache, "host_blocks_total")),
-        "host_blocks_used": int(_get(cache, "host_blocks_used")),
+        "block_size": cache.block_size,
+        "blocks_total": cache.blocks_total,
+        "blocks_used": cache.blocks_used,
+        "blocks_cached_free": cache.blocks_cached_free,
+        "blocks_free": cache.blocks_free,
+        "usage": cache.blocks_used / cache.blocks_total if cache.blocks_total else 0.0,
+        "host_blocks_total": cache.host_blocks_total,
+        "host_blocks_used": cache.host_blocks_used,
         "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
-        "headroom_tokens": _get(waste, "headroom_tokens", default=None),
+        "headroom_tokens": None if waste is None else waste.headroom_tokens,
         "prefix_cache": {
             "queries_tokens": queries,
             "hits_tokens": hits,
             "hit_rate": hits / queries if queries else 0.0,
         },
-        "running": int(_get(stats, "num_running", "num_running_requests")),
-        "waiting": int(_get(stats, "num_waiting", "num_waiting_requests")),
-        "swapped": int(_get(stats, "num_swapped", "num_swapped_requests")),
-        "preemptions": preemptions_by_mode(stats),
-    }
-
-
-def preemptions_by_mode(stats: Any) -> dict[str, int]:
-    by_mode = _get(stats, "preemptions_by_mode", "num_preemptions_by_mode", default=None)
-    if isinstance(by_mode, dict):
-        return {"recompute": int(by_mode.get("recompute", 0)), "swap": int(by_mode.get("swap", 0))}
-    return {
-        "recompute": int(_get(stats, "num_preemptions_recompute", "num_recompute_preemptions")),
-        "swap": int(_get(stats, "num_preemptions_swap", "num_swap_preemptions")),
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "swapped": stats.num_swapped,
+        "preemptions": {
+            "recompute": stats.num_preemptions_recompute,
+            "swap": stats.num_preemptions_swap,
+        },
     }
 
 
