@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata, write_kv
-from pagedllm.attention.reference import causal_mask
+from pagedllm.attention.reference import causal_mask, gather_context
 
 logger = logging.getLogger(__name__)
 
@@ -213,20 +213,13 @@ def _prefill_sdpa(
                 qi, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            k = _gather(k_cache, meta.block_tables[i], seq_len)
-            v = _gather(v_cache, meta.block_tables[i], seq_len)
+            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
+            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
             mask = causal_mask(query_len, seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[start : start + query_len] = o.squeeze(0).transpose(0, 1)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[1, num_kv_heads, seq_len, head_dim] view of one context, copied block by block."""
-    num_blocks = -(-seq_len // cache.shape[1])
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.view(-1, cache.shape[2], cache.shape[3])[:seq_len].transpose(0, 1).unsqueeze(0)
 
 
 def cache_dir() -> Path:

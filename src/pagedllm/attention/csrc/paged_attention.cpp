@@ -109,6 +109,16 @@ inline void prefetch_rows(const T* first_row, int64_t stride, int64_t n) {
     for (int64_t l = 0; l < lines; ++l) _mm_prefetch(p + o * step + l * 64, _MM_HINT_T0);
 }
 
+// Prefetch the rows of block `bi` of a context of `kmax` keys (nothing past its end).
+template <typename T, int NC>
+inline void prefetch_block(const Args<T>& a, const T* cache, const int32_t* table, int64_t bi,
+                           int64_t kmax, int64_t kv_off) {
+  const int64_t b0 = bi * a.block_size;
+  if (b0 < kmax)
+    prefetch_rows<T, NC>(cache + table[bi] * a.cache_stride_block + kv_off, a.cache_stride_token,
+                         std::min(a.block_size, kmax - b0));
+}
+
 // softmax over row[0:n] in place, zeros in row[n:width].
 inline void softmax_row(float* row, int64_t n, int64_t width) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -170,18 +180,12 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 
   // Pass 1: scores.
   const int64_t kv_off = task.kv_head * D;
-  for (int64_t i = 0; i < PREFETCH_AHEAD && i * a.block_size < kmax; ++i)
-    prefetch_rows<T, NC>(a.k_cache + table[i] * a.cache_stride_block + kv_off, a.cache_stride_token,
-                         std::min(a.block_size, kmax - i * a.block_size));
+  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) prefetch_block<T, NC>(a, a.k_cache, table, i, kmax, kv_off);
   for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
     const int64_t block = table[bi];
     const int64_t n_in_block = std::min(a.block_size, kmax - b0);
     const T* kblock = a.k_cache + block * a.cache_stride_block + kv_off;
-    if (b0 + PREFETCH_AHEAD * a.block_size < kmax) {
-      const int64_t ahead = table[bi + PREFETCH_AHEAD];
-      prefetch_rows<T, NC>(a.k_cache + ahead * a.cache_stride_block + kv_off, a.cache_stride_token,
-                           std::min(a.block_size, kmax - b0 - PREFETCH_AHEAD * a.block_size));
-    }
+    prefetch_block<T, NC>(a, a.k_cache, table, bi + PREFETCH_AHEAD, kmax, kv_off);
     for (int64_t o = 0; o < n_in_block; ++o) {
       const T* krow = kblock + o * a.cache_stride_token;
       __m512 k[NC];
@@ -195,9 +199,7 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
       }
     }
   }
-  for (int64_t i = 0; i < PREFETCH_AHEAD && i * a.block_size < kmax; ++i)
-    prefetch_rows<T, NC>(a.v_cache + table[i] * a.cache_stride_block + kv_off, a.cache_stride_token,
-                         std::min(a.block_size, kmax - i * a.block_size));
+  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) prefetch_block<T, NC>(a, a.v_cache, table, i, kmax, kv_off);
   // Softmax per query vector over the keys its row may see.
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = task.row_begin + m / a.group;
@@ -215,11 +217,7 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
       const int64_t block = table[bi];
       const int64_t n_in_block = std::min(a.block_size, kmax - b0);
       const T* vblock = a.v_cache + block * a.cache_stride_block + kv_off;
-      if (m0 == 0 && b0 + PREFETCH_AHEAD * a.block_size < kmax) {
-        const int64_t ahead = table[bi + PREFETCH_AHEAD];
-        prefetch_rows<T, NC>(a.v_cache + ahead * a.cache_stride_block + kv_off, a.cache_stride_token,
-                             std::min(a.block_size, kmax - b0 - PREFETCH_AHEAD * a.block_size));
-      }
+      if (m0 == 0) prefetch_block<T, NC>(a, a.v_cache, table, bi + PREFETCH_AHEAD, kmax, kv_off);
       for (int64_t o = 0; o < n_in_block; ++o) {
         const T* vrow = vblock + o * a.cache_stride_token;
         __m512 v[NC];
