@@ -17,7 +17,10 @@ batches (8 and 32 by default, greedy, min_new_tokens = max_new_tokens); with
 also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``, and
 ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives it both cores instead of one).
 A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
-ceiling measured in the same run. The last line is one JSON object keyed by engine.
+ceiling measured in the same run, and a floor adds what no engine can avoid: decode steps
+stream every weight and every context's K/V at the memory bandwidth measured in the same
+run, prompts cost their matrix work at the ceiling (see ``Floor``). The last line is one
+JSON object keyed by engine.
 
     .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick]
 """
@@ -303,6 +306,60 @@ def workload_flops(model: Path, work: Workload) -> float:
     return 2.0 * (body * tokens + head * work.num_output_tokens)
 
 
+def read_bandwidth(size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
+    """Bytes/s that the engine's threads read from memory (a sum over a tensor far larger
+    than the caches), best of a few rounds."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, size_bytes / (time.perf_counter() - t0))
+    return best
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A lower bound on the workload's time on this machine, for any engine.
+
+    Decode is memory-bound: every step streams every weight once (``weight_bytes``), and
+    every decoded token reads its whole context's K/V (``kv_bytes``); the number of steps
+    is at least the longest request's output length. Prompt tokens are compute-bound
+    (``prefill_flops`` at the matmul ceiling). The two phases barely overlap (a step is
+    either a big prefill or a decode), so the floor is their sum."""
+
+    weight_bytes: float
+    kv_bytes: float
+    prefill_flops: float
+
+    def seconds(self, bandwidth: float, ceiling: float) -> tuple[float, float]:
+        return (self.weight_bytes + self.kv_bytes) / bandwidth, self.prefill_flops / ceiling
+
+
+def workload_floor(model: Path, work: Workload, dtype_bytes: int) -> Floor:
+    config = json.loads((model / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    layers = config["num_hidden_layers"]
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    per_layer += 3 * hidden * inter
+    params = per_layer * layers + hidden * config["vocab_size"]
+    decode_steps = max(work.max_tokens) - 1  # the first token comes from the prompt's step
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    context_reads = sum(
+        sum(len(prompt) + i for i in range(1, n))
+        for prompt, n in zip(work.prompts, work.max_tokens, strict=True)
+    )
+    return Floor(
+        weight_bytes=float(params * dtype_bytes * decode_steps),
+        kv_bytes=float(kv_per_token * context_reads),
+        prefill_flops=2.0 * per_layer * layers * work.num_prompt_tokens,
+    )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -379,6 +436,23 @@ def main(argv: list[str] | None = None) -> int:
             f"  {engine}: {achieved / 1e12:.3f} TFLOP/s = "
             + ", ".join(f"{f:.1%} of the {k} ceiling" for k, f in fractions.items())
         )
+    bandwidth = read_bandwidth()
+    floor = workload_floor(model, work, torch.finfo(dtype).bits // 8)
+    memory_s, compute_s = floor.seconds(bandwidth, ceilings[args.dtype])
+    print(
+        f"floor: decode streams {floor.weight_bytes / 1e9:.1f} GB of weights + "
+        f"{floor.kv_bytes / 1e9:.1f} GB of K/V at {bandwidth / 1e9:.1f} GB/s measured = "
+        f"{memory_s:.2f} s; prompts {floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = "
+        f"{compute_s:.2f} s; no engine finishes in under {memory_s + compute_s:.2f} s "
+        f"({work.num_output_tokens / (memory_s + compute_s):.0f} output tok/s)"
+    )
+    for engine, res in results.items():
+        if "elapsed_s" in res:
+            res["roofline"]["floor_s"] = round(memory_s + compute_s, 3)
+            res["roofline"]["fraction_of_floor_speed"] = round(
+                (memory_s + compute_s) / res["elapsed_s"], 4
+            )
+            print(f"  {engine}: {(memory_s + compute_s) / res['elapsed_s']:.1%} of floor speed")
     if "pagedllm" in results:
         for other in ("hf", "vllm"):
             base = results.get(other, {}).get("output_tok_per_s")

@@ -149,3 +149,16 @@ def test_silu_mul(dtype, inter):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
     else:
         close_or_one_ulp(got, expected)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+def test_silu_mul_extreme_gates(dtype):
+    gate = torch.tensor([[-200.0, -90.0, -88.0, -20.0, 0.0, 20.0, 88.0, 200.0] * 3])
+    x = torch.cat((gate, torch.full_like(gate, 3.0)), dim=-1).to(dtype)
+    expected = torch.nn.functional.silu(x[:, :24]) * x[:, 24:]
+    got = cpu.layer_ops().silu_mul(x)
+    assert not got.isnan().any()
+    torch.testing.assert_close(
+        got, expected, atol=1e-30, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5
+    )

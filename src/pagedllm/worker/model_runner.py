@@ -5,7 +5,9 @@ One step, in the order the ``SchedulerOutput`` contract fixes::
     swap_out -> swap_in -> block copies -> forward -> logits (sampled rows only) -> sample
 
 On CPU the runner switches on the model's fast paths (``optimize_for_cpu``: packed bf16
-weights, fused C++ layer ops); ``optimize=False`` keeps the plain model code.
+weights, fused C++ layer ops) and keeps step-sized buffers in malloc's heap
+(``allocator.keep_step_buffers``); ``optimize=False`` keeps the plain model code and
+malloc's defaults.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.input_batch import build_input_batch
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
@@ -50,8 +53,10 @@ class TorchModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
-        if optimize and self.device.type == "cpu" and hasattr(model, "optimize_for_cpu"):
-            model.optimize_for_cpu()
+        if optimize and self.device.type == "cpu":
+            keep_step_buffers()
+            if hasattr(model, "optimize_for_cpu"):
+                model.optimize_for_cpu()
 
     @classmethod
     def from_budget(
