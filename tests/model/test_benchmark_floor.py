@@ -1,0 +1,40 @@
+"""benchmarks/throughput.py: the workload floor, computed by hand for a tiny config."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_throughput():
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCHMARKS / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workload_floor_by_hand(tmp_path: Path):
+    throughput = load_throughput()
+    config = {
+        "hidden_size": 4,
+        "intermediate_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 10,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    work = throughput.Workload([[1, 2, 3], [4]], [3, 1])
+    floor = throughput.workload_floor(tmp_path, work, dtype_bytes=2)
+    # A layer: qkv 4x(2+2)x2 + o 2x2x4 = 48, MLP 3x4x8 = 96 -> 144; head 4x10 = 40.
+    # Decode steps: the longest request's 3 tokens, the first from the prompt's step -> 2.
+    assert floor.weight_bytes == (144 + 40) * 2 * 2
+    # K and V, 1 layer, 1 kv head of 2 dims, 2 bytes = 8 bytes a token; the first request's
+    # 2nd and 3rd tokens read contexts of 4 and 5 tokens; the second request decodes nothing.
+    assert floor.kv_bytes == 8 * (4 + 5)
+    assert floor.prefill_flops == 2 * 144 * 4
+    memory_s, compute_s = floor.seconds(bandwidth=8.0, ceiling=1152.0)
+    assert (memory_s, compute_s) == ((736 + 72) / 8.0, 1.0)
