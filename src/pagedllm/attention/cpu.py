@@ -35,8 +35,11 @@ from pagedllm.attention.reference import causal_mask, gather_context
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_ops.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp")
 )
+# Included by the sources: part of the build's hash, not compiled on their own.
+HEADERS = (Path(__file__).parent / "csrc" / "amx.h",)
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
 # Query rows per kernel task: each task reads its context once for rows x group query vectors
@@ -296,7 +299,7 @@ def build_extension(directory: Path | None = None) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
         "-w",
     ]
-    parts = [src.read_bytes() for src in SOURCES]
+    parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
     parts += [" ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = directory or cache_dir()

@@ -1,0 +1,181 @@
+// bf16 linear layers for decode-sized batches on the tile matrix unit (AMX).
+//
+// A decode step multiplies a few rows (one per running sequence) by every weight of the
+// model, so it is bound by how fast the weights stream from memory, not by arithmetic.
+// oneDNN's blocked layout streamed them at 6-9 GB/s here; this kernel lays each weight out
+// as the tiles the unit consumes, in the order it consumes them, so every thread reads one
+// contiguous range front to back (with software prefetch ahead), and measured 1.3-2x faster
+// for 1-64 rows.
+//
+// Packed layout of w [N, K]: [N / 16][K / 32][16][32] bf16 — for each group of 16 output
+// columns, for each 32-wide slice of K, one B tile whose row p holds, for each column n,
+// the pair (w[n][32s + 2p], w[n][32s + 2p + 1]).
+//
+// out = x @ w.T (+ bias): fp32 sums of bf16 products, rounded once to bf16 (as oneDNN).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "amx.h"
+
+namespace {
+
+constexpr int64_t COLS = 16;   // output columns per B tile
+constexpr int64_t DEPTH = 32;  // K per tile step
+constexpr int64_t ROWS = 16;   // x rows per A/C tile
+// Rows handled per pass over a column group: 4 C tiles (the other tiles hold A and B).
+constexpr int64_t PASS_ROWS = 4 * ROWS;
+// Tile steps (1 KB each) between the one being multiplied and the one being prefetched.
+constexpr int64_t PREFETCH_TILES = 8;
+
+bool shape_ok(int64_t n, int64_t k) { return n > 0 && k > 0 && n % COLS == 0 && k % DEPTH == 0; }
+
+bool available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return pagedllm_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_small_gemm(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_small_gemm: w must be 2-D bf16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(shape_ok(n, k), "pack_small_gemm: rows must be a multiple of 16 and columns of 32");
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty({n / COLS, k / DEPTH, 16, 32}, w.options());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src.data_ptr());
+  uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, n / COLS, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t t = 0; t < k / DEPTH; ++t)
+        for (int64_t p = 0; p < 16; ++p)
+          for (int64_t c = 0; c < COLS; ++c) {
+            const uint16_t* pair = s + (g * COLS + c) * k + t * DEPTH + 2 * p;
+            d[((g * (k / DEPTH) + t) * 16 + p) * COLS + c] = uint32_t(pair[0]) | (uint32_t(pair[1]) << 16);
+          }
+  });
+  return out;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// C tiles 0..TILES-1 = rows [16i, 16i + 16) of x (row stride `lda` elements) times one
+// column group's weights `wg` (k / 32 B tiles); A in tile 4, B in tile 5. c: [TILES][16][16].
+template <int TILES>
+void column_group(const uint16_t* x, int64_t lda, int64_t k, const uint16_t* wg, float* c) {
+  _tile_zero(0);
+  if constexpr (TILES > 1) _tile_zero(1);
+  if constexpr (TILES > 2) _tile_zero(2);
+  if constexpr (TILES > 3) _tile_zero(3);
+  const int64_t steps = k / DEPTH;
+  const int64_t stride = lda * 2;
+  for (int64_t t = 0; t < steps; ++t) {
+    const char* ahead = reinterpret_cast<const char*>(wg + (t + PREFETCH_TILES) * 512);
+    for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T2);
+    _tile_loadd(5, wg + t * 512, 64);
+    const uint16_t* a = x + t * DEPTH;
+    _tile_loadd(4, a, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (TILES > 1) {
+      _tile_loadd(4, a + ROWS * lda, stride);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (TILES > 2) {
+      _tile_loadd(4, a + 2 * ROWS * lda, stride);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (TILES > 3) {
+      _tile_loadd(4, a + 3 * ROWS * lda, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (TILES > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (TILES > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (TILES > 3) _tile_stored(3, c + 768, 64);
+}
+
+void run_column_group(int tiles, const uint16_t* x, int64_t lda, int64_t k, const uint16_t* wg, float* c) {
+  switch (tiles) {
+    case 1: return column_group<1>(x, lda, k, wg, c);
+    case 2: return column_group<2>(x, lda, k, wg, c);
+    case 3: return column_group<3>(x, lda, k, wg, c);
+    default: return column_group<4>(x, lda, k, wg, c);
+  }
+}
+#endif
+
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(available(), "small_gemm needs the AMX tile unit");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "small_gemm: x must be 2-D bf16 with unit column stride");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32,
+              "small_gemm: packed must come from pack_small_gemm");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * COLS;
+  TORCH_CHECK(packed.size(1) * DEPTH == k, "small_gemm: x has ", k, " columns, the weight ", packed.size(1) * DEPTH);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16, "small_gemm: bias must be bf16 [N]");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // Whole 16-row tiles only: pad x with zero rows when m is not a multiple of 16.
+  const int64_t padded_m = (m + ROWS - 1) / ROWS * ROWS;
+  at::Tensor a = x;
+  if (padded_m != m || x.stride(0) < k) {
+    a = at::zeros({padded_m, k}, x.options());
+    a.narrow(0, 0, m).copy_(x);
+  }
+  const uint16_t* xa = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const int64_t lda = a.stride(0);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const c10::BFloat16* b = bias_c.defined() ? bias_c.data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t group_elems = k * COLS;
+  // Each thread takes one contiguous range of column groups: one front-to-back stream.
+  at::parallel_for(0, n / COLS, 1, [&](int64_t g0, int64_t g1) {
+    pagedllm_amx::TileScope tiles;
+    alignas(64) float c[4 * 256];
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* wg = w + g * group_elems;
+      __m512 bias16 = _mm512_setzero_ps();
+      if (b != nullptr) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + g * COLS));
+        bias16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+      for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
+        const int64_t rows = std::min(PASS_ROWS, m - r0);
+        run_column_group(static_cast<int>((rows + ROWS - 1) / ROWS), xa + r0 * lda, lda, k, wg, c);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bias16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r0 + r) * n + g * COLS),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("small_gemm_available() -> bool", &available);
+  m.def("pack_small_gemm(Tensor w) -> Tensor");
+  m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("pack_small_gemm", &pack_small_gemm);
+  m.impl("small_gemm", &small_gemm);
+}

@@ -1,0 +1,75 @@
+"""The small-batch AMX linear kernel (csrc/small_gemm.cpp) against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import cpu
+from pagedllm.model.llama import SMALL_GEMM_MAX_ROWS, Linear, pack_small_weight
+
+ops = cpu.layer_ops()
+needs_tiles = pytest.mark.skipif(
+    ops is None or not ops.small_gemm_available(), reason="no C++ kernels or no AMX tile unit"
+)
+
+
+def bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@needs_tiles
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (768, 512), (512, 1536), (4000, 64)])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 63, 64, 65, 130])
+def test_matches_linear(m, n, k):
+    w, x, bias = bf16(n, k, seed=n), bf16(m, k, seed=m), bf16(n, seed=k)
+    packed = ops.pack_small_gemm(w)
+    for b in (None, bias):
+        got = ops.small_gemm(x, packed, b)
+        exact = x.double() @ w.double().T + (0 if b is None else b.double())
+        # fp32 sums rounded once to bf16: within one bf16 step of the exact result...
+        err = (got.double() - exact).abs()
+        assert bool((err <= exact.abs() * 2**-8 + 1e-3).all())
+        # ...and equal to torch's bf16 linear but for rare ties in the order of the sums.
+        assert (got != F.linear(x, w, b)).float().mean().item() <= 1e-3
+
+
+@needs_tiles
+def test_strided_rows_and_empty_batch():
+    w = bf16(64, 64, seed=1)
+    packed = ops.pack_small_gemm(w)
+    wide = bf16(20, 96, seed=2)
+    x = wide[:, 16:80]  # row stride 96, unit column stride
+    torch.testing.assert_close(ops.small_gemm(x, packed), F.linear(x.contiguous(), w))
+    assert ops.small_gemm(wide[:0, :64], packed).shape == (0, 64)
+
+
+@needs_tiles
+def test_bad_shapes_raise():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_small_gemm(bf16(24, 64, seed=0))
+    packed = ops.pack_small_gemm(bf16(32, 64, seed=0))
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.small_gemm(bf16(2, 96, seed=0), packed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.small_gemm(torch.randn(2, 64), packed)
+
+
+@needs_tiles
+def test_linear_routes_by_row_count():
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    layer.pack(ops)
+    assert layer.small is not None
+    for rows in (1, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 300):
+        x = bf16(rows, 64, seed=rows)
+        with torch.inference_mode():
+            got = layer(x)
+        assert (got != F.linear(x, layer.weight, layer.bias)).float().mean().item() <= 1e-3
+
+
+def test_not_packed_where_it_does_not_apply():
+    assert pack_small_weight(torch.randn(32, 64), ops) is None  # float32
+    assert pack_small_weight(bf16(24, 64, seed=0), ops) is None  # rows not in 16s
+    assert pack_small_weight(bf16(32, 40, seed=0), ops) is None  # columns not in 32s
+    assert pack_small_weight(bf16(32, 64, seed=0), None) is None  # no kernels
