@@ -8,11 +8,12 @@ q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
 (``gate_up_proj``) at load time: fewer, larger matmuls.
 
 ``optimize_for_cpu()`` (the runner calls it) switches on the CPU fast paths, which give
-the plain code's results: bf16 linear weights pre-packed in oneDNN's blocked layout
-(identical outputs, ~1.5x faster at decode batch sizes) and, where the CPU has the tile
-unit, in the tile layout of pagedllm's small-batch kernel (``small_gemm``: up to 64 rows,
-the decode steps, 1.3-2x faster than oneDNN there; outputs equal but for rare one-ulp
-differences from the order of the sums), and fused C++ layer ops from
+the plain code's results: bf16 linear weights pre-packed, where the CPU has the tile unit,
+in the tile layout of pagedllm's small-batch kernel (``small_gemm``, for up to 64 rows: the
+decode steps, which stream every weight from memory; 1.3-2x faster than oneDNN there;
+outputs equal but for rare one-ulp differences in the order of the sums), else in oneDNN's
+blocked layout (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer
+ops from
 ``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
 which round where the torch expressions round.
 """
@@ -72,17 +73,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that uses pre-packed weights once ``pack()`` has made them: the
-    small-batch kernel's layout (up to ``SMALL_GEMM_MAX_ROWS`` rows) and oneDNN's."""
+    """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
+    small-batch kernel's layout (up to ``SMALL_GEMM_MAX_ROWS`` rows; more rows use the
+    plain weight) where the CPU has the tile unit, else oneDNN's."""
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
     ops: Any = None
 
     def pack(self, ops: Any = None) -> None:
-        self.packed = pack_weight(self.weight)
+        # One extra copy at most: with the small-batch layout, larger batches use the plain
+        # weight (F.linear reorders it per call, measured within 5% of the packed copy at
+        # prefill sizes, where the reorder is small next to the work).
         self.small = pack_small_weight(self.weight, ops)
         self.ops = ops if self.small is not None else None
+        self.packed = pack_weight(self.weight) if self.small is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
@@ -318,8 +323,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(ops)
         if self.lm_head is None:
-            self.packed_head = pack_weight(self.embed_tokens.weight)
             self.small_head = pack_small_weight(self.embed_tokens.weight, ops)
+            if self.small_head is None:
+                self.packed_head = pack_weight(self.embed_tokens.weight)
         if self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16):
             self.fused_ops = ops
 
