@@ -19,7 +19,7 @@ from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.model.llama import pack_weight
+from pagedllm.model.llama import pack_small_weight, pack_weight
 from pagedllm.model.loader import load_model
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.sampler import Sampler
@@ -113,7 +113,12 @@ def test_optimize_switches_the_fast_paths_on(checkpoint):
     loaded = load_model(checkpoint, "bfloat16", CpuAttention())
     plain = loaded.model.layers[0].mlp.gate_up_proj
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8, optimize=False)
-    assert plain.packed is None and loaded.model.fused_ops is None
+    assert plain.packed is None and plain.small is None and loaded.model.fused_ops is None
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8)
-    assert loaded.model.fused_ops is not None or not cpu.load_library()
-    assert plain.packed is not None or pack_weight(plain.weight) is None
+    ops = loaded.model.fused_ops
+    assert ops is not None or not cpu.load_library()
+    # One packed copy: the small-batch tiles where the CPU has the tile unit, else oneDNN's.
+    if pack_small_weight(plain.weight, ops) is not None:
+        assert plain.small is not None and plain.packed is None
+    else:
+        assert plain.packed is not None or pack_weight(plain.weight) is None

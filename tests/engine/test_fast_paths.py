@@ -48,6 +48,23 @@ def test_vectorised_input_batch_equals_the_plain_construction(seed: int) -> None
         assert getattr(fast.meta, name) == getattr(plain.meta, name), name
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_vectorised_input_batch_equals_the_plain_construction_in_plain_decode(seed: int) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    batch = [
+        ScheduledSequence(seq.request_id, seq.token_ids[:1], seq.start_position, seq.block_table, 1)
+        for seq in random_batch(rng, block_size)
+    ]
+    fast = build_input_batch(batch, block_size)
+    plain = build_input_batch_reference(batch, block_size)
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(fast, name), getattr(plain, name)), name
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(fast.meta, name), getattr(plain.meta, name)), name
+    assert fast.meta.seq_lens_list == plain.meta.seq_lens_list
+
+
 def test_vectorised_input_batch_refuses_what_the_plain_one_refuses() -> None:
     too_short = [ScheduledSequence("a", (1, 2, 3), 2, (0,))]
     with pytest.raises(ValueError, match="cannot hold"):
@@ -96,6 +113,18 @@ def test_greedy_fast_path_is_taken_only_for_plain_greedy_rows() -> None:
     plain = Sampler()(logits, [sampled(GREEDY, 2)])
     assert plain.sampled_token_ids == ((1, 1),)
     assert plain.logprobs == (None,)
+
+
+def test_fast_path_check_looks_at_every_sequence_sharing_params() -> None:
+    sampler = Sampler()
+    hot = SamplingParams(temperature=1.0)
+    # A mid-prompt chunk needs no sampling, whatever its params; a later row with them does.
+    assert not sampler.uses_fast_path([sampled(hot, 0), sampled(hot, 1)])
+    early = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5])
+    assert not sampler.uses_fast_path([sampled(early, 1, (1, 2, 3)), sampled(early, 1)])
+    assert sampler.uses_fast_path([sampled(early, 1, (1, 2, 3)), sampled(early, 1, (4, 5))])
+    assert sampler.uses_fast_path([sampled(GREEDY, 1), sampled(None, 1), sampled(GREEDY, 2)])
+    assert not sampler.uses_fast_path([sampled(GREEDY, 1), sampled(hot, 1)])
 
 
 def test_fast_argmax_matches_torch_including_ties_and_nan() -> None:

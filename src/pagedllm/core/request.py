@@ -32,7 +32,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED  # a set lookup: asked for every sequence every step
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass(slots=True, eq=False)
@@ -78,9 +81,11 @@ class Request:
 
     def append_output_token_ids(self, token_ids: list[int] | int) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     @property
     def is_finished(self) -> bool:

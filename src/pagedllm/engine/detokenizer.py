@@ -96,10 +96,12 @@ class IncrementalDetokenizer:
             return self.stop_reason
         for token_id in token_ids:
             self._tokens.append(token_id)
-            before = len(self.text)
-            self.text += self._decode_new()
-            if self.stop and self._find_stop(before):
-                return self.stop_reason
+            new_text = self._decode_new()
+            if new_text:  # no new text, no new stop string
+                before = len(self.text)
+                self.text += new_text
+                if self.stop and self._find_stop(before):
+                    return self.stop_reason
         return None
 
     def finish(self) -> str:

@@ -96,14 +96,17 @@ class _Group:
     seq_ids: list[str]
     seqs: dict[int, _Sequence] = field(default_factory=dict)
     error: str | None = None
+    num_finished: int = 0  # sequences with a finish_reason (kept by `finish`)
 
     @property
     def finished(self) -> bool:
-        if self.error is not None:
-            return True
-        return len(self.seqs) == self.params.n and all(
-            s.finish_reason is not None for s in self.seqs.values()
-        )
+        return self.error is not None or self.num_finished == self.params.n
+
+    def finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Give ``seq`` its finish reason (once; a later call is ignored)."""
+        if seq.finish_reason is None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.num_finished += 1
 
 
 class LLMEngine:
@@ -287,7 +290,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        forward = replace(scheduler_output, block_copies=(), swap_out=(), swap_in=())
+        forward = scheduler_output
         if scheduler_output.has_block_moves:
             # The moves run alone first: if they fail, nobody's cache can be trusted
             # and every request of the step fails; if they succeed, a failing forward
@@ -297,7 +300,7 @@ class LLMEngine:
             except Exception as exc:  # one bad step must not take the engine down
                 logger.exception("block moves failed; failing the step's requests")
                 return self._fail(self.scheduler.fail_last_step(), exc)
-            forward = replace(forward, finished_request_ids=frozenset())
+            forward = SchedulerOutput(scheduled=scheduler_output.scheduled)
         failed: list[RequestOutput] = []
         culprits: dict[str, Exception] = {}
         try:
@@ -307,9 +310,12 @@ class LLMEngine:
             result, culprits = self._retry_alone(forward)
             failed = self._fail_culprits(culprits)
         self._counters["steps"] += 1
-        self._counters["computed"] += sum(
-            len(s.token_ids) for s in forward.scheduled if s.request_id not in culprits
-        )
+        num_computed = forward.num_batched_tokens
+        if culprits:
+            num_computed -= sum(
+                len(s.token_ids) for s in forward.scheduled if s.request_id in culprits
+            )
+        self._counters["computed"] += num_computed
         touched: dict[str, _Group] = {}
         for update in self.scheduler.update(forward, result):
             group = self._apply(update)
@@ -378,10 +384,10 @@ class LLMEngine:
         stop = seq.detokenizer.add_tokens(update.new_token_ids)
         if stop is not None:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            seq.finish_reason, seq.stop_reason = "stop", stop
+            group.finish(seq, "stop", stop)
         elif request.is_finished:
             seq.detokenizer.finish()
-            seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
+            group.finish(seq, request.status.value, request.stop_reason)
         return group
 
     def _new_sequence(self, group: _Group, index: int, request: Request) -> _Sequence:
@@ -498,8 +504,7 @@ class LLMEngine:
             self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ERROR)
             group.error = _describe(exc)
             for seq in group.seqs.values():
-                if seq.finish_reason is None:
-                    seq.finish_reason = "error"
+                group.finish(seq, "error")
             outputs.append(self._output_and_maybe_forget(group))
         return outputs
 

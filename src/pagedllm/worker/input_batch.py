@@ -57,48 +57,68 @@ def build_input_batch(
         raise ValueError("build_input_batch needs at least one scheduled sequence")
     num_seqs = len(scheduled)
     query_lens = [len(seq.token_ids) for seq in scheduled]
-    seq_lens = [seq.start_position + n for seq, n in zip(scheduled, query_lens, strict=True)]
-    for seq, n, seq_len in zip(scheduled, query_lens, seq_lens, strict=True):
-        _check_sequence(seq, n, seq_len, block_size)
-    num_tokens = sum(query_lens)
     q = np.array(query_lens, dtype=np.int64)
-    starts = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q, out=starts[1:])
     first_position = np.array([seq.start_position for seq in scheduled], dtype=np.int64)
+    seq_lens = first_position + q
+    block_tables, table_lens = _padded_block_tables_np(scheduled)
+    if q.min() == 0 or first_position.min() < 0 or (table_lens * block_size < seq_lens).any():
+        for seq, n, seq_len in zip(scheduled, query_lens, seq_lens.tolist(), strict=True):
+            _check_sequence(seq, n, seq_len, block_size)  # raises, naming the request
+    if num_blocks is not None and int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block id {int(block_tables.max())} >= num_blocks {num_blocks}")
+    num_tokens = sum(query_lens)
     input_ids = np.fromiter(
         chain.from_iterable(seq.token_ids for seq in scheduled), dtype=np.int64, count=num_tokens
     )
-    # Row r of sequence i holds position first_position[i] + (r - starts[i]).
-    seq_index = np.repeat(np.arange(num_seqs), q)
-    positions = np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
-    block_tables = _padded_block_tables_np(scheduled)
-    if num_blocks is not None and int(block_tables.max()) >= num_blocks:
-        raise ValueError(f"block id {int(block_tables.max())} >= num_blocks {num_blocks}")
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    if num_tokens == num_seqs:  # plain decode: one token per sequence
+        starts[1:] = np.arange(1, num_seqs + 1)
+        seq_index = np.arange(num_seqs)
+        positions = first_position
+    else:
+        np.cumsum(q, out=starts[1:])
+        # Row r of sequence i holds position first_position[i] + (r - starts[i]).
+        seq_index = np.repeat(np.arange(num_seqs), q)
+        positions = (
+            np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
+        )
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size
-    sampled = np.array([seq.num_samples > 0 for seq in scheduled], dtype=bool)
+    sampled = np.fromiter((seq.num_samples > 0 for seq in scheduled), dtype=bool, count=num_seqs)
     logits_rows = starts[1:][sampled] - 1
+    device = torch.device(device)
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(block_tables).to(device),
+        slot_mapping=_tensor(slot_mapping, device),
+        query_start_loc=_tensor(starts.astype(np.int32), device),
+        seq_lens=_tensor(seq_lens.astype(np.int32), device),
+        block_tables=_tensor(block_tables, device),
         query_lens_list=query_lens,
-        seq_lens_list=seq_lens,
+        seq_lens_list=seq_lens.tolist(),
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+        max_seq_len=int(seq_lens.max()),
     )
     return InputBatch(
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=_tensor(input_ids, device),
+        positions=_tensor(positions, device),
         meta=meta,
-        logits_indices=torch.from_numpy(logits_rows).to(device),
+        logits_indices=_tensor(logits_rows, device),
     )
 
 
-def _padded_block_tables_np(scheduled: Sequence[ScheduledSequence]) -> np.ndarray:
-    """[num_seqs, max_blocks] int32, padded with 0, filled with one masked assignment."""
-    lengths = np.array([len(seq.block_table) for seq in scheduled], dtype=np.int64)
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The array as a tensor on ``device`` (shares its memory on the CPU)."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def _padded_block_tables_np(
+    scheduled: Sequence[ScheduledSequence],
+) -> tuple[np.ndarray, np.ndarray]:
+    """[num_seqs, max_blocks] int32, padded with 0, filled with one masked assignment;
+    and each table's length."""
+    lengths = np.fromiter(
+        (len(seq.block_table) for seq in scheduled), dtype=np.int64, count=len(scheduled)
+    )
     tables = np.zeros((len(scheduled), int(lengths.max())), dtype=np.int32)
     flat = np.fromiter(
         chain.from_iterable(seq.block_table for seq in scheduled),
@@ -107,7 +127,7 @@ def _padded_block_tables_np(scheduled: Sequence[ScheduledSequence]) -> np.ndarra
     )
     # Row-major order of the mask's True cells is the order of the chained tables.
     tables[np.arange(tables.shape[1])[None, :] < lengths[:, None]] = flat
-    return tables
+    return tables, lengths
 
 
 def build_input_batch_reference(

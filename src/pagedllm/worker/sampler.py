@@ -98,6 +98,9 @@ class Sampler:
     ) -> ModelRunnerOutput:
         """One argmax per logits row; a row with n samples gives n copies of its token."""
         best = _argmax_rows(logits) if logits.shape[0] else []
+        if len(best) == len(scheduled) and all(seq.num_samples == 1 for seq in scheduled):
+            # Plain decode: one token per sequence.
+            return ModelRunnerOutput(tuple((t,) for t in best), (None,) * len(best))
         tokens: list[int] = []
         row = 0
         for seq in scheduled:
