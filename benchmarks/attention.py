@@ -1,7 +1,8 @@
 """Paged attention vs the same attention on contiguous tensors of the same lengths.
 
-Decode (one query token per sequence) and prefill after a cached prefix, for several batch
-sizes and context lengths, on model (a)'s attention shape (8 heads, 2 KV heads, head_dim 64).
+Decode (one query token per sequence), prefill after a cached prefix and whole-prompt prefill,
+for several batch sizes and context lengths, on model (a)'s attention shape (8 heads, 2 KV
+heads, head_dim 64).
 "paged" is a pagedllm backend reading K/V through shuffled block tables (the step's K/V
 write included); "contiguous" is what an engine without paging would run: write the new K/V
 into per-sequence contiguous tensors, then ``scaled_dot_product_attention`` on them.
@@ -85,7 +86,8 @@ def contiguous_fn(batch: int, context: int, query_len: int, dtype: torch.dtype):
     key = torch.randn(batch * query_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     value = torch.randn(batch * query_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     mask = None
-    if query_len > 1:
+    whole_prompt = query_len == context > 1  # causal without a mask, as an engine would run it
+    if query_len > 1 and not whole_prompt:
         q_pos = torch.arange(context - query_len, context)
         mask = torch.arange(context)[None, :] <= q_pos[:, None]
 
@@ -96,7 +98,7 @@ def contiguous_fn(batch: int, context: int, query_len: int, dtype: torch.dtype):
         v[:, :, context - query_len :] = new_v
         q = query.view(batch, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True
+            q, k, v, attn_mask=mask, is_causal=whole_prompt, scale=HEAD_DIM**-0.5, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(batch * query_len, NUM_HEADS, HEAD_DIM)
 
@@ -128,7 +130,9 @@ def cases(quick: bool) -> list[tuple[str, int, int, int]]:
         for b in (1, 4)
         for c, q in ((512, 128), (1024, 512), (2048, 256))
     ]
-    return decode + prefill
+    # Whole prompts (no cached prefix): the step's own K/V only.
+    prompt = [("prefill", 1, 1024, 1024), ("prefill", 1, 2048, 2048), ("prefill", 4, 512, 512)]
+    return decode + prefill + prompt
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.attention import AttentionMetadata, ReferenceAttention
+from pagedllm.attention import AttentionMetadata, ReferenceAttention, cpu
 from pagedllm.attention.cpu import CpuAttention, load_extension
 from pagedllm.attention.select import get_backend
 
@@ -179,6 +179,76 @@ def test_long_context_decode_bf16(make_backend):
     shapes = [(1, 1000), (1, 777), (3, 513), (40, 1100), (300, 300)]
     step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=7)
     check_against_reference(make_backend(), step)
+
+
+# Forces each route of a long chunk after a cached prefix: (kernel context limit, least work
+# for the two-call SDPA). (0, 0): two SDPA calls merged by log-sum-exp for every chunk;
+# (0, huge): one masked SDPA call; (huge, 0): the kernel wherever it has the tile unit.
+PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+@pytest.mark.parametrize("route", PREFIX_ROUTES, ids=["split-sdpa", "masked-sdpa", "kernel"])
+def test_prefix_routes(make_backend, dtype, block_size, route, monkeypatch):
+    monkeypatch.setattr(cpu, "LONG_QUERY_MAX_SEQ_LEN", route[0])
+    monkeypatch.setattr(cpu, "SPLIT_MIN_WORK", route[1])
+    # Prefixes ending mid-block and on a block edge, one-token prefixes, whole prompts and
+    # decodes in the same step; tables padded past the last block.
+    shapes = [(17, 50), (30, 31), (33, 65), (48, 48), (1, 40), (20, 36)]
+    step = make_step(shapes, block_size=block_size, dtype=dtype, seed=30 + block_size)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_long_context_after_cached_prefix_bf16(make_backend, block_size):
+    # The benchmark's shapes, shortened: contexts on both sides of the kernel's limit and
+    # chunks on both sides of the two-call SDPA's threshold.
+    shapes = [(64, 2100), (200, 1500), (17, 2049), (1, 2100), (130, 1030)]
+    step = make_step(shapes, block_size=block_size, dtype=torch.bfloat16, seed=8)
+    check_against_reference(make_backend(), step)
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_merge_attention_matches_torch(dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    o1, o2 = (torch.randn(37, 6, head_dim, generator=gen).to(dtype) for _ in range(2))
+    # Log-sum-exps far apart too: the weights must saturate to 0 and 1 without NaNs.
+    lse1 = torch.randn(37, 6, generator=gen) * 3
+    lse2 = torch.randn(37, 6, generator=gen) * 3
+    lse1[0], lse2[1] = 200.0, 200.0
+    expected = torch.empty(37, 6, head_dim, dtype=dtype)
+    cpu._merge_torch(expected, o1, lse1, o2, lse2)
+    got = torch.full_like(expected, float("nan"))
+    torch.ops.pagedllm.merge_attention(got, o1, lse1, o2, lse2)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@pytest.mark.parametrize("rows_per_task", [None, 1, 5, 64])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(8, 2), (8, 1), (16, 1), (2, 2)], ids=["g4", "g8", "g16", "g1"]
+)
+def test_kernel_row_tiles(rows_per_task, num_heads, num_kv_heads):
+    # Tasks of one or many row tiles (the tile-unit path shares V across them), ranges that
+    # end mid-tile, every GQA group size the tile unit takes.
+    backend = CpuAttention(
+        use_extension=True, rows_per_task=rows_per_task, max_kernel_query_len=10**9
+    )
+    shapes = [(37, 90), (64, 64), (5, 200), (1, 33)]
+    step = make_step(
+        shapes,
+        block_size=16,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=torch.bfloat16,
+        seed=rows_per_task or 0,
+    )
+    check_against_reference(backend, step)
 
 
 @pytest.mark.parametrize("make_backend", backends())

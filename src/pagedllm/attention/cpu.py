@@ -7,10 +7,12 @@ kernel is compiled with the system C++ compiler on first use and cached under
 ``$PAGEDLLM_CACHE/extensions`` (default ``~/.cache/pagedllm``); if the build fails the
 backend falls back to a pure-torch path with the same results.
 
-Long query chunks (prefill) go to ``scaled_dot_product_attention``, whose CPU flash kernel
-uses the bf16 matrix units: a whole prompt attends to its own fresh K/V directly; a chunk
-after a cached prefix reads its context through the block table first (one copy, small next
-to the attention work it feeds).
+Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
+64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens; otherwise to
+``scaled_dot_product_attention``, whose CPU flash kernel uses the bf16 matrix units: a whole
+prompt attends to its own fresh K/V directly; a chunk after a cached prefix attends to the
+prefix (read through the block table: one ``index_select`` copy) and to its own fresh K/V
+causally in two mask-free calls, merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata, write_kv
-from pagedllm.attention.reference import causal_mask, gather_context
+from pagedllm.attention.reference import causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +44,18 @@ SOURCES = tuple(
 HEADERS = (Path(__file__).parent / "csrc" / "amx.h",)
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
-# Query rows per kernel task: each task reads its context once for rows x group query vectors
-# (with the tile unit: as many rows as fill 16 query vectors).
+# Query rows per kernel task: each task reads its context once for rows x group query vectors.
 ROWS_PER_TASK = 4
+# With the tile unit a task takes this many tiles of rows (16 query vectors each): the V rows
+# it re-lays out for the tile unit serve them all.
+ROW_TILES_PER_TASK = 4
 # With the tile unit (bf16, head_dim 64), longer queries go to the kernel too while their
 # context is at most this long: it beats SDPA there (measured by benchmarks/attention.py).
-LONG_QUERY_MAX_SEQ_LEN = 1024
+LONG_QUERY_MAX_SEQ_LEN = 2048
+# A chunk after a cached prefix goes to SDPA as two calls (prefix, chunk) merged by their
+# log-sum-exp once it has at least this many (query, key) pairs; below, the second call and
+# the merge cost more than the masked work they save (benchmarks/attention.py shapes).
+SPLIT_MIN_WORK = 1 << 17
 
 
 class CpuAttention:
@@ -77,6 +85,7 @@ class CpuAttention:
         if rows_per_task is not None and rows_per_task < 1:
             raise ValueError("rows_per_task must be >= 1")
         self._op = None if use_extension is False else load_extension()
+        self._merge = torch.ops.pagedllm.merge_attention if self._op is not None else None
         if use_extension is True and self._op is None:
             raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
         self.max_kernel_query_len = max_kernel_query_len
@@ -106,7 +115,8 @@ class CpuAttention:
             group = q.shape[1] // k_cache.shape[2]
             tiles = self.amx and self.bf16_dot and q.dtype == torch.bfloat16 and q.shape[2] == 64
             long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
-            rows = self.rows_per_task or (max(1, 16 // group) if tiles else ROWS_PER_TASK)
+            tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
+            rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
             short = [
                 n <= self.max_kernel_query_len or s <= long_max
                 for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
@@ -134,7 +144,7 @@ class CpuAttention:
                 _decode_torch(out, q, k_cache, v_cache, meta, scale, decode)
             rest = [i for i, n in enumerate(meta.query_lens_list) if n > 1]
         if rest:
-            _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest)
+            _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest, self._merge)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -202,27 +212,87 @@ def _prefill_sdpa(
     meta: AttentionMetadata,
     scale: float,
     seqs: list[int],
+    merge: Callable[..., None] | None = None,
 ) -> None:
-    """Multi-token queries, one SDPA call per sequence."""
+    """Multi-token queries, one sequence at a time.
+
+    The chunk's own K/V are this step's ``key``/``value`` (already contiguous); only a cached
+    prefix is read through the block table.
+    """
     starts = _query_starts(meta)
     for i in seqs:
         start, query_len, seq_len = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
-        qi = q[start : start + query_len].transpose(0, 1).unsqueeze(0)
+        rows = slice(start, start + query_len)
+        qi = q[rows].transpose(0, 1).unsqueeze(0)
+        k_new = key[rows].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)
+        v_new = value[rows].to(v_cache.dtype).transpose(0, 1).unsqueeze(0)
         if query_len == seq_len:
-            # A whole prompt: its context is exactly this step's K/V, already contiguous.
-            k = key[start : start + query_len].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)
-            v = value[start : start + query_len].to(v_cache.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                qi, k, v, is_causal=True, scale=scale, enable_gqa=True
+                qi, k_new, v_new, is_causal=True, scale=scale, enable_gqa=True
             )
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        elif _FLASH_WITH_LSE is not None and query_len * seq_len >= SPLIT_MIN_WORK:
+            prefix = (k_cache, v_cache, meta.block_tables[i], seq_len - query_len)
+            _attend_after_prefix(out[rows], qi, k_new, v_new, prefix, scale, merge)
         else:
-            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
-            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
+            k = _gather(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
+            v = _gather(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
             mask = causal_mask(query_len, seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
-        out[start : start + query_len] = o.squeeze(0).transpose(0, 1)
+            out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+# SDPA's CPU flash kernel, returning the log-sum-exp of each query row's scores as well.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_after_prefix(
+    out_rows: torch.Tensor,
+    qi: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    scale: float,
+    merge: Callable[..., None] | None,
+) -> None:
+    """A chunk after a cached prefix as two mask-free attentions merged by log-sum-exp.
+
+    Every query row sees the whole prefix (no mask) and the chunk causally (a square causal
+    mask, which the flash kernel applies by skipping blocks instead of reading a mask):
+    less work than one masked call over the whole context, and no mask to build.
+    """
+    k_cache, v_cache, table, prefix_len = prefix
+    k = _gather(k_cache, table, prefix_len).transpose(0, 1)[None]
+    v = _gather(v_cache, table, prefix_len).transpose(0, 1)[None]
+    o_prefix, lse_prefix = _FLASH_WITH_LSE(qi, k, v, scale=scale)
+    o_chunk, lse_chunk = _FLASH_WITH_LSE(qi, k_new, v_new, is_causal=True, scale=scale)
+    # [1, H, T, D] -> [T, H, D] and [1, H, T] -> [T, H] (views).
+    parts = (o_prefix[0].transpose(0, 1), lse_prefix[0].transpose(0, 1))
+    parts += (o_chunk[0].transpose(0, 1), lse_chunk[0].transpose(0, 1))
+    (merge or _merge_torch)(out_rows, *parts)
+
+
+def _merge_torch(
+    out: torch.Tensor,
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+) -> None:
+    """Softmax over the union of two key sets: o2 + (o1 - o2) / (1 + e^(lse2 - lse1))."""
+    w = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
+    base = o2.float()
+    out.copy_(base + (o1.float() - base) * w)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions 0..length-1 of one sequence, [length, num_kv_heads, head_dim]: one copy
+    (``index_select`` is several times faster than advanced indexing here)."""
+    num_blocks = -(-length // cache.shape[1])
+    blocks = torch.index_select(cache, 0, block_table[:num_blocks].long())
+    return blocks.view(-1, cache.shape[2], cache.shape[3])[:length]
 
 
 def cache_dir() -> Path:

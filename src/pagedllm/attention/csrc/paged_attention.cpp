@@ -1,8 +1,9 @@
 // Paged attention for CPU: reads K/V straight through the block tables, no contiguous copy.
 //
-// One task = (sequence, kv head, a tile of query rows). The query vectors of a task are every
-// query head of the kv head's group for every row of the tile, so each cached K/V row is read
-// from memory once per task and used by all of them (GQA). Two passes over the context:
+// One task = (sequence, kv head, a range of query rows). The query vectors of a task are every
+// query head of the kv head's group for every row of the range, so each cached K/V row is read
+// from memory once per task and used by all of them (GQA); the tile-unit path walks the range
+// in tiles of 16 query vectors that share the task's re-laid-out V. Two passes over the context:
 // scores (Q.K), softmax in fp32, then the weighted sum of V. Tasks are handed out dynamically
 // (longest first) to torch's intra-op threads.
 //
@@ -22,14 +23,14 @@
 #include <limits>
 #include <optional>
 #include <cstring>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "amx.h"
 
 namespace {
 
@@ -119,8 +120,37 @@ inline void prefetch_block(const Args<T>& a, const T* cache, const int32_t* tabl
                          std::min(a.block_size, kmax - b0));
 }
 
-// softmax over row[0:n] in place, zeros in row[n:width].
-inline void softmax_row(float* row, int64_t n, int64_t width) {
+// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+  }
+  for (int g = 0; g < 4; ++g) {
+    __m512* tt = t + 4 * g;
+    __m512* uu = u + 4 * g;
+    uu[0] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[1] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(3, 2, 3, 2));
+    uu[2] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[3] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+    r[4 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+    r[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+    r[12 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
+
+// row[0:n] = exp(row - max) in place, zeros in row[n:width]; returns 1 / sum of the row.
+inline float softmax_exp_row(float* row, int64_t n, int64_t width) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
@@ -141,14 +171,19 @@ inline void softmax_row(float* row, int64_t n, int64_t width) {
     _mm512_mask_storeu_ps(row + t, m, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-  t = 0;
+  for (int64_t z = n; z < width; ++z) row[z] = 0.0f;
+  return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+// softmax over row[0:n] in place, zeros in row[n:width].
+inline void softmax_row(float* row, int64_t n, int64_t width) {
+  const __m512 inv = _mm512_set1_ps(softmax_exp_row(row, n, width));
+  int64_t t = 0;
   for (; t + 16 <= n; t += 16) _mm512_storeu_ps(row + t, _mm512_mul_ps(_mm512_loadu_ps(row + t), inv));
   if (t < n) {
     __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1u);
     _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), inv));
   }
-  for (int64_t z = n; z < width; ++z) row[z] = 0.0f;
 }
 
 // NC = head_dim / 16. The context is walked block by block through the block table.
@@ -254,56 +289,21 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 // Keys ahead of the current group whose K/V rows are prefetched.
 constexpr int64_t AMX_AHEAD = 64;
 
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the tile state only on request, once per process.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-    constexpr long XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// Tiles are per-thread state shared with oneDNN/ATen kernels, which may cache the
-// configuration they last set: save it before ours and put it back after.
-class TileScope {
- public:
-  TileScope() {
-    _tile_storeconfig(&saved_);
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() {
-    if (saved_.palette_id != 0) {
-      _tile_loadconfig(&saved_);
-    } else {
-      _tile_release();
-    }
-  }
-
- private:
-  TileConfig saved_{};
-};
+using pagedllm_amx::TileScope;
+inline bool amx_permitted() { return pagedllm_amx::permitted(); }
 
 // Scores for one task with head_dim 64 and M <= 16 query vectors:
 // sc[m * kmax + t] = scale * q_m . k_t for t < kmax.
+// row_max[m]: the largest score query vector m may see (keys up to its row's position).
 inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const int64_t* off, int64_t kmax,
-                         int64_t M, float* sc, uint16_t* scratch_rows, float* scratch_c, uint32_t* qt) {
+                         int64_t M, float* sc, float* row_max, uint16_t* scratch_rows, float* scratch_c,
+                         uint32_t* qt) {
   const int64_t s = task.seq;
   const int64_t q0 = a.query_start_loc[s];
+  // Keys visible to the task's first row.
+  const int64_t visible0 = a.seq_lens[s] - (a.query_start_loc[s + 1] - q0) + task.row_begin + 1;
+  __m512 vmax[16];
+  for (int m = 0; m < 16; ++m) vmax[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t head0 = task.kv_head * a.group;
   // B tiles: qt[c][p][n] = (q_n[32c + 2p], q_n[32c + 2p + 1]) for chunk c of 32 dims.
   std::fill(qt, qt + 2 * 16 * 16, 0u);
@@ -336,11 +336,20 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
     stride = 128;
     return scratch;
   };
+  // C holds [key][query vector]; transposed in registers into sc's [query vector][key].
+  const __m512 vscale = _mm512_set1_ps(a.scale);
   auto extract = [&](int64_t t0, const float* c) {
     const int64_t n = std::min<int64_t>(16, kmax - t0);
+    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : ((1u << n) - 1u));
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c + i * 16);
+    transpose16(r);
     for (int64_t m = 0; m < M; ++m) {
-      float* dst = sc + m * kmax + t0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = c[i * 16 + m] * a.scale;
+      const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(r[m]), vscale);
+      _mm512_mask_storeu_ps(sc + m * kmax + t0, valid, v);
+      const int64_t seen = std::clamp<int64_t>(visible0 + m / a.group - t0, 0, 16);
+      const __mmask16 mine = static_cast<__mmask16>(seen == 16 ? 0xFFFF : ((1u << seen) - 1u));
+      vmax[m] = _mm512_mask_max_ps(vmax[m], valid & mine, vmax[m], v);
     }
   };
   for (int64_t t0 = 0; t0 < kmax; t0 += 32) {
@@ -369,44 +378,55 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
     extract(t0, scratch_c);
     if (second) extract(t0 + 16, scratch_c + 256);
   }
+  for (int64_t m = 0; m < M; ++m) row_max[m] = _mm512_reduce_max_ps(vmax[m]);
+}
+
+// V rows of keys t0..t0+31 pair-interleaved into the 4 B tiles (16 x 16 pairs each, 4 KiB)
+// of the weighted sum: tile j, row p pairs keys t0 + 2p and t0 + 2p + 1. unpacklo/hi
+// interleave within 128-bit lanes, so tile column i of tile j holds dim
+// 32 * (j / 2) + (i / 4) * 8 + 4 * (j % 2) + i % 4. Keys past kmax repeat the last row (any
+// finite row: their probability is 0).
+inline void interleave_v64(const Args<c10::BFloat16>& a, const int64_t* off, int64_t t0, int64_t kmax,
+                           uint32_t* b) {
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
+  for (int64_t i = t0 + AMX_AHEAD; i < std::min(kmax, t0 + AMX_AHEAD + 32); ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]), _MM_HINT_T0),
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]) + 64, _MM_HINT_T0);
+  for (int64_t p = 0; p < 16; ++p) {
+    const uint16_t* x = vc + off[std::min(t0 + 2 * p, kmax - 1)];
+    const uint16_t* y = vc + off[std::min(t0 + 2 * p + 1, kmax - 1)];
+    const __m512i x0 = _mm512_loadu_si512(x), y0 = _mm512_loadu_si512(y);
+    const __m512i x1 = _mm512_loadu_si512(x + 32), y1 = _mm512_loadu_si512(y + 32);
+    _mm512_storeu_si512(b + (0 * 16 + p) * 16, _mm512_unpacklo_epi16(x0, y0));
+    _mm512_storeu_si512(b + (1 * 16 + p) * 16, _mm512_unpackhi_epi16(x0, y0));
+    _mm512_storeu_si512(b + (2 * 16 + p) * 16, _mm512_unpacklo_epi16(x1, y1));
+    _mm512_storeu_si512(b + (3 * 16 + p) * 16, _mm512_unpackhi_epi16(x1, y1));
+  }
 }
 
 // out[m][:] = sum_t p[m][t] v_t for head_dim 64, M <= 16. probs: [16][width] bf16, zero
 // beyond M rows and kmax columns, width a multiple of 32. 32 keys per step: A = 16 x 32
-// probabilities, B = V rows interleaved in key pairs (4 tiles of 16 dims), C = 4 tiles.
-// unpacklo/hi interleave within 128-bit lanes, so tile column i of B_j holds dim
-// 32 * (j / 2) + (i / 4) * 8 + 4 * (j % 2) + i % 4.
-inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off, int64_t kmax, int64_t M,
-                               const uint16_t* probs, int64_t width, uint32_t* btiles, float* ctile, float* acc) {
-  const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
+// probabilities, B = 4 tiles of interleave_v64's layout, C = 4 tiles. `shared` holds the
+// interleaved V of every step (built once for several row tiles); without it each step's
+// tiles are built in `scratch` as they are needed (one row tile: no second use to pay for).
+inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off, const uint32_t* shared,
+                               uint32_t* scratch, int64_t kmax, int64_t M, const uint16_t* probs, int64_t width,
+                               float* ctile, float* acc) {
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t t0 = 0; t0 < kmax; t0 += 32) {
-    for (int64_t i = t0 + AMX_AHEAD; i < std::min(kmax, t0 + AMX_AHEAD + 32); ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]), _MM_HINT_T0),
-          _mm_prefetch(reinterpret_cast<const char*>(vc + off[i]) + 64, _MM_HINT_T0);
-    for (int64_t p = 0; p < 16; ++p) {
-      const int64_t t = std::min(t0 + 2 * p, kmax - 1);      // rows past kmax: any valid row,
-      const int64_t u = std::min(t0 + 2 * p + 1, kmax - 1);  // their probability is 0
-      const uint16_t* x = vc + off[t];
-      const uint16_t* y = vc + off[u];
-      const __m512i x0 = _mm512_loadu_si512(x), y0 = _mm512_loadu_si512(y);
-      const __m512i x1 = _mm512_loadu_si512(x + 32), y1 = _mm512_loadu_si512(y + 32);
-      _mm512_store_si512(btiles + (0 * 16 + p) * 16, _mm512_unpacklo_epi16(x0, y0));
-      _mm512_store_si512(btiles + (1 * 16 + p) * 16, _mm512_unpackhi_epi16(x0, y0));
-      _mm512_store_si512(btiles + (2 * 16 + p) * 16, _mm512_unpacklo_epi16(x1, y1));
-      _mm512_store_si512(btiles + (3 * 16 + p) * 16, _mm512_unpackhi_epi16(x1, y1));
-    }
+    const uint32_t* b = shared ? shared + (t0 / 32) * 4 * 256 : scratch;
+    if (!shared) interleave_v64(a, off, t0, kmax, scratch);
     _tile_loadd(0, probs + t0, width * 2);
-    _tile_loadd(1, btiles + 0 * 256, 64);
+    _tile_loadd(1, b + 0 * 256, 64);
     _tile_dpbf16ps(4, 0, 1);
-    _tile_loadd(1, btiles + 1 * 256, 64);
+    _tile_loadd(1, b + 1 * 256, 64);
     _tile_dpbf16ps(5, 0, 1);
-    _tile_loadd(1, btiles + 2 * 256, 64);
+    _tile_loadd(1, b + 2 * 256, 64);
     _tile_dpbf16ps(6, 0, 1);
-    _tile_loadd(1, btiles + 3 * 256, 64);
+    _tile_loadd(1, b + 3 * 256, 64);
     _tile_dpbf16ps(7, 0, 1);
   }
   _tile_stored(4, ctile + 0 * 256, 64);
@@ -421,35 +441,6 @@ inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off,
 #endif
 
 #if defined(__AVX512BF16__)
-// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
-inline void transpose16(__m512i* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
-    t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
-  }
-  for (int g = 0; g < 4; ++g) {
-    __m512* tt = t + 4 * g;
-    __m512* uu = u + 4 * g;
-    uu[0] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(1, 0, 1, 0));
-    uu[1] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(3, 2, 3, 2));
-    uu[2] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(1, 0, 1, 0));
-    uu[3] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
-    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
-    r[4 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
-    r[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
-    r[12 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
-  }
-}
-
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 struct Bf16Buffers {
@@ -457,6 +448,7 @@ struct Bf16Buffers {
   std::vector<float> scores;
   std::vector<uint16_t> probs;  // softmax as bf16, rows padded to an even length
   std::vector<float> acc;
+  std::vector<uint32_t> vtiles;  // a task's V in the tile layout (interleave_v64)
   bool use_amx = false;  // set per thread when the tile unit is configured
   alignas(64) uint16_t amx_rows[2 * 16 * 64];
   alignas(64) float amx_c[2 * 16 * 16];
@@ -464,6 +456,89 @@ struct Bf16Buffers {
   alignas(64) uint32_t amx_b[4 * 16 * 16];
   alignas(64) float amx_out[4 * 16 * 16];
 };
+
+// Element offset of each of the first kmax context rows of one kv head (same for K and V).
+template <typename T>
+const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmax,
+                           std::vector<int64_t>& offsets) {
+  offsets.resize(kmax);
+  for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
+    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
+    const int64_t n = std::min(a.block_size, kmax - b0);
+    for (int64_t o = 0; o < n; ++o) offsets[b0 + o] = base + o * a.cache_stride_token;
+  }
+  return offsets.data();
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// dst[t] = bf16(exp(row[t] - mx)) for the n keys a row sees, 0 for the rest of [0, kmax);
+// returns 1 / the fp32 sum of the exponentials.
+inline float exp_row_bf16(const float* row, int64_t n, int64_t kmax, float mx, uint16_t* dst) {
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < kmax; t += 16) {
+    const int64_t seen = std::clamp<int64_t>(n - t, 0, 16);
+    const __mmask16 mine = static_cast<__mmask16>(seen == 16 ? 0xFFFF : ((1u << seen) - 1u));
+    const int64_t left = std::min<int64_t>(16, kmax - t);
+    const __mmask16 valid = static_cast<__mmask16>(left == 16 ? 0xFFFF : ((1u << left) - 1u));
+    __m512 e = _mm512_setzero_ps();
+    if (mine) e = _mm512_maskz_mov_ps(mine, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mine, row + t), vmx)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_mask_storeu_epi16(dst + t, valid, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+// Tile-unit path (bf16, head_dim 64, group <= 16). The task's query rows are taken in tiles
+// of 16 / group rows (16 query vectors: one tile's height). With several row tiles, V is
+// interleaved into the tile layout once per task and shared by all of them instead of once
+// per row tile; the K rows the tiles share stay hot in L2.
+void attend_amx64(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& buf) {
+  constexpr int D = 64;
+  const int64_t s = task.seq;
+  const int64_t q0 = a.query_start_loc[s];
+  const int64_t first_pos = a.seq_lens[s] - (a.query_start_loc[s + 1] - q0);
+  const int64_t head0 = task.kv_head * a.group;
+  const int64_t* off = row_offsets(a, a.block_tables + s * a.bt_stride, task.kv_head * D,
+                                   first_pos + task.row_end, buf.offsets);
+  const int64_t tile_rows = 16 / a.group;
+  const int64_t kmax_task = first_pos + task.row_end;
+  const bool share_v = task.row_end - task.row_begin > tile_rows;
+  if (share_v) {
+    buf.vtiles.resize(((kmax_task + 31) / 32) * 4 * 256);
+    for (int64_t t0 = 0; t0 < kmax_task; t0 += 32)
+      interleave_v64(a, off, t0, kmax_task, buf.vtiles.data() + (t0 / 32) * 4 * 256);
+  }
+  buf.acc.resize(16 * D);
+  for (int64_t r0 = task.row_begin; r0 < task.row_end; r0 += tile_rows) {
+    const Task tile{s, task.kv_head, r0, std::min(task.row_end, r0 + tile_rows), 0};
+    const int64_t M = (tile.row_end - r0) * a.group;
+    const int64_t kmax = first_pos + tile.row_end;
+    buf.scores.resize(M * kmax);
+    float* sc = buf.scores.data();
+    alignas(64) float row_max[16], inv_sum[16];
+    scores_amx64(a, tile, off, kmax, M, sc, row_max, buf.amx_rows, buf.amx_c, buf.amx_qt);
+    // Softmax numerators exp(s - max) go to the tile unit as bf16 (rows M..15 and keys a row
+    // may not see: 0); the fp32 sum divides the output at the end, as SDPA's flash kernel
+    // does. One pass over the scores: the maxima came with them.
+    const int64_t width = (kmax + 31) & ~int64_t{31};
+    buf.probs.resize(16 * width);
+    for (int64_t m = 0; m < 16; ++m) {
+      uint16_t* dst = buf.probs.data() + m * width;
+      if (m < M) inv_sum[m] = exp_row_bf16(sc + m * kmax, first_pos + r0 + m / a.group + 1, kmax, row_max[m], dst);
+      std::fill(dst + (m < M ? kmax : 0), dst + width, uint16_t{0});
+    }
+    weighted_sum_amx64(a, off, share_v ? buf.vtiles.data() : nullptr, buf.amx_b, kmax, M, buf.probs.data(), width,
+                       buf.amx_out, buf.acc.data());
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = r0 + m / a.group;
+      c10::BFloat16* dst = a.out + (q0 + r) * a.out_stride_token + (head0 + m % a.group) * D;
+      const float* src = buf.acc.data() + m * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(src[d] * inv_sum[m]);
+    }
+  }
+}
+#endif
 
 // bf16 path (head_dim = 32 * NP): dot products with AVX512-BF16 `vdpbf16ps`, fp32 sums.
 // Scores take 16 keys at a time: their rows are transposed so that each lane holds one key
@@ -486,27 +561,15 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   const uint16_t* kc = reinterpret_cast<const uint16_t*>(a.k_cache);
   const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
 
-  buf.offsets.resize(kmax);
-  for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
-    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
-    const int64_t n = std::min(a.block_size, kmax - b0);
-    for (int64_t o = 0; o < n; ++o) buf.offsets[b0 + o] = base + o * a.cache_stride_token;
-  }
-  const int64_t* off = buf.offsets.data();
+  const int64_t* off = row_offsets(a, table, kv_off, kmax, buf.offsets);
   constexpr int64_t AHEAD = 64;  // keys; prefetch K/V rows this far ahead
   constexpr int LINES = D * 2 / 64;
 
   // Pass 1: scores.
   buf.scores.resize(M * kmax);
   float* sc = buf.scores.data();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const bool amx = NP == 2 && M <= 16 && buf.use_amx;
-  if (amx) scores_amx64(a, task, off, kmax, M, sc, buf.amx_rows, buf.amx_c, buf.amx_qt);
-#else
-  const bool amx = false;
-#endif
   alignas(64) __m512i kt[PAIRS];
-  for (int64_t t0 = 0; t0 < (amx ? 0 : kmax); t0 += 16) {
+  for (int64_t t0 = 0; t0 < kmax; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, kmax - t0);
     for (int64_t i = t0 + AHEAD; i < std::min(kmax, t0 + AHEAD + 16); ++i)
       for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64 * l, _MM_HINT_T0);
@@ -530,27 +593,25 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
     }
   }
   // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
-  const int64_t width = amx ? (kmax + 31) & ~int64_t{31} : (kmax + 1) & ~int64_t{1};
-  buf.probs.assign((amx ? 16 : M) * width, 0);
+  const int64_t width = (kmax + 1) & ~int64_t{1};
+  buf.probs.assign(M * width, 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = task.row_begin + m / a.group;
     float* row = sc + m * kmax;
-    softmax_row(row, first_pos + r + 1, kmax);
+    // Normalised while rounded to bf16 (one pass less; the same fp32 product as softmax_row).
+    const float inv = softmax_exp_row(row, first_pos + r + 1, kmax);
+    const __m512 vinv = _mm512_set1_ps(inv);
     uint16_t* dst = buf.probs.data() + m * width;
     int64_t t = 0;
     for (; t + 16 <= kmax; t += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t))));
-    for (; t < kmax; ++t) dst[t] = c10::BFloat16(row[t]).x;
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + t), vinv))));
+    for (; t < kmax; ++t) dst[t] = c10::BFloat16(row[t] * inv).x;
   }
   // Pass 2: sum of p_t * v_t, two keys per instruction.
   constexpr int MB = NP <= 2 ? 4 : 2;
   buf.acc.resize(M * D);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx)
-    weighted_sum_amx64(a, off, kmax, M, buf.probs.data(), width, buf.amx_b, buf.amx_out, buf.acc.data());
-#endif
-  for (int64_t m0 = 0; m0 < (amx ? 0 : M); m0 += MB) {
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t mb = std::min<int64_t>(MB, M - m0);
     __m512 acc[MB][2 * NP];
     for (int i = 0; i < MB; ++i)
@@ -711,6 +772,12 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (bf16_buffers.use_amx && a.group <= 16) {
+          attend_amx64(a, tasks[i], bf16_buffers);
+          continue;
+        }
+#endif
         if (a.use_bf16_dot && a.head_dim == 64) {
           attend_bf16<2>(a, tasks[i], bf16_buffers);
           continue;
@@ -800,6 +867,66 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// Two attention results of the same queries over disjoint key sets (a cached prefix and the
+// new chunk), merged into the softmax over their union:
+//   out = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2) = o2 + (o1 - o2) * w,  w = 1 / (1 + e^(l2 - l1)),
+// with l = log-sum-exp of each part's scores. fp32 arithmetic, one rounding into out.
+// out, o1, o2: [T, H, D] (D contiguous); lse1, lse2: [T, H] float32.
+template <typename T>
+void merge_rows(const at::Tensor& out, const at::Tensor& o1, const at::Tensor& lse1, const at::Tensor& o2,
+                const at::Tensor& lse2) {
+  const int64_t num_tokens = out.size(0), num_heads = out.size(1), D = out.size(2);
+  T* po = reinterpret_cast<T*>(out.data_ptr());
+  const T* p1 = reinterpret_cast<const T*>(o1.data_ptr());
+  const T* p2 = reinterpret_cast<const T*>(o2.data_ptr());
+  const float* l1 = lse1.data_ptr<float>();
+  const float* l2 = lse2.data_ptr<float>();
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float w = 1.0f / (1.0f + std::exp(l2[t * lse2.stride(0) + h * lse2.stride(1)] -
+                                                l1[t * lse1.stride(0) + h * lse1.stride(1)]));
+        T* dst = po + t * out.stride(0) + h * out.stride(1);
+        const T* x = p1 + t * o1.stride(0) + h * o1.stride(1);
+        const T* y = p2 + t * o2.stride(0) + h * o2.stride(1);
+        int64_t d = 0;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          const __m512 vw = _mm512_set1_ps(w);
+          for (; d + 16 <= D; d += 16) {
+            const __m512 b = load16(y + d);
+            const __m512 r = _mm512_add_ps(b, _mm512_mul_ps(_mm512_sub_ps(load16(x + d), b), vw));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r)));
+          }
+        }
+#endif
+        for (; d < D; ++d) {
+          const float b = to_float(y[d]);
+          dst[d] = static_cast<T>(b + (to_float(x[d]) - b) * w);
+        }
+      }
+    }
+  });
+}
+
+void merge_attention(at::Tensor out, const at::Tensor& o1, const at::Tensor& lse1, const at::Tensor& o2,
+                     const at::Tensor& lse2) {
+  TORCH_CHECK(out.dim() == 3 && o1.sizes() == out.sizes() && o2.sizes() == out.sizes(), "outputs must be [T, H, D]");
+  TORCH_CHECK(out.stride(2) == 1 && o1.stride(2) == 1 && o2.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(o1.scalar_type() == out.scalar_type() && o2.scalar_type() == out.scalar_type(), "dtypes differ");
+  TORCH_CHECK(lse1.scalar_type() == at::kFloat && lse2.scalar_type() == at::kFloat, "lse must be float32");
+  TORCH_CHECK(lse1.dim() == 2 && lse2.dim() == 2 && lse1.size(0) == out.size(0) && lse1.size(1) == out.size(1) &&
+                  lse2.sizes() == lse1.sizes(),
+              "lse must be [T, H]");
+  if (out.scalar_type() == at::kBFloat16) {
+    merge_rows<c10::BFloat16>(out, o1, lse1, o2, lse2);
+  } else if (out.scalar_type() == at::kFloat) {
+    merge_rows<float>(out, o1, lse1, o2, lse2);
+  } else {
+    TORCH_CHECK(false, "merge_attention supports float32 and bfloat16");
+  }
+}
+
 // Whether bf16 head_dim-64 work may use the tile unit (built with AMX and allowed by the OS).
 bool amx_available() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -817,6 +944,10 @@ TORCH_LIBRARY(pagedllm, m) {
       "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, int rows_per_task, "
       "bool fast_bf16=True, bool use_amx=True, int long_max_seq_len=0) -> ()");
   m.def("amx_available() -> bool", &amx_available);
+  m.def("merge_attention(Tensor(a!) out, Tensor o1, Tensor lse1, Tensor o2, Tensor lse2) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("merge_attention", &merge_attention);
+}
