@@ -745,15 +745,35 @@ std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start
       for (int64_t g = 0; g < num_kv_heads; ++g) tasks.push_back({s, g, r0, r1, (first_pos + r1) * (r1 - r0)});
     }
   }
-  // Longest first, then dynamic hand-out: keeps both cores busy with uneven lengths.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  // Longest first, then dynamic hand-out: keeps both cores busy with uneven lengths. The kv
+  // heads of one (sequence, rows) stay adjacent: `task_groups` hands them out together.
+  std::sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
+    if (x.cost != y.cost) return x.cost > y.cost;
+    if (x.seq != y.seq) return x.seq < y.seq;
+    if (x.row_begin != y.row_begin) return x.row_begin < y.row_begin;
+    return x.kv_head < y.kv_head;
+  });
   return tasks;
+}
+
+// Start index of each run of tasks with the same (sequence, rows), plus the end. One thread
+// runs a whole run: the kv heads' K/V rows interleave within the same cache pages, so the
+// first head's reads bring the next head's rows into this core's cache; spread over two
+// cores, both would fetch every page from memory.
+std::vector<int64_t> task_groups(const std::vector<Task>& tasks) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i)
+    if (i == 0 || tasks[i].seq != tasks[i - 1].seq || tasks[i].row_begin != tasks[i - 1].row_begin)
+      starts.push_back(i);
+  starts.push_back(static_cast<int64_t>(tasks.size()));
+  return starts;
 }
 
 template <typename T>
 void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
+  const std::vector<int64_t> groups = task_groups(tasks);
+  const int64_t n = static_cast<int64_t>(groups.size()) - 1;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qbuf, acc;
@@ -769,7 +789,8 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
       }
     }
 #endif
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    for (int64_t j = next.fetch_add(1); j < n; j = next.fetch_add(1))
+    for (int64_t i = groups[j]; i < groups[j + 1]; ++i) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
