@@ -52,7 +52,7 @@ def test_bad_shapes_raise():
     packed = ops.pack_small_gemm(bf16(32, 64, seed=0))
     with pytest.raises(RuntimeError, match="columns"):
         ops.small_gemm(bf16(2, 96, seed=0), packed)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="share a dtype"):
         ops.small_gemm(torch.randn(2, 64), packed)
 
 
@@ -69,7 +69,25 @@ def test_linear_routes_by_row_count():
 
 
 def test_not_packed_where_it_does_not_apply():
-    assert pack_small_weight(torch.randn(32, 64), ops) is None  # float32
+    assert pack_small_weight(torch.randn(32, 64).half(), ops) is None  # float16
     assert pack_small_weight(bf16(24, 64, seed=0), ops) is None  # rows not in 16s
     assert pack_small_weight(bf16(32, 40, seed=0), ops) is None  # columns not in 32s
     assert pack_small_weight(bf16(32, 64, seed=0), None) is None  # no kernels
+
+
+@pytest.mark.skipif(
+    ops is None or not ops.small_gemm_available(False), reason="no C++ kernels or no AVX-512"
+)
+@pytest.mark.parametrize("n,k", [(16, 1), (48, 100), (768, 512), (512, 1536)])
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 64, 65])
+def test_float32_matches_linear(m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, x, bias = (torch.randn(*s, generator=gen) for s in ((n, k), (m, k), (n,)))
+    packed = ops.pack_small_gemm(w)
+    assert pack_small_weight(w, ops) is not None
+    # fp32 sums in another order than MKL's: rounding differences grow like sqrt(k).
+    tol = {"rtol": 1e-5, "atol": 1e-5 * k**0.5}
+    for b in (None, bias):
+        torch.testing.assert_close(ops.small_gemm(x, packed, b), F.linear(x, w, b), **tol)
+    wide = torch.randn(m, k + 8, generator=gen)[:, 3 : 3 + k]  # strided rows
+    torch.testing.assert_close(ops.small_gemm(wide, packed), F.linear(wide.contiguous(), w), **tol)

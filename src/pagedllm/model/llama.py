@@ -8,11 +8,11 @@ q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
 (``gate_up_proj``) at load time: fewer, larger matmuls.
 
 ``optimize_for_cpu()`` (the runner calls it) switches on the CPU fast paths, which give
-the plain code's results: bf16 linear weights pre-packed, where the CPU has the tile unit,
-in the tile layout of pagedllm's small-batch kernel (``small_gemm``, for up to 64 rows: the
-decode steps, which stream every weight from memory; 1.3-2x faster than oneDNN there;
-outputs equal but for rare one-ulp differences in the order of the sums), else in oneDNN's
-blocked layout (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer
+the plain code's results: linear weights pre-packed in the layout of pagedllm's small-batch
+kernel (``small_gemm``, for up to 64 rows: the decode steps, which stream every weight from
+memory; bf16 on the tile unit, 1.3-2x faster than oneDNN there, outputs equal but for rare
+one-ulp differences in the order of the sums; float32 with AVX-512, up to 2.4x faster than
+MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer
 ops from
 ``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
 which round where the torch expressions round.
@@ -34,23 +34,25 @@ from pagedllm.model.config import ModelConfig, RopeConfig
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-# Up to this many rows, bf16 linears run on pagedllm's AMX kernel (``small_gemm``), which
-# streams decode-step weights faster than oneDNN; more rows go to oneDNN (prefill).
+# Up to this many rows, linears run on pagedllm's small-batch kernel (``small_gemm``: AMX for
+# bf16, AVX-512 for float32), which streams decode-step weights faster than oneDNN and MKL;
+# more rows (prefill) go to torch.
 SMALL_GEMM_MAX_ROWS = 64
 
 
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
     """The weight laid out for ``ops.small_gemm`` (``attention/csrc/small_gemm.cpp``), or
-    None where that kernel does not apply (no tile unit, not bf16, shape not in 16 x 32
-    tiles)."""
+    None where that kernel does not apply: bf16 needs the tile unit and rows in 16s,
+    columns in 32s; float32 needs AVX-512 and rows in 16s."""
+    bf16 = weight.dtype == torch.bfloat16
     if (
         ops is None
         or weight.device.type != "cpu"
-        or weight.dtype != torch.bfloat16
+        or weight.dtype not in (torch.bfloat16, torch.float32)
         or weight.dim() != 2
         or weight.shape[0] % 16
-        or weight.shape[1] % 32
-        or not ops.small_gemm_available()
+        or (bf16 and weight.shape[1] % 32)
+        or not ops.small_gemm_available(bf16)
     ):
         return None
     return ops.pack_small_gemm(weight.detach())

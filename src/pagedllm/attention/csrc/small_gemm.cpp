@@ -12,6 +12,11 @@
 // the pair (w[n][32s + 2p], w[n][32s + 2p + 1]).
 //
 // out = x @ w.T (+ bias): fp32 sums of bf16 products, rounded once to bf16 (as oneDNN).
+//
+// float32 has no tile unit; its decode steps are bound by the FMA units at 64 rows and by
+// memory below. The fp32 layout is [N / 16][K][16] (16 output columns' weights for each k),
+// multiplied with AVX-512 FMAs, 8 rows x 32 columns per register block: MKL's sgemm ran
+// these shapes at about half the FMA units' peak.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,7 +43,15 @@ constexpr int64_t PREFETCH_TILES = 8;
 
 bool shape_ok(int64_t n, int64_t k) { return n > 0 && k > 0 && n % COLS == 0 && k % DEPTH == 0; }
 
-bool available() {
+// bf16 needs the tile unit, float32 AVX-512.
+bool available(bool bf16) {
+  if (!bf16) {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   return pagedllm_amx::permitted();
 #else
@@ -46,8 +59,25 @@ bool available() {
 #endif
 }
 
+at::Tensor pack_f32(const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n > 0 && k > 0 && n % COLS == 0, "pack_small_gemm: rows must be a multiple of 16");
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty({n / COLS, k, COLS}, w.options());
+  const float* s = src.data_ptr<float>();
+  float* d = out.data_ptr<float>();
+  at::parallel_for(0, n / COLS, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < COLS; ++c)
+        for (int64_t j = 0; j < k; ++j) d[(g * k + j) * COLS + c] = s[(g * COLS + c) * k + j];
+  });
+  return out;
+}
+
 at::Tensor pack_small_gemm(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_small_gemm: w must be 2-D bf16");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "pack_small_gemm: w must be 2-D bf16 or float32");
+  if (w.scalar_type() == at::kFloat) return pack_f32(w);
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(shape_ok(n, k), "pack_small_gemm: rows must be a multiple of 16 and columns of 32");
   at::Tensor src = w.contiguous();
@@ -113,8 +143,96 @@ void run_column_group(int tiles, const uint16_t* x, int64_t lda, int64_t k, cons
 }
 #endif
 
+#if defined(__AVX512F__)
+// out[r][16g + c] for rows r0 .. r0 + RB and column groups g .. g + GB (GB <= 2), RB <= 8.
+template <int RB, int GB>
+void f32_block(const float* x, int64_t lda, int64_t k, const float* w, int64_t g, const float* bias, float* out,
+               int64_t n) {
+  __m512 acc[RB][GB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < GB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* w0 = w + g * k * COLS;
+  const float* w1 = w0 + k * COLS;
+  for (int64_t t = 0; t < k; ++t) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (t + 16) * COLS), _MM_HINT_T0);
+    const __m512 b0 = _mm512_loadu_ps(w0 + t * COLS);
+    __m512 b1 = b0;
+    if constexpr (GB > 1) {
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + (t + 16) * COLS), _MM_HINT_T0);
+      b1 = _mm512_loadu_ps(w1 + t * COLS);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * lda + t]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      if constexpr (GB > 1) acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int j = 0; j < GB; ++j) {
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + (g + j) * COLS) : _mm512_setzero_ps();
+    for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out + r * n + (g + j) * COLS, _mm512_add_ps(acc[r][j], b));
+  }
+}
+
+template <int GB>
+void f32_rows(int64_t rows, const float* x, int64_t lda, int64_t k, const float* w, int64_t g, const float* bias,
+              float* out, int64_t n) {
+  switch (rows) {
+    case 1: return f32_block<1, GB>(x, lda, k, w, g, bias, out, n);
+    case 2: return f32_block<2, GB>(x, lda, k, w, g, bias, out, n);
+    case 3: return f32_block<3, GB>(x, lda, k, w, g, bias, out, n);
+    case 4: return f32_block<4, GB>(x, lda, k, w, g, bias, out, n);
+    case 5: return f32_block<5, GB>(x, lda, k, w, g, bias, out, n);
+    case 6: return f32_block<6, GB>(x, lda, k, w, g, bias, out, n);
+    case 7: return f32_block<7, GB>(x, lda, k, w, g, bias, out, n);
+    default: return f32_block<8, GB>(x, lda, k, w, g, bias, out, n);
+  }
+}
+#endif
+
+// float32: pairs of column groups per thread task, 8 rows per register block.
+at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == COLS,
+              "small_gemm: packed must come from pack_small_gemm");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * COLS;
+  TORCH_CHECK(packed.size(1) == k, "small_gemm: x has ", k, " columns, the weight ", packed.size(1));
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
+                "small_gemm: bias must be float32 [N]");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+#if defined(__AVX512F__)
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* b = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  const float* xa = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  const float* w = packed.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t groups = n / COLS;
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g = 2 * p;
+      for (int64_t r0 = 0; r0 < m; r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, m - r0);
+        if (g + 1 < groups) {
+          f32_rows<2>(rows, xa + r0 * lda, lda, k, w, g, b, o + r0 * n, n);
+        } else {
+          f32_rows<1>(rows, xa + r0 * lda, lda, k, w, g, b, o + r0 * n, n);
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(available(), "small_gemm needs the AMX tile unit");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "small_gemm: x must be 2-D with unit column stride");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "small_gemm: x and the packed weight must share a dtype");
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(available(false), "small_gemm in float32 needs AVX-512");
+    return small_gemm_f32(x, packed, bias);
+  }
+  TORCH_CHECK(available(true), "small_gemm needs the AMX tile unit");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "small_gemm: x must be 2-D bf16 with unit column stride");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -170,7 +288,7 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("small_gemm_available() -> bool", &available);
+  m.def("small_gemm_available(bool bf16=True) -> bool", &available);
   m.def("pack_small_gemm(Tensor w) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
 }
