@@ -305,3 +305,20 @@ def test_stats_measure_the_three_wastes(fake_engine: Callable[..., LLMEngine]) -
     run_all(engine)
     waste = engine.get_stats().waste
     assert waste.allocated_slots == waste.internal_tokens == waste.duplication_tokens == 0
+
+
+def test_finished_only_steps_return_the_same_final_outputs(fake_engine):
+    """``step(finished_only=True)`` (what LLM.generate uses) builds outputs only for finished
+    requests, and those equal the final outputs of plain steps."""
+    plain, quiet = fake_engine(), fake_engine()
+    for engine in (plain, quiet):
+        engine.add_request("a", "hello there", SamplingParams(max_tokens=5, ignore_eos=True))
+        engine.add_request("b", "hi", SamplingParams(max_tokens=9, ignore_eos=True, n=2))
+        engine.add_request("c", "x" * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+    expected = run_all(plain)
+    got = {}
+    while quiet.has_unfinished_requests():
+        for output in quiet.step(finished_only=True):
+            assert output.finished and output.request_id not in got
+            got[output.request_id] = output
+    assert got == expected and set(got) == {"a", "b", "c"}

@@ -151,8 +151,8 @@ class LLM:
         bar = _progress(len(ids), use_tqdm)
         try:
             while pending:
-                for output in self.engine.step():
-                    if output.finished and output.request_id in pending:
+                for output in self.engine.step(finished_only=True):
+                    if output.request_id in pending:
                         pending.discard(output.request_id)
                         finished[output.request_id] = output
                         if bar is not None:
