@@ -37,6 +37,39 @@ def check_against_full_decode(
     assert detok.finish() == tokenizer.decode(output, skip_special_tokens=skip_special_tokens)
 
 
+def check_lazy_against_full_decode(tokenizer: Any, vocab: int, seed: int) -> None:
+    """Tokens added lazily in random runs, the text read at random moments: the same
+    contract as token by token."""
+    rng = random.Random(seed)
+    prompt = tokenizer.encode("a prompt: ")[: rng.randrange(0, 8)]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    output: list[int] = []
+    for _ in range(rng.randrange(1, 30)):
+        run = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        output += run
+        detok.add_tokens(run, lazy=True)
+        if rng.random() < 0.5:
+            continue
+        full = tokenizer.decode(output, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):
+            assert detok.text == full, (seed, output)
+        else:
+            assert full.startswith(detok.text), (seed, output)
+            assert set(full[len(detok.text) :]) == {"\ufffd"}, (seed, output)
+    assert detok.finish() == tokenizer.decode(output, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lazy_runs_match_full_decode(tokenizer: Any, seed: int) -> None:
+    check_lazy_against_full_decode(tokenizer, 256, seed)
+
+
+def test_lazy_is_ignored_with_stop_strings(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("b",))
+    assert detok.add_tokens(tokenizer.encode("aab"), lazy=True) == "b"
+    assert detok.text == "aa"
+
+
 class DecodeOnly:
     """Just ``decode``: the detokenizer can't take the Rust backend's shortcut."""
 

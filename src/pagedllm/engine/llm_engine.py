@@ -289,7 +289,8 @@ class LLMEngine:
         """Run one step; returns the outputs of the requests it advanced, or with
         ``finished_only`` only of those it finished (or failed): offline generation needs no
         others, and building one per running request every step costs a good share of a
-        decode step's Python time."""
+        decode step's Python time (so does detokenizing each token: without stop strings the
+        text is then decoded when the request finishes)."""
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -321,7 +322,7 @@ class LLMEngine:
         self._counters["computed"] += num_computed
         touched: dict[str, _Group] = {}
         for update in self.scheduler.update(forward, result):
-            group = self._apply(update)
+            group = self._apply(update, lazy_text=finished_only)
             if group is not None:
                 touched[group.request_id] = group
         groups = touched.values()
@@ -372,7 +373,9 @@ class LLMEngine:
             next_len = len(first.prompt_token_ids) + max_tokens
         return waste(self.kv, token_ids, next_request_len=next_len)
 
-    def _apply(self, update: SequenceUpdate) -> _Group | None:
+    def _apply(self, update: SequenceUpdate, *, lazy_text: bool = False) -> _Group | None:
+        """Record a sequence's new tokens; ``lazy_text``: no output is read before the
+        request finishes, so (without stop strings) its text is decoded in one go then."""
         request = update.request
         owner = self._seq_owner.get(request.request_id)
         if owner is None:
@@ -387,7 +390,7 @@ class LLMEngine:
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
                 lp.logprob for lp in update.new_logprobs
             )
-        stop = seq.detokenizer.add_tokens(update.new_token_ids)
+        stop = seq.detokenizer.add_tokens(update.new_token_ids, lazy=lazy_text)
         if stop is not None:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             group.finish(seq, "stop", stop)
