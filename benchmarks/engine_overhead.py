@@ -3,7 +3,8 @@
 Builds an engine on model (a) (see ``throughput.py``), admits 64 requests of the standard
 workload with room to decode, steps until all of them are decoding, then times N decode
 steps, split into: scheduling (``Scheduler.schedule``), building inputs
-(``build_input_batch``), forward (model body), logits (LM head), sampling, detokenizing,
+(``build_input_batch``), forward (model body), logits (LM head, with its fused greedy argmax
+where the model has one), sampling, detokenizing,
 scheduler update, and the rest of ``LLMEngine.step``. Engine overhead = scheduling +
 inputs + sampling + detokenizing + update + rest; goal <= 10% of step time. Steps are taken
 as ``LLM.generate`` takes them (``finished_only=True``: no output built for running requests).
@@ -69,10 +70,13 @@ def instrument(llm: LLM, timers: Timers) -> None:
     )
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("logits", model.compute_logits)
+    if hasattr(model, "greedy_tokens"):  # the LM head's fused argmax: logits work
+        model.greedy_tokens = timers.wrap("logits", model.greedy_tokens)
     # Patched on the class, so the runner still sees its own Sampler (and may take its
     # greedy shortcut, timed as sampling too).
     sampler_cls = type(runner.sampler)
     sampler_cls.__call__ = timers.wrap("sampling", sampler_cls.__call__)
+    sampler_cls.greedy_from_argmax = timers.wrap("sampling", sampler_cls.greedy_from_argmax)
     if hasattr(runner, "_greedy"):
         runner._greedy = timers.wrap("sampling", runner._greedy)
     IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)

@@ -122,3 +122,20 @@ def test_optimize_switches_the_fast_paths_on(checkpoint):
         assert plain.small is not None and plain.packed is None
     else:
         assert plain.packed is not None or pack_weight(plain.weight) is None
+
+
+def test_greedy_tokens_from_the_head_equal_the_argmax_of_the_logits(checkpoint):
+    loaded = load_model(checkpoint, "bfloat16", CpuAttention())
+    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64)
+    seqs = [
+        ScheduledSequence(f"r{i}", tuple(p), 0, tuple(range(1 + 8 * i, 8 + 8 * i)))
+        for i, p in enumerate(prompts(5, seed=3))
+    ]
+    hidden = runner.sampled_hidden(seqs)
+    fused = loaded.model.greedy_tokens(hidden)
+    if fused is None:  # no tile unit or no kernels: the runner takes the logits path
+        assert loaded.model.fused_ops is None or not loaded.model.fused_ops.small_gemm_available()
+        return
+    logits = loaded.model.compute_logits(hidden, float32=False)
+    assert fused.tolist() == logits.argmax(-1).tolist()
+    assert loaded.model.greedy_tokens(hidden.float()) is None  # bf16 only

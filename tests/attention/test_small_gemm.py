@@ -91,3 +91,33 @@ def test_float32_matches_linear(m, n, k):
         torch.testing.assert_close(ops.small_gemm(x, packed, b), F.linear(x, w, b), **tol)
     wide = torch.randn(m, k + 8, generator=gen)[:, 3 : 3 + k]  # strided rows
     torch.testing.assert_close(ops.small_gemm(wide, packed), F.linear(wide.contiguous(), w), **tol)
+
+
+@needs_tiles
+@pytest.mark.parametrize("n,k", [(16, 32), (4000, 96), (32000, 512)])
+@pytest.mark.parametrize("m", [1, 5, 17, 64])
+def test_argmax_equals_argmax_of_the_logits(m, n, k):
+    w, x, bias = bf16(n, k, seed=n + 1), bf16(m, k, seed=m + 1), bf16(n, seed=k + 1)
+    packed = ops.pack_small_gemm(w)
+    for b in (None, bias):
+        logits = ops.small_gemm(x, packed, b)
+        assert torch.equal(ops.small_gemm_argmax(x, packed, b), logits.argmax(-1))
+
+
+@needs_tiles
+def test_argmax_ties_take_the_first_column_and_nan_wins():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two column ranges to merge
+    try:
+        w = bf16(256, 64, seed=3)
+        w[200] = w[37] = w[150]  # identical columns: equal logits at 37, 150 and 200
+        x = bf16(9, 64, seed=4) * 0 + w[37]  # every row is most aligned with those columns
+        packed = ops.pack_small_gemm(w)
+        got = ops.small_gemm_argmax(x, packed)
+        assert got.tolist() == ops.small_gemm(x, packed).argmax(-1).tolist() == [37] * 9
+        w[220, 0] = w[240, 0] = float("nan")  # NaN logits win over any number (torch.argmax)
+        packed = ops.pack_small_gemm(w)
+        got = ops.small_gemm_argmax(x, packed)
+        assert got.tolist() == ops.small_gemm(x, packed).argmax(-1).tolist() == [220] * 9
+    finally:
+        torch.set_num_threads(threads)

@@ -360,6 +360,25 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, weight, None, self.packed_head, self.small_head, ops)
         return logits.float() if float32 else logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [S, hidden_size] -> the argmax of each row's logits [S] (int64), computed
+        inside the LM head without writing the logits (``small_gemm_argmax``: the same
+        roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
+        None where that kernel does not apply (then use ``compute_logits``)."""
+        if self.lm_head is not None:
+            packed, bias = self.lm_head.small, self.lm_head.bias
+        else:
+            packed, bias = self.small_head, None
+        if (
+            packed is None
+            or packed.dtype != torch.bfloat16
+            or hidden.dtype != torch.bfloat16
+            or hidden.dim() != 2
+            or hidden.shape[0] > SMALL_GEMM_MAX_ROWS
+        ):
+            return None
+        return self.fused_ops.small_gemm_argmax(hidden, packed, bias)
+
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim], computed in float32 then cast (as transformers does)."""
         if self.inv_freq.device != positions.device:

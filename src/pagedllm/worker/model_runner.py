@@ -101,10 +101,16 @@ class TorchModelRunner:
         self.apply_block_moves(scheduler_output)
         scheduled = scheduler_output.scheduled
         if scheduled:
-            # A greedy fast-path batch takes its argmax on the model's dtype.
+            # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
+            # head where the model can (no logits written at all).
             fast_path = self.sampler.uses_fast_path(scheduled)
-            logits = self.compute_logits(scheduled, float32=not fast_path)
-            output = self.sampler(logits, scheduled, fast_path=fast_path)
+            hidden = self.sampled_hidden(scheduled)
+            best = self._greedy_tokens(hidden) if fast_path else None
+            if best is not None:
+                output = self.sampler.greedy_from_argmax(best.tolist(), scheduled)
+            else:
+                logits = self._logits(hidden, float32=not fast_path)
+                output = self.sampler(logits, scheduled, fast_path=fast_path)
         else:
             output = ModelRunnerOutput()
         if scheduler_output.finished_request_ids:
@@ -123,13 +129,29 @@ class TorchModelRunner:
     ) -> torch.Tensor:
         """Forward pass; float32 logits [S, vocab] for sequences with ``num_samples > 0``
         (``float32=False``: in the model's dtype, for the sampler's greedy fast path)."""
+        return self._logits(self.sampled_hidden(scheduled), float32=float32)
+
+    def sampled_hidden(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """Forward pass; the final hidden states [S, hidden] of the rows that sample."""
         batch = build_input_batch(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            if batch.logits_indices.numel() == 0:
-                return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
             if batch.logits_indices.numel() == hidden.shape[0]:
                 # One row per token means every sequence has one token and samples
                 # (plain decode): the rows are already in order, no gather needed.
-                return self.model.compute_logits(hidden, float32=float32)
-            return self.model.compute_logits(hidden[batch.logits_indices], float32=float32)
+                return hidden
+            return hidden[batch.logits_indices]
+
+    def _logits(self, hidden: torch.Tensor, *, float32: bool) -> torch.Tensor:
+        if hidden.shape[0] == 0:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden, float32=float32)
+
+    def _greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax straight from the model's LM head, where it offers one."""
+        greedy = getattr(self.model, "greedy_tokens", None)
+        if greedy is None or hidden.shape[0] == 0:
+            return None
+        with torch.inference_mode():
+            return greedy(hidden)

@@ -96,8 +96,14 @@ class Sampler:
     def _greedy(
         self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]
     ) -> ModelRunnerOutput:
-        """One argmax per logits row; a row with n samples gives n copies of its token."""
-        best = _argmax_rows(logits) if logits.shape[0] else []
+        """One argmax per logits row."""
+        return self.greedy_from_argmax(_argmax_rows(logits) if logits.shape[0] else [], scheduled)
+
+    def greedy_from_argmax(
+        self, best: list[int], scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        """The fast path's output from each sampled row's argmax (``best``, in the order of
+        the sequences with ``num_samples > 0``): a row with n samples gives n copies."""
         if len(best) == len(scheduled) and all(seq.num_samples == 1 for seq in scheduled):
             # Plain decode: one token per sequence.
             return ModelRunnerOutput(tuple((t,) for t in best), (None,) * len(best))

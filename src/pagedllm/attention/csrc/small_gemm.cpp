@@ -26,7 +26,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 #include <optional>
 
 #include "amx.h"
@@ -225,6 +227,71 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const s
   return out;
 }
 
+// A bf16 problem after the checks: x padded to whole 16-row tiles, pointers in place.
+struct Bf16Gemm {
+  at::Tensor a;     // x, or its zero-padded copy
+  at::Tensor bias;  // contiguous, or undefined
+  int64_t m = 0, k = 0, n = 0;
+};
+
+Bf16Gemm prepare_bf16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(available(true), "small_gemm needs the AMX tile unit");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "small_gemm: x must be 2-D bf16 with unit column stride");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32,
+              "small_gemm: packed must come from pack_small_gemm");
+  Bf16Gemm p;
+  p.m = x.size(0);
+  p.k = x.size(1);
+  p.n = packed.size(0) * COLS;
+  TORCH_CHECK(packed.size(1) * DEPTH == p.k, "small_gemm: x has ", p.k, " columns, the weight ",
+              packed.size(1) * DEPTH);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.n && bias->scalar_type() == at::kBFloat16,
+                "small_gemm: bias must be bf16 [N]");
+    p.bias = bias->contiguous();
+  }
+  // Whole 16-row tiles only: pad x with zero rows when m is not a multiple of 16.
+  const int64_t padded_m = (p.m + ROWS - 1) / ROWS * ROWS;
+  p.a = x;
+  if (padded_m != p.m || x.stride(0) < p.k) {
+    p.a = at::zeros({padded_m, p.k}, x.options());
+    p.a.narrow(0, 0, p.m).copy_(x);
+  }
+  return p;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// For column groups [g0, g1) (one thread's contiguous stream of weights), calls
+// emit(row, group, v) with v = the 16 fp32 sums of that row and group, bias added.
+template <typename Emit>
+void bf16_groups(const Bf16Gemm& p, const at::Tensor& packed, int64_t g0, int64_t g1, Emit&& emit) {
+  const uint16_t* xa = reinterpret_cast<const uint16_t*>(p.a.data_ptr());
+  const int64_t lda = p.a.stride(0);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const c10::BFloat16* b = p.bias.defined() ? p.bias.data_ptr<c10::BFloat16>() : nullptr;
+  pagedllm_amx::TileScope tiles;
+  alignas(64) float c[4 * 256];
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint16_t* wg = w + g * p.k * COLS;
+    __m512 bias16 = _mm512_setzero_ps();
+    if (b != nullptr) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + g * COLS));
+      bias16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int64_t r0 = 0; r0 < p.m; r0 += PASS_ROWS) {
+      const int64_t rows = std::min(PASS_ROWS, p.m - r0);
+      run_column_group(static_cast<int>((rows + ROWS - 1) / ROWS), xa + r0 * lda, lda, p.k, wg, c);
+      for (int64_t r = 0; r < rows; ++r) emit(r0 + r, g, _mm512_add_ps(_mm512_load_ps(c + r * 16), bias16));
+    }
+  }
+}
+
+inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline __m512 from_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+#endif
+
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "small_gemm: x must be 2-D with unit column stride");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "small_gemm: x and the packed weight must share a dtype");
@@ -232,55 +299,85 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
     TORCH_CHECK(available(false), "small_gemm in float32 needs AVX-512");
     return small_gemm_f32(x, packed, bias);
   }
-  TORCH_CHECK(available(true), "small_gemm needs the AMX tile unit");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "small_gemm: x must be 2-D bf16 with unit column stride");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 32,
-              "small_gemm: packed must come from pack_small_gemm");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * COLS;
-  TORCH_CHECK(packed.size(1) * DEPTH == k, "small_gemm: x has ", k, " columns, the weight ", packed.size(1) * DEPTH);
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16, "small_gemm: bias must be bf16 [N]");
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
+  const Bf16Gemm p = prepare_bf16(x, packed, bias);
+  at::Tensor out = at::empty({p.m, p.n}, x.options());
+  if (p.m == 0) return out;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // Whole 16-row tiles only: pad x with zero rows when m is not a multiple of 16.
-  const int64_t padded_m = (m + ROWS - 1) / ROWS * ROWS;
-  at::Tensor a = x;
-  if (padded_m != m || x.stride(0) < k) {
-    a = at::zeros({padded_m, k}, x.options());
-    a.narrow(0, 0, m).copy_(x);
-  }
-  const uint16_t* xa = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const int64_t lda = a.stride(0);
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const c10::BFloat16* b = bias_c.defined() ? bias_c.data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const int64_t group_elems = k * COLS;
   // Each thread takes one contiguous range of column groups: one front-to-back stream.
-  at::parallel_for(0, n / COLS, 1, [&](int64_t g0, int64_t g1) {
-    pagedllm_amx::TileScope tiles;
-    alignas(64) float c[4 * 256];
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* wg = w + g * group_elems;
-      __m512 bias16 = _mm512_setzero_ps();
-      if (b != nullptr) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + g * COLS));
-        bias16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      }
-      for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
-        const int64_t rows = std::min(PASS_ROWS, m - r0);
-        run_column_group(static_cast<int>((rows + ROWS - 1) / ROWS), xa + r0 * lda, lda, k, wg, c);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bias16);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r0 + r) * n + g * COLS),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  at::parallel_for(0, p.n / COLS, 1, [&](int64_t g0, int64_t g1) {
+    bf16_groups(p, packed, g0, g1, [&](int64_t r, int64_t g, __m512 v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * p.n + g * COLS), to_bf16(v));
+    });
+  });
+#endif
+  return out;
+}
+
+// The first index of the largest value, NaN winning over numbers (as torch.argmax).
+struct Best {
+  float value;
+  int64_t index;
+};
+
+inline bool beats(float value, float best) {
+  return std::isnan(best) ? false : (std::isnan(value) || value > best);
+}
+
+// argmax over each row of the bf16 logits small_gemm would return — the same roundings —
+// without writing them: for greedy sampling straight from the LM head.
+at::Tensor small_gemm_argmax(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  const Bf16Gemm p = prepare_bf16(x, packed, bias);
+  at::Tensor out = at::empty({p.m}, x.options().dtype(at::kLong));
+  if (p.m == 0) return out;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int64_t groups = p.n / COLS;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  // One contiguous column range per part, so a part's winner is its first best column and
+  // the parts merge in column order.
+  std::vector<Best> found(parts * p.m);
+  at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g0 = t * groups / parts, g1 = (t + 1) * groups / parts;
+      // Per row, per lane: the lane's best value (rounded to bf16) and its column.
+      std::vector<__m512> value(p.m);
+      std::vector<__m512i> index(p.m);
+      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      bf16_groups(p, packed, g0, g1, [&](int64_t r, int64_t g, __m512 v) {
+        v = from_bf16(to_bf16(v));
+        const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g * COLS)), lanes);
+        if (g == g0) {
+          value[r] = v;
+          index[r] = columns;
+          return;
         }
+        const __mmask16 best_nan = _mm512_cmp_ps_mask(value[r], value[r], _CMP_UNORD_Q);
+        const __mmask16 take = _mm512_kandn(
+            best_nan, _mm512_kor(_mm512_cmp_ps_mask(v, value[r], _CMP_GT_OQ), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)));
+        value[r] = _mm512_mask_mov_ps(value[r], take, v);
+        index[r] = _mm512_mask_mov_epi32(index[r], take, columns);
+      });
+      for (int64_t r = 0; r < p.m; ++r) {
+        alignas(64) float vals[16];
+        alignas(64) int32_t cols[16];
+        _mm512_store_ps(vals, value[r]);
+        _mm512_store_si512(cols, index[r]);
+        Best best{vals[0], cols[0]};
+        for (int j = 1; j < 16; ++j) {
+          const bool same = vals[j] == best.value || (std::isnan(vals[j]) && std::isnan(best.value));
+          if (beats(vals[j], best.value) || (same && cols[j] < best.index)) best = {vals[j], cols[j]};
+        }
+        found[t * p.m + r] = best;
       }
     }
   });
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < p.m; ++r) {
+    Best best = found[r];
+    for (int64_t t = 1; t < parts; ++t)
+      if (beats(found[t * p.m + r].value, best.value)) best = found[t * p.m + r];
+    o[r] = best.index;
+  }
 #endif
   return out;
 }
@@ -291,9 +388,11 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("small_gemm_available(bool bf16=True) -> bool", &available);
   m.def("pack_small_gemm(Tensor w) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("small_gemm_argmax(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("pack_small_gemm", &pack_small_gemm);
   m.impl("small_gemm", &small_gemm);
+  m.impl("small_gemm_argmax", &small_gemm_argmax);
 }
