@@ -41,7 +41,7 @@ SOURCES = tuple(
     for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp")
 )
 # Included by the sources: part of the build's hash, not compiled on their own.
-HEADERS = (Path(__file__).parent / "csrc" / "amx.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("amx.h", "vec.h"))
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
 # Query rows per kernel task: each task reads its context once for rows x group query vectors.

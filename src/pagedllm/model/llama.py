@@ -86,15 +86,20 @@ class Linear(nn.Linear):
     ops: Any = None
 
     def pack(self, ops: Any = None) -> None:
-        # One extra copy at most: with the small-batch layout, larger batches use the plain
-        # weight (F.linear reorders it per call, measured within 5% of the packed copy at
-        # prefill sizes, where the reorder is small next to the work).
-        self.small = pack_small_weight(self.weight, ops)
+        self.packed, self.small = pack_for_cpu(self.weight, ops)
         self.ops = ops if self.small is not None else None
-        self.packed = pack_weight(self.weight) if self.small is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
+
+
+def pack_for_cpu(weight: torch.Tensor, ops: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
+    small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
+    measured within 5% of the packed copy at prefill sizes, where the reorder is small next
+    to the work)."""
+    small = pack_small_weight(weight, ops)
+    return (pack_weight(weight) if small is None else None), small
 
 
 def linear(
@@ -188,28 +193,17 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        ops: Any = None,
     ) -> torch.Tensor:
+        """cos, sin: [T, 1, head_dim]; with ``ops`` (the fused C++ ops) [T, head_dim], and
+        the rotary embedding is applied in place by one op."""
         num_tokens = hidden.shape[0]
         q, k, v = self._qkv(hidden)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def forward_fused(
-        self,
-        ops: Any,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """``forward`` with the rotary embedding applied in place by one C++ op;
-        cos, sin: [T, head_dim]."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self._qkv(hidden)
-        ops.rope_(q, k, cos, sin)
+        if ops is None:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        else:
+            ops.rope_(q, k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -269,7 +263,7 @@ class DecoderLayer(nn.Module):
             x = ops.rms_norm(hidden, norm1.weight, norm1.eps)
         else:
             x = ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
-        attn = self.self_attn.forward_fused(ops, x, cos, sin, kv_cache, meta)
+        attn = self.self_attn(x, cos, sin, kv_cache, meta, ops)
         x = ops.add_rms_norm(attn, residual, norm2.weight, norm2.eps)
         return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(x))), residual
 
@@ -327,9 +321,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(ops)
         if self.lm_head is None:
-            self.small_head = pack_small_weight(self.embed_tokens.weight, ops)
-            if self.small_head is None:
-                self.packed_head = pack_weight(self.embed_tokens.weight)
+            self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
         if self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16):
             self.fused_ops = ops
 
@@ -354,12 +346,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``
         leaves them in the head's dtype (for the sampler's greedy argmax, which needs no
         float32 copy)."""
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        else:
-            weight = self.embed_tokens.weight
-            ops = self.fused_ops if self.small_head is not None else None
-            logits = linear(hidden, weight, None, self.packed_head, self.small_head, ops)
+        logits = linear(hidden, *self._head(), self.fused_ops)
         return logits.float() if float32 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -367,10 +354,7 @@ class LlamaForCausalLM(nn.Module):
         inside the LM head without writing the logits (``small_gemm_argmax``: the same
         roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
         None where that kernel does not apply (then use ``compute_logits``)."""
-        if self.lm_head is not None:
-            packed, bias = self.lm_head.small, self.lm_head.bias
-        else:
-            packed, bias = self.small_head, None
+        _, bias, _, packed = self._head()
         if (
             packed is None
             or packed.dtype != torch.bfloat16
@@ -380,6 +364,14 @@ class LlamaForCausalLM(nn.Module):
         ):
             return None
         return self.fused_ops.small_gemm_argmax(hidden, packed, bias)
+
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:
+        """The LM head's (weight, bias, oneDNN copy, small-batch copy): the embedding's
+        when the two are tied."""
+        if self.lm_head is not None:
+            head = self.lm_head
+            return head.weight, head.bias, head.packed, head.small
+        return self.embed_tokens.weight, None, self.packed_head, self.small_head
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim], computed in float32 then cast (as transformers does)."""

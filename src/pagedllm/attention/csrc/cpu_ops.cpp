@@ -19,17 +19,15 @@
 #include <immintrin.h>
 #endif
 
+#include "vec.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
+using pagedllm_vec::to_float;
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using pagedllm_vec::exp512;
+using pagedllm_vec::from_bf16;
+using pagedllm_vec::load16;
 #endif
 
 template <typename T>
@@ -136,16 +134,12 @@ inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
 #endif
 }
 inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16m(const c10::BFloat16* p, __mmask16 m) {
-  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16m(const c10::BFloat16* p, __mmask16 m) { return from_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 // Round to T and back: where torch stores an intermediate in T.
 inline __m512 round_to(__m512 v, float*) { return v; }
 inline __m512 round_to(__m512 v, c10::BFloat16*) {
 #if defined(__AVX512BF16__)
-  __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  return from_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 #else
   alignas(64) float tmp[16];
   _mm512_store_ps(tmp, v);
@@ -155,23 +149,6 @@ inline __m512 round_to(__m512 v, c10::BFloat16*) {
 }
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u); }
 
-inline __m512 exp512_any(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 template <typename T>
@@ -350,7 +327,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
         for (int64_t i = 0; i < inter; i += 16) {
           const __mmask16 m = tail_mask(inter - i);
           const __m512 gv = load16m(g + i, m);
-          const __m512 e = exp512_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
           const __m512 silu = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                        static_cast<T*>(nullptr));
           store16(o + i, _mm512_mul_ps(silu, load16m(u + i, m)), m);

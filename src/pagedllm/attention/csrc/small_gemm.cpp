@@ -33,6 +33,7 @@
 #include <optional>
 
 #include "amx.h"
+#include "vec.h"
 
 namespace {
 
@@ -278,8 +279,7 @@ void bf16_groups(const Bf16Gemm& p, const at::Tensor& packed, int64_t g0, int64_
     const uint16_t* wg = w + g * p.k * COLS;
     __m512 bias16 = _mm512_setzero_ps();
     if (b != nullptr) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + g * COLS));
-      bias16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      bias16 = pagedllm_vec::load16(b + g * COLS);
     }
     for (int64_t r0 = 0; r0 < p.m; r0 += PASS_ROWS) {
       const int64_t rows = std::min(PASS_ROWS, p.m - r0);
@@ -290,7 +290,6 @@ void bf16_groups(const Bf16Gemm& p, const at::Tensor& packed, int64_t g0, int64_
 }
 
 inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
-inline __m512 from_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 #endif
 
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -345,7 +344,7 @@ at::Tensor small_gemm_argmax(const at::Tensor& x, const at::Tensor& packed, cons
       std::vector<__m512i> index(p.m);
       const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       bf16_groups(p, packed, g0, g1, [&](int64_t r, int64_t g, __m512 v) {
-        v = from_bf16(to_bf16(v));
+        v = pagedllm_vec::from_bf16(to_bf16(v));
         const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g * COLS)), lanes);
         if (g == g0) {
           value[r] = v;
