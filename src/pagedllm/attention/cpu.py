@@ -92,6 +92,8 @@ class CpuAttention:
         self.rows_per_task = rows_per_task
         self.bf16_dot = bf16_dot
         self.amx = amx and self._op is not None and bool(torch.ops.pagedllm.amx_available())
+        # (meta, long_max, kernel rows) of the step in progress: see _kernel_rows.
+        self._routes: tuple[AttentionMetadata, int, list[bool]] | None = None
 
     @property
     def uses_extension(self) -> bool:
@@ -117,10 +119,7 @@ class CpuAttention:
             long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
             tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
             rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
-            short = [
-                n <= self.max_kernel_query_len or s <= long_max
-                for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
-            ]
+            short = self._kernel_rows(meta, long_max)
             if any(short):
                 self._op(
                     out,
@@ -146,6 +145,17 @@ class CpuAttention:
         if rest:
             _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest, self._merge)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _kernel_rows(self, meta: AttentionMetadata, long_max: int) -> list[bool]:
+        """Which sequences the kernel takes (the rule of ``handled`` in the C++ source);
+        worked out once per step: every layer of a step passes the same ``meta``."""
+        if self._routes is None or self._routes[0] is not meta or self._routes[1] != long_max:
+            short = [
+                n <= self.max_kernel_query_len or s <= long_max
+                for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+            ]
+            self._routes = (meta, long_max, short)
+        return self._routes[2]
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (
