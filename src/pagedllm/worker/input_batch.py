@@ -71,17 +71,10 @@ def build_input_batch(
         chain.from_iterable(seq.token_ids for seq in scheduled), dtype=np.int64, count=num_tokens
     )
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
-    if num_tokens == num_seqs:  # plain decode: one token per sequence
-        starts[1:] = np.arange(1, num_seqs + 1)
-        seq_index = np.arange(num_seqs)
-        positions = first_position
-    else:
-        np.cumsum(q, out=starts[1:])
-        # Row r of sequence i holds position first_position[i] + (r - starts[i]).
-        seq_index = np.repeat(np.arange(num_seqs), q)
-        positions = (
-            np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
-        )
+    np.cumsum(q, out=starts[1:])
+    # Row r of sequence i holds position first_position[i] + (r - starts[i]).
+    seq_index = np.repeat(np.arange(num_seqs), q)
+    positions = np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size
     sampled = np.fromiter((seq.num_samples > 0 for seq in scheduled), dtype=bool, count=num_seqs)
