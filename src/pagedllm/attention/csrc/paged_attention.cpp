@@ -722,11 +722,21 @@ std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start
       for (int64_t g = 0; g < num_kv_heads; ++g) tasks.push_back({s, g, r0, r1, (first_pos + r1) * (r1 - r0)});
     }
   }
-  // Longest first, then dynamic hand-out: keeps both cores busy with uneven lengths. The kv
-  // heads of one (sequence, rows) stay adjacent: `task_groups` hands them out together.
-  std::sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
+  // Dynamic hand-out, sequences with the most work first (keeps both cores busy with uneven
+  // lengths), all of one sequence's tasks together: both cores then read the same context,
+  // which stays in cache across its row tasks. Interleaving sequences task by task (as a
+  // plain longest-task-first order does when lengths tie) made every task fetch a different
+  // context: 4 x 2048-token contexts with 256-row chunks ran 1.2-1.4x slower. Within a
+  // sequence, longest rows first; the kv heads of one (sequence, rows) stay adjacent:
+  // `task_groups` hands them out together.
+  std::vector<int64_t> seq_cost(num_seqs, 0);
+  for (const Task& t : tasks) seq_cost[t.seq] += t.cost;
+  std::sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {
+    if (x.seq != y.seq) {
+      if (seq_cost[x.seq] != seq_cost[y.seq]) return seq_cost[x.seq] > seq_cost[y.seq];
+      return x.seq < y.seq;
+    }
     if (x.cost != y.cost) return x.cost > y.cost;
-    if (x.seq != y.seq) return x.seq < y.seq;
     if (x.row_begin != y.row_begin) return x.row_begin < y.row_begin;
     return x.kv_head < y.kv_head;
   });
