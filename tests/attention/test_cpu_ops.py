@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.attention import cpu
+from pagedllm.attention.base import write_kv
 from pagedllm.attention.cpu import argmax_rows, build_extension, load_library
 
 needs_library = pytest.mark.skipif(not load_library(), reason="C++ kernels did not build")
@@ -162,3 +163,52 @@ def test_silu_mul_extreme_gates(dtype):
     torch.testing.assert_close(
         got, expected, atol=1e-30, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5
     )
+
+
+def _kv_step(dtype, tokens, seed=0):
+    """Caches with random contents, a fused qkv output's K/V views, distinct random slots."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (12, 16, 2, 64)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, 8 * 64 + 2 * 2 * 64, generator=gen).to(dtype)
+    _, key, value = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+    slots = torch.randperm(12 * 16, generator=gen)[:tokens]
+    return k_cache, v_cache, key.view(tokens, 2, 64), value.view(tokens, 2, 64), slots
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [0, 1, 64, 192])
+def test_write_kv_matches_the_reference(dtype, tokens):
+    k_cache, v_cache, key, value, slots = _kv_step(dtype, tokens, seed=tokens)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_ref, v_ref, slots)
+    torch.ops.pagedllm.write_kv_(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@needs_library
+def test_write_kv_rejects_bad_slots_and_layouts():
+    k_cache, v_cache, key, value, slots = _kv_step(torch.float32, 4)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pagedllm.write_kv_(k_cache, v_cache, key, value, torch.tensor([0, 1, 2, 12 * 16]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.pagedllm.write_kv_(k_cache, v_cache, key.bfloat16(), value.bfloat16(), slots)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.pagedllm.write_kv_(k_cache, v_cache, key, value, slots.int())
+    assert torch.equal(k_cache, before)  # nothing written by a rejected call
+
+
+@needs_library
+def test_backend_writes_through_the_reference_when_the_fast_copy_does_not_apply():
+    k_cache, v_cache, key, value, slots = _kv_step(torch.bfloat16, 8)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_ref, v_ref, slots)
+    backend = cpu.CpuAttention()
+    heads_apart = key.transpose(1, 2).contiguous().transpose(1, 2)  # head stride 1, dim stride 2
+    for k, v in ((key.float(), value.float()), (heads_apart, value)):  # fp32 into bf16; layout
+        k_out, v_out = k_cache.clone(), v_cache.clone()
+        backend._write_kv(k, v, k_out, v_out, slots)
+        assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)

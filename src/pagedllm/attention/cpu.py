@@ -86,6 +86,7 @@ class CpuAttention:
             raise ValueError("rows_per_task must be >= 1")
         self._op = None if use_extension is False else load_extension()
         self._merge = torch.ops.pagedllm.merge_attention if self._op is not None else None
+        self._write = torch.ops.pagedllm.write_kv_ if self._op is not None else None
         if use_extension is True and self._op is None:
             raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
         self.max_kernel_query_len = max_kernel_query_len
@@ -109,7 +110,7 @@ class CpuAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = torch.empty(q.shape, dtype=cache_dtype, device=q.device)
@@ -145,6 +146,31 @@ class CpuAttention:
         if rest:
             _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest, self._merge)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """``write_kv`` (the reference) or, where its layout conditions hold, the C++ row copy
+        (``write_kv_``: a few microseconds for a decode step instead of ~30 per index_copy_)."""
+        fast = (
+            self._write is not None
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and key.stride(2) == value.stride(2) == 1
+            and key.stride(1) == value.stride(1) == key.shape[2]
+            and slots.dtype == torch.int64
+            and slots.is_contiguous()
+        )
+        if fast:
+            self._write(k_cache, v_cache, key, value, slots)
+        else:
+            write_kv(key, value, k_cache, v_cache, slots)
 
     def _kernel_rows(self, meta: AttentionMetadata, long_max: int) -> list[bool]:
         """Which sequences the kernel takes (the rule of ``handled`` in the C++ source);
