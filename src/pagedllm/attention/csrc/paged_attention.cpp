@@ -282,14 +282,20 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
   __m512 vmax[16];
   for (int m = 0; m < 16; ++m) vmax[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t head0 = task.kv_head * a.group;
-  // B tiles: qt[c][p][n] = (q_n[32c + 2p], q_n[32c + 2p + 1]) for chunk c of 32 dims.
-  std::fill(qt, qt + 2 * 16 * 16, 0u);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t r = task.row_begin + m / a.group;
-    const uint32_t* qp = reinterpret_cast<const uint32_t*>(
-        a.query + (q0 + r) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head);
-    for (int c = 0; c < 2; ++c)
-      for (int p = 0; p < 16; ++p) qt[(c * 16 + p) * 16 + m] = qp[c * 16 + p];
+  // B tiles: qt[c][p][n] = (q_n[32c + 2p], q_n[32c + 2p + 1]) for chunk c of 32 dims: the
+  // query vectors' dim pairs transposed in registers (rows M..15 zero).
+  for (int c = 0; c < 2; ++c) {
+    __m512i r[16];
+    for (int64_t m = 0; m < 16; ++m) {
+      r[m] = _mm512_setzero_si512();
+      if (m < M) {
+        const int64_t row = task.row_begin + m / a.group;
+        const c10::BFloat16* qp = a.query + (q0 + row) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head;
+        r[m] = _mm512_loadu_si512(qp + 32 * c);
+      }
+    }
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(qt + (c * 16 + p) * 16, r[p]);
   }
   _tile_loadd(2, qt, 64);
   _tile_loadd(3, qt + 256, 64);
@@ -321,6 +327,14 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c + i * 16);
     transpose16(r);
+    if (t0 + 16 <= visible0) {  // every row sees all 16 keys (and they all exist)
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(r[m]), vscale);
+        _mm512_storeu_ps(sc + m * kmax + t0, v);
+        vmax[m] = _mm512_max_ps(vmax[m], v);
+      }
+      return;
+    }
     for (int64_t m = 0; m < M; ++m) {
       const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(r[m]), vscale);
       _mm512_mask_storeu_ps(sc + m * kmax + t0, valid, v);
@@ -396,13 +410,16 @@ inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off,
   for (int64_t t0 = 0; t0 < kmax; t0 += 32) {
     const uint32_t* b = shared ? shared + (t0 / 32) * 4 * 256 : scratch;
     if (!shared) interleave_v64(a, off, t0, kmax, scratch);
+    // B in tiles 1, 2, 3 (then 1 again): tiles are not renamed, so a load into the tile a
+    // multiply still reads waits for it; three tiles keep three multiplies in flight. (Tiles
+    // 2 and 3 held the scores pass's queries; it loads them again for every row tile.)
     _tile_loadd(0, probs + t0, width * 2);
     _tile_loadd(1, b + 0 * 256, 64);
+    _tile_loadd(2, b + 1 * 256, 64);
+    _tile_loadd(3, b + 2 * 256, 64);
     _tile_dpbf16ps(4, 0, 1);
-    _tile_loadd(1, b + 1 * 256, 64);
-    _tile_dpbf16ps(5, 0, 1);
-    _tile_loadd(1, b + 2 * 256, 64);
-    _tile_dpbf16ps(6, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(6, 0, 3);
     _tile_loadd(1, b + 3 * 256, 64);
     _tile_dpbf16ps(7, 0, 1);
   }
@@ -453,7 +470,13 @@ const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_of
 inline float exp_row_bf16(const float* row, int64_t n, int64_t kmax, float mx, uint16_t* dst) {
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < kmax; t += 16) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {  // keys the row sees (n <= kmax): no masks
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), vmx));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  for (; t < kmax; t += 16) {
     const int64_t seen = std::clamp<int64_t>(n - t, 0, 16);
     const __mmask16 mine = static_cast<__mmask16>(seen == 16 ? 0xFFFF : ((1u << seen) - 1u));
     const int64_t left = std::min<int64_t>(16, kmax - t);
