@@ -121,3 +121,39 @@ def test_argmax_ties_take_the_first_column_and_nan_wins():
         assert got.tolist() == ops.small_gemm(x, packed).argmax(-1).tolist() == [220] * 9
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_tiles
+@pytest.mark.parametrize("n", [16, 48, 3072])
+@pytest.mark.parametrize("m", [17, 32, 33, 48, 100, 256, 300])
+def test_register_blocks_at_the_edges(m, n):
+    # Blocks of 2 row tiles x 2 column groups: odd numbers of either, and a part-filled last
+    # row tile, go through the 1-tile blocks; over 256 rows, blocks of rows.
+    k = 64
+    w, x, bias = bf16(n, k, seed=n + 2), bf16(m, k, seed=m + 2), bf16(n, seed=k + 2)
+    packed = ops.pack_small_gemm(w)
+    for b in (None, bias):
+        got = ops.small_gemm(x, packed, b)
+        assert (got != F.linear(x, w, b)).float().mean().item() <= 1e-3
+        # Rows are independent: each equals the same row multiplied alone.
+        assert torch.equal(got[m - 1 :], ops.small_gemm(x[m - 1 :], packed, b))
+        assert torch.equal(ops.small_gemm_argmax(x, packed, b), got.argmax(-1))
+
+
+@needs_tiles
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_ties_across_column_group_pairs(threads):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # Groups of 16 columns are multiplied in pairs and 48 rows in blocks of 32 and 16:
+        # equal logits in both groups of a pair (17 and 30), in the next pair (40) and in the
+        # last, odd group (68), for rows of either row block.
+        w = bf16(80, 64, seed=5)
+        w[30] = w[40] = w[68] = w[17]
+        x = bf16(48, 64, seed=6) * 0 + w[17]
+        packed = ops.pack_small_gemm(w)
+        logits = ops.small_gemm(x, packed)
+        assert logits.argmax(-1).tolist() == ops.small_gemm_argmax(x, packed).tolist() == [17] * 48
+    finally:
+        torch.set_num_threads(saved)
