@@ -2,10 +2,10 @@
 
 Builds an engine on model (a) (see ``throughput.py``), admits 64 requests of the standard
 workload with room to decode, steps until all of them are decoding, then times N decode
-steps, split into: scheduling (``Scheduler.schedule``), building inputs
-(``build_input_batch``), forward (model body), logits (LM head, with its fused greedy argmax
-where the model has one), sampling, detokenizing,
-scheduler update, and the rest of ``LLMEngine.step``. Engine overhead = scheduling +
+steps, split into: scheduling (``Scheduler.schedule``), building inputs (the runner's
+``InputBuffers.build``, or ``build_input_batch`` for a runner without them), forward (model
+body), logits (LM head, with its fused greedy argmax where the model has one), sampling,
+detokenizing, scheduler update, and the rest of ``LLMEngine.step``. Engine overhead = scheduling +
 inputs + sampling + detokenizing + update + rest; goal <= 10% of step time. Steps are taken
 as ``LLM.generate`` takes them (``finished_only=True``: no output built for running requests,
 their text decoded when read); the text decode those steps defer is timed after them and
@@ -67,9 +67,12 @@ def instrument(llm: LLM, timers: Timers) -> None:
     model = runner.model
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update = timers.wrap("update", engine.scheduler.update)
-    model_runner_module.build_input_batch = timers.wrap(
-        "inputs", model_runner_module.build_input_batch
-    )
+    if hasattr(runner, "input_buffers"):  # the runner's persistent input buffers
+        runner.input_buffers.build = timers.wrap("inputs", runner.input_buffers.build)
+    else:
+        model_runner_module.build_input_batch = timers.wrap(
+            "inputs", model_runner_module.build_input_batch
+        )
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("logits", model.compute_logits)
     if hasattr(model, "greedy_tokens"):  # the LM head's fused argmax: logits work
@@ -142,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     deferred_start = timers.clock()
     for group in engine._groups.values():
         for seq in group.seqs.values():
-            seq.detokenizer.text  # noqa: B018 (reading the text decodes the pending tokens)
+            # Reading the text decodes the pending tokens (an engine that defers them to
+            # the request first hands them to the detokenizer).
+            hand_on = getattr(seq, "text_detokenizer", None)
+            detokenizer = hand_on() if hand_on is not None else seq.detokenizer
+            detokenizer.text  # noqa: B018
     deferred = timers.clock() - deferred_start
     timers.seconds["detokenize"] += deferred
     total += deferred

@@ -370,3 +370,40 @@ def test_admission_watermark_counts_revived_cached_blocks():
     assert kv.allocate_slots(b, b.num_tokens - 16, hit) == Allocation((4, 5, 6, 7, 8), ())
     assert kv.pool.num_free_blocks == 1
     kv.check_invariants()
+
+
+def test_block_table_tuple_is_the_same_object_until_the_table_changes():
+    """The worker skips rewriting an unchanged row by identity: the tuple view must be
+    reused while the table is unchanged and replaced whenever it changes."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=8)
+    req = make_request("a", range(6))
+    assert kv.block_table_tuple("a") == ()  # holds nothing yet
+    run_prompt(kv, req)
+    view = kv.block_table_tuple("a")
+    assert view == tuple(kv.block_table("a")) and len(view) == 2
+    assert decode(kv, req, 6) is not None  # token 7 fits in block 1
+    assert kv.block_table_tuple("a") is view
+    decode(kv, req, 7)
+    assert decode(kv, req, 8) is not None  # token 9 needs a third block
+    grown = kv.block_table_tuple("a")
+    assert grown is not view and grown == tuple(kv.block_table("a")) and len(grown) == 3
+    kv.check_invariants()  # also checks that no cached view is stale
+
+    child = make_request("c", range(6))
+    child.append_output_token_ids([6, 7, 8])
+    child.num_computed_tokens = req.num_computed_tokens
+    kv.fork(req, child)
+    assert kv.block_table_tuple("c") == grown
+    assert kv.allocate_slots(child, 1) is not None  # copy-on-write of the shared last block
+    assert kv.block_table_tuple("c") != grown
+    assert kv.block_table_tuple("a") is grown  # the parent's table did not change
+    kv.check_invariants()
+
+    assert kv.swap_out(req) is not None
+    assert kv.block_table_tuple("a") == ()
+    assert kv.swap_in(req) is not None
+    assert kv.block_table_tuple("a") == tuple(kv.block_table("a"))
+    kv.free(req)
+    kv.free(child)
+    assert kv.block_table_tuple("a") == () and kv.block_table_tuple("c") == ()
+    kv.check_invariants()

@@ -322,3 +322,23 @@ def test_finished_only_steps_return_the_same_final_outputs(fake_engine):
             assert output.finished and output.request_id not in got
             got[output.request_id] = output
     assert got == expected and set(got) == {"a", "b", "c"}
+
+
+def test_lazy_and_plain_steps_mixed_give_the_plain_outputs(fake_engine):
+    """Lazy steps leave the tokens of sequences without stop strings in the request, for
+    the detokenizer to take when the text is read: a plain step after lazy ones (and every
+    finished output) must show exactly what plain steps all along show."""
+    plain, mixed = fake_engine(), fake_engine()
+    for engine in (plain, mixed):
+        engine.add_request("a", "hello there", SamplingParams(max_tokens=11, ignore_eos=True))
+        engine.add_request("b", "hi", SamplingParams(max_tokens=9, ignore_eos=True, n=2))
+        engine.add_request("c", "x" * 40, SamplingParams(max_tokens=7, ignore_eos=True))
+        engine.add_request("d", "stop me", SamplingParams(max_tokens=12, stop=["e"]))
+    step = 0
+    while plain.has_unfinished_requests():
+        expected = plain.step()
+        lazy = step % 3 != 2
+        got = mixed.step(finished_only=lazy)
+        assert got == ([o for o in expected if o.finished] if lazy else expected), step
+        step += 1
+    assert not mixed.has_unfinished_requests()

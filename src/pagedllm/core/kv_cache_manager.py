@@ -108,6 +108,9 @@ class KVCacheManager:
         self._ref_counts = self.pool._ref_counts
         self.host_pool = BlockPool(num_host_blocks)
         self._tables: dict[str, list[int]] = {}
+        # Tuple views of `_tables`, built on demand and dropped when a table changes: the
+        # same object step after step while a table is unchanged (see `block_table_tuple`).
+        self._table_tuples: dict[str, tuple[int, ...]] = {}
         self._host_tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}  # tokens each table must hold
         # Full-block hashes, grown lazily, of requests holding blocks; a request still
@@ -210,6 +213,7 @@ class KVCacheManager:
             if table is None:
                 self._count_prefix_query(request, computed_blocks)
                 self._tables[request_id] = []
+                self._table_changed(request_id)
                 self._adopt_pending_hashes(request)
             if total > self._num_slots.get(request_id, 0):
                 self._num_slots[request_id] = total
@@ -238,6 +242,7 @@ class KVCacheManager:
                 copies.append((src, dst))
         table.extend(new_ids[len(cow_indices) :])
         self._tables[request_id] = table
+        self._table_changed(request_id)
         self._adopt_pending_hashes(request)
         self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
         return Allocation(tuple(new_ids), tuple(copies))
@@ -280,6 +285,7 @@ class KVCacheManager:
         table = self._tables.get(parent_id, [])
         self.pool.incref(table)
         self._tables[child_id] = list(table)
+        self._table_changed(child_id)
         self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
         parent_hashes = self._block_hashes.get(parent_id)
@@ -298,6 +304,7 @@ class KVCacheManager:
         on a request that holds nothing."""
         request_id = request.request_id
         table = self._tables.pop(request_id, None)
+        self._table_changed(request_id)
         if table:
             self.pool.decref(reversed(table))
         host_table = self._host_tables.pop(request_id, None)
@@ -344,6 +351,7 @@ class KVCacheManager:
                 self.host_pool.incref((host,))
             host_table.append(host)
         table = self._tables.pop(request_id, [])
+        self._table_changed(request_id)
         self.pool.decref(reversed(table))
         self._host_tables[request_id] = host_table
         self._num_registered[request_id] = 0
@@ -382,6 +390,7 @@ class KVCacheManager:
         host_table = self._host_tables.pop(request_id)
         self.host_pool.decref(reversed(host_table))
         self._tables[request_id] = table
+        self._table_changed(request_id)
         self._num_registered[request_id] = 0
         self.cache_full_blocks(request)
         return moves
@@ -391,6 +400,18 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """The request's device block table (a copy; empty if it holds none)."""
         return list(self._tables.get(request_id, ()))
+
+    def block_table_tuple(self, request_id: str) -> tuple[int, ...]:
+        """The request's device block table as a tuple (empty if it holds none): the same
+        object from call to call until the table changes, so a worker can tell an
+        unchanged table by identity and skip rewriting it."""
+        view = self._table_tuples.get(request_id)
+        if view is None:
+            table = self._tables.get(request_id)
+            if table is None:
+                return ()
+            view = self._table_tuples[request_id] = tuple(table)
+        return view
 
     def host_block_table(self, request_id: str) -> list[int]:
         return list(self._host_tables.get(request_id, ()))
@@ -466,6 +487,10 @@ class KVCacheManager:
                     f"block {block_id}: ref_count {pool.ref_count(block_id)}, "
                     f"held by {held[block_id]} tables"
                 )
+        for request_id, view in self._table_tuples.items():
+            assert view == tuple(self._tables.get(request_id, ())), (
+                f"{request_id}: stale block table tuple"
+            )
         for request_id, table in self._tables.items():
             hashes = self._block_hashes.get(request_id, ())
             for i, block_id in enumerate(table[: len(hashes)]):
@@ -498,6 +523,10 @@ class KVCacheManager:
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra_keys)
                 hashes.append(parent)
         return hashes
+
+    def _table_changed(self, request_id: str) -> None:
+        """Drop the tuple view of a table just created, changed or released."""
+        self._table_tuples.pop(request_id, None)
 
     def _count_prefix_query(self, request: Request, computed: ComputedBlocks | None) -> None:
         # Counted at admission, not in get_computed_blocks: a scheduler asks again every

@@ -1,4 +1,4 @@
-"""Plain frozen dataclasses that cross from the scheduler to the worker and back.
+"""Plain frozen records that cross from the scheduler to the worker and back.
 
 Nothing here holds a tensor: the worker is the only place block ids become tensors.
 """
@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
+class ScheduledSequence(NamedTuple):
     """One sequence's share of a step.
 
     The worker computes K/V for ``token_ids`` at positions
@@ -27,6 +26,10 @@ class ScheduledSequence:
     needed), 1 for a normal decode or last prompt chunk, and ``n`` when a parent
     of n parallel samples finishes its prompt (the sampler draws n tokens from
     the same logits; the scheduler then forks n-1 children).
+
+    A named tuple, not a frozen dataclass: one is built per running sequence per step,
+    and a frozen dataclass costs about three times as much to build (every field goes
+    through ``object.__setattr__``).
     """
 
     request_id: str

@@ -30,6 +30,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's
+    # own __hash__ is a Python call, paid by every set lookup below).
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISHED  # a set lookup: asked for every sequence every step

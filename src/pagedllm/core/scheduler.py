@@ -431,7 +431,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
         min_tokens = params.min_tokens if params is not None else 0
-        if request.num_output_tokens >= min_tokens:
+        num_output = request.num_output_tokens
+        if num_output >= min_tokens:
             ignore_eos = params is not None and params.ignore_eos
             if not ignore_eos and token_id == request.eos_token_id:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
@@ -441,7 +442,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         if (
-            request.num_output_tokens >= self._max_tokens(request)
+            num_output >= self._max_tokens(request)
             or request.num_tokens >= self.config.max_model_len
         ):
             self._finish(request, RequestStatus.FINISHED_LENGTH)
@@ -479,7 +480,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
             start_position=start,
-            block_table=tuple(self.kv.block_table(request.request_id)),
+            block_table=self.kv.block_table_tuple(request.request_id),
             num_samples=num_samples,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
@@ -488,7 +489,7 @@ class Scheduler:
 
     def _will_fork(self, request: Request) -> bool:
         """A parent of n>1 samples that has not sampled yet (children have)."""
-        return self._n(request) > 1 and request.num_output_tokens == 0
+        return request.num_output_tokens == 0 and self._n(request) > 1
 
     @staticmethod
     def _n(request: Request) -> int:

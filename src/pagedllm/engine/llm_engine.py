@@ -83,6 +83,22 @@ class _Sequence:
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # How many of the request's output tokens the detokenizer has been given: a lazy step
+    # on a sequence without stop strings leaves its tokens in the request, and they are
+    # handed on when the text is read (``text_detokenizer``).
+    num_detokenized: int = 0
+
+    def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
+        """The detokenizer, once given the request's output tokens before ``end``."""
+        if self.num_detokenized < end:
+            tokens = self.request.output_token_ids[self.num_detokenized : end]
+            self.num_detokenized = end
+            self.detokenizer.add_tokens(tokens, lazy=True)
+        return self.detokenizer
+
+    def text_detokenizer(self) -> IncrementalDetokenizer:
+        """The detokenizer, given every output token (read the text through this)."""
+        return self.detokenizer_through(len(self.request.output_token_ids))
 
 
 @dataclass(slots=True)
@@ -384,18 +400,28 @@ class LLMEngine:
         seq = group.seqs.get(index)
         if seq is None:
             seq = self._new_sequence(group, index, request)
+            # The detokenizer starts at this update's tokens.
+            seq.num_detokenized = len(request.output_token_ids) - len(update.new_token_ids)
         self._counters["generation"] += len(update.new_token_ids)
         if seq.logprobs is not None and update.new_logprobs:
             seq.logprobs.extend(update.new_logprobs)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
                 lp.logprob for lp in update.new_logprobs
             )
-        stop = seq.detokenizer.add_tokens(update.new_token_ids, lazy=lazy_text)
+        if lazy_text and not seq.detokenizer.stop:
+            # A lazy add without stop strings would only buffer the tokens, which the
+            # request holds anyway: leave them there until the text is read.
+            stop = None
+        else:
+            end = len(request.output_token_ids)  # this update's tokens included
+            new = update.new_token_ids
+            stop = seq.detokenizer_through(end - len(new)).add_tokens(new, lazy=lazy_text)
+            seq.num_detokenized = end
         if stop is not None:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             group.finish(seq, "stop", stop)
         elif request.is_finished:
-            seq.detokenizer.finish()
+            seq.text_detokenizer().finish()
             group.finish(seq, request.status.value, request.stop_reason)
         return group
 
@@ -438,9 +464,10 @@ class LLMEngine:
     @staticmethod
     def _completion(seq: _Sequence) -> CompletionOutput:
         finished = seq.finish_reason is not None
+        detokenizer = seq.text_detokenizer()
         return CompletionOutput(
             index=seq.index,
-            text=seq.detokenizer.text if finished else seq.detokenizer.visible_text,
+            text=detokenizer.text if finished else detokenizer.visible_text,
             token_ids=tuple(seq.request.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,

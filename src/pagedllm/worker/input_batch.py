@@ -51,18 +51,108 @@ def build_input_batch(
 
     Vectorised: each field is built with a few numpy operations over the whole batch (no
     per-token Python work, no small torch ops); ``build_input_batch_reference`` is the plain
-    construction it must equal.
+    construction it must equal. ``InputBuffers.build`` gives the same batch, reusing the
+    block-table rows of the previous step.
     """
     if not scheduled:
         raise ValueError("build_input_batch needs at least one scheduled sequence")
+    block_tables, table_lens = _padded_block_tables_np(scheduled)
+    return _build_from_tables(scheduled, block_tables, table_lens, block_size, device, num_blocks)
+
+
+class InputBuffers:
+    """A runner's block-table buffer, kept from step to step.
+
+    Continuous batching keeps most sequences in the same row from one step to the next,
+    and a decoding sequence's block table changes once every ``block_size`` tokens: row i
+    is rewritten only when its table is not the very tuple written there last step
+    (``KVCacheManager.block_table_tuple`` hands out the same tuple while a table is
+    unchanged). The buffer grows when a batch needs more rows or columns, never shrinks.
+
+    ``build`` returns what ``build_input_batch`` returns for the same arguments. On the
+    CPU the batch's ``block_tables`` may share the buffer: it is valid until the next
+    ``build``.
+    """
+
+    def __init__(self) -> None:
+        self._tables = np.zeros((0, 0), dtype=np.int32)  # rows beyond a table's end are 0
+        self._lengths = np.zeros(0, dtype=np.int64)  # each row's table length
+        self._written: list[tuple[int, ...] | None] = []  # the table each row holds
+
+    def build(
+        self,
+        scheduled: Sequence[ScheduledSequence],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        num_blocks: int | None = None,
+    ) -> InputBatch:
+        if not scheduled:
+            raise ValueError("build_input_batch needs at least one scheduled sequence")
+        block_tables, table_lens = self._block_tables(scheduled)
+        return _build_from_tables(
+            scheduled, block_tables, table_lens, block_size, device, num_blocks
+        )
+
+    def _block_tables(
+        self, scheduled: Sequence[ScheduledSequence]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """As ``_padded_block_tables_np``, rewriting only the rows whose table changed
+        (an unchanged row's table is not even read: its length is kept too)."""
+        num_seqs = len(scheduled)
+        self._reserve(num_seqs, 0)
+        written = self._written
+        for row, seq in enumerate(scheduled):
+            if written[row] is not seq.block_table:
+                self._write_row(row, seq.block_table)
+        lengths = self._lengths[:num_seqs]
+        width = int(lengths.max())
+        return np.ascontiguousarray(self._tables[:num_seqs, :width]), lengths
+
+    def _write_row(self, row: int, table: tuple[int, ...]) -> None:
+        length = len(table)
+        self._reserve(row + 1, length)
+        self._tables[row, :length] = table
+        self._tables[row, length:] = 0
+        self._lengths[row] = length
+        self._written[row] = table
+
+    def _reserve(self, num_rows: int, width: int) -> None:
+        """Grow the buffer (keeping its rows) to at least ``num_rows`` x ``width``."""
+        rows, columns = self._tables.shape
+        if num_rows <= rows and width <= columns:
+            return
+        new_rows = max(num_rows, rows)
+        grown = np.zeros((new_rows, max(width, 2 * columns)), dtype=np.int32)
+        grown[:rows, :columns] = self._tables
+        self._tables = grown
+        self._lengths = np.concatenate([self._lengths, np.zeros(new_rows - rows, np.int64)])
+        self._written.extend([None] * (new_rows - rows))
+
+
+def _build_from_tables(
+    scheduled: Sequence[ScheduledSequence],
+    block_tables: np.ndarray,
+    table_lens: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+    num_blocks: int | None,
+) -> InputBatch:
+    """The rest of ``build_input_batch``, given the padded block tables and their lengths."""
     num_seqs = len(scheduled)
     query_lens = [len(seq.token_ids) for seq in scheduled]
+    start_positions = [seq.start_position for seq in scheduled]
     q = np.array(query_lens, dtype=np.int64)
-    first_position = np.array([seq.start_position for seq in scheduled], dtype=np.int64)
+    first_position = np.array(start_positions, dtype=np.int64)
     seq_lens = first_position + q
-    block_tables, table_lens = _padded_block_tables_np(scheduled)
-    if q.min() == 0 or first_position.min() < 0 or (table_lens * block_size < seq_lens).any():
-        for seq, n, seq_len in zip(scheduled, query_lens, seq_lens.tolist(), strict=True):
+    seq_lens_list = seq_lens.tolist()
+    # The checks on Python lists where they can be: a numpy call costs more than a min over
+    # a few dozen ints.
+    if (
+        min(query_lens) == 0
+        or min(start_positions) < 0
+        or (table_lens * block_size < seq_lens).any()
+    ):
+        for seq, n, seq_len in zip(scheduled, query_lens, seq_lens_list, strict=True):
             _check_sequence(seq, n, seq_len, block_size)  # raises, naming the request
     if num_blocks is not None and int(block_tables.max()) >= num_blocks:
         raise ValueError(f"block id {int(block_tables.max())} >= num_blocks {num_blocks}")
@@ -86,9 +176,9 @@ def build_input_batch(
         seq_lens=_tensor(seq_lens.astype(np.int32), device),
         block_tables=_tensor(block_tables, device),
         query_lens_list=query_lens,
-        seq_lens_list=seq_lens.tolist(),
+        seq_lens_list=seq_lens_list,
         max_query_len=max(query_lens),
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max(seq_lens_list),
     )
     return InputBatch(
         input_ids=_tensor(input_ids, device),

@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.worker.allocator import keep_step_buffers
-from pagedllm.worker.input_batch import build_input_batch
+from pagedllm.worker.input_batch import InputBuffers
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
 
@@ -49,6 +49,7 @@ class TorchModelRunner:
         self.spec = KVCacheSpec.from_model_config(self.config, block_size, dtype)
         self.kv_cache = KVCache(self.spec, num_blocks, num_host_blocks, self.device)
         self.sampler = sampler or Sampler()
+        self.input_buffers = InputBuffers()
         self.vocab_size = self.config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,7 +99,8 @@ class TorchModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps, copies, forward, sampling; releases finished requests' sampler state."""
-        self.apply_block_moves(scheduler_output)
+        if scheduler_output.has_block_moves:
+            self.apply_block_moves(scheduler_output)
         scheduled = scheduler_output.scheduled
         if scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
@@ -133,7 +135,7 @@ class TorchModelRunner:
 
     def sampled_hidden(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Forward pass; the final hidden states [S, hidden] of the rows that sample."""
-        batch = build_input_batch(scheduled, self.block_size, self.device, self.num_blocks)
+        batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if batch.logits_indices.numel() == hidden.shape[0]:
