@@ -1,7 +1,4 @@
-"""Where the CPU engine's memory comes from: step buffers from the heap, the KV cache on
-huge pages.
-
-Step buffers (``keep_step_buffers``): kept in the heap instead of fresh pages from the kernel.
+"""Keep step-sized buffers in the heap instead of fresh pages from the kernel.
 
 glibc serves allocations above its mmap threshold (128 KiB, rising to at most 32 MiB as
 large blocks are freed) with fresh ``mmap`` pages, and gives freed heap tops back to the
@@ -17,9 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import sys
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -31,27 +25,18 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 64 << 20
 # Freed heap memory kept for the next step before any is returned to the kernel.
 TRIM_THRESHOLD = 512 << 20
-# Transparent huge pages (x86-64 Linux): size, and the madvise advice that asks for them.
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
 
 
 def keep_step_buffers() -> bool:
     """Tune glibc's malloc as described above; False (and nothing changed) where the C
     library is not glibc. Process-wide and idempotent."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -60,31 +45,3 @@ def keep_step_buffers() -> bool:
     if not ok:
         logger.info("mallopt refused the step-buffer settings; keeping malloc's defaults")
     return ok
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory the kernel is asked to back with transparent huge
-    pages (``madvise(MADV_HUGEPAGE)`` on a 2 MiB-aligned range, before the first touch).
-
-    For the KV cache: a decode step reads every context through its block table, one random
-    4 KiB block after another, so with small pages nearly every block costs a TLB miss and a
-    page walk; one 2 MiB entry covers 512 blocks. Measured on the decode kernel, 64 contexts of
-    400 tokens read from memory (not cache), one thread: 2.26 -> 1.93 ms (median of 12).
-    Where huge pages are unavailable (not Linux, THP ``never``, advice refused) the tensor is
-    an ordinary one; only the advice is lost.
-    """
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    libc = _libc() if sys.platform.startswith("linux") else None
-    if libc is None or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    region = raw[start : start + nbytes]
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    if libc.madvise(region.data_ptr(), nbytes, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-    return region.view(dtype).view(shape).zero_()

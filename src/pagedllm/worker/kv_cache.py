@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.worker.allocator import zeros_on_huge_pages
-
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -136,12 +134,8 @@ class KVCache:
 def allocate_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device, *, pin: bool = False
 ) -> KVPairs:
-    """Zeroed K and V per layer; zeros keep padding harmless and runs reproducible. On the
-    CPU, views of one allocation on transparent huge pages (``zeros_on_huge_pages``)."""
+    """Zeroed K and V per layer; zeros keep padding harmless and runs reproducible."""
     shape = (num_blocks, *spec.block_shape)
-    if device.type == "cpu" and not pin:
-        whole = zeros_on_huge_pages((spec.num_layers, 2, *shape), spec.dtype)
-        return [(layer[0], layer[1]) for layer in whole]
     return [
         (
             torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin),
