@@ -395,14 +395,15 @@ inline void interleave_v64(const Args<c10::BFloat16>& a, const int64_t* off, int
   }
 }
 
-// out[m][:] = sum_t p[m][t] v_t for head_dim 64, M <= 16. probs: [16][width] bf16, zero
+// ctile (4 C tiles) = sum_t p[m][t] v_t for head_dim 64, M <= 16, read out by store_row64.
+// probs: [16][width] bf16, zero
 // beyond M rows and kmax columns, width a multiple of 32. 32 keys per step: A = 16 x 32
 // probabilities, B = 4 tiles of interleave_v64's layout, C = 4 tiles. `shared` holds the
 // interleaved V of every step (built once for several row tiles); without it each step's
 // tiles are built in `scratch` as they are needed (one row tile: no second use to pay for).
 inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off, const uint32_t* shared,
-                               uint32_t* scratch, int64_t kmax, int64_t M, const uint16_t* probs, int64_t width,
-                               float* ctile, float* acc) {
+                               uint32_t* scratch, int64_t kmax, const uint16_t* probs, int64_t width,
+                               float* ctile) {
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -427,10 +428,24 @@ inline void weighted_sum_amx64(const Args<c10::BFloat16>& a, const int64_t* off,
   _tile_stored(5, ctile + 1 * 256, 64);
   _tile_stored(6, ctile + 2 * 256, 64);
   _tile_stored(7, ctile + 3 * 256, 64);
-  for (int64_t m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < 16; ++i)
-        acc[m * 64 + 32 * (j / 2) + (i / 4) * 8 + 4 * (j % 2) + i % 4] = ctile[j * 256 + m * 16 + i];
+}
+
+// Row m of weighted_sum_amx64's C tiles, times `scale`, as 64 bf16 at dst. Tile j holds, for
+// column i, dim 32 (j / 2) + (i / 4) 8 + 4 (j % 2) + i % 4 (interleave_v64's layout): each
+// half of the head is two tiles' rows merged four columns at a time.
+inline void store_row64(const float* ctile, int64_t m, float scale, c10::BFloat16* dst) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int half = 0; half < 2; ++half) {
+    const __m512 x = _mm512_loadu_ps(ctile + (2 * half) * 256 + m * 16);
+    const __m512 y = _mm512_loadu_ps(ctile + (2 * half + 1) * 256 + m * 16);
+    for (int q = 0; q < 2; ++q) {
+      const __m512 v = _mm512_mul_ps(_mm512_permutex2var_ps(x, q == 0 ? first : second, y), vscale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * half + 16 * q),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  }
 }
 #endif
 
@@ -509,7 +524,6 @@ void attend_amx64(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& b
     for (int64_t t0 = 0; t0 < kmax_task; t0 += 32)
       interleave_v64(a, off, t0, kmax_task, buf.vtiles.data() + (t0 / 32) * 4 * 256);
   }
-  buf.acc.resize(16 * D);
   for (int64_t r0 = task.row_begin; r0 < task.row_end; r0 += tile_rows) {
     const Task tile{s, task.kv_head, r0, std::min(task.row_end, r0 + tile_rows), 0};
     const int64_t M = (tile.row_end - r0) * a.group;
@@ -528,13 +542,11 @@ void attend_amx64(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& b
       if (m < M) inv_sum[m] = exp_row_bf16(sc + m * kmax, first_pos + r0 + m / a.group + 1, kmax, row_max[m], dst);
       std::fill(dst + (m < M ? kmax : 0), dst + width, uint16_t{0});
     }
-    weighted_sum_amx64(a, off, share_v ? buf.vtiles.data() : nullptr, buf.amx_b, kmax, M, buf.probs.data(), width,
-                       buf.amx_out, buf.acc.data());
+    weighted_sum_amx64(a, off, share_v ? buf.vtiles.data() : nullptr, buf.amx_b, kmax, buf.probs.data(), width,
+                       buf.amx_out);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t r = r0 + m / a.group;
-      c10::BFloat16* dst = a.out + (q0 + r) * a.out_stride_token + (head0 + m % a.group) * D;
-      const float* src = buf.acc.data() + m * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(src[d] * inv_sum[m]);
+      store_row64(buf.amx_out, m, inv_sum[m], a.out + (q0 + r) * a.out_stride_token + (head0 + m % a.group) * D);
     }
   }
 }
