@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -50,6 +52,19 @@ def test_build_failure_raises_and_loader_falls_back(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         build_extension(tmp_path)
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_old_builds_are_pruned_newest_kept(tmp_path):
+    for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" is the oldest
+        path = tmp_path / f"pagedllm_cpu_{name}.so"
+        path.write_bytes(b"")
+        os.utime(path, (1_000_000 - age * 100, 1_000_000 - age * 100))
+    (tmp_path / "unrelated.so").write_bytes(b"")
+    removed = cpu.prune_builds(tmp_path, keep=3)
+    assert sorted(p.name for p in removed) == ["pagedllm_cpu_a.so", "pagedllm_cpu_b.so"]
+    left = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert left == ["pagedllm_cpu_c.so", "pagedllm_cpu_d.so", "pagedllm_cpu_e.so", "unrelated.so"]
+    assert cpu.prune_builds(tmp_path, keep=3) == []
 
 
 def test_disabled_extension_uses_torch_path(monkeypatch):

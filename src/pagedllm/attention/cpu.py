@@ -4,8 +4,9 @@ Decode and short query chunks go to a C++ kernel (``csrc/paged_attention.cpp``) 
 straight through the block tables: no contiguous copy of any context, one pass over each
 cached row per group of query heads (GQA), fp32 accumulation, torch's intra-op threads. The
 kernel is compiled with the system C++ compiler on first use and cached under
-``$PAGEDLLM_CACHE/extensions`` (default ``~/.cache/pagedllm``); if the build fails the
-backend falls back to a pure-torch path with the same results.
+``$PAGEDLLM_CACHE/extensions`` (default ``~/.cache/pagedllm``; the newest ``KEPT_BUILDS``
+builds are kept); if the build fails the backend falls back to a pure-torch path with the
+same results.
 
 Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
 64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens; otherwise to
@@ -428,7 +429,27 @@ def build_extension(directory: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune_builds(directory, keep=KEPT_BUILDS)
     return target
+
+
+# Builds kept in the cache directory: each source change makes a new one (and another
+# checkout or torch version may still use an older one, so not just the newest).
+KEPT_BUILDS = 4
+
+
+def prune_builds(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` most recently built libraries in ``directory``; returns
+    what was deleted. A process that loaded a deleted library keeps its mapping."""
+    builds = sorted(directory.glob("pagedllm_cpu_*.so"), key=lambda p: p.stat().st_mtime)
+    removed = []
+    for old in builds[: max(0, len(builds) - keep)]:
+        try:
+            old.unlink()
+            removed.append(old)
+        except OSError:
+            pass  # another process removed it first
+    return removed
 
 
 def _cpu_flags() -> str:
