@@ -1,4 +1,5 @@
-"""keep_step_buffers: large step buffers come from the heap, not fresh kernel mappings."""
+"""The CPU engine's memory: large step buffers come from the heap, not fresh kernel mappings;
+the KV cache sits on transparent huge pages where the kernel offers them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from pagedllm.worker.allocator import HUGE_PAGE, zeros_on_huge_pages
+from pagedllm.worker.kv_cache import KVCacheSpec, allocate_caches
 
 PROBE = textwrap.dedent(
     """
@@ -49,3 +54,50 @@ def _mapped(mode: str) -> bool:
 def test_step_sized_buffers_stay_in_the_heap():
     assert _mapped("default")  # glibc maps a fresh 12 MB block by default...
     assert not _mapped("tuned")  # ...and serves it from the heap once tuned
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_kib_of_range(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings that overlap [start, end)."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as handle:
+        for line in handle:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(x, 16) for x in first.split("-"))
+                overlaps = low < end and start < high
+            elif overlaps and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_huge_page_tensor_is_zeroed_aligned_and_contiguous():
+    t = zeros_on_huge_pages((64, 16, 2, 64), torch.bfloat16)  # 256 KiB: below one huge page
+    assert t.shape == (64, 16, 2, 64) and t.dtype == torch.bfloat16 and not t.any()
+    big = zeros_on_huge_pages((3, 1 << 20), torch.float32)  # 12 MiB
+    assert big.is_contiguous() and not big.any()
+    if sys.platform.startswith("linux"):
+        assert big.data_ptr() % HUGE_PAGE == 0
+    big.fill_(1.0)
+    assert big.sum().item() == 3 * (1 << 20)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_kv_cache_is_backed_by_huge_pages():
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16
+    )
+    caches = allocate_caches(spec, 2048, torch.device("cpu"))  # 4 views of 8 MiB each
+    start = caches[0][0].data_ptr()
+    end = caches[-1][1].data_ptr() + caches[-1][1].numel() * 2
+    assert end - start == 4 * 2048 * spec.bytes_per_block // (2 * spec.num_layers)
+    assert _huge_kib_of_range(start, end) > 0  # faulted in at allocation
+    assert all(k.is_contiguous() and v.is_contiguous() and not k.any() for k, v in caches)

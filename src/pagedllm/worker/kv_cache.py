@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.worker.allocator import zeros_on_huge_pages
+
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -134,8 +136,12 @@ class KVCache:
 def allocate_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device, *, pin: bool = False
 ) -> KVPairs:
-    """Zeroed K and V per layer; zeros keep padding harmless and runs reproducible."""
+    """Zeroed K and V per layer; zeros keep padding harmless and runs reproducible. On the
+    CPU, views of one allocation on transparent huge pages (``zeros_on_huge_pages``)."""
     shape = (num_blocks, *spec.block_shape)
+    if device.type == "cpu" and not pin:
+        whole = zeros_on_huge_pages((spec.num_layers, 2, *shape), spec.dtype)
+        return [(layer[0], layer[1]) for layer in whole]
     return [
         (
             torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin),
