@@ -49,8 +49,8 @@ def assert_decode_less_waiting_bytes(
 
 
 def check_lazy_against_full_decode(tokenizer: Any, vocab: int, seed: int) -> None:
-    """Tokens added lazily in random runs, the text read at random moments: the same
-    contract as token by token."""
+    """Tokens added in random runs, each decoded as one window, the text read at random
+    moments: the same contract as token by token."""
     rng = random.Random(seed)
     prompt = tokenizer.encode("a prompt: ")[: rng.randrange(0, 8)]
     detok = IncrementalDetokenizer(tokenizer, prompt)
@@ -58,7 +58,7 @@ def check_lazy_against_full_decode(tokenizer: Any, vocab: int, seed: int) -> Non
     for _ in range(rng.randrange(1, 30)):
         run = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
         output += run
-        detok.add_tokens(run, lazy=True)
+        detok.add_tokens(run, one_window=True)
         if rng.random() < 0.5:
             assert_decode_less_waiting_bytes(detok, tokenizer, output, True, seed)
     assert detok.finish() == tokenizer.decode(output, skip_special_tokens=True)
@@ -71,7 +71,7 @@ def test_lazy_runs_match_full_decode(tokenizer: Any, seed: int) -> None:
 
 def test_lazy_is_ignored_with_stop_strings(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], stop=("b",))
-    assert detok.add_tokens(tokenizer.encode("aab"), lazy=True) == "b"
+    assert detok.add_tokens(tokenizer.encode("aab"), one_window=True) == "b"
     assert detok.text == "aa"
 
 

@@ -78,16 +78,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode of [prefix_offset, read_offset)
-        self._text = ""
-        self._pending: list[int] = []  # lazily added tokens, decoded when the text is read
+        self.text = ""
         self.stop_reason: str | None = None
         self._max_stop = max((len(s) for s in self.stop), default=0)
-
-    @property
-    def text(self) -> str:
-        """The text so far (decoding lazily added tokens first)."""
-        self._flush()
-        return self._text
 
     @property
     def visible_text(self) -> str:
@@ -96,59 +89,56 @@ class IncrementalDetokenizer:
             return self.text
         return self.text[: max(0, len(self.text) - (self._max_stop - 1))]
 
-    def add_tokens(self, token_ids: Sequence[int], *, lazy: bool = False) -> str | None:
+    def add_tokens(self, token_ids: Sequence[int], *, one_window: bool = False) -> str | None:
         """Append tokens; returns the stop string if one now appears (the text is then
         cut before it, or after it with ``include_stop_str_in_output``).
 
-        ``lazy`` (no stop strings only): keep the tokens and decode them together when the
-        text is next read — one decode for many tokens, for callers that read the text only
-        at the end (offline generation)."""
+        ``one_window`` (no stop strings only): decode the tokens together, one decode for
+        many tokens — for a caller that held them back until the text was wanted (the
+        engine's offline steps). Without it each token is decoded in turn."""
         if self.tokenizer is None or self.stop_reason is not None:
             return self.stop_reason
-        if lazy and not self.stop:
-            self._pending.extend(token_ids)
+        if one_window and not self.stop:
+            self._decode_window(token_ids)
             return None
-        self._flush()
         for token_id in token_ids:
             self._tokens.append(token_id)
             new_text = self._decode_new()
             if new_text:  # no new text, no new stop string
-                before = len(self._text)
-                self._text += new_text
+                before = len(self.text)
+                self.text += new_text
                 if self.stop and self._find_stop(before):
                     return self.stop_reason
         return None
 
     def finish(self) -> str:
         """The final text: flush characters still waiting for more bytes."""
-        self._flush()
         pending = self._read_offset < len(self._tokens)
         if self.tokenizer is not None and self.stop_reason is None and pending:
-            before = len(self._text)
-            self._text += self._decode_new(final=True)
+            before = len(self.text)
+            self.text += self._decode_new(final=True)
             if self.stop:
                 self._find_stop(before)
-        return self._text
+        return self.text
 
     # ------------------------------------------------------------------ internals
 
-    def _flush(self) -> None:
-        """Decode the lazily added tokens in one window (no stop strings to look for).
-        When the window ends inside a character, the tokens go one by one instead, so the
-        complete characters before it still show (rare: non-ASCII text cut mid-character)."""
-        if not self._pending:
+    def _decode_window(self, token_ids: Sequence[int]) -> None:
+        """Decode tokens in one window (no stop strings to look for). When the window ends
+        inside a character, the tokens go one by one instead, so the complete characters
+        before it still show (rare: non-ASCII text cut mid-character)."""
+        if not token_ids:
             return
-        ids, self._pending = self._pending, []
-        self._tokens.extend(ids)
+        self._tokens.extend(token_ids)
         new_text = self._decode_new()
         if new_text or self._read_offset == len(self._tokens):
-            self._text += new_text
+            self.text += new_text
             return
         # Nothing read: the offsets and the cached prefix still describe the tokens before.
-        del self._tokens[-len(ids) :]
-        for token_id in ids:
+        del self._tokens[-len(token_ids) :]
+        for token_id in token_ids:
             self._tokens.append(token_id)
-            self._text += self._decode_new()
+            self.text += self._decode_new()
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         if self._backend_decode is not None:
@@ -184,12 +174,12 @@ class IncrementalDetokenizer:
         best: tuple[int, str] | None = None
         for stop in self.stop:
             begin = max(0, new_start - len(stop) + 1)
-            index = self._text.find(stop, begin)
+            index = self.text.find(stop, begin)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:
             return False
         index, stop = best
-        self._text = self._text[: index + len(stop) if self.include_stop_str_in_output else index]
+        self.text = self.text[: index + len(stop) if self.include_stop_str_in_output else index]
         self.stop_reason = stop
         return True

@@ -85,7 +85,7 @@ class _Sequence:
     stop_reason: int | str | None = None
     # How many of the request's output tokens the detokenizer has been given: a lazy step
     # on a sequence without stop strings leaves its tokens in the request, and they are
-    # handed on when the text is read (``text_detokenizer``).
+    # handed on, decoded as one window, when the text is read (``text_detokenizer``).
     num_detokenized: int = 0
 
     def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
@@ -93,7 +93,7 @@ class _Sequence:
         if self.num_detokenized < end:
             tokens = self.request.output_token_ids[self.num_detokenized : end]
             self.num_detokenized = end
-            self.detokenizer.add_tokens(tokens, lazy=True)
+            self.detokenizer.add_tokens(tokens, one_window=True)
         return self.detokenizer
 
     def text_detokenizer(self) -> IncrementalDetokenizer:
@@ -409,13 +409,12 @@ class LLMEngine:
                 lp.logprob for lp in update.new_logprobs
             )
         if lazy_text and not seq.detokenizer.stop:
-            # A lazy add without stop strings would only buffer the tokens, which the
-            # request holds anyway: leave them there until the text is read.
+            # Nothing can stop on text: leave the tokens in the request until it is read.
             stop = None
         else:
             end = len(request.output_token_ids)  # this update's tokens included
             new = update.new_token_ids
-            stop = seq.detokenizer_through(end - len(new)).add_tokens(new, lazy=lazy_text)
+            stop = seq.detokenizer_through(end - len(new)).add_tokens(new)
             seq.num_detokenized = end
         if stop is not None:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
