@@ -33,6 +33,10 @@ using pagedllm_vec::to_float;
 using pagedllm_vec::exp512;
 using pagedllm_vec::from_bf16;
 using pagedllm_vec::load16;
+using pagedllm_vec::tail_mask;
+#endif
+#if defined(__AVX512BF16__)
+using pagedllm_vec::to_bf16;
 #endif
 
 template <typename T>
@@ -130,7 +134,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
 #if defined(__AVX512BF16__)
-  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  _mm256_mask_storeu_epi16(p, m, to_bf16(v));
 #else
   alignas(64) float tmp[16];
   _mm512_store_ps(tmp, v);
@@ -144,7 +148,7 @@ inline __m512 load16m(const c10::BFloat16* p, __mmask16 m) { return from_bf16(_m
 inline __m512 round_to(__m512 v, float*) { return v; }
 inline __m512 round_to(__m512 v, c10::BFloat16*) {
 #if defined(__AVX512BF16__)
-  return from_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  return from_bf16(to_bf16(v));
 #else
   alignas(64) float tmp[16];
   _mm512_store_ps(tmp, v);
@@ -152,7 +156,6 @@ inline __m512 round_to(__m512 v, c10::BFloat16*) {
   return _mm512_load_ps(tmp);
 #endif
 }
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u); }
 
 #endif
 

@@ -75,6 +75,10 @@ using pagedllm_vec::to_float;
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
+using pagedllm_vec::tail_mask;
+#if defined(__AVX512BF16__)
+using pagedllm_vec::to_bf16;
+#endif
 
 // Blocks sit at random addresses, so the hardware prefetcher stops at every block edge:
 // ask for the rows of a block ahead of time.
@@ -142,7 +146,7 @@ inline float softmax_exp_row(float* row, int64_t n, int64_t width) {
     vsum = _mm512_add_ps(vsum, e);
   }
   if (t < n) {
-    __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __mmask16 m = tail_mask(n - t);
     __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), vmx));
     e = _mm512_maskz_mov_ps(m, e);
     _mm512_mask_storeu_ps(row + t, m, e);
@@ -158,7 +162,7 @@ inline void softmax_row(float* row, int64_t n, int64_t width) {
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) _mm512_storeu_ps(row + t, _mm512_mul_ps(_mm512_loadu_ps(row + t), inv));
   if (t < n) {
-    __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __mmask16 m = tail_mask(n - t);
     _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), inv));
   }
 }
@@ -323,7 +327,7 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
   const __m512 vscale = _mm512_set1_ps(a.scale);
   auto extract = [&](int64_t t0, const float* c) {
     const int64_t n = std::min<int64_t>(16, kmax - t0);
-    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : ((1u << n) - 1u));
+    const __mmask16 valid = tail_mask(n);
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c + i * 16);
     transpose16(r);
@@ -338,8 +342,7 @@ inline void scores_amx64(const Args<c10::BFloat16>& a, const Task& task, const i
     for (int64_t m = 0; m < M; ++m) {
       const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(r[m]), vscale);
       _mm512_mask_storeu_ps(sc + m * kmax + t0, valid, v);
-      const int64_t seen = std::clamp<int64_t>(visible0 + m / a.group - t0, 0, 16);
-      const __mmask16 mine = static_cast<__mmask16>(seen == 16 ? 0xFFFF : ((1u << seen) - 1u));
+      const __mmask16 mine = tail_mask(visible0 + m / a.group - t0);
       vmax[m] = _mm512_mask_max_ps(vmax[m], valid & mine, vmax[m], v);
     }
   };
@@ -443,7 +446,7 @@ inline void store_row64(const float* ctile, int64_t m, float scale, c10::BFloat1
     for (int q = 0; q < 2; ++q) {
       const __m512 v = _mm512_mul_ps(_mm512_permutex2var_ps(x, q == 0 ? first : second, y), vscale);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * half + 16 * q),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+                          to_bf16(v));
     }
   }
 }
@@ -489,17 +492,15 @@ inline float exp_row_bf16(const float* row, int64_t n, int64_t kmax, float mx, u
   for (; t + 16 <= n; t += 16) {  // keys the row sees (n <= kmax): no masks
     const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), vmx));
     vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t), to_bf16(e));
   }
   for (; t < kmax; t += 16) {
-    const int64_t seen = std::clamp<int64_t>(n - t, 0, 16);
-    const __mmask16 mine = static_cast<__mmask16>(seen == 16 ? 0xFFFF : ((1u << seen) - 1u));
-    const int64_t left = std::min<int64_t>(16, kmax - t);
-    const __mmask16 valid = static_cast<__mmask16>(left == 16 ? 0xFFFF : ((1u << left) - 1u));
+    const __mmask16 mine = tail_mask(n - t);
+    const __mmask16 valid = tail_mask(kmax - t);
     __m512 e = _mm512_setzero_ps();
     if (mine) e = _mm512_maskz_mov_ps(mine, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mine, row + t), vmx)));
     vsum = _mm512_add_ps(vsum, e);
-    _mm256_mask_storeu_epi16(dst + t, valid, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    _mm256_mask_storeu_epi16(dst + t, valid, to_bf16(e));
   }
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
@@ -590,7 +591,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
       for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(kc + off[t0 + (i < n ? i : 0)] + 32 * c);
       transpose16(r);
     }
-    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : ((1u << n) - 1u));
+    const __mmask16 valid = tail_mask(n);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t r = task.row_begin + m / a.group;
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(
@@ -617,7 +618,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
     int64_t t = 0;
     for (; t + 16 <= kmax; t += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + t), vinv))));
+                          to_bf16(_mm512_mul_ps(_mm512_loadu_ps(row + t), vinv)));
     for (; t < kmax; ++t) dst[t] = c10::BFloat16(row[t] * inv).x;
   }
   // Pass 2: sum of p_t * v_t, two keys per instruction.
@@ -939,7 +940,7 @@ void merge_rows(const at::Tensor& out, const at::Tensor& o1, const at::Tensor& l
           for (; d + 16 <= D; d += 16) {
             const __m512 b = load16(y + d);
             const __m512 r = _mm512_add_ps(b, _mm512_mul_ps(_mm512_sub_ps(load16(x + d), b), vw));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(r));
           }
         }
 #endif

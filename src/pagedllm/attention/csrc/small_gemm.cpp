@@ -321,7 +321,7 @@ void bf16_groups(const Bf16Gemm& p, const at::Tensor& packed, int64_t g0, int64_
   }
 }
 
-inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+using pagedllm_vec::to_bf16;
 #endif
 
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {

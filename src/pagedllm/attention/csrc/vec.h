@@ -3,6 +3,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
+
 namespace pagedllm_vec {
 
 inline float to_float(float x) { return x; }
@@ -18,6 +20,11 @@ namespace pagedllm_vec {
 // 16 bf16 values (raw bits) as fp32: a bf16 is the upper half of its fp32.
 inline __m512 from_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lanes [0, n) of a 16-lane vector (all for n >= 16, none for n <= 0).
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1u));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -45,6 +52,11 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+#if defined(__AVX512BF16__)
+// 16 fp32 values rounded to bf16 (nearest even), as raw bits.
+inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+#endif
 
 }  // namespace pagedllm_vec
 #endif
