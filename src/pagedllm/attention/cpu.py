@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata, write_kv
-from pagedllm.attention.reference import causal_mask
+from pagedllm.attention.reference import causal_mask, gather_context
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +224,10 @@ def _decode_torch(
     max_len = max(meta.seq_lens_list[i] for i in seqs)
     block_size = k_cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[seqs, :num_blocks].long()
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    blocks = meta.block_tables[seqs, :num_blocks].reshape(-1).long()
+    shape = (len(seqs), -1, k_cache.shape[2], k_cache.shape[3])
+    k = torch.index_select(k_cache, 0, blocks).view(shape).transpose(1, 2)
+    v = torch.index_select(v_cache, 0, blocks).view(shape).transpose(1, 2)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
     o = F.scaled_dot_product_attention(
         q[rows].unsqueeze(2),
@@ -273,8 +273,8 @@ def _prefill_sdpa(
             prefix = (k_cache, v_cache, meta.block_tables[i], seq_len - query_len)
             _attend_after_prefix(out[rows], qi, k_new, v_new, prefix, scale, merge)
         else:
-            k = _gather(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
-            v = _gather(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
+            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
+            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)[None]
             mask = causal_mask(query_len, seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -302,8 +302,8 @@ def _attend_after_prefix(
     less work than one masked call over the whole context, and no mask to build.
     """
     k_cache, v_cache, table, prefix_len = prefix
-    k = _gather(k_cache, table, prefix_len).transpose(0, 1)[None]
-    v = _gather(v_cache, table, prefix_len).transpose(0, 1)[None]
+    k = gather_context(k_cache, table, prefix_len).transpose(0, 1)[None]
+    v = gather_context(v_cache, table, prefix_len).transpose(0, 1)[None]
     o_prefix, lse_prefix = _FLASH_WITH_LSE(qi, k, v, scale=scale)
     o_chunk, lse_chunk = _FLASH_WITH_LSE(qi, k_new, v_new, is_causal=True, scale=scale)
     # [1, H, T, D] -> [T, H, D] and [1, H, T] -> [T, H] (views).
@@ -323,14 +323,6 @@ def _merge_torch(
     w = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
     base = o2.float()
     out.copy_(base + (o1.float() - base) * w)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Positions 0..length-1 of one sequence, [length, num_kv_heads, head_dim]: one copy
-    (``index_select`` is several times faster than advanced indexing here)."""
-    num_blocks = -(-length // cache.shape[1])
-    blocks = torch.index_select(cache, 0, block_table[:num_blocks].long())
-    return blocks.view(-1, cache.shape[2], cache.shape[3])[:length]
 
 
 def cache_dir() -> Path:

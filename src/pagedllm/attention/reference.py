@@ -12,11 +12,11 @@ from pagedllm.attention.base import AttentionMetadata, write_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """K or V of positions 0..seq_len-1 of one sequence: [seq_len, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    """K or V of positions 0..seq_len-1 of one sequence: [seq_len, num_kv_heads, head_dim];
+    one copy (``index_select`` is several times faster than advanced indexing here)."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    blocks = torch.index_select(cache, 0, block_table[:num_blocks].long())
+    return blocks.view(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
