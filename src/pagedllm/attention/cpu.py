@@ -18,6 +18,7 @@ causally in two mask-free calls, merged by their log-sum-exp.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -433,14 +434,18 @@ KEPT_BUILDS = 4
 def prune_builds(directory: Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` most recently built libraries in ``directory``; returns
     what was deleted. A process that loaded a deleted library keeps its mapping."""
-    builds = sorted(directory.glob("pagedllm_cpu_*.so"), key=lambda p: p.stat().st_mtime)
+    builds = []
+    for path in directory.glob("pagedllm_cpu_*.so"):
+        with contextlib.suppress(OSError):  # another process removed it first
+            builds.append((path.stat().st_mtime, path))
+    builds.sort()
     removed = []
-    for old in builds[: max(0, len(builds) - keep)]:
+    for _, path in builds[: max(0, len(builds) - keep)]:
         try:
-            old.unlink()
-            removed.append(old)
+            path.unlink()
+            removed.append(path)
         except OSError:
-            pass  # another process removed it first
+            pass
     return removed
 
 

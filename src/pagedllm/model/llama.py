@@ -12,8 +12,8 @@ the plain code's results: linear weights pre-packed in the layout of pagedllm's 
 kernel (``small_gemm``, for up to 256 rows: the decode steps, which stream every weight from
 memory; bf16 on the tile unit, 1.3-2x faster than oneDNN there, outputs equal but for rare
 one-ulp differences in the order of the sums; float32 with AVX-512, up to 2.4x faster than
-MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer
-ops from
+MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout
+(identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer ops from
 ``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
 which round where the torch expressions round.
 """
@@ -37,8 +37,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # Up to this many rows (the default max_num_seqs: every decode batch), linears run on
 # pagedllm's small-batch kernel (``small_gemm``: AMX for bf16, AVX-512 for float32), which
 # streams decode-step weights faster than oneDNN and MKL (all 33 bf16 linears of the
-# benchmark model, 2 threads: 5.2 vs 6.4 ms oneDNN-packed vs 9.8 ms plain at 64 rows, 30.9
-# vs 39.1 vs 43.3 ms at 256); more rows (prefill) go to torch.
+# benchmark model, 2 threads, before its 2 x 2 tile blocks: 5.2 vs 6.4 ms oneDNN-packed vs
+# 9.8 ms plain at 64 rows, 30.9 vs 39.1 vs 43.3 ms at 256; the blocks took 256 rows from
+# 20.9 to 14.4 ms); more rows (prefill) go to torch, where oneDNN is as fast (512-2048 rows).
 SMALL_GEMM_MAX_ROWS = 256
 
 
