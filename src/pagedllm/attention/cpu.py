@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,14 @@ LONG_QUERY_MAX_SEQ_LEN = 2048
 # log-sum-exp once it has at least this many (query, key) pairs; below, the second call and
 # the merge cost more than the masked work they save (benchmarks/attention.py shapes).
 SPLIT_MIN_WORK = 1 << 17
+
+
+class _Route(NamedTuple):
+    """A step's split of its sequences between the kernel and SDPA."""
+
+    kernel: torch.Tensor  # bool [num_seqs]: the kernel computes these
+    any_kernel: bool
+    rest: list[int]  # sequences for SDPA
 
 
 class CpuAttention:
@@ -96,8 +104,8 @@ class CpuAttention:
         self.rows_per_task = rows_per_task
         self.bf16_dot = bf16_dot
         self.amx = amx and self._op is not None and bool(torch.ops.pagedllm.amx_available())
-        # (meta, long_max, kernel rows) of the step in progress: see _kernel_rows.
-        self._routes: tuple[AttentionMetadata, int, list[bool]] | None = None
+        # (meta, long_max, route) of the step in progress: see _route.
+        self._routes: tuple[AttentionMetadata, int, _Route] | None = None
 
     @property
     def uses_extension(self) -> bool:
@@ -123,8 +131,8 @@ class CpuAttention:
             long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
             tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
             rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
-            short = self._kernel_rows(meta, long_max)
-            if any(short):
+            route = self._route(meta, long_max)
+            if route.any_kernel:
                 self._op(
                     out,
                     q,
@@ -133,14 +141,13 @@ class CpuAttention:
                     _int32(meta.block_tables),
                     _int32(meta.seq_lens),
                     _int32(meta.query_start_loc),
+                    route.kernel,
                     scale,
-                    self.max_kernel_query_len,
                     rows,
                     self.bf16_dot,
                     self.amx,
-                    long_max,
                 )
-            rest = [i for i, ok in enumerate(short) if not ok]
+            rest = route.rest
         else:
             decode = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
             if decode:
@@ -175,15 +182,23 @@ class CpuAttention:
         else:
             write_kv(key, value, k_cache, v_cache, slots)
 
-    def _kernel_rows(self, meta: AttentionMetadata, long_max: int) -> list[bool]:
-        """Which sequences the kernel takes (the rule of ``handled`` in the C++ source);
-        worked out once per step: every layer of a step passes the same ``meta``."""
+    def _route(self, meta: AttentionMetadata, long_max: int) -> _Route:
+        """Which sequences the kernel takes (short queries, or any query over a context of
+        at most ``long_max`` tokens) and which go to SDPA; the kernel computes exactly those
+        it is given. Worked out once per step: every layer of a step passes the same meta."""
         if self._routes is None or self._routes[0] is not meta or self._routes[1] != long_max:
-            short = [
-                n <= self.max_kernel_query_len or s <= long_max
+            kernel = [
+                n > 0 and (n <= self.max_kernel_query_len or s <= long_max)
                 for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
             ]
-            self._routes = (meta, long_max, short)
+            route = _Route(
+                kernel=torch.tensor(kernel, dtype=torch.bool),
+                any_kernel=any(kernel),
+                rest=[
+                    i for i, (ok, n) in enumerate(zip(kernel, meta.query_lens_list)) if not ok and n
+                ],
+            )
+            self._routes = (meta, long_max, route)
         return self._routes[2]
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:

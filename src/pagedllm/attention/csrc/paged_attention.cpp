@@ -9,7 +9,7 @@
 //
 // The query of sequence i is the last query_len[i] positions of its seq_len[i]-token context;
 // query row r sits at position seq_len - query_len + r and sees keys 0 .. that position.
-// Sequences whose query_len exceeds `max_query_len` are skipped (left to the caller).
+// Only the sequences marked in `handled` are computed; the caller routes the others.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -739,19 +739,12 @@ void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& score
   }
 }
 
-// A sequence is ours when its query has at most max_query_len rows, or (longer queries)
-// when its context has at most long_max_seq_len tokens.
-inline bool handled(int64_t query_len, int64_t seq_len, int64_t max_query_len, int64_t long_max_seq_len) {
-  return query_len > 0 && (query_len <= max_query_len || seq_len <= long_max_seq_len);
-}
-
-std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs,
-                             int64_t num_kv_heads, int64_t max_query_len, int64_t rows_per_task,
-                             int64_t long_max_seq_len) {
+std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start_loc, const bool* handled,
+                             int64_t num_seqs, int64_t num_kv_heads, int64_t rows_per_task) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (!handled[s]) continue;
     const int64_t query_len = query_start_loc[s + 1] - query_start_loc[s];
-    if (!handled(query_len, seq_lens[s], max_query_len, long_max_seq_len)) continue;
     const int64_t first_pos = seq_lens[s] - query_len;
     for (int64_t r0 = 0; r0 < query_len; r0 += rows_per_task) {
       const int64_t r1 = std::min(query_len, r0 + rows_per_task);
@@ -858,8 +851,8 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 // out: [num_tokens, num_heads, head_dim], written only for the rows of sequences handled here.
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, int64_t max_query_len, int64_t rows_per_task, bool fast_bf16,
-                     bool use_amx, int64_t long_max_seq_len) {
+                     const at::Tensor& handled, double scale, int64_t rows_per_task, bool fast_bf16,
+                     bool use_amx) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -873,8 +866,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
   const int64_t num_seqs = seq_lens.size(0);
-  auto tasks = make_tasks(seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), num_seqs, num_kv_heads,
-                          max_query_len, std::max<int64_t>(1, rows_per_task), long_max_seq_len);
+  TORCH_CHECK(handled.scalar_type() == at::kBool && handled.is_contiguous() && handled.numel() == num_seqs,
+              "handled must be a bool tensor with one entry per sequence");
+  auto tasks = make_tasks(seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), handled.data_ptr<bool>(),
+                          num_seqs, num_kv_heads, std::max<int64_t>(1, rows_per_task));
   if (tasks.empty()) return;
 
   auto fill = [&](auto* tag) {
@@ -985,8 +980,8 @@ bool amx_available() {
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, int rows_per_task, "
-      "bool fast_bf16=True, bool use_amx=True, int long_max_seq_len=0) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, Tensor handled, float scale, int rows_per_task, "
+      "bool fast_bf16=True, bool use_amx=True) -> ()");
   m.def("amx_available() -> bool", &amx_available);
   m.def("merge_attention(Tensor(a!) out, Tensor o1, Tensor lse1, Tensor o2, Tensor lse2) -> ()");
 }
