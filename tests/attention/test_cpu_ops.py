@@ -217,6 +217,15 @@ def test_write_kv_rejects_bad_slots_and_layouts():
 
 
 @needs_library
+def test_backend_refuses_bad_slots_without_writing():
+    k_cache, v_cache, key, value, _ = _kv_step(torch.bfloat16, 4)
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.CpuAttention()._write_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 12 * 16]))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@needs_library
 def test_backend_writes_through_the_reference_when_the_fast_copy_does_not_apply():
     k_cache, v_cache, key, value, slots = _kv_step(torch.bfloat16, 8)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()

@@ -67,6 +67,10 @@ class _Route(NamedTuple):
     kernel: torch.Tensor  # bool [num_seqs]: the kernel computes these
     any_kernel: bool
     rest: list[int]  # sequences for SDPA
+    # The step's tables as the kernel takes them (int32, unit last stride).
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
 
 
 class CpuAttention:
@@ -124,7 +128,7 @@ class CpuAttention:
         self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
-        out = torch.empty(q.shape, dtype=cache_dtype, device=q.device)
+        out = q.new_empty(q.shape)
         if self._kernel_applies(q, k_cache):
             group = q.shape[1] // k_cache.shape[2]
             tiles = self.amx and self.bf16_dot and q.dtype == torch.bfloat16 and q.shape[2] == 64
@@ -138,9 +142,9 @@ class CpuAttention:
                     q,
                     k_cache,
                     v_cache,
-                    _int32(meta.block_tables),
-                    _int32(meta.seq_lens),
-                    _int32(meta.query_start_loc),
+                    route.block_tables,
+                    route.seq_lens,
+                    route.query_start_loc,
                     route.kernel,
                     scale,
                     rows,
@@ -165,21 +169,19 @@ class CpuAttention:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """``write_kv`` (the reference) or, where its layout conditions hold, the C++ row copy
-        (``write_kv_``: a few microseconds for a decode step instead of ~30 per index_copy_)."""
-        fast = (
-            self._write is not None
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-            and key.stride(2) == value.stride(2) == 1
-            and key.stride(1) == value.stride(1) == key.shape[2]
-            and slots.dtype == torch.int64
-            and slots.is_contiguous()
-        )
-        if fast:
+        """The C++ row copy (``write_kv_``: a few microseconds for a decode step instead of
+        ~30 per index_copy_) where its layout and dtype conditions hold, else ``write_kv``
+        (the reference). The op checks everything, every slot included, before it writes;
+        the conditions are checked here only when it refuses (checking them first took ~9 us
+        a layer): unmet, the reference writes; met, the slots were bad and its error stands."""
+        if self._write is None:
+            write_kv(key, value, k_cache, v_cache, slots)
+            return
+        try:
             self._write(k_cache, v_cache, key, value, slots)
-        else:
+        except RuntimeError:
+            if _fast_write_applies(key, value, k_cache, v_cache, slots):
+                raise
             write_kv(key, value, k_cache, v_cache, slots)
 
     def _route(self, meta: AttentionMetadata, long_max: int) -> _Route:
@@ -197,6 +199,9 @@ class CpuAttention:
                 rest=[
                     i for i, (ok, n) in enumerate(zip(kernel, meta.query_lens_list)) if not ok and n
                 ],
+                block_tables=_int32(meta.block_tables),
+                seq_lens=_int32(meta.seq_lens),
+                query_start_loc=_int32(meta.query_start_loc),
             )
             self._routes = (meta, long_max, route)
         return self._routes[2]
@@ -209,6 +214,29 @@ class CpuAttention:
             and q.stride(2) == 1
             and k_cache.is_contiguous()
         )
+
+
+def _fast_write_applies(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """Whether ``write_kv_`` takes these tensors (its checks but the slots' range)."""
+    return (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape == v_cache.shape
+        and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+        and key.dim() == value.dim() == 3
+        and key.shape == value.shape == (slots.shape[0], *k_cache.shape[2:])
+        and key.stride(2) == value.stride(2) == 1
+        and key.stride(1) == value.stride(1) == key.shape[2]
+        and slots.dtype == torch.int64
+        and slots.dim() == 1
+        and slots.is_contiguous()
+    )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
