@@ -225,7 +225,8 @@ class Heads(NamedTuple):
 def split_heads(qkv: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, q + 2 kv] -> q [T, H, D], k, v [T, KV, D], q and k RMS-normalized where configured.
     One view and one split (Tensor.split's Python wrapper alone took ~10 us)."""
-    q, k, v = qkv.view(qkv.shape[0], -1, heads.head_dim).split_with_sizes(heads.counts, dim=1)
+    rows = qkv.view(qkv.shape[0], sum(heads.counts), heads.head_dim)
+    q, k, v = rows.split_with_sizes(heads.counts, dim=1)
     if heads.qk_norm is not None:
         q, k = heads.qk_norm[0](q), heads.qk_norm[1](k)
     return q, k, v
@@ -326,7 +327,8 @@ def fused_layer(
     q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
     ops.rope_(q, k, cos, sin)
     out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
-    attn = linear(out.view(out.shape[0], -1), *layer.o, ops)
+    q_width = layer.heads.counts[0] * layer.heads.head_dim
+    attn = linear(out.view(out.shape[0], q_width), *layer.o, ops)
     x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
     return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
 
