@@ -139,3 +139,43 @@ def test_greedy_tokens_from_the_head_equal_the_argmax_of_the_logits(checkpoint):
     logits = loaded.model.compute_logits(hidden, float32=False)
     assert fused.tolist() == logits.argmax(-1).tolist()
     assert loaded.model.greedy_tokens(hidden.float()) is None  # bf16 only
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_output_rows_are_the_full_forwards_rows_with_the_same_cache(checkpoint, dtype):
+    # The fused path stops the last layer after attention for rows nobody reads; the rows
+    # it returns, and every row's K/V, must be what the full forward gives.
+    import torch
+
+    from pagedllm.worker.input_batch import build_input_batch
+
+    loaded = load_model(checkpoint, dtype, CpuAttention())
+    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64, optimize=True)
+    model = runner.model
+    assert model.fused_layers  # the fused path is the one under test
+    seqs = [
+        ScheduledSequence(f"r{i}", tuple(p), 0, tuple(range(1 + 8 * i, 8 + 8 * i)))
+        for i, p in enumerate(prompts(3, seed=3))
+    ]
+    batch = build_input_batch(seqs, 16)
+    empty = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    def run(rows):
+        for (k, v), (k0, v0) in zip(runner.kv_caches, empty, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        with torch.inference_mode():
+            out = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, rows)
+        return out, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    full, full_cache = run(None)
+    picked = batch.logits_indices
+    assert 0 < picked.numel() < full.shape[0]
+    for rows in (picked, picked.flip(0), picked[:0]):
+        out, cache = run(rows)
+        assert out.shape == (rows.numel(), full.shape[1])
+        assert torch.equal(out, full[rows])
+        assert all(
+            torch.equal(k, k_full) and torch.equal(v, v_full)
+            for (k, v), (k_full, v_full) in zip(cache, full_cache, strict=True)
+        )

@@ -311,6 +311,7 @@ def fused_layer(
     sin: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DecoderLayer.forward`` with the fused C++ ops (cos, sin: [T, head_dim]; the rotary
     embedding applied in place by one op). The residual stream is carried separately and
@@ -318,7 +319,9 @@ def fused_layer(
 
         residual += hidden; x = norm(residual)   (one op, same roundings)
 
-    Returns (this layer's MLP output, residual) for the next layer to add."""
+    Returns (this layer's MLP output, residual) for the next layer to add. ``rows``: only
+    these rows go on after attention (the last layer, where only the rows that sample are
+    read; every row's K/V is still written)."""
     if residual is None:
         residual = hidden
         x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
@@ -327,6 +330,8 @@ def fused_layer(
     q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
     ops.rope_(q, k, cos, sin)
     out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+    if rows is not None:
+        out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     q_width = layer.heads.counts[0] * layer.heads.head_dim
     attn = linear(out.view(out.shape[0], q_width), *layer.o, ops)
     x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
@@ -365,15 +370,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size], or only
+        the rows ``output_rows`` (int64 [S], in that order) when given. The fused CPU path
+        then skips, in the last layer, everything after attention for the other rows (as
+        llama.cpp does): a prompt's rows but its last are only needed for their K/V."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
         if self.fused_ops is not None and hidden.device.type == "cpu":
-            return self._forward_fused(hidden, cos, sin, kv_caches, meta)
+            return self._forward_fused(hidden, cos, sin, kv_caches, meta, output_rows)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+        hidden = self.norm(hidden)
+        return hidden if output_rows is None else hidden[output_rows]
 
     def optimize_for_cpu(self) -> None:
         """Switch on the CPU fast paths (see the module docstring); a no-op elsewhere.
@@ -399,14 +409,20 @@ class LlamaForCausalLM(nn.Module):
         sin: torch.Tensor,
         kv_caches: KVCaches,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         ops = self.fused_ops
         cos, sin = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
         residual = None
-        for layer, kv_cache in zip(self.fused_layers, kv_caches, strict=True):
-            hidden, residual = fused_layer(ops, layer, hidden, residual, cos, sin, kv_cache, meta)
-        if residual is None:
-            return self.norm(hidden)
+        last = len(self.fused_layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.fused_layers, kv_caches, strict=True)):
+            rows = output_rows if i == last else None
+            hidden, residual = fused_layer(
+                ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows
+            )
+        if residual is None:  # no layers
+            hidden = self.norm(hidden)
+            return hidden if output_rows is None else hidden[output_rows]
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

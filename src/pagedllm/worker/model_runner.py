@@ -137,12 +137,17 @@ class TorchModelRunner:
         """Forward pass; the final hidden states [S, hidden] of the rows that sample."""
         batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            if batch.logits_indices.numel() == hidden.shape[0]:
+            if batch.logits_indices.numel() == batch.input_ids.numel():
                 # One row per token means every sequence has one token and samples
                 # (plain decode): the rows are already in order, no gather needed.
-                return hidden
-            return hidden[batch.logits_indices]
+                return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            return self.model(
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.meta,
+                output_rows=batch.logits_indices,
+            )
 
     def _logits(self, hidden: torch.Tensor, *, float32: bool) -> torch.Tensor:
         if hidden.shape[0] == 0:
