@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import cpu
-from pagedllm.model.llama import SMALL_GEMM_MAX_ROWS, Linear, pack_small_weight
+from pagedllm.model.llama import SMALL_GEMM_MAX_ROWS_BF16, Linear, pack_small_weight
 
 ops = cpu.layer_ops()
 needs_tiles = pytest.mark.skipif(
@@ -61,7 +61,7 @@ def test_linear_routes_by_row_count():
     layer = Linear(64, 48, bias=True).to(torch.bfloat16)
     layer.pack(ops)
     assert layer.small is not None
-    for rows in (1, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 300):
+    for rows in (1, 300, SMALL_GEMM_MAX_ROWS_BF16, SMALL_GEMM_MAX_ROWS_BF16 + 1):
         x = bf16(rows, 64, seed=rows)
         with torch.inference_mode():
             got = layer(x)

@@ -39,8 +39,19 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # streams decode-step weights faster than oneDNN and MKL (all 33 bf16 linears of the
 # benchmark model, 2 threads, before its 2 x 2 tile blocks: 5.2 vs 6.4 ms oneDNN-packed vs
 # 9.8 ms plain at 64 rows, 30.9 vs 39.1 vs 43.3 ms at 256; the blocks took 256 rows from
-# 20.9 to 14.4 ms); more rows (prefill) go to torch, where oneDNN is as fast (512-2048 rows).
+# 20.9 to 14.4 ms); more rows go to torch (MKL's sgemm for float32).
 SMALL_GEMM_MAX_ROWS = 256
+# bf16 goes on with the tile kernel up to this many rows (prompt chunks of a few hundred
+# tokens): against F.linear on all the linears of model (a) / (b), 2 threads, median of 7,
+# alternated: 384 rows 12.5 vs 18.4 / 51 vs 69 ms, 512 rows 15.5 vs 24.2 / 71 vs 95 ms,
+# 768 rows 45 vs 45 / 99 vs 155 ms, 1024 rows 34 vs 40 / 199 vs 204 ms; from 1536 rows on
+# oneDNN is 5-28% faster.
+SMALL_GEMM_MAX_ROWS_BF16 = 1024
+
+
+def small_gemm_max_rows(small: torch.Tensor) -> int:
+    """The most rows ``small_gemm`` takes for a weight packed as ``small``."""
+    return SMALL_GEMM_MAX_ROWS_BF16 if small.dtype == torch.bfloat16 else SMALL_GEMM_MAX_ROWS
 
 
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
@@ -79,7 +90,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
-    small-batch kernel's layout (up to ``SMALL_GEMM_MAX_ROWS`` rows; more rows use the
+    small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
     plain weight) where the CPU has the tile unit, else oneDNN's."""
 
     packed: torch.Tensor | None = None
@@ -125,7 +136,7 @@ def linear(
     ops: Any,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on the fastest form of the weight for x's row count."""
-    if small is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+    if small is not None and x.dim() == 2 and x.shape[0] <= small_gemm_max_rows(small):
         return ops.small_gemm(x, small, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)
@@ -443,7 +454,7 @@ class LlamaForCausalLM(nn.Module):
             or packed.dtype != torch.bfloat16
             or hidden.dtype != torch.bfloat16
             or hidden.dim() != 2
-            or hidden.shape[0] > SMALL_GEMM_MAX_ROWS
+            or hidden.shape[0] > small_gemm_max_rows(packed)
         ):
             return None
         return self.fused_ops.small_gemm_argmax(hidden, packed, bias)
