@@ -107,3 +107,18 @@ def test_buffers_refuse_what_the_plain_builder_refuses() -> None:
         buffers.build([ScheduledSequence("a", (1,), 0, (7,))], block_size=4, num_blocks=4)
     batch = [ScheduledSequence("a", (1,), 0, (3,))]  # still right after refusals
     assert_same_batch(buffers.build(batch, 4, num_blocks=4), build_input_batch_reference(batch, 4))
+
+
+def test_a_batch_ramping_up_one_sequence_at_a_time_keeps_the_buffer_small() -> None:
+    # A server's batch grows a request at a time; each new row must not double the columns
+    # (it once did: 2^n columns by n rows, gigabytes by a few dozen requests).
+    buffers = InputBuffers()
+    batch = []
+    for i in range(300):
+        batch.append(
+            ScheduledSequence(f"r{i}", (1,), 16 * 3, (4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4))
+        )
+        got = buffers.build(batch, block_size=16)
+        assert got.meta.block_tables.shape == (i + 1, 4)
+    rows, columns = buffers._tables.shape
+    assert 300 <= rows < 600 and columns <= 8

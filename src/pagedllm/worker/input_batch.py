@@ -117,12 +117,16 @@ class InputBuffers:
         self._written[row] = table
 
     def _reserve(self, num_rows: int, width: int) -> None:
-        """Grow the buffer (keeping its rows) to at least ``num_rows`` x ``width``."""
+        """Grow the buffer (keeping its rows) to at least ``num_rows`` x ``width``; each
+        dimension that grows at least doubles, the other stays (doubling the columns on
+        every new row made a batch that ramps up one sequence at a time allocate 2^n
+        columns: 11 ms a row rewrite, gigabytes, by 20 sequences)."""
         rows, columns = self._tables.shape
         if num_rows <= rows and width <= columns:
             return
-        new_rows = max(num_rows, rows)
-        grown = np.zeros((new_rows, max(width, 2 * columns)), dtype=np.int32)
+        new_rows = rows if num_rows <= rows else max(num_rows, 2 * rows)
+        new_columns = columns if width <= columns else max(width, 2 * columns)
+        grown = np.zeros((new_rows, new_columns), dtype=np.int32)
         grown[:rows, :columns] = self._tables
         self._tables = grown
         self._lengths = np.concatenate([self._lengths, np.zeros(new_rows - rows, np.int64)])
