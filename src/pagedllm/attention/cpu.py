@@ -170,19 +170,16 @@ class CpuAttention:
         slots: torch.Tensor,
     ) -> None:
         """The C++ row copy (``write_kv_``: a few microseconds for a decode step instead of
-        ~30 per index_copy_) where its layout and dtype conditions hold, else ``write_kv``
-        (the reference). The op checks everything, every slot included, before it writes;
-        the conditions are checked here only when it refuses (checking them first took ~9 us
-        a layer): unmet, the reference writes; met, the slots were bad and its error stands."""
-        if self._write is None:
-            write_kv(key, value, k_cache, v_cache, slots)
-            return
-        try:
-            self._write(k_cache, v_cache, key, value, slots)
-        except RuntimeError:
-            if _fast_write_applies(key, value, k_cache, v_cache, slots):
-                raise
-            write_kv(key, value, k_cache, v_cache, slots)
+        ~30 per index_copy_), or ``write_kv`` (the reference) for what the op does not take:
+        it refuses those layouts and dtypes with NotImplementedError, and bad slots with a
+        RuntimeError that stands, before writing anything."""
+        if self._write is not None:
+            try:
+                self._write(k_cache, v_cache, key, value, slots)
+                return
+            except NotImplementedError:
+                pass
+        write_kv(key, value, k_cache, v_cache, slots)
 
     def _route(self, meta: AttentionMetadata, long_max: int) -> _Route:
         """Which sequences the kernel takes (short queries, or any query over a context of
@@ -214,29 +211,6 @@ class CpuAttention:
             and q.stride(2) == 1
             and k_cache.is_contiguous()
         )
-
-
-def _fast_write_applies(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> bool:
-    """Whether ``write_kv_`` takes these tensors (its checks but the slots' range)."""
-    return (
-        k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and k_cache.shape == v_cache.shape
-        and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-        and key.dim() == value.dim() == 3
-        and key.shape == value.shape == (slots.shape[0], *k_cache.shape[2:])
-        and key.stride(2) == value.stride(2) == 1
-        and key.stride(1) == value.stride(1) == key.shape[2]
-        and slots.dtype == torch.int64
-        and slots.dim() == 1
-        and slots.is_contiguous()
-    )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -355,22 +355,27 @@ at::Tensor silu_mul(const at::Tensor& x) {
 
 // k_cache/v_cache [blocks, block_size, kv_heads, head_dim] (contiguous); key/value [T, kv_heads,
 // head_dim] with whole rows contiguous; slot_mapping [T] int64: row t goes to flat slot
-// slot_mapping[t] (block * block_size + offset).
+// slot_mapping[t] (block * block_size + offset). Layouts and dtypes it does not take are
+// refused with NotImplementedError (the caller then uses the reference write), bad slots with
+// RuntimeError; either way before anything is written.
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "write_kv_: caches must be contiguous and of one shape");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "write_kv_: key, value and caches must share a dtype");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+      "write_kv_: caches must be contiguous [blocks, block_size, kv_heads, head_dim] and of one shape");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+          v_cache.scalar_type() == k_cache.scalar_type(),
+      "write_kv_: key, value and caches must share a dtype");
   const int64_t heads = k_cache.size(2), dim = k_cache.size(3), row = heads * dim;
+  TORCH_CHECK_NOT_IMPLEMENTED(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                                  slot_mapping.is_contiguous(),
+                              "write_kv_: slot_mapping must be a 1-D int64 tensor");
   const int64_t num_tokens = slot_mapping.size(0);
   for (const at::Tensor* t : {&key, &value})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == heads && t->size(2) == dim &&
-                    t->stride(2) == 1 && t->stride(1) == dim,
-                "write_kv_: key and value must be [T, kv_heads, head_dim] with contiguous rows");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
-              "write_kv_: slot_mapping must be a 1-D int64 tensor");
+    TORCH_CHECK_NOT_IMPLEMENTED(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == heads &&
+                                    t->size(2) == dim && t->stride(2) == 1 && t->stride(1) == dim,
+                                "write_kv_: key and value must be [T, kv_heads, head_dim] with contiguous rows");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
