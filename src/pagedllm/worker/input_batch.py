@@ -13,7 +13,7 @@ For sequence i with ``n_i`` new tokens starting at position ``s_i``::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
@@ -54,10 +54,7 @@ def build_input_batch(
     construction it must equal. ``InputBuffers.build`` gives the same batch, reusing the
     block-table rows of the previous step.
     """
-    if not scheduled:
-        raise ValueError("build_input_batch needs at least one scheduled sequence")
-    block_tables, table_lens = _padded_block_tables_np(scheduled)
-    return _build_from_tables(scheduled, block_tables, table_lens, block_size, device, num_blocks)
+    return _build(scheduled, _padded_block_tables_np, block_size, device, num_blocks)
 
 
 class InputBuffers:
@@ -86,12 +83,7 @@ class InputBuffers:
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
     ) -> InputBatch:
-        if not scheduled:
-            raise ValueError("build_input_batch needs at least one scheduled sequence")
-        block_tables, table_lens = self._block_tables(scheduled)
-        return _build_from_tables(
-            scheduled, block_tables, table_lens, block_size, device, num_blocks
-        )
+        return _build(scheduled, self._block_tables, block_size, device, num_blocks)
 
     def _block_tables(
         self, scheduled: Sequence[ScheduledSequence]
@@ -133,15 +125,18 @@ class InputBuffers:
         self._written.extend([None] * (new_rows - rows))
 
 
-def _build_from_tables(
+def _build(
     scheduled: Sequence[ScheduledSequence],
-    block_tables: np.ndarray,
-    table_lens: np.ndarray,
+    padded_tables: Callable[[Sequence[ScheduledSequence]], tuple[np.ndarray, np.ndarray]],
     block_size: int,
     device: torch.device | str,
     num_blocks: int | None,
 ) -> InputBatch:
-    """The rest of ``build_input_batch``, given the padded block tables and their lengths."""
+    """``build_input_batch``, the padded block tables and their lengths taken from
+    ``padded_tables`` (built afresh, or kept from step to step by ``InputBuffers``)."""
+    if not scheduled:
+        raise ValueError("build_input_batch needs at least one scheduled sequence")
+    block_tables, table_lens = padded_tables(scheduled)
     num_seqs = len(scheduled)
     query_lens = [len(seq.token_ids) for seq in scheduled]
     start_positions = [seq.start_position for seq in scheduled]
