@@ -3,9 +3,9 @@
 Builds an engine on model (a) (see ``throughput.py``), admits 64 requests of the standard
 workload with room to decode, steps until all of them are decoding, then times N decode
 steps, split into: scheduling (``Scheduler.schedule``), building inputs (the runner's
-``InputBuffers.build``, or ``build_input_batch`` for a runner without them), forward (model
-body), logits (LM head, with its fused greedy argmax where the model has one), sampling,
-detokenizing, scheduler update, and the rest of ``LLMEngine.step``. Engine overhead = scheduling +
+``InputBuffers.build``), forward (model body), logits (LM head, with its fused greedy argmax
+where the model has one), sampling, detokenizing, scheduler update, and the rest of
+``LLMEngine.step``. Engine overhead = scheduling +
 inputs + sampling + detokenizing + update + rest; goal <= 10% of step time. Steps are taken
 as ``LLM.generate`` takes them (``finished_only=True``: no output built for running requests,
 their text decoded when read); the text decode those steps defer is timed after them and
@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import pagedllm.worker.model_runner as model_runner_module  # noqa: E402
 import throughput  # noqa: E402  (sets the offline environment before any model loads)
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
@@ -67,12 +66,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
     model = runner.model
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update = timers.wrap("update", engine.scheduler.update)
-    if hasattr(runner, "input_buffers"):  # the runner's persistent input buffers
-        runner.input_buffers.build = timers.wrap("inputs", runner.input_buffers.build)
-    else:
-        model_runner_module.build_input_batch = timers.wrap(
-            "inputs", model_runner_module.build_input_batch
-        )
+    runner.input_buffers.build = timers.wrap("inputs", runner.input_buffers.build)
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("logits", model.compute_logits)
     if hasattr(model, "greedy_tokens"):  # the LM head's fused argmax: logits work

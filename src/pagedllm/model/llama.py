@@ -431,9 +431,6 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = fused_layer(
                 ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows
             )
-        if residual is None:  # no layers
-            hidden = self.norm(hidden)
-            return hidden if output_rows is None else hidden[output_rows]
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

@@ -136,17 +136,13 @@ class TorchModelRunner:
     def sampled_hidden(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Forward pass; the final hidden states [S, hidden] of the rows that sample."""
         batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
+        # One row per token means every sequence has one token and samples (plain decode):
+        # the rows are already in order, no selection needed.
+        all_rows = batch.logits_indices.numel() == batch.input_ids.numel()
+        rows = None if all_rows else batch.logits_indices
         with torch.inference_mode():
-            if batch.logits_indices.numel() == batch.input_ids.numel():
-                # One row per token means every sequence has one token and samples
-                # (plain decode): the rows are already in order, no gather needed.
-                return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             return self.model(
-                batch.input_ids,
-                batch.positions,
-                self.kv_caches,
-                batch.meta,
-                output_rows=batch.logits_indices,
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, output_rows=rows
             )
 
     def _logits(self, hidden: torch.Tensor, *, float32: bool) -> torch.Tensor:
