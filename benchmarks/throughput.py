@@ -22,7 +22,12 @@ stream every weight and every context's K/V at the memory bandwidth measured in 
 run, prompts cost their matrix work at the ceiling (see ``Floor``). The last line is one
 JSON object keyed by engine.
 
-    .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick]
+``--rounds N`` loads every engine once (vLLM in a child process that waits for its turn),
+then times N generates of each, the engines taking turns: figures are the median round, and
+the pagedllm / other ratio is the median of the per-round ratios. On a shared machine whose
+speed swings by 2x within minutes, that ratio is the one to quote.
+
+    .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,7 +153,17 @@ def resolve_model(name: str) -> Path:
 # ---------------------------------------------------------------- engines
 
 
-def run_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Namespace) -> dict:
+@dataclass(slots=True)
+class Started:
+    """An engine loaded and warmed up: ``run()`` times one generate of the workload."""
+
+    name: str
+    run: Callable[[], float]
+    extra: dict
+    close: Callable[[], None] = lambda: None
+
+
+def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Namespace) -> Started:
     from pagedllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -171,12 +189,12 @@ def run_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Namespa
         return elapsed
 
     generate(warmup_workload())
-    elapsed = generate(work)
-    return result(work, elapsed, startup_s=round(startup, 2))
+    return Started("pagedllm", lambda: generate(work), {"startup_s": round(startup, 2)})
 
 
-def run_hf(model: Path, dtype: str, work: Workload, batch_size: int) -> dict:
-    """transformers generate, static left-padded batches in request order."""
+def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) -> list[Started]:
+    """transformers generate, static left-padded batches in request order: one engine per
+    batch size, sharing one loaded model."""
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
@@ -184,7 +202,7 @@ def run_hf(model: Path, dtype: str, work: Workload, batch_size: int) -> dict:
     startup = time.perf_counter() - start
     pad_id = 0
 
-    def generate(w: Workload) -> float:
+    def generate(w: Workload, batch_size: int) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(w.prompts), batch_size):
             prompts = w.prompts[i : i + batch_size]
@@ -203,11 +221,16 @@ def run_hf(model: Path, dtype: str, work: Workload, batch_size: int) -> dict:
                 )
         return time.perf_counter() - t0
 
-    generate(warmup_workload())
-    elapsed = generate(work)
-    return result(work, elapsed, startup_s=round(startup, 2), batch_size=batch_size)
+    engines = []
+    for batch in batch_sizes:
+        generate(warmup_workload(), batch)
+        extra = {"startup_s": round(startup, 2), "batch_size": batch}
+        engines.append(Started(f"hf batch {batch}", partial(generate, work, batch), extra))
+    return engines
 
 
+# The vLLM side: a child process in vLLM's own environment that loads the model, warms up,
+# says VLLM_READY, then times one generate per "run" line on stdin (VLLM_RESULT) until "quit".
 VLLM_SCRIPT = r"""
 import json, sys, time
 
@@ -230,8 +253,12 @@ def main():
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0)
     startup = time.perf_counter() - t0
     generate(llm, SamplingParams, *spec["warmup"])
-    elapsed = generate(llm, SamplingParams, spec["prompts"], spec["max_tokens"])
-    print("VLLM_RESULT " + json.dumps({"elapsed": elapsed, "startup_s": startup}), flush=True)
+    print("VLLM_READY " + json.dumps({"startup_s": startup}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        elapsed = generate(llm, SamplingParams, spec["prompts"], spec["max_tokens"])
+        print("VLLM_RESULT " + json.dumps({"elapsed": elapsed}), flush=True)
 
 
 # vLLM starts its engine core in a child process: the guard keeps the child from re-running this.
@@ -240,28 +267,87 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(python: str, model: Path, dtype: str, work: Workload) -> dict:
-    warm = warmup_workload()
-    spec = {
-        "model": str(model),
-        "dtype": dtype,
-        "prompts": work.prompts,
-        "max_tokens": work.max_tokens,
-        "warmup": [warm.prompts, warm.max_tokens],
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, script_path = Path(tmp) / "spec.json", Path(tmp) / "run_vllm.py"
-        spec_path.write_text(json.dumps(spec))
-        script_path.write_text(VLLM_SCRIPT)
-        proc = subprocess.run(
-            [python, str(script_path), str(spec_path)], capture_output=True, text=True
+class VllmChild:
+    """The VLLM_SCRIPT process; its log goes to a file (a pipe nobody reads would fill)."""
+
+    def __init__(self, python: str, model: Path, dtype: str, work: Workload) -> None:
+        warm = warmup_workload()
+        spec = {
+            "model": str(model),
+            "dtype": dtype,
+            "prompts": work.prompts,
+            "max_tokens": work.max_tokens,
+            "warmup": [warm.prompts, warm.max_tokens],
+        }
+        self.tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self.tmp.name)
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        (tmp / "run_vllm.py").write_text(VLLM_SCRIPT)
+        self.log = open(tmp / "log.txt", "w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            [python, str(tmp / "run_vllm.py"), str(tmp / "spec.json")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
         )
-    for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            data = json.loads(line.removeprefix("VLLM_RESULT "))
-            return result(work, data["elapsed"], startup_s=round(data["startup_s"], 2))
-    tail = (proc.stderr or proc.stdout)[-3000:]
-    return {"error": f"vLLM run failed (exit {proc.returncode}): {tail}"}
+        self.startup_s = self._reply("VLLM_READY ")["startup_s"]
+
+    def _reply(self, prefix: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return json.loads(line.removeprefix(prefix))
+        self.proc.wait()
+        self.log.seek(0)
+        tail = self.log.read()[-3000:]
+        self.close()
+        raise RuntimeError(f"vLLM run failed (exit {self.proc.returncode}): {tail}")
+
+    def run(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._reply("VLLM_RESULT ")["elapsed"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+def start_vllm(python: str, model: Path, dtype: str, work: Workload) -> Started:
+    child = VllmChild(python, model, dtype, work)
+    return Started("vllm", child.run, {"startup_s": round(child.startup_s, 2)}, child.close)
+
+
+def run_rounds(engines: list[Started], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each engine's timed generate, `rounds` times, the engines taking turns
+    (in reverse order every other round), so that every engine meets the machine's slow
+    and fast minutes alike."""
+    times: dict[str, list[float]] = {e.name: [] for e in engines}
+    for r in range(rounds):
+        for engine in engines if r % 2 == 0 else engines[::-1]:
+            times[engine.name].append(engine.run())
+    return times
+
+
+def summarize(work: Workload, engine: Started, seconds: list[float]) -> dict:
+    """The engine's result at the median round; every round's output tok/s alongside."""
+    res = result(work, statistics.median(seconds), **engine.extra)
+    if len(seconds) > 1:
+        res["rounds_output_tok_per_s"] = [round(work.num_output_tokens / s, 1) for s in seconds]
+    return res
+
+
+def round_ratios(mine: list[float], other: list[float]) -> list[float]:
+    """Per round, pagedllm's speed over the other engine's (their times inverted)."""
+    return [o / m for m, o in zip(mine, other, strict=True)]
 
 
 def result(work: Workload, elapsed: float, **extra) -> dict:
@@ -375,11 +461,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-vllm", metavar="PYTHON", help="interpreter with vLLM installed")
     parser.add_argument("--attention-backend", default=None, help="pagedllm backend name")
     parser.add_argument("--skip-pagedllm", action="store_true")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="timed generates per engine, the engines taking turns; figures are medians",
+    )
     args = parser.parse_args(argv)
 
     num_requests = args.num_requests or (16 if args.quick else 64)
     if num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
     hf_sizes = args.hf_batch_sizes
     if hf_sizes is None:
         hf_sizes = "8" if args.quick else "8,32"
@@ -399,21 +493,34 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth_before = read_bandwidth()
     if dtype != torch.bfloat16:
         ceiling_before[args.dtype] = matmul_ceiling(dtype)
+    engines: list[Started] = []
     results: dict[str, dict] = {}
-    if not args.skip_pagedllm:
-        results["pagedllm"] = run_pagedllm(model, args.dtype, work, args)
-        print(f"pagedllm: {results['pagedllm']}")
-    hf_runs = []
-    for batch in hf_batches:
-        run = run_hf(model, args.dtype, work, batch)
-        hf_runs.append(run)
-        print(f"hf batch {batch}: {run}")
-    if hf_runs:
-        best = max(hf_runs, key=lambda r: r["output_tok_per_s"])
-        results["hf"] = {**best, "runs": hf_runs}
-    if args.vs_vllm:
-        results["vllm"] = run_vllm(args.vs_vllm, model, args.dtype, work)
-        print(f"vllm: {results['vllm']}")
+    try:
+        if not args.skip_pagedllm:
+            engines.append(start_pagedllm(model, args.dtype, work, args))
+        if hf_batches:
+            engines.extend(start_hf(model, args.dtype, work, hf_batches))
+        if args.vs_vllm:
+            try:
+                engines.append(start_vllm(args.vs_vllm, model, args.dtype, work))
+            except RuntimeError as exc:
+                results["vllm"] = {"error": str(exc)}
+        times = run_rounds(engines, args.rounds)
+    finally:
+        for engine in engines:
+            engine.close()
+    for engine in engines:
+        res = summarize(work, engine, times[engine.name])
+        print(f"{engine.name}: {res}")
+        key = "hf" if engine.name.startswith("hf ") else engine.name
+        if key == "hf":
+            res = {**res, "name": engine.name}
+            runs = results.get("hf", {}).get("runs", []) + [res]
+            best = max(runs, key=lambda r: r["output_tok_per_s"])
+            res = {**best, "runs": runs}
+        results[key] = res
+    if "vllm" in results and "error" in results["vllm"]:
+        print(f"vllm: {results['vllm']['error']}")
 
     flops = workload_flops(model, work)
     ceilings = {"bfloat16": max(ceiling_before["bfloat16"], matmul_ceiling(torch.bfloat16))}
@@ -455,12 +562,17 @@ def main(argv: list[str] | None = None) -> int:
                 (memory_s + compute_s) / res["elapsed_s"], 4
             )
             print(f"  {engine}: {(memory_s + compute_s) / res['elapsed_s']:.1%} of floor speed")
-    if "pagedllm" in results:
+    if "pagedllm" in times:
         for other in ("hf", "vllm"):
-            base = results.get(other, {}).get("output_tok_per_s")
-            if base:
-                ratio = results["pagedllm"]["output_tok_per_s"] / base
-                print(f"pagedllm / {other} output tok/s: {ratio:.2f}x")
+            name = results.get(other, {}).get("name", other)
+            if name not in times:
+                continue
+            ratios = round_ratios(times["pagedllm"], times[name])
+            median = statistics.median(ratios)
+            results["pagedllm"].setdefault("vs", {})[other] = round(median, 3)
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            rounds = f" (median of {len(ratios)} rounds: {each})" if len(ratios) > 1 else ""
+            print(f"pagedllm / {name} output tok/s: {median:.2f}x{rounds}")
     print(json.dumps(results))
     return 0
 
