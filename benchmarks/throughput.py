@@ -178,6 +178,9 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
         params = [
             SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in w.max_tokens
         ]
+        # Every round computes its prompts: the last round's stay in the prefix cache.
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("pagedllm refused to reset its prefix cache")
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -257,6 +260,9 @@ def main():
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        # Every round computes its prompts (where vLLM caches prefixes, the last round's stay).
+        if hasattr(llm, "reset_prefix_cache"):
+            llm.reset_prefix_cache()
         elapsed = generate(llm, SamplingParams, spec["prompts"], spec["max_tokens"])
         print("VLLM_RESULT " + json.dumps({"elapsed": elapsed}), flush=True)
 

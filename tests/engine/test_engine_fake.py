@@ -222,6 +222,29 @@ def test_stats_count_tokens_and_prefix_hits(fake_engine: Callable[..., LLMEngine
     assert stats.num_running == stats.num_waiting == 0
 
 
+def test_reset_prefix_cache_forgets_prompts_but_not_while_requests_run(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = fake_engine()
+    prompt = "shared prefix of sixteen b"
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4))
+    run_all(engine)
+    assert engine.kv.pool.num_cached_free_blocks > 0
+    engine.add_request("b", prompt, SamplingParams(max_tokens=4))
+    engine.step()
+    indexed = engine.kv.pool.hashed_blocks()
+    assert engine.reset_prefix_cache() is False  # "b" holds indexed blocks
+    assert engine.kv.pool.hashed_blocks() == indexed
+    b = run_all(engine)["b"]
+    assert b.num_cached_tokens == 24
+    assert engine.reset_prefix_cache() is True
+    assert engine.kv.pool.hashed_blocks() == {}
+    engine.add_request("c", prompt, SamplingParams(max_tokens=4))
+    c = run_all(engine)["c"]
+    assert c.num_cached_tokens == 0
+    assert c.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 def _fields(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 

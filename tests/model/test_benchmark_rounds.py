@@ -28,8 +28,17 @@ FAKE_VLLM = textwrap.dedent(
         def __init__(self, model, dtype, seed):
             if os.environ.get("FAKE_VLLM_FAIL"):
                 raise SystemExit("no such model: " + model)
+            self.cached = set()
+
+        def reset_prefix_cache(self):
+            self.cached.clear()
+            return True
 
         def generate(self, items, params, use_tqdm):
+            prompts = tuple(tuple(item["prompt_token_ids"]) for item in items)
+            if prompts in self.cached:
+                raise AssertionError("these prompts would hit the last round's prefix cache")
+            self.cached.add(prompts)
             time.sleep(0.01)
             short = int(os.environ.get("FAKE_VLLM_SHORT", "0"))
             return [_Output(p.max_tokens - short) for p in params]
@@ -74,7 +83,7 @@ def test_summary_is_the_median_round_and_ratios_pair_rounds():
     assert throughput.round_ratios([1.0, 2.0], [3.0, 2.0]) == [3.0, 1.0]
 
 
-def test_vllm_child_times_one_generate_per_run(fake_vllm: Path):
+def test_vllm_child_times_one_generate_per_run_from_an_empty_prefix_cache(fake_vllm: Path):
     throughput = load_throughput()
     work = throughput.Workload([[1, 2, 3], [4]], [3, 2])
     engine = throughput.start_vllm(sys.executable, fake_vllm, "bfloat16", work)

@@ -47,6 +47,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache``: drop the cached prompt blocks; False while
+        requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

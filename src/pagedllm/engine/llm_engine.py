@@ -299,6 +299,16 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, so the next prompts are computed in full (vLLM's
+        name; for benchmarks that repeat a workload, and after changing weights). Refused
+        (False, nothing changed) while requests are unfinished: their blocks are indexed
+        too, and they would go on being found."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv.evict_cached_blocks()
+        return True
+
     # ------------------------------------------------------------------ the step
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
