@@ -25,7 +25,9 @@ JSON object keyed by engine.
 ``--rounds N`` loads every engine once (vLLM in a child process that waits for its turn),
 then times N generates of each, the engines taking turns: figures are the median round, and
 the pagedllm / other ratio is the median of the per-round ratios. On a shared machine whose
-speed swings by 2x within minutes, that ratio is the one to quote.
+speed swings by 2x within minutes, that ratio is the one to quote. Before each turn the prefix
+caches are reset (every round computes its prompts) and the machine is let go idle (vLLM's
+processes stay busy for about 2 s after each of its generates).
 
     .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick] [--rounds 5]
 """
@@ -332,13 +334,54 @@ def start_vllm(python: str, model: Path, dtype: str, work: Workload) -> Started:
     return Started("vllm", child.run, {"startup_s": round(child.startup_s, 2)}, child.close)
 
 
-def run_rounds(engines: list[Started], rounds: int) -> dict[str, list[float]]:
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def settle(
+    read: Callable[[], tuple[int, int] | None] = cpu_times,
+    sleep: Callable[[float], None] = time.sleep,
+    *,
+    interval: float = 0.5,
+    busy_below: float = 0.1,
+    limit: float = 10.0,
+) -> float:
+    """Wait until the machine is idle (busy under `busy_below` over one `interval`), at most
+    `limit` seconds; returns the seconds waited. vLLM's processes stay busy for about 2 s
+    after loading and after each generate (a quarter of two cores, measured here), which
+    would slow whichever engine went next."""
+    waited = 0.0
+    before = read()
+    while waited < limit:
+        sleep(interval)
+        waited += interval
+        after = read()
+        if before is None or after is None:
+            return waited
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total < busy_below:
+            return waited
+        before = after
+    return waited
+
+
+def run_rounds(
+    engines: list[Started], rounds: int, wait: Callable[[], object] = settle
+) -> dict[str, list[float]]:
     """Seconds of each engine's timed generate, `rounds` times, the engines taking turns
     (in reverse order every other round), so that every engine meets the machine's slow
-    and fast minutes alike."""
+    and fast minutes alike; before each turn, `wait` for the last engine to go quiet."""
     times: dict[str, list[float]] = {e.name: [] for e in engines}
     for r in range(rounds):
         for engine in engines if r % 2 == 0 else engines[::-1]:
+            wait()
             times[engine.name].append(engine.run())
     return times
 

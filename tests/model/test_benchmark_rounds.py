@@ -66,8 +66,8 @@ def test_engines_take_turns_reversing_every_other_round():
         return throughput.Started(name, run, {})
 
     engines = [engine("a", [1.0, 2.0, 3.0]), engine("b", [4.0, 5.0, 6.0])]
-    times = throughput.run_rounds(engines, 3)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
+    times = throughput.run_rounds(engines, 3, wait=lambda: calls.append("wait"))
+    assert calls == ["wait", "a", "wait", "b", "wait", "b", "wait", "a", "wait", "a", "wait", "b"]
     assert times == {"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0]}
 
 
@@ -105,3 +105,19 @@ def test_vllm_child_failures_carry_its_log(fake_vllm: Path, monkeypatch, env):
         engine.run()
     expected = "no such model" if env == "FAKE_VLLM_FAIL" else "AssertionError"
     assert expected in str(info.value)
+
+
+def test_settle_waits_until_an_interval_is_quiet():
+    throughput = load_throughput()
+    # Cumulative (busy, total) jiffies: 50% busy, then 40%, then 5%.
+    readings = iter([(0, 0), (50, 100), (90, 200), (95, 300), (200, 400)])
+    slept = []
+    waited = throughput.settle(lambda: next(readings), slept.append, interval=0.5)
+    assert waited == 1.5 and slept == [0.5, 0.5, 0.5]
+
+
+def test_settle_gives_up_at_its_limit_and_without_proc_stat():
+    throughput = load_throughput()
+    busy = iter((100 * i, 100 * i) for i in range(100))
+    assert throughput.settle(lambda: next(busy), lambda s: None, interval=1.0, limit=4.0) == 4.0
+    assert throughput.settle(lambda: None, lambda s: None, interval=0.5) == 0.5
