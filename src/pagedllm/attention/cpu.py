@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp")
+    for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp", "decoder_layers.cpp")
 )
 # Included by the sources: part of the build's hash, not compiled on their own.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("amx.h", "vec.h"))
@@ -71,6 +71,15 @@ class _Route(NamedTuple):
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+
+
+class KernelStep(NamedTuple):
+    """A step that ``paged_attention`` takes whole: its route and the kernel's settings."""
+
+    route: _Route
+    rows_per_task: int
+    fast_bf16: bool
+    use_amx: bool
 
 
 class CpuAttention:
@@ -130,12 +139,7 @@ class CpuAttention:
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = q.new_empty(q.shape)
         if self._kernel_applies(q, k_cache):
-            group = q.shape[1] // k_cache.shape[2]
-            tiles = self.amx and self.bf16_dot and q.dtype == torch.bfloat16 and q.shape[2] == 64
-            long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
-            tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
-            rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
-            route = self._route(meta, long_max)
+            route, rows = self._plan(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2], meta)
             if route.any_kernel:
                 self._op(
                     out,
@@ -160,6 +164,54 @@ class CpuAttention:
         if rest:
             _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest, self._merge)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def kernel_step(
+        self,
+        dtype: torch.dtype,
+        num_heads: int,
+        head_dim: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> KernelStep | None:
+        """``paged_attention``'s step arguments when the kernel takes every sequence of the
+        step and ``write_kv_`` takes the caches (as ``forward`` would route them), else None.
+        For callers that run a whole step's layers in C++ (``decoder_layers``)."""
+        if (
+            self._op is None
+            or self._write is None
+            or k_cache.device.type != "cpu"
+            or dtype not in (torch.float32, torch.bfloat16)
+            or k_cache.dtype != dtype
+            or v_cache.dtype != dtype
+            or k_cache.dim() != 4
+            or k_cache.shape != v_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or meta.slot_mapping.dtype != torch.long
+            or meta.slot_mapping.dim() != 1
+            or not meta.slot_mapping.is_contiguous()
+        ):
+            return None
+        route, rows = self._plan(dtype, num_heads, k_cache.shape[2], head_dim, meta)
+        if route.rest or not route.any_kernel:
+            return None
+        return KernelStep(route, rows, self.bf16_dot, self.amx)
+
+    def _plan(
+        self,
+        dtype: torch.dtype,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        meta: AttentionMetadata,
+    ) -> tuple[_Route, int]:
+        """The step's route and the kernel's query rows per task."""
+        group = num_heads // num_kv_heads
+        tiles = self.amx and self.bf16_dot and dtype == torch.bfloat16 and head_dim == 64
+        long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
+        tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
+        rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
+        return self._route(meta, long_max), rows
 
     def _write_kv(
         self,

@@ -1,0 +1,133 @@
+// Every decoder layer of one step in one call: the Python loop of llama.fused_layer, with the
+// same ops in the same order, so the results are the same bit for bit. What it removes is
+// Python: about a dozen op calls a layer, each 3-6 us through torch.ops, which cost 1-2 ms of
+// a decode step (of 5-20 ms). It takes only steps the per-layer path would give entirely to
+// pagedllm's kernels (every linear on small_gemm, every sequence on paged_attention, the C++
+// K/V write); the caller checks that and keeps the Python loop for the rest.
+//
+// The ops are called through the dispatcher (unboxed, ~0.1 us), so this file needs nothing
+// from the files that define them.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+using OptTensors = c10::List<OptTensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagedllm::rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)> add_rms_norm =
+      op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)>("pagedllm::add_rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> small_gemm =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("pagedllm::small_gemm");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&)> rope =
+      op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&)>("pagedllm::rope_");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      write_kv = op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "pagedllm::write_kv_");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
+      op<at::Tensor(const at::Tensor&)>("pagedllm::silu_mul");
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                int64_t, bool, bool)>
+      attention = op<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool)>(
+          "pagedllm::paged_attention");
+};
+
+// Looked up once, on the first call (after every file of the library has registered).
+const Ops& ops() {
+  static const Ops handles;
+  return handles;
+}
+
+void check_layers(size_t n, at::TensorList list, const char* name) {
+  TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
+}
+
+void check_layers(size_t n, const OptTensors& list, const char* name) {
+  TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
+}
+
+// hidden: the embedded tokens [T, hidden]; cos, sin: [T, head_dim]. Per layer: the norms'
+// weights, the four linears' small_gemm-packed weights and optional biases, and the layer's
+// K/V caches. The attention arguments are paged_attention's. output_rows: only these rows go
+// on after the last layer's attention (every row's K/V is still written). Returns the
+// final-normed hidden states of the rows that go on.
+at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                          at::TensorList norm1, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
+                          const OptTensors& o_bias, at::TensorList norm2, at::TensorList gate_up,
+                          const OptTensors& gate_up_bias, at::TensorList down, const OptTensors& down_bias,
+                          const at::Tensor& final_norm, double eps, at::TensorList k_caches, at::TensorList v_caches,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const at::Tensor& handled, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, double scale, int64_t rows_per_task,
+                          bool fast_bf16, bool use_amx, const OptTensor& output_rows) {
+  const size_t n = norm1.size();
+  TORCH_CHECK(n > 0, "decoder_layers: no layers");
+  check_layers(n, qkv, "qkv");
+  check_layers(n, qkv_bias, "qkv_bias");
+  check_layers(n, o, "o");
+  check_layers(n, o_bias, "o_bias");
+  check_layers(n, norm2, "norm2");
+  check_layers(n, gate_up, "gate_up");
+  check_layers(n, gate_up_bias, "gate_up_bias");
+  check_layers(n, down, "down");
+  check_layers(n, down_bias, "down_bias");
+  check_layers(n, k_caches, "k_caches");
+  check_layers(n, v_caches, "v_caches");
+  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
+  const Ops& f = ops();
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  at::Tensor x = f.rms_norm.call(hidden, norm1[0], eps);
+  at::Tensor residual = hidden;
+  at::Tensor out_of_layer;
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, norm1[i], eps);
+    const at::Tensor qkv_out = f.small_gemm.call(x, qkv[i], qkv_bias.get(i));
+    TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
+    // One view and one split, as llama.split_heads.
+    const auto heads =
+        qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    f.rope.call(heads[0], heads[1], cos, sin);
+    f.write_kv.call(k_caches[i], v_caches[i], heads[1], heads[2], slot_mapping);
+    at::Tensor attn = at::empty(heads[0].sizes(), heads[0].options());
+    f.attention.call(attn, heads[0], k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc, handled,
+                     scale, rows_per_task, fast_bf16, use_amx);
+    if (i + 1 == n && output_rows.has_value()) {
+      attn = attn.index_select(0, *output_rows);
+      residual = residual.index_select(0, *output_rows);
+    }
+    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), o[i], o_bias.get(i));
+    x = f.add_rms_norm.call(projected, residual, norm2[i], eps);
+    const at::Tensor act = f.silu_mul.call(f.small_gemm.call(x, gate_up[i], gate_up_bias.get(i)));
+    out_of_layer = f.small_gemm.call(act, down[i], down_bias.get(i));
+  }
+  return f.add_rms_norm.call(out_of_layer, residual, final_norm, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "decoder_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, Tensor?[] qkv_bias, "
+      "Tensor[] o, Tensor?[] o_bias, Tensor[] norm2, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
+      "Tensor?[] down_bias, Tensor final_norm, float eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor handled, "
+      "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
+      "bool use_amx, Tensor? output_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

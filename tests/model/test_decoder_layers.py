@@ -1,0 +1,99 @@
+"""``decoder_layers`` (all layers in one C++ call) gives the per-layer loop's results bit for
+bit, and steps it cannot take go to the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_helpers import HandDriver
+
+from pagedllm.attention.cpu import CpuAttention
+from pagedllm.model import llama
+from pagedllm.model.loader import load_model
+from pagedllm.testing import make_tiny_checkpoint
+from pagedllm.worker.model_runner import TorchModelRunner
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("decoder-layers")
+    # head_dim 64 and a GQA group of 4, like the benchmark model; qwen2 adds q/k/v biases.
+    shape = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1)
+    return {
+        arch: make_tiny_checkpoint(root / arch, arch, seed=7, **shape)
+        for arch in ("llama", "qwen2")
+    }
+
+
+def make_runner(path, dtype: str, whole: bool) -> TorchModelRunner:
+    loaded = load_model(path, dtype, CpuAttention())
+    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64)
+    if loaded.model.decoder_plan is None:
+        pytest.skip("no small_gemm for this dtype here (tile unit / AVX-512), or no kernels")
+    if not whole:
+        loaded.model.decoder_plan = None
+    return runner
+
+
+def run_steps(runner: TorchModelRunner) -> list[dict[str, torch.Tensor]]:
+    """A whole prompt, a prompt in two chunks (the first samples nothing), then decode."""
+    driver = HandDriver(runner)
+    a = driver.add("a", [(7 * i) % 250 for i in range(37)])
+    b = driver.add("b", [(11 * i + 3) % 250 for i in range(21)])
+    steps = [driver.step([driver.schedule(a, 37), driver.schedule(b, 9, num_samples=0)])]
+    steps.append(driver.step([driver.schedule(b, 12)]))
+    for t in range(6):
+        for seq in (a, b):
+            driver.append(seq.request_id, (t * 13 + len(seq.token_ids)) % 250)
+        steps.append(driver.step([driver.schedule(a, 1), driver.schedule(b, 1)]))
+    return steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_equals_the_layer_loop(checkpoints, monkeypatch, arch: str, dtype: str):
+    calls = []
+    real = llama.decoder_layers
+    monkeypatch.setattr(llama, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    whole = run_steps(make_runner(checkpoints[arch], dtype, whole=True))
+    taken = len(calls)
+    loop = run_steps(make_runner(checkpoints[arch], dtype, whole=False))
+    assert len(calls) == taken  # the loop runner never calls it
+    # Every decode step goes through the one call (and the prompt steps where the kernel
+    # takes long queries: bf16 on the tile unit).
+    assert taken >= 6
+    assert len(whole) == len(loop)
+    for mine, theirs in zip(whole, loop, strict=True):
+        assert mine.keys() == theirs.keys()
+        for request_id in mine:
+            assert torch.equal(mine[request_id], theirs[request_id]), request_id
+
+
+def test_steps_the_kernel_does_not_take_whole_use_the_loop(checkpoints, monkeypatch):
+    calls = []
+    real = llama.decoder_layers
+    monkeypatch.setattr(llama, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    runner = make_runner(checkpoints["llama"], "float32", whole=True)
+    driver = HandDriver(runner)
+    # float32 queries longer than MAX_KERNEL_QUERY_LEN go to SDPA: not a whole-kernel step.
+    seq = driver.add("a", list(range(40)))
+    driver.step([driver.schedule(seq, 40)])
+    assert calls == []
+    driver.append("a", 5)
+    driver.step([driver.schedule(seq, 1)])
+    assert calls == [1]
+
+
+def test_kernel_step_refuses_what_the_op_would_not_take(checkpoints):
+    runner = make_runner(checkpoints["llama"], "float32", whole=True)
+    backend = runner.model.decoder_plan.backend
+    driver = HandDriver(runner)
+    seq = driver.add("a", list(range(5)))
+    batch = runner.input_buffers.build(
+        [driver.schedule(seq, 5)], runner.block_size, runner.device, runner.num_blocks
+    )
+    k, v = runner.kv_caches[0]
+    assert backend.kernel_step(torch.float32, 4, 64, k, v, batch.meta) is not None
+    assert backend.kernel_step(torch.float16, 4, 64, k, v, batch.meta) is None
+    assert backend.kernel_step(torch.float32, 4, 64, k.transpose(1, 2), v, batch.meta) is None
+    assert backend.kernel_step(torch.float32, 4, 64, k, v.to(torch.bfloat16), batch.meta) is None
