@@ -18,7 +18,9 @@ from pagedllm.worker.model_runner import TorchModelRunner
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("decoder-layers")
     # head_dim 64 and a GQA group of 4, like the benchmark model; qwen2 adds q/k/v biases.
-    shape = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1)
+    shape = dict(
+        hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1
+    )
     return {
         arch: make_tiny_checkpoint(root / arch, arch, seed=7, **shape)
         for arch in ("llama", "qwen2")

@@ -15,7 +15,9 @@ one-ulp differences in the order of the sums; float32 with AVX-512, up to 2.4x f
 MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout
 (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer ops from
 ``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
-which round where the torch expressions round.
+which round where the torch expressions round. Steps whose linears and attention all run
+on those kernels go through one C++ call for every layer (``decoder_layers``), the same ops
+in the same order without Python between them.
 """
 
 from __future__ import annotations
@@ -546,7 +548,9 @@ class LlamaForCausalLM(nn.Module):
                 hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta
             )
             if step is not None:
-                return decoder_layers(ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows)
+                return decoder_layers(
+                    ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
+                )
         residual = None
         last = len(self.fused_layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.fused_layers, kv_caches, strict=True)):
