@@ -97,5 +97,6 @@ def test_kernel_step_refuses_what_the_op_would_not_take(checkpoints):
     k, v = runner.kv_caches[0]
     assert backend.kernel_step(torch.float32, 4, 64, k, v, batch.meta) is not None
     assert backend.kernel_step(torch.float16, 4, 64, k, v, batch.meta) is None
+    assert backend.kernel_step(torch.float32, 4, 32, k, v, batch.meta) is None
     assert backend.kernel_step(torch.float32, 4, 64, k.transpose(1, 2), v, batch.meta) is None
     assert backend.kernel_step(torch.float32, 4, 64, k, v.to(torch.bfloat16), batch.meta) is None

@@ -185,6 +185,7 @@ class CpuAttention:
             or k_cache.dtype != dtype
             or v_cache.dtype != dtype
             or k_cache.dim() != 4
+            or k_cache.shape[3] != head_dim
             or k_cache.shape != v_cache.shape
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or meta.slot_mapping.dtype != torch.long
