@@ -60,7 +60,8 @@ void check_layers(size_t n, const OptTensors& list, const char* name) {
   TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
 }
 
-// hidden: the embedded tokens [T, hidden]; cos, sin: [T, head_dim]. Per layer: the norms'
+// hidden: the embedded tokens [T, hidden], which become the residual stream and are updated
+// in place (as in the loop, where the first add_rms_norm adds into them); cos, sin: [T, head_dim]. Per layer: the norms'
 // weights, the four linears' small_gemm-packed weights and optional biases, and the layer's
 // K/V caches. The attention arguments are paged_attention's. output_rows: only these rows go
 // on after the last layer's attention (every row's K/V is still written). Returns the
@@ -122,7 +123,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
-      "decoder_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, Tensor?[] qkv_bias, "
+      "decoder_layers(Tensor(c!) hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, Tensor?[] qkv_bias, "
       "Tensor[] o, Tensor?[] o_bias, Tensor[] norm2, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
       "Tensor?[] down_bias, Tensor final_norm, float eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor handled, "
