@@ -138,7 +138,7 @@ class CpuAttention:
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = q.new_empty(q.shape)
-        if self._kernel_applies(q, k_cache):
+        if q.stride(2) == 1 and self._kernel_applies(q.dtype, k_cache):
             route, rows = self._plan(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2], meta)
             if route.any_kernel:
                 self._op(
@@ -177,17 +177,16 @@ class CpuAttention:
         """``paged_attention``'s step arguments when the kernel takes every sequence of the
         step and ``write_kv_`` takes the caches (as ``forward`` would route them), else None.
         For callers that run a whole step's layers in C++ (``decoder_layers``)."""
+        # The kernel's conditions, then write_kv_'s for K/V rows cut from the qkv product
+        # (rows contiguous, in the model's dtype): it refuses other caches and slot tensors.
         if (
-            self._op is None
-            or self._write is None
-            or k_cache.device.type != "cpu"
-            or dtype not in (torch.float32, torch.bfloat16)
+            not self._kernel_applies(dtype, k_cache)
             or k_cache.dtype != dtype
             or v_cache.dtype != dtype
             or k_cache.dim() != 4
             or k_cache.shape[3] != head_dim
             or k_cache.shape != v_cache.shape
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not v_cache.is_contiguous()
             or meta.slot_mapping.dtype != torch.long
             or meta.slot_mapping.dim() != 1
             or not meta.slot_mapping.is_contiguous()
@@ -256,12 +255,12 @@ class CpuAttention:
             self._routes = (meta, long_max, route)
         return self._routes[2]
 
-    def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def _kernel_applies(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+        """The kernel's conditions but the query's layout (head_dim contiguous)."""
         return (
             self._op is not None
-            and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and q.stride(2) == 1
+            and k_cache.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
             and k_cache.is_contiguous()
         )
 

@@ -541,7 +541,7 @@ class LlamaForCausalLM(nn.Module):
         ops = self.fused_ops
         cos, sin = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
         plan = self.decoder_plan
-        if plan is not None and hidden.dim() == 2 and hidden.shape[0] <= plan.max_rows:
+        if plan is not None and hidden.shape[0] <= plan.max_rows:
             k_cache, v_cache = kv_caches[0]
             heads = plan.heads
             step = plan.backend.kernel_step(

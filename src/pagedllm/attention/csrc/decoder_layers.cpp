@@ -24,26 +24,24 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// The ops' C++ signatures (as registered by the files that define them).
+using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddRmsNorm = at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double);
+using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
+using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
+using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using SiluMul = at::Tensor(const at::Tensor&);
+using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool);
+
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagedllm::rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)> add_rms_norm =
-      op<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)>("pagedllm::add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> small_gemm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("pagedllm::small_gemm");
-  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&)> rope =
-      op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&)>("pagedllm::rope_");
-  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      write_kv = op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "pagedllm::write_kv_");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      op<at::Tensor(const at::Tensor&)>("pagedllm::silu_mul");
-  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                int64_t, bool, bool)>
-      attention = op<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool)>(
-          "pagedllm::paged_attention");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pagedllm::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("pagedllm::add_rms_norm");
+  c10::TypedOperatorHandle<SmallGemm> small_gemm = op<SmallGemm>("pagedllm::small_gemm");
+  c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
+  c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
+  c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("pagedllm::silu_mul");
+  c10::TypedOperatorHandle<PagedAttention> attention = op<PagedAttention>("pagedllm::paged_attention");
 };
 
 // Looked up once, on the first call (after every file of the library has registered).
@@ -52,20 +50,18 @@ const Ops& ops() {
   return handles;
 }
 
-void check_layers(size_t n, at::TensorList list, const char* name) {
-  TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
-}
-
-void check_layers(size_t n, const OptTensors& list, const char* name) {
+template <typename List>
+void check_layers(size_t n, const List& list, const char* name) {
   TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
 }
 
 // hidden: the embedded tokens [T, hidden], which become the residual stream and are updated
-// in place (as in the loop, where the first add_rms_norm adds into them); cos, sin: [T, head_dim]. Per layer: the norms'
-// weights, the four linears' small_gemm-packed weights and optional biases, and the layer's
-// K/V caches. The attention arguments are paged_attention's. output_rows: only these rows go
-// on after the last layer's attention (every row's K/V is still written). Returns the
-// final-normed hidden states of the rows that go on.
+// in place (as in the loop, where the first add_rms_norm adds into them); cos, sin:
+// [T, head_dim]. Per layer: the norms' weights, the four linears' small_gemm-packed weights
+// and optional biases, and the layer's K/V caches. The attention arguments are
+// paged_attention's. output_rows: only these rows go on after the last layer's attention
+// (every row's K/V is still written). Returns the final-normed hidden states of the rows that
+// go on.
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList norm1, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
                           const OptTensors& o_bias, at::TensorList norm2, at::TensorList gate_up,
