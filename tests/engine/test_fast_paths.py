@@ -52,16 +52,26 @@ def test_vectorised_input_batch_equals_the_plain_construction(seed: int) -> None
 def test_vectorised_input_batch_equals_the_plain_construction_in_plain_decode(seed: int) -> None:
     rng = random.Random(seed)
     block_size = rng.choice([1, 4, 16])
+    # Even seeds: every sequence samples (the decode steps' all-rows shortcut); odd: some
+    # one-token chunks that do not (budget-cut prompt chunks).
     batch = [
-        ScheduledSequence(seq.request_id, seq.token_ids[:1], seq.start_position, seq.block_table, 1)
+        ScheduledSequence(
+            seq.request_id,
+            seq.token_ids[:1],
+            seq.start_position,
+            seq.block_table,
+            1 if seed % 2 == 0 else rng.randint(0, 2),
+        )
         for seq in random_batch(rng, block_size)
     ]
     fast = build_input_batch(batch, block_size)
     plain = build_input_batch_reference(batch, block_size)
     for name in ("input_ids", "positions", "logits_indices"):
-        assert torch.equal(getattr(fast, name), getattr(plain, name)), name
+        a, b = getattr(fast, name), getattr(plain, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        assert torch.equal(getattr(fast.meta, name), getattr(plain.meta, name)), name
+        a, b = getattr(fast.meta, name), getattr(plain.meta, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fast.meta.seq_lens_list == plain.meta.seq_lens_list
 
 

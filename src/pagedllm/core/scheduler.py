@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.outputs import (
@@ -199,11 +200,26 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         sampled, all_logprobs = result.sampled_token_ids, result.logprobs
         num_sampled, num_logprobs = len(sampled), len(all_logprobs)
-        for i, request in self.advance(output):
+        # ``advance`` and ``_append`` in one pass, the common case (one token, no logprobs,
+        # no fork) inlined: this loop runs for every sequence of every step.
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_full_blocks = self.kv.cache_full_blocks
+        for i, seq in enumerate(output.scheduled):
+            request = requests.get(seq.request_id)
+            if request is None or request.status is not running:
+                continue
+            request.num_computed_tokens += len(seq.token_ids)
+            cache_full_blocks(request)
             tokens = sampled[i] if i < num_sampled else ()
             logprobs = all_logprobs[i] if i < num_logprobs else None
-            if len(tokens) == 1:  # the common case: one token, no fork
-                updates.append(self._append(request, tokens[0], logprobs[0] if logprobs else None))
+            if len(tokens) == 1 and not logprobs:
+                token_id = tokens[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                self._check_stop(request, token_id)
+                updates.append(SequenceUpdate(request, (token_id,), None, None))
+            elif len(tokens) == 1:
+                updates.append(self._append(request, tokens[0], logprobs[0]))
             elif tokens:
                 updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
         return updates
@@ -280,8 +296,14 @@ class Scheduler:
     # --------------------------------------------------------------- running
 
     def _schedule_running(self, step: _Step) -> None:
-        # Decodes before prompt chunks, so a long prompt never starves them.
-        for request in sorted(self.running, key=self._is_prefilling):
+        # Decodes (one token to do, or none: parked) before prompt chunks, so a long prompt
+        # never starves them; each group in running order.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            todo = len(request.all_token_ids) - request.num_computed_tokens
+            (prefills if todo > 1 else decodes).append(request)
+        for request in chain(decodes, prefills):
             if step.budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -470,21 +492,25 @@ class Scheduler:
     def _to_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         end = start + num_new
-        if end < request.num_tokens:
+        tokens = request.all_token_ids
+        params = request.sampling_params
+        if end < len(tokens):
             num_samples = 0  # a prompt chunk that is not the last one
-        elif self._will_fork(request):
-            num_samples = self._n(request)
-        else:
+        elif request.output_token_ids or params is None:
             num_samples = 1
+        else:
+            num_samples = params.n  # a parent forks here (``_will_fork``) when n > 1
+        # Positional: a named tuple built from keywords costs a good deal more, and one is
+        # built for every sequence of every step.
         return ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
-            start_position=start,
-            block_table=self.kv.block_table_tuple(request.request_id),
-            num_samples=num_samples,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            request.request_id,
+            tuple(tokens[start:end]),
+            start,
+            self.kv.block_table_tuple(request.request_id),
+            num_samples,
+            params,
+            request.prompt_token_ids,
+            request.output_token_ids,
         )
 
     def _will_fork(self, request: Request) -> bool:
@@ -501,10 +527,6 @@ class Scheduler:
         if params is None or params.max_tokens is None:
             return self.config.max_model_len - request.num_prompt_tokens
         return params.max_tokens
-
-    @staticmethod
-    def _is_prefilling(request: Request) -> bool:
-        return request.num_tokens - request.num_computed_tokens > 1
 
     def _priority_key(self, request: Request) -> tuple[int, float, int]:
         return (request.priority, request.arrival_time, self._arrival_order[request.request_id])

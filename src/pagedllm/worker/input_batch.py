@@ -159,15 +159,28 @@ def _build(
     input_ids = np.fromiter(
         chain.from_iterable(seq.token_ids for seq in scheduled), dtype=np.int64, count=num_tokens
     )
-    starts = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q, out=starts[1:])
-    # Row r of sequence i holds position first_position[i] + (r - starts[i]).
-    seq_index = np.repeat(np.arange(num_seqs), q)
-    positions = np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
+    if num_tokens == num_seqs:
+        # A decode step (one token each): row i is sequence i at its start position.
+        starts = np.arange(num_seqs + 1, dtype=np.int64)
+        seq_index = starts[:-1]
+        positions = first_position
+    else:
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        # Row r of sequence i holds position first_position[i] + (r - starts[i]).
+        seq_index = np.repeat(np.arange(num_seqs), q)
+        positions = (
+            np.arange(num_tokens, dtype=np.int64) + (first_position - starts[:-1])[seq_index]
+        )
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size
-    sampled = np.fromiter((seq.num_samples > 0 for seq in scheduled), dtype=bool, count=num_seqs)
-    logits_rows = starts[1:][sampled] - 1
+    if all(seq.num_samples > 0 for seq in scheduled):
+        logits_rows = starts[1:] - 1
+    else:
+        sampled = np.fromiter(
+            (seq.num_samples > 0 for seq in scheduled), dtype=bool, count=num_seqs
+        )
+        logits_rows = starts[1:][sampled] - 1
     device = torch.device(device)
     meta = AttentionMetadata(
         slot_mapping=_tensor(slot_mapping, device),
