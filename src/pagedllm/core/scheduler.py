@@ -303,17 +303,24 @@ class Scheduler:
         for request in self.running:
             todo = len(request.all_token_ids) - request.num_computed_tokens
             (prefills if todo > 1 else decodes).append(request)
+        allocate_slots, running = self.kv.allocate_slots, RequestStatus.RUNNING
         for request in chain(decodes, prefills):
             if step.budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue  # parked: a beam waiting for its siblings (beam search)
-            copies = self._allocate_or_preempt(request, num_new, step)
-            if copies is not None:
-                step.add(request, num_new, copies)
+            # The first try inline (it nearly always fits); preemption when it does not.
+            allocation = allocate_slots(request, num_new)
+            if allocation is not None:
+                copies = allocation.block_copies
+            else:
+                copies = self._allocate_or_preempt(request, num_new, step)
+                if copies is None:
+                    continue
+            step.add(request, num_new, copies)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: _Step
@@ -452,21 +459,28 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
-        min_tokens = params.min_tokens if params is not None else 0
-        num_output = request.num_output_tokens
-        if num_output >= min_tokens:
-            ignore_eos = params is not None and params.ignore_eos
-            if not ignore_eos and token_id == request.eos_token_id:
+        num_output = len(request.output_token_ids)
+        if params is None:
+            if token_id == request.eos_token_id:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+            elif (
+                num_output >= self._max_tokens(request)
+                or len(request.all_token_ids) >= self.config.max_model_len
+            ):
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-            if params is not None and token_id in params.stop_token_ids:
+            if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        if (
-            num_output >= self._max_tokens(request)
-            or request.num_tokens >= self.config.max_model_len
-        ):
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self._max_tokens(request)
+        if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
