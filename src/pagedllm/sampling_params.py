@@ -148,6 +148,17 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def plain_greedy(self) -> bool:
+        """True when a token is the argmax of the raw logits (no bias, penalties or
+        logprobs to compute; ``min_tokens`` aside, which depends on the sequence)."""
+        return (
+            self.greedy
+            and not self.logit_bias
+            and not self.needs_penalties
+            and self.logprobs is None
+        )
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -52,6 +52,8 @@ VARIANTS = {
     "auto-tiny-chunk-7": dict(
         num_blocks=18, preemption_mode="auto", num_host_blocks=64, max_num_batched_tokens=7
     ),
+    "multi-step-4": dict(num_blocks=256, num_scheduler_steps=4),
+    "multi-step-8-tiny": dict(num_blocks=18, preemption_mode="recompute", num_scheduler_steps=8),
 }
 
 
@@ -67,7 +69,7 @@ def test_greedy_tokens_do_not_depend_on_paging(
         assert stats.num_preemptions > 0
     if name.startswith("swap"):
         assert stats.num_preemptions_swap > 0
-    if name == "prefix-cache":
+    if name in ("prefix-cache", "multi-step-4"):
         second = generate(engine)  # now served partly from the prompt cache
         assert second == baseline
         assert engine.get_stats().cache.prefix_hits_tokens > 0

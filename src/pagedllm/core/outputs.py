@@ -51,6 +51,13 @@ class SchedulerOutput:
     3. ``block_copies`` (src -> dst device blocks, copy-on-write),
     4. the forward pass over ``scheduled``, then sampling.
     ``finished_request_ids`` lets the worker drop per-request state (generators).
+
+    ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
+    scheduled sequence is a greedy decode of one token whose block table already holds
+    ``num_steps`` slots from ``start_position`` on; the worker runs ``num_steps`` forward
+    passes in a row, each step's argmax the next step's input, and returns the
+    ``num_steps`` tokens of each sequence in order (``sampled_token_ids[i]`` is then a
+    sequence of steps, never parallel samples).
     """
 
     scheduled: tuple[ScheduledSequence, ...] = ()
@@ -58,6 +65,7 @@ class SchedulerOutput:
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:

@@ -56,9 +56,17 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: str = "auto"
     enable_chunked_prefill: bool = True
+    # Up to this many greedy decode steps per schedule (multi-step decoding, see
+    # ``Scheduler.schedule``); 1 schedules every step.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_scheduler_steps",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -177,13 +185,23 @@ class Scheduler:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's work. Mutates block tables and queues."""
+        """Choose this step's work. Mutates block tables and queues.
+
+        Multi-step decoding (``num_scheduler_steps > 1``): when nothing waits or is swapped
+        out and every running request decodes greedily (``_multi_step_size``), each gets
+        slots for the next k tokens and the worker runs k steps in a row; the per-sequence
+        Python of scheduling, sampling and updating is paid once for k tokens. Tokens past
+        a request's stop are computed and dropped (its extra slots go with its blocks)."""
         step = _Step(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(step)
-        if not step.preempted:
-            self._schedule_swapped(step)
-            if not self.swapped:
-                self._schedule_waiting(step)
+        num_steps = self._multi_step_size()
+        if num_steps > 1 and not self._schedule_steps(step, num_steps):
+            num_steps = 1
+        if num_steps == 1:
+            self._schedule_running(step)
+            if not step.preempted:
+                self._schedule_swapped(step)
+                if not self.swapped:
+                    self._schedule_waiting(step)
         self._last_step_ids = frozenset(step.scheduled).union(step.touched)
         output = SchedulerOutput(
             scheduled=tuple(self._to_scheduled(r, k) for r, k in step.scheduled.values()),
@@ -191,12 +209,62 @@ class Scheduler:
             swap_out=tuple(step.swap_out),
             swap_in=tuple(step.swap_in),
             finished_request_ids=frozenset(self._finished_ids),
+            num_steps=num_steps,
         )
         self._finished_ids.clear()
         return output
 
+    def _multi_step_size(self) -> int:
+        """How many decode steps this schedule may cover: 1, or up to
+        ``num_scheduler_steps`` when nothing waits or is swapped out and every running
+        request has one token to do, samples it as a plain argmax (no logprobs, penalties,
+        bias or pending ``min_tokens``; no stop strings, which the engine checks on text)
+        and has room below ``max_model_len``; no more steps than the longest remaining
+        ``max_tokens`` needs."""
+        config = self.config
+        limit = config.num_scheduler_steps
+        if limit == 1 or self.waiting or self.swapped or not self.running:
+            return 1
+        if len(self.running) > config.max_num_batched_tokens:
+            return 1
+        wanted = 1
+        for request in self.running:
+            params = request.sampling_params
+            num_tokens = len(request.all_token_ids)
+            num_output = len(request.output_token_ids)
+            if (
+                params is None
+                or num_tokens - request.num_computed_tokens != 1
+                or not params.plain_greedy
+                or params.stop
+                or num_output < params.min_tokens
+            ):
+                return 1
+            # Step j's input sits at position num_tokens - 1 + j < max_model_len.
+            limit = min(limit, config.max_model_len - num_tokens)
+            max_tokens = params.max_tokens
+            if max_tokens is None:
+                max_tokens = self._max_tokens(request)
+            wanted = max(wanted, max_tokens - num_output)
+        return max(1, min(limit, wanted))
+
+    def _schedule_steps(self, step: _Step, num_steps: int) -> bool:
+        """Slots for ``num_steps`` tokens for every running request (a decode of one token
+        each). False when the cache cannot give them all: the requests given theirs stay
+        in ``step`` (with any copy-on-write), the others are scheduled as an ordinary step
+        (the slots already taken serve the next steps)."""
+        allocate_slots = self.kv.allocate_slots
+        for request in self.running:
+            allocation = allocate_slots(request, num_steps)
+            if allocation is None:
+                return False
+            step.add(request, 1, allocation.block_copies)
+        return True
+
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
         """Advance counters, append sampled tokens, fork parallel samples, finish."""
+        if output.num_steps > 1:
+            return self._update_steps(output, result)
         updates: list[SequenceUpdate] = []
         sampled, all_logprobs = result.sampled_token_ids, result.logprobs
         num_sampled, num_logprobs = len(sampled), len(all_logprobs)
@@ -222,6 +290,34 @@ class Scheduler:
                 updates.append(self._append(request, tokens[0], logprobs[0]))
             elif tokens:
                 updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
+        return updates
+
+    def _update_steps(
+        self, output: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[SequenceUpdate]:
+        """``update`` of a multi-step output: each sequence's tokens are its steps, applied
+        one at a time as single steps would apply them (the step's input token computed,
+        newly full blocks registered, the token appended, the stops checked); the tokens
+        after a stop are dropped. A sequence the engine retried alone has one token."""
+        updates: list[SequenceUpdate] = []
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_full_blocks = self.kv.cache_full_blocks
+        for seq, tokens in zip(output.scheduled, result.sampled_token_ids, strict=False):
+            request = requests.get(seq.request_id)
+            if request is None or request.status is not running:
+                continue
+            kept = 0
+            for token_id in tokens:
+                request.num_computed_tokens += 1
+                cache_full_blocks(request)
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                kept += 1
+                self._check_stop(request, token_id)
+                if request.status is not running:
+                    break
+            if kept:
+                updates.append(SequenceUpdate(request, tuple(tokens[:kept]), None, None))
         return updates
 
     def advance(self, output: SchedulerOutput) -> list[tuple[int, Request]]:
@@ -304,11 +400,12 @@ class Scheduler:
             todo = len(request.all_token_ids) - request.num_computed_tokens
             (prefills if todo > 1 else decodes).append(request)
         allocate_slots, running = self.kv.allocate_slots, RequestStatus.RUNNING
+        scheduled = step.scheduled  # not empty after a multi-step attempt that did not fit
         for request in chain(decodes, prefills):
             if step.budget <= 0:
                 break
-            if request.status is not running:
-                continue  # preempted earlier in this loop
+            if request.status is not running or request.request_id in scheduled:
+                continue  # preempted earlier in this loop, or already given its slots
             num_new = min(len(request.all_token_ids) - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue  # parked: a beam waiting for its siblings (beam search)

@@ -52,6 +52,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     group.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="greedy decode steps run per schedule when every running request decodes "
+        "(multi-step decoding: less per-token Python, tokens arrive in bursts; default 1)",
+    )
+    group.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -109,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        num_scheduler_steps=args.num_scheduler_steps,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,

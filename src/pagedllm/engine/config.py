@@ -47,10 +47,13 @@ class EngineConfig:
     device: str = "cpu"
     # torch intra-op threads for the model step; None keeps torch's default (one per core).
     num_threads: int | None = None
+    # Greedy decode steps per schedule (multi-step decoding; 1: schedule every step).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
         self._check_positive("max_num_seqs", self.max_num_seqs)
+        self._check_positive("num_scheduler_steps", self.num_scheduler_steps)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 self._check_positive(name, getattr(self, name))

@@ -165,9 +165,15 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                num_scheduler_steps=config.num_scheduler_steps,
             ),
             self.kv,
         )
+        if config.num_scheduler_steps > 1 and not getattr(runner, "supports_multi_step", False):
+            raise ValueError(
+                f"num_scheduler_steps={config.num_scheduler_steps} needs a runner that runs "
+                f"several decode steps per schedule ({type(runner).__name__} does not)"
+            )
         self.eos_token_id, self._extra_eos_ids = self._eos_ids(tokenizer, model_config)
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, int]] = {}
@@ -330,7 +336,9 @@ class LLMEngine:
             except Exception as exc:  # one bad step must not take the engine down
                 logger.exception("block moves failed; failing the step's requests")
                 return self._fail(self.scheduler.fail_last_step(), exc)
-            forward = SchedulerOutput(scheduled=scheduler_output.scheduled)
+            forward = SchedulerOutput(
+                scheduled=scheduler_output.scheduled, num_steps=scheduler_output.num_steps
+            )
         failed: list[RequestOutput] = []
         culprits: dict[str, Exception] = {}
         try:
@@ -339,13 +347,13 @@ class LLMEngine:
             logger.warning("step failed (%s); retrying its sequences one by one", _describe(exc))
             result, culprits = self._retry_alone(forward)
             failed = self._fail_culprits(culprits)
-        self._counters["steps"] += 1
+        self._counters["steps"] += forward.num_steps
         num_computed = forward.num_batched_tokens
         if culprits:
             num_computed -= sum(
                 len(s.token_ids) for s in forward.scheduled if s.request_id in culprits
             )
-        self._counters["computed"] += num_computed
+        self._counters["computed"] += num_computed * forward.num_steps
         touched: dict[str, _Group] = {}
         for update in self.scheduler.update(forward, result):
             group = self._apply(update, lazy_text=finished_only)

@@ -200,6 +200,32 @@ def _build(
     )
 
 
+def next_decode_batch(batch: InputBatch, tokens: torch.Tensor, block_size: int) -> InputBatch:
+    """The decode step after ``batch`` (one token per sequence, whose block tables hold the
+    next slot): ``tokens`` [S] (int64, the tokens sampled from ``batch``) as the inputs,
+    every position and context one further. Equals ``build_input_batch`` over the same
+    sequences advanced by one token (``build_input_batch_reference`` in the tests)."""
+    meta = batch.meta
+    positions = batch.positions + 1
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    block_ids = meta.block_tables[rows, positions // block_size].long()
+    return InputBatch(
+        input_ids=tokens,
+        positions=positions,
+        meta=AttentionMetadata(
+            slot_mapping=block_ids * block_size + positions % block_size,
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens + 1,
+            block_tables=meta.block_tables,
+            query_lens_list=meta.query_lens_list,
+            seq_lens_list=[n + 1 for n in meta.seq_lens_list],
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len + 1,
+        ),
+        logits_indices=batch.logits_indices,
+    )
+
+
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """The array as a tensor on ``device`` (shares its memory on the CPU)."""
     tensor = torch.from_numpy(array)

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedllm.attention.cpu import argmax_rows
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.worker.allocator import keep_step_buffers
-from pagedllm.worker.input_batch import InputBuffers
+from pagedllm.worker.input_batch import InputBuffers, next_decode_batch
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
 
@@ -30,6 +31,9 @@ class TorchModelRunner:
     kv_caches, meta) -> hidden`` and ``compute_logits(hidden, *, float32=True) -> logits``;
     it must carry a ``config`` (``ModelConfig``).
     """
+
+    # Runs ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding).
+    supports_multi_step = True
 
     def __init__(
         self,
@@ -102,7 +106,9 @@ class TorchModelRunner:
         if scheduler_output.has_block_moves:
             self.apply_block_moves(scheduler_output)
         scheduled = scheduler_output.scheduled
-        if scheduled:
+        if scheduled and scheduler_output.num_steps > 1:
+            output = self._execute_steps(scheduled, scheduler_output.num_steps)
+        elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
             # head where the model can (no logits written at all).
             fast_path = self.sampler.uses_fast_path(scheduled)
@@ -118,6 +124,37 @@ class TorchModelRunner:
         if scheduler_output.finished_request_ids:
             self.sampler.release(scheduler_output.finished_request_ids)
         return output
+
+    def _execute_steps(
+        self, scheduled: Sequence[ScheduledSequence], num_steps: int
+    ) -> ModelRunnerOutput:
+        """``num_steps`` greedy decode steps in a row (``SchedulerOutput.num_steps``): each
+        step's argmax is the next step's input, kept as a tensor; the tokens are read back
+        once, ``num_steps`` per sequence."""
+        block_size = self.block_size
+        for seq in scheduled:
+            if len(seq.token_ids) != 1 or seq.num_samples != 1:
+                raise ValueError(f"request {seq.request_id!r}: multi-step takes one-token decodes")
+            if len(seq.block_table) * block_size < seq.start_position + num_steps:
+                raise ValueError(
+                    f"request {seq.request_id!r}: block table of {len(seq.block_table)} blocks "
+                    f"cannot hold {num_steps} steps from position {seq.start_position}"
+                )
+        if not self.sampler.uses_fast_path(scheduled):
+            raise ValueError("multi-step decoding takes plain greedy sequences only")
+        batch = self.input_buffers.build(scheduled, block_size, self.device, self.num_blocks)
+        steps: list[torch.Tensor] = []
+        with torch.inference_mode():
+            for _ in range(num_steps):
+                if steps:
+                    batch = next_decode_batch(batch, steps[-1], block_size)
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+                best = self._greedy_tokens(hidden)
+                if best is None:
+                    best = argmax_rows(self._logits(hidden, float32=False))
+                steps.append(best)
+            tokens = torch.stack(steps, dim=1).tolist()
+        return ModelRunnerOutput(tuple(map(tuple, tokens)), (None,) * len(tokens))
 
     def apply_block_moves(self, scheduler_output: SchedulerOutput) -> None:
         """swap_out, then swap_in, then copy-on-write copies (the contract's order)."""

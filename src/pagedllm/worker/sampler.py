@@ -267,13 +267,7 @@ def _plain_greedy(seq: ScheduledSequence) -> bool:
     if seq.num_samples == 0:
         return True
     p = seq.sampling_params or _DEFAULT_PARAMS
-    return (
-        p.greedy
-        and not p.logit_bias
-        and not p.needs_penalties
-        and p.logprobs is None
-        and not (p.min_tokens and len(seq.output_token_ids) < p.min_tokens)
-    )
+    return p.plain_greedy and not (p.min_tokens and len(seq.output_token_ids) < p.min_tokens)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
