@@ -79,13 +79,15 @@ def instrument(llm: LLM, timers: Timers) -> None:
     IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)
 
 
-def time_window(engine, timers: Timers, steps: int) -> dict[str, float]:
-    """Seconds per part (PARTS and "rest") over ``steps`` decode steps taken as
-    ``LLM.generate`` takes them, plus the text decode those steps defer."""
+def time_window(engine, timers: Timers, steps: int) -> tuple[dict[str, float], int]:
+    """Seconds per part (PARTS and "rest") over at least ``steps`` decode steps taken as
+    ``LLM.generate`` takes them, plus the text decode those steps defer; and the number
+    of model steps (more than ``steps`` when a multi-step schedule ends past it)."""
     timers.seconds.clear()
     timers.enabled = True
+    first = engine.num_steps
     start = timers.clock()
-    for _ in range(steps):
+    while engine.num_steps - first < steps:
         engine.step(finished_only=True)
     # Finished-only steps leave the text of running requests to be decoded when it is
     # read (at the request's end): decode the window's tokens now (as one window each,
@@ -97,7 +99,7 @@ def time_window(engine, timers: Timers, steps: int) -> dict[str, float]:
     timers.enabled = False
     parts = {p: timers.seconds[p] for p in PARTS}
     parts["rest"] = max(0.0, total - sum(parts.values()))
-    return parts
+    return parts, engine.num_steps - first
 
 
 def overhead_fraction(parts: dict[str, float]) -> float:
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         "--windows", type=int, default=1, help="windows of --steps; the median one is reported"
     )
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="decode steps per schedule"
+    )
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table")
     parser.add_argument(
         "--clock",
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model = throughput.resolve_model(args.model)
     work = throughput.standard_workload(args.num_seqs)
-    kwargs = {"dtype": args.dtype}
+    kwargs = {"dtype": args.dtype, "num_scheduler_steps": args.num_scheduler_steps}
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
     llm = LLM(model=str(model), **kwargs)
@@ -139,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     instrument(llm, timers)
     # Every request decodes for longer than the measured window.
     params = SamplingParams(
-        temperature=0.0, max_tokens=args.steps * args.windows + 16, ignore_eos=True
+        temperature=0.0,
+        max_tokens=(args.steps + args.num_scheduler_steps) * args.windows + 16,
+        ignore_eos=True,
     )
     for i, prompt in enumerate(work.prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -157,24 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    windows = [time_window(engine, timers, args.steps) for _ in range(args.windows)]
+    timed = [time_window(engine, timers, args.steps) for _ in range(args.windows)]
     if profiler is not None:
         profiler.__exit__(None, None, None)
+    windows = [parts for parts, _ in timed]
     fractions = [overhead_fraction(parts) for parts in windows]
     # The window with the median overhead fraction (the machine is shared: one window
     # can land on a busy moment).
     median = sorted(range(len(windows)), key=fractions.__getitem__)[len(windows) // 2]
     parts, fraction = windows[median], fractions[median]
+    steps = timed[median][1]  # model steps: per-step figures divide by these
     total = sum(parts.values())
-    step_ms = total / args.steps * 1e3
+    step_ms = total / steps * 1e3
     print(
-        f"model={model.name} dtype={args.dtype} seqs={args.num_seqs} steps={args.steps} "
-        f"threads={torch.get_num_threads()} clock={args.clock}"
+        f"model={model.name} dtype={args.dtype} seqs={args.num_seqs} steps={steps} "
+        f"threads={torch.get_num_threads()} clock={args.clock} "
+        f"num_scheduler_steps={args.num_scheduler_steps}"
     )
     print(f"{'part':<12}{'ms/step':>10}{'share':>8}")
     for name, seconds in parts.items():
-        print(f"{name:<12}{seconds / args.steps * 1e3:>10.3f}{seconds / total:>8.1%}")
-    print(f"{'step':<12}{step_ms:>10.3f}  ({args.num_seqs / (total / args.steps):.0f} tok/s)")
+        print(f"{name:<12}{seconds / steps * 1e3:>10.3f}{seconds / total:>8.1%}")
+    print(f"{'step':<12}{step_ms:>10.3f}  ({args.num_seqs / (total / steps):.0f} tok/s)")
     print(f"engine overhead {fraction:.1%} of step time (goal <= 10%)", end="")
     if len(windows) > 1:
         listed = ", ".join(f"{f:.1%}" for f in fractions)
@@ -184,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     result = {
         "num_seqs": args.num_seqs,
-        "steps": args.steps,
+        "steps": steps,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "step_ms": round(step_ms, 3),
-        "parts_ms": {k: round(v / args.steps * 1e3, 4) for k, v in parts.items()},
+        "parts_ms": {k: round(v / steps * 1e3, 4) for k, v in parts.items()},
         "overhead_fraction": round(fraction, 4),
         "window_overhead_fractions": [round(f, 4) for f in fractions],
     }

@@ -170,6 +170,8 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
 
     start = time.perf_counter()
     kwargs = {"dtype": dtype}
+    if args.num_scheduler_steps is not None:
+        kwargs["num_scheduler_steps"] = args.num_scheduler_steps
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
     llm = LLM(model=str(model), **kwargs)
@@ -194,7 +196,11 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
         return elapsed
 
     generate(warmup_workload())
-    return Started("pagedllm", lambda: generate(work), {"startup_s": round(startup, 2)})
+    extra = {
+        "startup_s": round(startup, 2),
+        "num_scheduler_steps": llm.engine.scheduler.config.num_scheduler_steps,
+    }
+    return Started("pagedllm", lambda: generate(work), extra)
 
 
 def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) -> list[Started]:
@@ -512,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--vs-vllm", metavar="PYTHON", help="interpreter with vLLM installed")
     parser.add_argument("--attention-backend", default=None, help="pagedllm backend name")
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="pagedllm's greedy decode steps per schedule (default: LLM's, 8)",
+    )
     parser.add_argument("--skip-pagedllm", action="store_true")
     parser.add_argument(
         "--rounds",

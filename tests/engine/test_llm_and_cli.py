@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args, parse_size
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.llm import LLM
+from pagedllm.engine.llm import LLM, OFFLINE_SCHEDULER_STEPS
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -84,6 +84,8 @@ def test_llm_on_a_tiny_checkpoint(tiny_model_dir: Path, engines: list[LLMEngine]
     a, b = llm.generate(["hello world", "hello world"], params, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 6
     assert llm.engine.startup_report and "bytes per token" in llm.engine.startup_report
+    # Offline batches decode several greedy steps per schedule unless told otherwise.
+    assert llm.engine.scheduler.config.num_scheduler_steps == OFFLINE_SCHEDULER_STEPS > 1
 
 
 @pytest.mark.parametrize(
@@ -111,6 +113,9 @@ def test_bad_sizes_and_engine_flags() -> None:
     )
     assert config.kv_cache_memory == 4 << 30 and not config.enable_prefix_caching
     assert config_from_args(parser.parse_args([])) == EngineConfig()
+    assert EngineConfig().num_scheduler_steps == 1  # the server streams every step
+    steps = config_from_args(parser.parse_args(["--num-scheduler-steps", "4"]))
+    assert steps.num_scheduler_steps == 4
     with pytest.raises(ValueError, match="kv_cache_memory or memory_fraction"):
         config_from_args(parser.parse_args(["--kv-cache-memory", "1G", "--memory-fraction", "0.5"]))
     with pytest.raises(ValueError, match="preemption_mode"):

@@ -26,13 +26,24 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
+# Greedy decode steps per schedule for offline batches (multi-step decoding). Measured on
+# model (a) bf16, 32-step blocks alternated in one process: 0.95 of the one-step time at 64
+# sequences, 0.93 at 8 (the engine's per-step Python at 64 sequences: 8.6% -> 4.7%).
+OFFLINE_SCHEDULER_STEPS = 8
+
+
 class LLM:
     """An engine for offline batches. Keyword arguments are ``EngineConfig`` fields
     (``dtype``, ``block_size``, ``kv_cache_memory`` in bytes or ``memory_fraction``,
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``preemption_mode``, ``swap_space`` in GiB, ...)."""
+    ``enable_prefix_caching``, ``preemption_mode``, ``swap_space`` in GiB, ...).
+
+    ``num_scheduler_steps`` defaults to ``OFFLINE_SCHEDULER_STEPS`` here (the server keeps
+    1): an offline batch returns whole completions, so nothing is lost when greedy tokens
+    come several steps per schedule, and the per-token Python is paid once for them."""
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        kwargs.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
         self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 

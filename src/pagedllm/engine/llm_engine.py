@@ -364,6 +364,12 @@ class LLMEngine:
             groups = [g for g in groups if g.finished]
         return failed + [self._output_and_maybe_forget(g) for g in groups]
 
+    @property
+    def num_steps(self) -> int:
+        """Model steps run so far (``get_stats().num_steps`` without the rest of the stats:
+        a multi-step schedule counts each of its steps)."""
+        return self._counters["steps"]
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
         c = self._counters
