@@ -15,6 +15,7 @@ from pagedllm.core.outputs import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.input_batch import build_input_batch_reference, next_decode_batch
 
 BASE = dict(block_size=4, max_model_len=64, num_blocks=256)
@@ -170,10 +171,22 @@ def test_runner_refuses_what_multi_step_does_not_take(
         runner.execute(SchedulerOutput(scheduled=(chunk,), num_steps=2))
 
 
-def test_config_refuses_bad_step_counts_and_runners_without_multi_step(
-    fake_engine: Callable[..., LLMEngine],
-) -> None:
+def test_config_refuses_bad_step_counts_and_runners_without_multi_step(tokenizer: Any) -> None:
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(num_scheduler_steps=0)
+    sampling = FakeModelRunner(16, 4, vocab_size=len(tokenizer), use_sampler=True)
     with pytest.raises(ValueError, match="num_scheduler_steps=4 needs a runner"):
-        fake_engine(num_blocks=16, num_scheduler_steps=4)
+        LLMEngine(EngineConfig(block_size=4, num_scheduler_steps=4), sampling, tokenizer)
+
+
+def test_fake_runner_multi_step_matches_single_steps(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    """The fake runner's multi-step (what the server tests stream through) checks every
+    step's context through the block tables, as its single steps do."""
+    requests = mixed_requests()
+    single = run(fake_engine(num_blocks=64, block_size=4), requests)
+    engine = fake_engine(num_blocks=64, block_size=4, num_scheduler_steps=3)
+    seen = record_steps(engine)
+    assert run(engine, requests) == single
+    assert max(seen) == 3

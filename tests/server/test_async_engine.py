@@ -18,19 +18,23 @@ from pagedllm.worker.fake_runner import FakeModelRunner
 from .conftest import LETTERS
 
 
-def _engine(tokenizer: Any, **runner_kw: Any) -> tuple[LLMEngine, FakeModelRunner]:
+def _engine(
+    tokenizer: Any, num_scheduler_steps: int = 1, **runner_kw: Any
+) -> tuple[LLMEngine, FakeModelRunner]:
     runner = FakeModelRunner(
         32, 4, vocab_size=len(tokenizer), allowed_token_ids=LETTERS, **runner_kw
     )
-    return LLMEngine(EngineConfig(block_size=4, max_model_len=64), runner, tokenizer), runner
+    config = EngineConfig(block_size=4, max_model_len=64, num_scheduler_steps=num_scheduler_steps)
+    return LLMEngine(config, runner, tokenizer), runner
 
 
 def _blocks_used(engine: LLMEngine) -> int:
     return engine.get_stats().cache.blocks_used
 
 
-def test_generate_streams_cumulative_outputs(tokenizer):
-    llm, runner = _engine(tokenizer)
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_generate_streams_cumulative_outputs(tokenizer, num_scheduler_steps):
+    llm, runner = _engine(tokenizer, num_scheduler_steps)
 
     async def main():
         engine = AsyncEngine(llm)
@@ -49,6 +53,8 @@ def test_generate_streams_cumulative_outputs(tokenizer):
         context.append(runner.next_token(context))
     assert list(outputs[-1].outputs[0].token_ids) == context[3:]
     assert _blocks_used(llm) == 0
+    if num_scheduler_steps > 1:  # prompt, 4 steps, 1 step: at most three outputs
+        assert len(outputs) <= 3
 
 
 def test_slow_steps_never_block_the_event_loop(tokenizer):

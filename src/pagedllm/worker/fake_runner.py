@@ -91,6 +91,11 @@ class FakeModelRunner:
 
             self._sampler = Sampler()
 
+    @property
+    def supports_multi_step(self) -> bool:
+        """``SchedulerOutput.num_steps > 1`` runs in the deterministic mode only."""
+        return self._sampler is None
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failing = {s.request_id for s in scheduler_output.scheduled} & self.fail_request_ids
         if failing:
@@ -105,6 +110,8 @@ class FakeModelRunner:
             self._move(self.host_slots, host_block, self.device_slots, device_block)
         for src, dst in scheduler_output.block_copies:
             self._move(self.device_slots, src, self.device_slots, dst)
+        if scheduler_output.num_steps > 1:
+            return self._multi_step(scheduler_output)
         contexts = [self._forward(seq) for seq in scheduler_output.scheduled]
         self.num_steps += 1
         if self._sampler is not None:
@@ -145,6 +152,27 @@ class FakeModelRunner:
                     f"{list(seq.block_table)} differs from its tokens"
                 )
         return [-1 if t is None else t for t in context]
+
+    def _multi_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """``num_steps`` decode steps per sequence, each token the next step's input (as
+        ``TorchModelRunner`` runs them)."""
+        if self._sampler is not None:
+            raise ValueError("multi-step decoding takes greedy decodes; this runner samples")
+        sampled = []
+        for seq in scheduler_output.scheduled:
+            tokens: list[int] = []
+            step = seq
+            for _ in range(scheduler_output.num_steps):
+                token = self.next_token(self._forward(step))
+                tokens.append(token)
+                step = step._replace(
+                    token_ids=(token,),
+                    start_position=step.start_position + 1,
+                    output_token_ids=[*step.output_token_ids, token],
+                )
+            sampled.append(tuple(tokens))
+        self.num_steps += scheduler_output.num_steps
+        return ModelRunnerOutput(tuple(sampled), (None,) * len(sampled))
 
     def _deterministic(
         self, contexts: list[list[int]], scheduled: Sequence[ScheduledSequence]
