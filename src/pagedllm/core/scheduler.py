@@ -242,10 +242,7 @@ class Scheduler:
                 return 1
             # Step j's input sits at position num_tokens - 1 + j < max_model_len.
             limit = min(limit, config.max_model_len - num_tokens)
-            max_tokens = params.max_tokens
-            if max_tokens is None:
-                max_tokens = self._max_tokens(request)
-            wanted = max(wanted, max_tokens - num_output)
+            wanted = max(wanted, self._max_tokens(request) - num_output)
         return max(1, min(limit, wanted))
 
     def _schedule_steps(self, step: _Step, num_steps: int) -> bool:
@@ -560,13 +557,8 @@ class Scheduler:
         if params is None:
             if token_id == request.eos_token_id:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
-            elif (
-                num_output >= self._max_tokens(request)
-                or len(request.all_token_ids) >= self.config.max_model_len
-            ):
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
-            return
-        if num_output >= params.min_tokens:
+                return
+        elif num_output >= params.min_tokens:
             if not params.ignore_eos and token_id == request.eos_token_id:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
@@ -574,7 +566,7 @@ class Scheduler:
                 request.stop_reason = token_id
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        max_tokens = params.max_tokens
+        max_tokens = None if params is None else params.max_tokens
         if max_tokens is None:
             max_tokens = self._max_tokens(request)
         if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
