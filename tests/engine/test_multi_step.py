@@ -16,7 +16,12 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
-from pagedllm.worker.input_batch import build_input_batch_reference, next_decode_batch
+from pagedllm.worker.input_batch import (
+    build_input_batch,
+    build_input_batch_reference,
+    later_decode_steps,
+    next_decode_batch,
+)
 
 BASE = dict(block_size=4, max_model_len=64, num_blocks=256)
 
@@ -153,6 +158,29 @@ def test_next_decode_batch_equals_building_the_advanced_step() -> None:
         assert a.dtype == b.dtype and torch.equal(a, b), name
     for name in ("query_lens_list", "seq_lens_list", "max_query_len", "max_seq_len"):
         assert getattr(got.meta, name) == getattr(want.meta, name), name
+
+
+def test_later_decode_steps_equal_next_decode_batch_applied_again_and_again() -> None:
+    rng = random.Random(1)
+    block_size = 4
+    seqs = []
+    for i in range(5):
+        start = rng.randint(0, 30)
+        table = tuple(rng.sample(range(100), (start + 6) // block_size + 1))
+        seqs.append(ScheduledSequence(f"r{i}", (rng.randrange(50),), start, table, 1))
+    batch = build_input_batch(seqs, block_size)
+    later = later_decode_steps(batch, 6, block_size)
+    assert len(later) == 5
+    want = batch
+    for positions, meta in later:
+        tokens = torch.tensor([rng.randrange(50) for _ in seqs])
+        want = next_decode_batch(want, tokens, block_size)
+        assert positions.dtype == want.positions.dtype and torch.equal(positions, want.positions)
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            a, b = getattr(meta, name), getattr(want.meta, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        for name in ("query_lens_list", "seq_lens_list", "max_query_len", "max_seq_len"):
+            assert getattr(meta, name) == getattr(want.meta, name), name
 
 
 def test_runner_refuses_what_multi_step_does_not_take(

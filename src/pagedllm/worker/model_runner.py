@@ -19,7 +19,12 @@ import torch
 from pagedllm.attention.cpu import argmax_rows
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.worker.allocator import keep_step_buffers
-from pagedllm.worker.input_batch import InputBuffers, next_decode_batch
+from pagedllm.worker.input_batch import (
+    InputBatch,
+    InputBuffers,
+    later_decode_steps,
+    next_decode_batch,
+)
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
 
@@ -143,10 +148,18 @@ class TorchModelRunner:
         if not self.sampler.uses_fast_path(scheduled):
             raise ValueError("multi-step decoding takes plain greedy sequences only")
         batch = self.input_buffers.build(scheduled, block_size, self.device, self.num_blocks)
+        # On the CPU every later step's positions and metadata at once (numpy); elsewhere
+        # one step at a time on the device.
+        later = None
+        if self.device.type == "cpu":
+            later = later_decode_steps(batch, num_steps, block_size)
         steps: list[torch.Tensor] = []
         with torch.inference_mode():
-            for _ in range(num_steps):
-                if steps:
+            for j in range(num_steps):
+                if j and later is not None:
+                    positions, meta = later[j - 1]
+                    batch = InputBatch(steps[-1], positions, meta, batch.logits_indices)
+                elif j:
                     batch = next_decode_batch(batch, steps[-1], block_size)
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
                 best = self._greedy_tokens(hidden)
