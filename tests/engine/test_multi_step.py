@@ -20,7 +20,6 @@ from pagedllm.worker.input_batch import (
     build_input_batch,
     build_input_batch_reference,
     later_decode_steps,
-    next_decode_batch,
 )
 
 BASE = dict(block_size=4, max_model_len=64, num_blocks=256)
@@ -135,32 +134,7 @@ def test_a_waiting_request_is_admitted_at_the_next_schedule(
     assert max(seen) == 8
 
 
-def test_next_decode_batch_equals_building_the_advanced_step() -> None:
-    rng = random.Random(0)
-    block_size = 4
-    seqs = []
-    for i in range(6):
-        start = rng.randint(0, 30)
-        table = tuple(rng.sample(range(100), (start + 2) // block_size + 1))
-        seqs.append(ScheduledSequence(f"r{i}", (rng.randrange(50),), start, table, 1))
-    batch = build_input_batch_reference(seqs, block_size)
-    tokens = torch.tensor([rng.randrange(50) for _ in seqs])
-    after = [
-        ScheduledSequence(s.request_id, (int(t),), s.start_position + 1, s.block_table, 1)
-        for s, t in zip(seqs, tokens, strict=True)
-    ]
-    want = build_input_batch_reference(after, block_size)
-    got = next_decode_batch(batch, tokens, block_size)
-    for name in ("input_ids", "positions", "logits_indices"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        a, b = getattr(got.meta, name), getattr(want.meta, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    for name in ("query_lens_list", "seq_lens_list", "max_query_len", "max_seq_len"):
-        assert getattr(got.meta, name) == getattr(want.meta, name), name
-
-
-def test_later_decode_steps_equal_next_decode_batch_applied_again_and_again() -> None:
+def test_later_decode_steps_equal_building_each_advanced_step() -> None:
     rng = random.Random(1)
     block_size = 4
     seqs = []
@@ -168,13 +142,15 @@ def test_later_decode_steps_equal_next_decode_batch_applied_again_and_again() ->
         start = rng.randint(0, 30)
         table = tuple(rng.sample(range(100), (start + 6) // block_size + 1))
         seqs.append(ScheduledSequence(f"r{i}", (rng.randrange(50),), start, table, 1))
-    batch = build_input_batch(seqs, block_size)
-    later = later_decode_steps(batch, 6, block_size)
+    later = later_decode_steps(build_input_batch(seqs, block_size), 6, block_size)
     assert len(later) == 5
-    want = batch
-    for positions, meta in later:
-        tokens = torch.tensor([rng.randrange(50) for _ in seqs])
-        want = next_decode_batch(want, tokens, block_size)
+    for j, (positions, meta) in enumerate(later, start=1):
+        # The plain construction of step j: every sequence j tokens further.
+        advanced = [
+            ScheduledSequence(s.request_id, (0,), s.start_position + j, s.block_table, 1)
+            for s in seqs
+        ]
+        want = build_input_batch_reference(advanced, block_size)
         assert positions.dtype == want.positions.dtype and torch.equal(positions, want.positions)
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             a, b = getattr(meta, name), getattr(want.meta, name)

@@ -21,7 +21,7 @@ def test_lookup_matches_rotary_per_step(dtype):
         atol = 1e-6 if dtype == torch.float32 else 2**-8
         torch.testing.assert_close(cos, want_cos, atol=atol, rtol=0)
         torch.testing.assert_close(sin, want_sin, atol=atol, rtol=0)
-    assert table.cos.shape[0] == 4096
+    assert table.table[0].shape[0] == 4096
 
 
 def test_lookup_rebuilds_for_another_dtype_and_refuses_positions_past_the_table():

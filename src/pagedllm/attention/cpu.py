@@ -237,47 +237,31 @@ class CpuAttention:
         """Which sequences the kernel takes (short queries, or any query over a context of
         at most ``long_max`` tokens) and which go to SDPA; the kernel computes exactly those
         it is given. Worked out once per step: every layer of a step passes the same meta."""
-        routes = self._routes
-        if (
-            routes is not None
-            and routes[0] is not meta
-            and self._same_queries(routes, meta, long_max)
-        ):
-            # The next step of a multi-step window: only the context lengths moved.
-            route = routes[2]._replace(seq_lens=_int32(meta.seq_lens))
-            self._routes = (meta, long_max, route)
-        elif routes is None or routes[0] is not meta or routes[1] != long_max:
-            kernel = [
-                n > 0 and (n <= self.max_kernel_query_len or s <= long_max)
-                for n, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
-            ]
+        if self._routes is None or self._routes[0] is not meta or self._routes[1] != long_max:
+            queries = meta.query_lens_list
+            if queries and meta.max_query_len <= self.max_kernel_query_len and min(queries) > 0:
+                # Every query short (decode steps): the kernel takes them all, whatever
+                # their contexts, without a Python pass over the sequences.
+                kernel_mask = torch.ones(len(queries), dtype=torch.bool)
+                any_kernel, rest = True, []
+            else:
+                kernel = [
+                    n > 0 and (n <= self.max_kernel_query_len or s <= long_max)
+                    for n, s in zip(queries, meta.seq_lens_list, strict=True)
+                ]
+                kernel_mask = torch.tensor(kernel, dtype=torch.bool)
+                any_kernel = any(kernel)
+                rest = [i for i, (ok, n) in enumerate(zip(kernel, queries)) if not ok and n]
             route = _Route(
-                kernel=torch.tensor(kernel, dtype=torch.bool),
-                any_kernel=any(kernel),
-                rest=[
-                    i for i, (ok, n) in enumerate(zip(kernel, meta.query_lens_list)) if not ok and n
-                ],
+                kernel=kernel_mask,
+                any_kernel=any_kernel,
+                rest=rest,
                 block_tables=_int32(meta.block_tables),
                 seq_lens=_int32(meta.seq_lens),
                 query_start_loc=_int32(meta.query_start_loc),
             )
             self._routes = (meta, long_max, route)
         return self._routes[2]
-
-    def _same_queries(
-        self, routes: tuple[AttentionMetadata, int, _Route], meta: AttentionMetadata, long_max: int
-    ) -> bool:
-        """``meta`` routes as the last step did: the same query lengths (the very list a
-        multi-step window passes on), tables and starts, and every query short enough that
-        the context lengths do not matter to the route."""
-        last = routes[0]
-        return (
-            routes[1] == long_max
-            and meta.query_lens_list is last.query_lens_list
-            and meta.block_tables is last.block_tables
-            and meta.query_start_loc is last.query_start_loc
-            and meta.max_query_len <= self.max_kernel_query_len
-        )
 
     def _kernel_applies(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
         """The kernel's conditions but the query's layout (head_dim contiguous)."""

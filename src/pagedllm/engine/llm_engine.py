@@ -443,7 +443,7 @@ class LLMEngine:
         if stop is not None:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             group.finish(seq, "stop", stop)
-        elif request.status is not RequestStatus.RUNNING and request.is_finished:
+        elif request.is_finished:
             seq.text_detokenizer().finish()
             group.finish(seq, request.status.value, request.stop_reason)
         return group

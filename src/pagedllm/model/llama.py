@@ -199,26 +199,25 @@ class RotaryTable:
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] of ``positions``, all of which are below
         ``num_positions``."""
-        cos, sin = self.cos, self.sin
+        table = self.table
         if (
-            cos is None
-            or sin is None
-            or cos.shape[0] < num_positions
-            or cos.dtype != dtype
-            or cos.device != positions.device
+            table is None
+            or table[0].shape[0] < num_positions
+            or table[0].dtype != dtype
+            or table[0].device != positions.device
         ):
             size = 1 << max(10, (num_positions - 1).bit_length())
             inv_freq = self.inv_freq.to(positions.device)
             every = torch.arange(size, dtype=torch.int64, device=positions.device)
-            cos, sin = self.cos, self.sin = rotary(every, inv_freq, dtype)
+            table = self.table = rotary(every, inv_freq, dtype)
+        cos, sin = table
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
 

@@ -200,54 +200,30 @@ def _build(
     )
 
 
-def next_decode_batch(batch: InputBatch, tokens: torch.Tensor, block_size: int) -> InputBatch:
-    """The decode step after ``batch`` (one token per sequence, whose block tables hold the
-    next slot): ``tokens`` [S] (int64, the tokens sampled from ``batch``) as the inputs,
-    every position and context one further. Equals ``build_input_batch`` over the same
-    sequences advanced by one token (``build_input_batch_reference`` in the tests)."""
-    meta = batch.meta
-    positions = batch.positions + 1
-    rows = torch.arange(positions.shape[0], device=positions.device)
-    block_ids = meta.block_tables[rows, positions // block_size].long()
-    return InputBatch(
-        input_ids=tokens,
-        positions=positions,
-        meta=AttentionMetadata(
-            slot_mapping=block_ids * block_size + positions % block_size,
-            query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens + 1,
-            block_tables=meta.block_tables,
-            query_lens_list=meta.query_lens_list,
-            seq_lens_list=[n + 1 for n in meta.seq_lens_list],
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len + 1,
-        ),
-        logits_indices=batch.logits_indices,
-    )
-
-
 def later_decode_steps(
     batch: InputBatch, num_steps: int, block_size: int
 ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
-    """Positions and metadata of the ``num_steps - 1`` decode steps after ``batch`` (a CPU
-    decode batch), all computed at once with numpy: step j is ``next_decode_batch`` applied
-    j times (the reference in the tests), its inputs the tokens sampled the step before.
-    A multi-step window pays a few numpy calls instead of ten torch ops a step (each costs
-    tens of microseconds right after a forward pass has flushed the caches)."""
+    """Positions and metadata of the ``num_steps - 1`` decode steps after ``batch`` (one
+    token per sequence, whose block tables hold the window's slots), all computed at once:
+    step j has every position and context j + 1 further, and takes as inputs the tokens
+    sampled the step before. Equals ``build_input_batch_reference`` over the sequences
+    advanced j + 1 tokens (the tests). A window pays a dozen tensor ops once instead of ten
+    a step (each costs tens of microseconds right after a forward pass has flushed the
+    caches)."""
     meta = batch.meta
-    ahead = np.arange(1, num_steps, dtype=np.int64)[:, None]
-    positions = batch.positions.numpy()[None, :] + ahead
-    rows = np.arange(positions.shape[1])
-    block_ids = meta.block_tables.numpy()[rows, positions // block_size].astype(np.int64)
+    ahead = torch.arange(1, num_steps, device=batch.positions.device)[:, None]
+    positions = batch.positions[None, :] + ahead
+    rows = torch.arange(positions.shape[1], device=positions.device)
+    block_ids = meta.block_tables[rows, positions // block_size].long()
     slot_mapping = block_ids * block_size + positions % block_size
-    seq_lens = meta.seq_lens.numpy()[None, :] + ahead.astype(np.int32)
+    seq_lens = meta.seq_lens[None, :] + ahead.to(meta.seq_lens.dtype)
     return [
         (
-            torch.from_numpy(positions[j]),
+            step_positions,
             AttentionMetadata(
-                slot_mapping=torch.from_numpy(slot_mapping[j]),
+                slot_mapping=step_slots,
                 query_start_loc=meta.query_start_loc,
-                seq_lens=torch.from_numpy(seq_lens[j]),
+                seq_lens=step_lens,
                 block_tables=meta.block_tables,
                 query_lens_list=meta.query_lens_list,
                 seq_lens_list=[n + j + 1 for n in meta.seq_lens_list],
@@ -255,7 +231,9 @@ def later_decode_steps(
                 max_seq_len=meta.max_seq_len + j + 1,
             ),
         )
-        for j in range(num_steps - 1)
+        for j, (step_positions, step_slots, step_lens) in enumerate(
+            zip(positions.unbind(0), slot_mapping.unbind(0), seq_lens.unbind(0), strict=True)
+        )
     ]
 
 

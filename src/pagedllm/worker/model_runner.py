@@ -19,12 +19,7 @@ import torch
 from pagedllm.attention.cpu import argmax_rows
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.worker.allocator import keep_step_buffers
-from pagedllm.worker.input_batch import (
-    InputBatch,
-    InputBuffers,
-    later_decode_steps,
-    next_decode_batch,
-)
+from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
 
@@ -116,14 +111,14 @@ class TorchModelRunner:
         elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
             # head where the model can (no logits written at all).
-            fast_path = self.sampler.uses_fast_path(scheduled)
             hidden = self.sampled_hidden(scheduled)
-            best = self._greedy_tokens(hidden) if fast_path else None
-            if best is not None:
-                output = self.sampler.greedy_from_argmax(best.tolist(), scheduled)
+            if self.sampler.uses_fast_path(scheduled):
+                best = self._best_tokens(hidden).tolist()
+                output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
-                logits = self._logits(hidden, float32=not fast_path)
-                output = self.sampler(logits, scheduled, fast_path=fast_path)
+                output = self.sampler(
+                    self._logits(hidden, float32=True), scheduled, fast_path=False
+                )
         else:
             output = ModelRunnerOutput()
         if scheduler_output.finished_request_ids:
@@ -148,23 +143,14 @@ class TorchModelRunner:
         if not self.sampler.uses_fast_path(scheduled):
             raise ValueError("multi-step decoding takes plain greedy sequences only")
         batch = self.input_buffers.build(scheduled, block_size, self.device, self.num_blocks)
-        # On the CPU every later step's positions and metadata at once (numpy); elsewhere
-        # one step at a time on the device.
-        later = None
-        if self.device.type == "cpu":
-            later = later_decode_steps(batch, num_steps, block_size)
-        steps: list[torch.Tensor] = []
+        later = later_decode_steps(batch, num_steps, block_size)
         with torch.inference_mode():
-            for j in range(num_steps):
-                if j and later is not None:
-                    positions, meta = later[j - 1]
-                    batch = InputBatch(steps[-1], positions, meta, batch.logits_indices)
-                elif j:
-                    batch = next_decode_batch(batch, steps[-1], block_size)
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-                best = self._greedy_tokens(hidden)
-                if best is None:
-                    best = argmax_rows(self._logits(hidden, float32=False))
+            best = self._best_tokens(
+                self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            )
+            steps = [best]
+            for positions, meta in later:
+                best = self._best_tokens(self.model(best, positions, self.kv_caches, meta))
                 steps.append(best)
             tokens = torch.stack(steps, dim=1).tolist()
         return ModelRunnerOutput(tuple(map(tuple, tokens)), (None,) * len(tokens))
@@ -200,6 +186,12 @@ class TorchModelRunner:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         with torch.inference_mode():
             return self.model.compute_logits(hidden, float32=float32)
+
+    def _best_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax [S]: inside the LM head where the model offers it, else of the
+        logits in the model's dtype (as the sampler's greedy fast path takes it)."""
+        best = self._greedy_tokens(hidden)
+        return best if best is not None else argmax_rows(self._logits(hidden, float32=False))
 
     def _greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax straight from the model's LM head, where it offers one."""
