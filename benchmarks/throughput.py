@@ -29,6 +29,11 @@ speed swings by 2x within minutes, that ratio is the one to quote. Before each t
 caches are reset (every round computes its prompts) and the machine is let go idle (vLLM's
 processes stay busy for about 2 s after each of its generates).
 
+``--phases`` also times, in each engine's turn, a generate of the same prompts with one output
+token each (the prompt phase), and splits every engine's figure into the prompt phase and the
+rest (the decode steps after the prompts), with pagedllm's speed over each other engine per
+phase: where a ratio comes from (matrix work on prompts, memory-bound decode steps).
+
     .venv/bin/python benchmarks/throughput.py --model a --dtype bfloat16 [--quick] [--rounds 5]
 """
 
@@ -83,6 +88,10 @@ class Workload:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    def prompt_phase(self) -> Workload:
+        """The same prompts, one output token each: every prompt computed, no decode steps."""
+        return Workload(self.prompts, [1] * len(self.prompts))
 
 
 def standard_workload(num_requests: int = 64) -> Workload:
@@ -163,6 +172,8 @@ class Started:
     run: Callable[[], float]
     extra: dict
     close: Callable[[], None] = lambda: None
+    # Times one generate of the workload's prompt phase (``Workload.prompt_phase``).
+    run_prompts: Callable[[], float] | None = None
 
 
 def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Namespace) -> Started:
@@ -200,7 +211,12 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
         "startup_s": round(startup, 2),
         "num_scheduler_steps": llm.engine.scheduler.config.num_scheduler_steps,
     }
-    return Started("pagedllm", lambda: generate(work), extra)
+    return Started(
+        "pagedllm",
+        lambda: generate(work),
+        extra,
+        run_prompts=partial(generate, work.prompt_phase()),
+    )
 
 
 def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) -> list[Started]:
@@ -236,12 +252,20 @@ def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) ->
     for batch in batch_sizes:
         generate(warmup_workload(), batch)
         extra = {"startup_s": round(startup, 2), "batch_size": batch}
-        engines.append(Started(f"hf batch {batch}", partial(generate, work, batch), extra))
+        engines.append(
+            Started(
+                f"hf batch {batch}",
+                partial(generate, work, batch),
+                extra,
+                run_prompts=partial(generate, work.prompt_phase(), batch),
+            )
+        )
     return engines
 
 
 # The vLLM side: a child process in vLLM's own environment that loads the model, warms up,
-# says VLLM_READY, then times one generate per "run" line on stdin (VLLM_RESULT) until "quit".
+# says VLLM_READY, then times one generate per "run" line on stdin (VLLM_RESULT), or of the
+# prompts with one output token each per "prompts" line, until "quit".
 VLLM_SCRIPT = r"""
 import json, sys, time
 
@@ -266,12 +290,14 @@ def main():
     generate(llm, SamplingParams, *spec["warmup"])
     print("VLLM_READY " + json.dumps({"startup_s": startup}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "run":
+        command = line.strip()
+        if command not in ("run", "prompts"):
             break
         # Every round computes its prompts (where vLLM caches prefixes, the last round's stay).
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
-        elapsed = generate(llm, SamplingParams, spec["prompts"], spec["max_tokens"])
+        max_tokens = spec["max_tokens"] if command == "run" else [1] * len(spec["prompts"])
+        elapsed = generate(llm, SamplingParams, spec["prompts"], max_tokens)
         print("VLLM_RESULT " + json.dumps({"elapsed": elapsed}), flush=True)
 
 
@@ -320,10 +346,13 @@ class VllmChild:
         tail = self.log.read()[-3000:]
         raise RuntimeError(f"vLLM run failed (exit {self.proc.returncode}): {tail}")
 
-    def run(self) -> float:
-        self.proc.stdin.write("run\n")
+    def run(self, command: str = "run") -> float:
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self._reply("VLLM_RESULT ")["elapsed"]
+
+    def run_prompts(self) -> float:
+        return self.run("prompts")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -340,7 +369,8 @@ class VllmChild:
 
 def start_vllm(python: str, model: Path, dtype: str, work: Workload) -> Started:
     child = VllmChild(python, model, dtype, work)
-    return Started("vllm", child.run, {"startup_s": round(child.startup_s, 2)}, child.close)
+    extra = {"startup_s": round(child.startup_s, 2)}
+    return Started("vllm", child.run, extra, child.close, child.run_prompts)
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -382,17 +412,40 @@ def settle(
 
 
 def run_rounds(
-    engines: list[Started], rounds: int, wait: Callable[[], object] = settle
+    engines: list[Started],
+    rounds: int,
+    wait: Callable[[], object] = settle,
+    *,
+    phases: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds of each engine's timed generate, `rounds` times, the engines taking turns
     (in reverse order every other round), so that every engine meets the machine's slow
-    and fast minutes alike; before each turn, `wait` for the last engine to go quiet."""
+    and fast minutes alike; before each turn, `wait` for the last engine to go quiet.
+    With `phases`, each turn first times the prompt phase alone (``run_prompts``), under
+    the name ``phase_name(engine)``."""
     times: dict[str, list[float]] = {e.name: [] for e in engines}
     for r in range(rounds):
         for engine in engines if r % 2 == 0 else engines[::-1]:
+            if phases and engine.run_prompts is not None:
+                wait()
+                times.setdefault(phase_name(engine.name), []).append(engine.run_prompts())
             wait()
             times[engine.name].append(engine.run())
     return times
+
+
+def phase_name(name: str) -> str:
+    return f"{name} prompts"
+
+
+def phase_split(times: dict[str, list[float]], name: str) -> tuple[list[float], list[float]] | None:
+    """Per round, (prompt phase, the rest = whole workload - prompt phase) of one engine, or
+    None without a prompt phase. The rest is the decode steps that follow the prompts; the
+    whole run's prompt steps also carry the first requests' decodes, so it is approximate."""
+    prompts = times.get(phase_name(name))
+    if prompts is None:
+        return None
+    return prompts, [whole - p for whole, p in zip(times[name], prompts, strict=True)]
 
 
 def summarize(work: Workload, engine: Started, seconds: list[float]) -> dict:
@@ -504,6 +557,34 @@ def workload_floor(model: Path, work: Workload, dtype_bytes: int) -> Floor:
     )
 
 
+def report_phases(times: dict[str, list[float]], results: dict[str, dict]) -> None:
+    """Print and record each engine's prompt phase and the rest (medians of the rounds), and
+    pagedllm's speed over each other engine per phase (medians of per-round ratios)."""
+    splits = {}
+    for engine, res in results.items():
+        split = phase_split(times, res.get("name", engine))
+        if split is None:
+            continue
+        splits[engine] = split
+        prompts, rest = (statistics.median(x) for x in split)
+        res["phases"] = {"prompts_s": round(prompts, 3), "rest_s": round(rest, 3)}
+        print(f"phases: {engine}: prompts {prompts:.2f} s, the rest {rest:.2f} s")
+    if "pagedllm" not in splits:
+        return
+    for other, split in splits.items():
+        if other == "pagedllm":
+            continue
+        ratios = [
+            statistics.median(round_ratios(mine, theirs))
+            for mine, theirs in zip(splits["pagedllm"], split, strict=True)
+        ]
+        results["pagedllm"].setdefault("vs_phases", {})[other] = {
+            "prompts": round(ratios[0], 3),
+            "rest": round(ratios[1], 3),
+        }
+        print(f"pagedllm / {other} by phase: prompts {ratios[0]:.2f}x, the rest {ratios[1]:.2f}x")
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -525,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
         help="pagedllm's greedy decode steps per schedule (default: LLM's, 8)",
     )
     parser.add_argument("--skip-pagedllm", action="store_true")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each engine's prompts alone (one output token each) every round, "
+        "and split every figure into the prompt phase and the rest",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -569,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 engines.append(start_vllm(args.vs_vllm, model, args.dtype, work))
             except RuntimeError as exc:
                 results["vllm"] = {"error": str(exc)}
-        times = run_rounds(engines, args.rounds)
+        times = run_rounds(engines, args.rounds, phases=args.phases)
     finally:
         for engine in engines:
             engine.close()
@@ -638,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
             each = ", ".join(f"{x:.2f}" for x in ratios)
             rounds = f" (median of {len(ratios)} rounds: {each})" if len(ratios) > 1 else ""
             print(f"pagedllm / {name} output tok/s: {median:.2f}x{rounds}")
+    if args.phases:
+        report_phases(times, results)
     print(json.dumps(results))
     return 0
 

@@ -3,6 +3,7 @@
 
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,10 @@ FAKE_VLLM = textwrap.dedent(
                 raise AssertionError("these prompts would hit the last round's prefix cache")
             self.cached.add(prompts)
             time.sleep(0.01)
+            log = os.environ.get("FAKE_VLLM_LOG")
+            if log:
+                with open(log, "a") as f:
+                    f.write(" ".join(str(p.max_tokens) for p in params) + "\\n")
             short = int(os.environ.get("FAKE_VLLM_SHORT", "0"))
             return [_Output(p.max_tokens - short) for p in params]
     """
@@ -93,6 +98,71 @@ def test_vllm_child_times_one_generate_per_run_from_an_empty_prefix_cache(fake_v
         engine.close()
     assert all(0.0 < t < 5.0 for t in times)
     assert engine.extra["startup_s"] >= 0.0
+
+
+def test_vllm_child_times_the_prompt_phase_with_one_token_each(
+    fake_vllm: Path, monkeypatch: pytest.MonkeyPatch
+):
+    throughput = load_throughput()
+    log = fake_vllm / "generates.txt"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    work = throughput.Workload([[1, 2, 3], [4]], [3, 2])
+    engine = throughput.start_vllm(sys.executable, fake_vllm, "bfloat16", work)
+    try:
+        engine.run_prompts()
+        engine.run()
+    finally:
+        engine.close()
+    warmup = " ".join(map(str, throughput.warmup_workload().max_tokens))
+    assert log.read_text().splitlines() == [warmup, "1 1", "3 2"]
+
+
+def test_phases_time_the_prompts_first_in_each_turn():
+    throughput = load_throughput()
+    calls = []
+
+    def engine(name, seconds, prompts=None):
+        def run(label, queue):
+            calls.append(label)
+            return queue.pop(0)
+
+        return throughput.Started(
+            name,
+            partial(run, name, seconds),
+            {},
+            run_prompts=None if prompts is None else partial(run, f"{name}/p", prompts),
+        )
+
+    engines = [engine("a", [3.0, 4.0], prompts=[1.0, 1.5]), engine("b", [6.0, 8.0])]
+    times = throughput.run_rounds(engines, 2, wait=lambda: calls.append("w"), phases=True)
+    assert calls == ["w", "a/p", "w", "a", "w", "b", "w", "b", "w", "a/p", "w", "a"]
+    assert times == {"a": [3.0, 4.0], "a prompts": [1.0, 1.5], "b": [6.0, 8.0]}
+    assert throughput.phase_split(times, "a") == ([1.0, 1.5], [2.0, 2.5])
+    assert throughput.phase_split(times, "b") is None
+    # Without phases, run_prompts is never called.
+    calls.clear()
+    engines = [engine("a", [3.0], prompts=[1.0])]
+    assert throughput.run_rounds(engines, 1, wait=lambda: None) == {"a": [3.0]}
+    assert calls == ["a"]
+
+
+def test_phase_report_medians_and_per_round_ratios():
+    throughput = load_throughput()
+    times = {
+        "pagedllm": [3.0, 5.0, 4.0],
+        "pagedllm prompts": [1.0, 2.0, 1.0],
+        "hf batch 8": [30.0, 40.0, 36.0],
+        "hf batch 8 prompts": [2.0, 2.0, 3.0],
+        "vllm": [9.0, 9.0, 9.0],
+    }
+    results = {"pagedllm": {}, "hf": {"name": "hf batch 8"}, "vllm": {}}
+    throughput.report_phases(times, results)
+    # pagedllm: prompts 1, 2, 1 -> 1; the rest 2, 3, 3 -> 3. hf: prompts 2, 2, 3; rest 28, 38, 33.
+    assert results["pagedllm"]["phases"] == {"prompts_s": 1.0, "rest_s": 3.0}
+    assert results["hf"]["phases"] == {"prompts_s": 2.0, "rest_s": 33.0}
+    assert "phases" not in results["vllm"]  # no prompt phase timed
+    # Per round: prompts 2, 1, 3 -> 2x; the rest 14, 12.67, 11 -> 12.67x.
+    assert results["pagedllm"]["vs_phases"] == {"hf": {"prompts": 2.0, "rest": 12.667}}
 
 
 @pytest.mark.parametrize("env", ["FAKE_VLLM_FAIL", "FAKE_VLLM_SHORT"])
