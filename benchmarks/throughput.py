@@ -19,7 +19,10 @@ also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``, and
 A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
 ceiling measured in the same run, and a floor adds what no engine can avoid: decode steps
 stream every weight and every context's K/V at the memory bandwidth measured in the same
-run, prompts cost their matrix work at the ceiling (see ``Floor``). The last line is one
+run, prompts cost their matrix work at the ceiling (see ``Floor``). Both rates are sampled
+before the engines, before every turn and after them, and the highest reading counts: this
+machine's matrix rate swings 2-3x within minutes, and a ceiling read only at the ends once
+caught two slow moments (0.80 TFLOP/s) and put pagedllm at 47% of it. The last line is one
 JSON object keyed by engine.
 
 ``--rounds N`` loads every engine once (vLLM in a child process that waits for its turn),
@@ -49,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -517,6 +520,27 @@ def read_bandwidth(size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
     return best
 
 
+@dataclass
+class MachineRates:
+    """The highest F.linear rate (per dtype name) and read bandwidth sampled over a run."""
+
+    dtypes: tuple[str, ...]
+    ceilings: dict[str, float] = field(default_factory=dict)
+    bandwidth: float = 0.0
+
+    def sample(self, seconds: float = 1.0) -> None:
+        for name in self.dtypes:
+            rate = matmul_ceiling(getattr(torch, name), seconds=seconds)
+            self.ceilings[name] = max(self.ceilings.get(name, 0.0), rate)
+        self.bandwidth = max(self.bandwidth, read_bandwidth(seconds=seconds))
+
+
+def settle_and_sample(rates: MachineRates, seconds: float = 0.25) -> None:
+    """Before an engine's turn: let the machine go idle, then sample its rates briefly."""
+    settle()
+    rates.sample(seconds)
+
+
 @dataclass(frozen=True)
 class Floor:
     """A lower bound on the workload's time on this machine, for any engine.
@@ -638,12 +662,11 @@ def main(argv: list[str] | None = None) -> int:
         f"threads={torch.get_num_threads()}"
     )
 
-    # The ceiling and the bandwidth are measured before and after the engines; the higher
-    # figure counts (a busy moment on a shared machine only lowers it).
-    ceiling_before = {"bfloat16": matmul_ceiling(torch.bfloat16)}
-    bandwidth_before = read_bandwidth()
-    if dtype != torch.bfloat16:
-        ceiling_before[args.dtype] = matmul_ceiling(dtype)
+    # The ceiling and the bandwidth are measured before and after the engines and before
+    # every turn; the highest figure counts (a busy moment on a shared machine only lowers
+    # it, and the engines' turns may meet faster minutes than either end of the run).
+    rates = MachineRates(tuple(dict.fromkeys(("bfloat16", args.dtype))))
+    rates.sample()
     engines: list[Started] = []
     results: dict[str, dict] = {}
     try:
@@ -656,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                 engines.append(start_vllm(args.vs_vllm, model, args.dtype, work))
             except RuntimeError as exc:
                 results["vllm"] = {"error": str(exc)}
-        times = run_rounds(engines, args.rounds, phases=args.phases)
+        times = run_rounds(
+            engines, args.rounds, partial(settle_and_sample, rates), phases=args.phases
+        )
     finally:
         for engine in engines:
             engine.close()
@@ -675,9 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm: {results['vllm']['error']}")
 
     flops = workload_flops(model, work)
-    ceilings = {"bfloat16": max(ceiling_before["bfloat16"], matmul_ceiling(torch.bfloat16))}
-    if dtype != torch.bfloat16:
-        ceilings[args.dtype] = max(ceiling_before[args.dtype], matmul_ceiling(dtype))
+    rates.sample()
+    ceilings = rates.ceilings
     print(
         "roofline: workload = "
         f"{flops / 1e12:.3f} TFLOP of matrix work; F.linear ceiling "
@@ -696,8 +720,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  {engine}: {achieved / 1e12:.3f} TFLOP/s = "
             + ", ".join(f"{f:.1%} of the {k} ceiling" for k, f in fractions.items())
         )
-    # As for the ceiling: the higher of the two readings (the lower floor) counts.
-    bandwidth = max(bandwidth_before, read_bandwidth())
+    # As for the ceiling: the highest reading (the lowest floor) counts.
+    bandwidth = rates.bandwidth
     floor = workload_floor(model, work, torch.finfo(dtype).bits // 8)
     memory_s, compute_s = floor.seconds(bandwidth, ceilings[args.dtype])
     print(

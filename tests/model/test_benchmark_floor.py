@@ -38,3 +38,25 @@ def test_workload_floor_by_hand(tmp_path: Path):
     assert floor.prefill_flops == 2 * 144 * 4
     memory_s, compute_s = floor.seconds(bandwidth=8.0, ceiling=1152.0)
     assert (memory_s, compute_s) == ((736 + 72) / 8.0, 1.0)
+
+
+def test_machine_rates_keep_the_highest_reading(monkeypatch):
+    throughput = load_throughput()
+    ceilings = iter([1.0, 3.0, 2.0, 0.5, 0.7, 0.6])
+    bandwidths = iter([10.0, 5.0, 20.0])
+    seen = []
+
+    def ceiling(dtype, seconds):
+        seen.append((dtype, seconds))
+        return next(ceilings)
+
+    monkeypatch.setattr(throughput, "matmul_ceiling", ceiling)
+    monkeypatch.setattr(throughput, "read_bandwidth", lambda seconds: next(bandwidths))
+    rates = throughput.MachineRates(("bfloat16", "float32"))
+    rates.sample()
+    rates.sample(0.25)
+    rates.sample()
+    # bf16 read 1.0, 2.0, 0.7; float32 3.0, 0.5, 0.6.
+    assert rates.ceilings == {"bfloat16": 2.0, "float32": 3.0}
+    assert rates.bandwidth == 20.0
+    assert seen[2:4] == [(throughput.torch.bfloat16, 0.25), (throughput.torch.float32, 0.25)]
