@@ -265,26 +265,14 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         sampled, all_logprobs = result.sampled_token_ids, result.logprobs
         num_sampled, num_logprobs = len(sampled), len(all_logprobs)
-        # ``advance`` and ``_append`` in one pass, the common case (one token, no logprobs,
-        # no fork) inlined: this loop runs for every sequence of every step.
-        requests, running = self.requests, RequestStatus.RUNNING
-        cache_full_blocks = self.kv.cache_full_blocks
         for i, seq in enumerate(output.scheduled):
-            request = requests.get(seq.request_id)
-            if request is None or request.status is not running:
+            request = self._advance(seq)
+            if request is None:
                 continue
-            request.num_computed_tokens += len(seq.token_ids)
-            cache_full_blocks(request)
             tokens = sampled[i] if i < num_sampled else ()
             logprobs = all_logprobs[i] if i < num_logprobs else None
-            if len(tokens) == 1 and not logprobs:
-                token_id = tokens[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                self._check_stop(request, token_id)
-                updates.append(SequenceUpdate(request, (token_id,), None, None))
-            elif len(tokens) == 1:
-                updates.append(self._append(request, tokens[0], logprobs[0]))
+            if len(tokens) == 1:  # the common case: one token, no fork
+                updates.append(self._append(request, tokens[0], logprobs[0] if logprobs else None))
             elif tokens:
                 updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
         return updates
@@ -297,18 +285,18 @@ class Scheduler:
         newly full blocks registered, the token appended, the stops checked); the tokens
         after a stop are dropped. A sequence the engine retried alone has one token."""
         updates: list[SequenceUpdate] = []
-        requests, running = self.requests, RequestStatus.RUNNING
+        running = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         for seq, tokens in zip(output.scheduled, result.sampled_token_ids, strict=False):
-            request = requests.get(seq.request_id)
-            if request is None or request.status is not running:
+            request = self._advance(seq)  # the window's first input computed
+            if request is None:
                 continue
             kept = 0
             for token_id in tokens:
-                request.num_computed_tokens += 1
-                cache_full_blocks(request)
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
+                if kept:  # the token before is this step's input
+                    request.num_computed_tokens += 1
+                    cache_full_blocks(request)
+                request.append_output_token_ids(token_id)
                 kept += 1
                 self._check_stop(request, token_id)
                 if request.status is not running:
@@ -323,13 +311,20 @@ class Scheduler:
         requests still running (one finished since ``schedule()`` is skipped)."""
         advanced = []
         for i, seq in enumerate(output.scheduled):
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue
-            request.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_full_blocks(request)
-            advanced.append((i, request))
+            request = self._advance(seq)
+            if request is not None:
+                advanced.append((i, request))
         return advanced
+
+    def _advance(self, seq: ScheduledSequence) -> Request | None:
+        """``seq``'s request with its tokens computed and newly full blocks registered, or
+        None when it finished (or left) since ``schedule()``."""
+        request = self.requests.get(seq.request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        request.num_computed_tokens += len(seq.token_ids)
+        self.kv.cache_full_blocks(request)
+        return request
 
     def fork(self, parent: Request, child_id: str) -> Request:
         """A new running request sharing all of ``parent``'s blocks (and tokens)."""
@@ -566,10 +561,10 @@ class Scheduler:
                 request.stop_reason = token_id
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        max_tokens = None if params is None else params.max_tokens
-        if max_tokens is None:
-            max_tokens = self._max_tokens(request)
-        if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
+        if (
+            num_output >= self._max_tokens(request)
+            or len(request.all_token_ids) >= self.config.max_model_len
+        ):
             self._finish(request, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -599,10 +594,10 @@ class Scheduler:
         params = request.sampling_params
         if end < len(tokens):
             num_samples = 0  # a prompt chunk that is not the last one
-        elif request.output_token_ids or params is None:
-            num_samples = 1
+        elif self._will_fork(request):
+            num_samples = self._n(request)
         else:
-            num_samples = params.n  # a parent forks here (``_will_fork``) when n > 1
+            num_samples = 1
         # Positional: a named tuple built from keywords costs a good deal more, and one is
         # built for every sequence of every step.
         return ScheduledSequence(
