@@ -46,6 +46,18 @@ def test_strided_rows_and_empty_batch():
 
 
 @needs_tiles
+@pytest.mark.parametrize("m", [16, 21])
+def test_rows_off_cache_lines_give_the_same_bits(m):
+    # x starting 16 bytes into a line, rows 144 bytes apart: read through an aligned copy.
+    w = bf16(96, 64, seed=3)
+    packed = ops.pack_small_gemm(w)
+    x = bf16(m, 72, seed=4)[:, 8:]
+    assert x.data_ptr() % 64 != 0
+    assert torch.equal(ops.small_gemm(x, packed), ops.small_gemm(x.contiguous(), packed))
+    assert torch.equal(ops.small_gemm_argmax(x, packed), ops.small_gemm_argmax(x.contiguous(), packed))
+
+
+@needs_tiles
 def test_bad_shapes_raise():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.pack_small_gemm(bf16(24, 64, seed=0))
