@@ -54,7 +54,9 @@ def test_rows_off_cache_lines_give_the_same_bits(m):
     x = bf16(m, 72, seed=4)[:, 8:]
     assert x.data_ptr() % 64 != 0
     assert torch.equal(ops.small_gemm(x, packed), ops.small_gemm(x.contiguous(), packed))
-    assert torch.equal(ops.small_gemm_argmax(x, packed), ops.small_gemm_argmax(x.contiguous(), packed))
+    assert torch.equal(
+        ops.small_gemm_argmax(x, packed), ops.small_gemm_argmax(x.contiguous(), packed)
+    )
 
 
 @needs_tiles
