@@ -147,15 +147,20 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def plain_greedy(self) -> bool:
-        """True when a token is the argmax of the raw logits (no bias, penalties or
-        logprobs to compute; ``min_tokens`` aside, which depends on the sequence)."""
+    def min_tokens_pending(self, num_output: int) -> bool:
+        """True when the next token, after ``num_output`` output tokens, may not be a stop
+        token yet (``min_tokens``)."""
+        return num_output < self.min_tokens
+
+    def plain_greedy(self, num_output: int) -> bool:
+        """True when the next token, after ``num_output`` output tokens, is the argmax of
+        the raw logits: no bias, penalties, logprobs or ``min_tokens`` mask to apply."""
         return (
             self.greedy
             and not self.logit_bias
             and not self.needs_penalties
             and self.logprobs is None
+            and not self.min_tokens_pending(num_output)
         )
 
     @property

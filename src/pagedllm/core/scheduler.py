@@ -235,9 +235,8 @@ class Scheduler:
             if (
                 params is None
                 or num_tokens - request.num_computed_tokens != 1
-                or not params.plain_greedy
+                or not params.plain_greedy(num_output)
                 or params.stop
-                or num_output < params.min_tokens
             ):
                 return 1
             # Step j's input sits at position num_tokens - 1 + j < max_model_len.

@@ -168,7 +168,7 @@ class Sampler:
     def _mask_early_stops(self, logits: torch.Tensor, rows: _Rows) -> None:
         vocab = logits.shape[1]
         for i, (seq, p) in enumerate(zip(rows.seqs, rows.params, strict=True)):
-            if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+            if p.min_tokens_pending(len(seq.output_token_ids)):
                 ids = [t for t in p.all_stop_token_ids if t < vocab]
                 if ids:
                     logits[i, ids] = float("-inf")
@@ -267,7 +267,7 @@ def _plain_greedy(seq: ScheduledSequence) -> bool:
     if seq.num_samples == 0:
         return True
     p = seq.sampling_params or _DEFAULT_PARAMS
-    return p.plain_greedy and not (p.min_tokens and len(seq.output_token_ids) < p.min_tokens)
+    return p.plain_greedy(len(seq.output_token_ids))
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -457,10 +457,10 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 struct Bf16Buffers {
   std::vector<int64_t> offsets;  // element offset of each context row (same for K and V)
-  std::vector<float> scores;
-  std::vector<uint16_t> probs;  // softmax as bf16, rows padded to an even length
+  pagedllm_vec::LineVector<float> scores;
+  pagedllm_vec::LineVector<uint16_t> probs;  // softmax as bf16, rows padded to an even length
   std::vector<float> acc;
-  std::vector<uint32_t> vtiles;  // a task's V in the tile layout (interleave_v64)
+  pagedllm_vec::LineVector<uint32_t> vtiles;  // a task's V in the tile layout (interleave_v64)
   bool use_amx = false;  // set per thread when the tile unit is configured
   alignas(64) uint16_t amx_rows[2 * 16 * 64];
   alignas(64) float amx_c[2 * 16 * 16];

@@ -249,18 +249,14 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const s
 struct Bf16Gemm {
   const uint16_t* x = nullptr;   // x's rows, lda elements apart (unless padded)
   int64_t lda = 0;
-  std::vector<uint16_t> storage;  // holds `padded`
-  uint16_t* padded = nullptr;     // x in whole 16-row tiles (rows m.. zero), 64-byte aligned, when
-                                  // x is not (or m is not a multiple of 16)
-  at::Tensor bias;                // contiguous, or undefined
+  // x in whole 16-row tiles (rows m.. zero), when x cannot be read in place (m not a
+  // multiple of 16, or rows off cache lines); else empty.
+  pagedllm_vec::LineVector<uint16_t> padded;
+  at::Tensor bias;  // contiguous, or undefined
   int64_t m = 0, k = 0, n = 0;
 
-  Bf16Gemm() = default;
-  Bf16Gemm(const Bf16Gemm&) = delete;  // `padded` points into `storage`: moves keep it valid
-  Bf16Gemm(Bf16Gemm&&) = default;
-
-  const uint16_t* rows() const { return padded == nullptr ? x : padded; }
-  int64_t row_stride() const { return padded == nullptr ? lda : k; }
+  const uint16_t* rows() const { return padded.empty() ? x : padded.data(); }
+  int64_t row_stride() const { return padded.empty() ? lda : k; }
 };
 
 Bf16Gemm prepare_bf16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -283,18 +279,15 @@ Bf16Gemm prepare_bf16(const at::Tensor& x, const at::Tensor& packed, const std::
   }
   // Whole 16-row tiles only: pad x with zero rows when m is not a multiple of 16. A plain
   // copy, not a padded tensor: at::zeros + narrow + copy_ cost about 6 us a call, a tenth
-  // of a small model's decode linear. The copy starts on a cache line (a vector's data is
-  // only 16-byte aligned), and so must x's rows to be read in place: a tile row that
-  // straddles two lines costs two reads (A tiles from a 16-byte aligned copy ran up to 1.2x
-  // slower at 49 rows).
+  // of a small model's decode linear. x's rows are read in place only when they start on
+  // cache lines (as the copy does: a LineVector).
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
   p.lda = x.stride(0);
   const int64_t padded_m = (p.m + ROWS - 1) / ROWS * ROWS;
-  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 64 == 0 && (p.lda * 2) % 64 == 0;
+  const bool aligned = pagedllm_vec::on_line(p.x) && (p.lda * 2) % 64 == 0;
   if (padded_m != p.m || p.lda < p.k || !aligned) {
-    p.storage.assign(padded_m * p.k + 32, 0);
-    p.padded = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p.storage.data()) + 63) & ~uintptr_t{63});
-    for (int64_t r = 0; r < p.m; ++r) std::copy_n(p.x + r * p.lda, p.k, p.padded + r * p.k);
+    p.padded.assign(padded_m * p.k, 0);
+    for (int64_t r = 0; r < p.m; ++r) std::copy_n(p.x + r * p.lda, p.k, p.padded.data() + r * p.k);
   }
   return p;
 }
