@@ -12,9 +12,10 @@ Full blocks are immutable and shared by reference count; a shared *partial*
 block is replaced by a private copy before it is written (copy-on-write), and
 the ``(src, dst)`` copy travels to the worker.
 
-Swapping moves a preempted request's blocks to a host tier (a second pool with
-no prefix index). A physical block shared by several swapped requests takes one
-host block and is moved once; so is a host block on the way back.
+Swapping moves a preempted request's blocks to the host tier (``tiers.HostSwapTier``,
+a second pool with no prefix index, which keeps its own books). A physical block
+shared by several swapped requests takes one host block and is moved once; so is a
+host block on the way back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.hashing import hash_block_tokens
 from pagedllm.core.request import Request
+from pagedllm.core.tiers import HostSwapTier, SwapPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +94,6 @@ class KVCacheManager:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.num_blocks = num_blocks
@@ -106,12 +106,11 @@ class KVCacheManager:
         # Read-only alias of the pool's ref counts (the list is never replaced): the
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts
-        self.host_pool = BlockPool(num_host_blocks)
+        self.swap = HostSwapTier(num_host_blocks)
         self._tables: dict[str, list[int]] = {}
         # Tuple views of `_tables`, built on demand and dropped when a table changes: the
         # same object step after step while a table is unchanged (see `block_table_tuple`).
         self._table_tuples: dict[str, tuple[int, ...]] = {}
-        self._host_tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}  # tokens each table must hold
         # Full-block hashes, grown lazily, of requests holding blocks; a request still
         # waiting keeps its hashes in the one-entry `_pending_hashes` between
@@ -120,14 +119,6 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[bytes]] = {}
         self._pending_hashes: tuple[Request, list[bytes]] | None = None
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
-        # Copies made by swaps, for moving a shared block once. source -> (target, fill):
-        # the target holds the source's first `fill` slots. Holders of a block never
-        # rewrite slots below their own fill, so the copy stays good for a later
-        # holder with the same fill until either side is re-allocated.
-        self._device_to_host: dict[int, tuple[int, int]] = {}
-        self._host_to_device: dict[int, tuple[int, int]] = {}
-        self._host_copy_source: dict[int, int] = {}  # host target -> device source
-        self._device_copy_source: dict[int, int] = {}  # device target -> host source
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
 
@@ -190,7 +181,7 @@ class KVCacheManager:
                         return _NOTHING_NEW
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if request_id in self._host_tables:
+        if self.swap.holds(request_id):
             raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
         bs = self.block_size
         table = self._tables.get(request_id)
@@ -278,9 +269,9 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's table; every block gains one reference."""
         child_id, parent_id = child.request_id, parent.request_id
-        if child_id in self._tables or child_id in self._host_tables:
+        if child_id in self._tables or self.swap.holds(child_id):
             raise ValueError(f"request {child_id!r} already holds blocks")
-        if parent_id in self._host_tables:
+        if self.swap.holds(parent_id):
             raise ValueError(f"request {parent_id!r} is swapped out")
         table = self._tables.get(parent_id, [])
         self.pool.incref(table)
@@ -307,9 +298,7 @@ class KVCacheManager:
         self._table_changed(request_id)
         if table:
             self.pool.decref(reversed(table))
-        host_table = self._host_tables.pop(request_id, None)
-        if host_table:
-            self.host_pool.decref(reversed(host_table))
+        self.swap.release(request_id)
         self._num_slots.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         if self._pending_hashes is not None and self._pending_hashes[0] is request:
@@ -325,7 +314,7 @@ class KVCacheManager:
 
     def can_swap_out(self, request: Request) -> bool:
         _, num_new = self._plan_swap_out(request)
-        return num_new <= self.host_pool.num_free_blocks
+        return num_new <= self.swap.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host tier and release the device blocks.
@@ -334,26 +323,13 @@ class KVCacheManager:
         change) when the host tier lacks room.
         """
         request_id = request.request_id
-        if request_id in self._host_tables:
-            raise ValueError(f"request {request_id!r} is already swapped out")
-        plan, num_new = self._plan_swap_out(request)
-        if num_new > self.host_pool.num_free_blocks:
+        plan, _ = self._plan_swap_out(request)
+        moves = self.swap.move_out(request_id, plan)
+        if moves is None:
             return None
-        new_host = iter(self._allocate_host(num_new))
-        moves, host_table = [], []
-        for device, host, fill in plan:
-            if host is None:
-                host = next(new_host)
-                moves.append((device, host))
-                self._device_to_host[device] = (host, fill)
-                self._host_copy_source[host] = device
-            else:
-                self.host_pool.incref((host,))
-            host_table.append(host)
         table = self._tables.pop(request_id, [])
         self._table_changed(request_id)
         self.pool.decref(reversed(table))
-        self._host_tables[request_id] = host_table
         self._num_registered[request_id] = 0
         return moves
 
@@ -371,7 +347,7 @@ class KVCacheManager:
         (a swap-out could overwrite a host block before it is read back).
         """
         request_id = request.request_id
-        if request_id not in self._host_tables:
+        if not self.swap.holds(request_id):
             raise ValueError(f"request {request_id!r} is not swapped out")
         plan, num_new, num_revived = self._plan_swap_in(request)
         if num_new + num_revived > self.pool.num_free_blocks:
@@ -379,21 +355,18 @@ class KVCacheManager:
         reused = [device for _, device, _ in plan if device is not None]
         self.pool.incref(reused)  # before allocating, so they cannot be evicted
         new_device = iter(self._allocate_device(num_new))
-        moves, table = [], []
+        copies, table = [], []
         for host, device, fill in plan:
             if device is None:
                 device = next(new_device)
-                moves.append((host, device))
-                self._host_to_device[host] = (device, fill)
-                self._device_copy_source[device] = host
+                copies.append((host, device, fill))
             table.append(device)
-        host_table = self._host_tables.pop(request_id)
-        self.host_pool.decref(reversed(host_table))
+        self.swap.moved_in(request_id, copies)
         self._tables[request_id] = table
         self._table_changed(request_id)
         self._num_registered[request_id] = 0
         self.cache_full_blocks(request)
-        return moves
+        return [(host, device) for host, device, _ in copies]
 
     # ---- views --------------------------------------------------------------------
 
@@ -414,10 +387,15 @@ class KVCacheManager:
         return view
 
     def host_block_table(self, request_id: str) -> list[int]:
-        return list(self._host_tables.get(request_id, ()))
+        return self.swap.table(request_id)
 
     def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
+        return self.swap.holds(request_id)
+
+    @property
+    def host_pool(self) -> BlockPool:
+        """The swap tier's pool (read it; the tier keeps its books)."""
+        return self.swap.pool
 
     def num_slots(self, request_id: str) -> int:
         """How many tokens the request's table was last asked to hold."""
@@ -429,7 +407,7 @@ class KVCacheManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self.host_pool.num_free_blocks
+        return self.swap.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -446,7 +424,7 @@ class KVCacheManager:
             blocks_cached_free=cached,
             blocks_free=self.num_blocks - used - cached,
             host_blocks_total=self.num_host_blocks,
-            host_blocks_used=self.host_pool.num_used_blocks,
+            host_blocks_used=self.swap.pool.num_used_blocks,
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
         )
@@ -457,36 +435,35 @@ class KVCacheManager:
 
     def live_host_block_tables(self) -> dict[str, list[int]]:
         """Every host (swap tier) block table, by request id (copies)."""
-        return {rid: list(table) for rid, table in self._host_tables.items()}
+        return self.swap.tables()
 
     def block_states(self, *, host: bool = False) -> list[int]:
         """Each device (or host) block's state by id: ``block_pool.BLOCK_FREE``,
         ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (a new list)."""
-        return (self.host_pool if host else self.pool).block_states()
+        return (self.swap.pool if host else self.pool).block_states()
 
     def block_ref_counts(self, *, host: bool = False) -> list[int]:
         """Each device (or host) block's ref count by id (a new list)."""
-        return (self.host_pool if host else self.pool).ref_counts()
+        return (self.swap.pool if host else self.pool).ref_counts()
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless pools, tables and the prefix index agree."""
         bs = self.block_size
         self.pool.check_invariants(bs, verify_hashes=True)
-        self.host_pool.check_invariants()
-        assert not self._tables.keys() & self._host_tables.keys(), "request on both tiers"
-        for pool, tables in ((self.pool, self._tables), (self.host_pool, self._host_tables)):
-            held = Counter()
-            for request_id, table in tables.items():
-                assert len(set(table)) == len(table), f"{request_id}: block twice in a table"
-                assert len(table) * bs >= self._num_slots.get(request_id, 0), (
-                    f"{request_id}: table too short for its slots"
-                )
-                held.update(table)
-            for block_id in range(pool.num_blocks):
-                assert pool.ref_count(block_id) == held[block_id], (
-                    f"block {block_id}: ref_count {pool.ref_count(block_id)}, "
-                    f"held by {held[block_id]} tables"
-                )
+        self.swap.check_invariants(self.num_slots, bs)
+        assert not any(self.swap.holds(rid) for rid in self._tables), "request on both tiers"
+        held: Counter[int] = Counter()
+        for request_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{request_id}: block twice in a table"
+            assert len(table) * bs >= self._num_slots.get(request_id, 0), (
+                f"{request_id}: table too short for its slots"
+            )
+            held.update(table)
+        for block_id in range(self.num_blocks):
+            assert self.pool.ref_count(block_id) == held[block_id], (
+                f"block {block_id}: ref_count {self.pool.ref_count(block_id)}, "
+                f"held by {held[block_id]} tables"
+            )
         for request_id, view in self._table_tuples.items():
             assert view == tuple(self._tables.get(request_id, ())), (
                 f"{request_id}: stale block table tuple"
@@ -508,7 +485,7 @@ class KVCacheManager:
         if hashes is None:
             pending = self._pending_hashes
             hashes = pending[1] if pending is not None and pending[0] is request else []
-            if request_id in self._tables or request_id in self._host_tables:
+            if request_id in self._tables or self.swap.holds(request_id):
                 self._block_hashes[request_id] = hashes
                 if pending is not None and pending[0] is request:
                     self._pending_hashes = None
@@ -562,26 +539,18 @@ class KVCacheManager:
         """Computed tokens of the request that live in its block ``index``."""
         return max(0, min(self.block_size, request.num_computed_tokens - index * self.block_size))
 
-    def _plan_swap_out(self, request: Request) -> tuple[list[tuple[int, int | None, int]], int]:
-        plan: list[tuple[int, int | None, int]] = []
-        num_new = 0
-        for i, device in enumerate(self._tables.get(request.request_id, ())):
-            fill = self._fill(request, i)
-            copy = self._device_to_host.get(device)
-            if copy is not None and copy[1] == fill and self.host_pool.ref_count(copy[0]) > 0:
-                plan.append((device, copy[0], fill))
-            else:
-                plan.append((device, None, fill))
-                num_new += 1
-        return plan, num_new
+    def _plan_swap_out(self, request: Request) -> tuple[SwapPlan, int]:
+        table = self._tables.get(request.request_id, ())
+        return self.swap.plan_out(table, [self._fill(request, i) for i in range(len(table))])
 
-    def _plan_swap_in(self, request: Request) -> tuple[list[tuple[int, int | None, int]], int, int]:
+    def _plan_swap_in(self, request: Request) -> tuple[SwapPlan, int, int]:
         bs = self.block_size
         hashes = self._ensure_hashes(request) if self.enable_prefix_caching else ()
         tokens = request.all_token_ids
-        plan: list[tuple[int, int | None, int]] = []
+        plan: SwapPlan = []
         num_new = num_revived = 0
-        for i, host in enumerate(self._host_tables.get(request.request_id, ())):
+        is_held = self._is_held
+        for i, host in enumerate(self.swap.table(request.request_id)):
             fill = self._fill(request, i)
             device = None
             if fill == bs and i < len(hashes):
@@ -589,41 +558,17 @@ class KVCacheManager:
                 if device is not None and self.pool.ref_count(device) == 0:
                     num_revived += 1
             if device is None:
-                copy = self._host_to_device.get(host)
-                if copy is not None and copy[1] == fill and self.pool.ref_count(copy[0]) > 0:
-                    device = copy[0]
+                device = self.swap.reusable_device_copy(host, fill, is_held)
             if device is None:
                 num_new += 1
             plan.append((host, device, fill))
         return plan, num_new, num_revived
 
+    def _is_held(self, block_id: int) -> bool:
+        return self._ref_counts[block_id] > 0
+
     def _allocate_device(self, n: int) -> list[int]:
         blocks = self.pool.allocate(n)
         assert blocks is not None, "caller checked there was room"
-        if self._device_to_host or self._device_copy_source:
-            for block_id in blocks:
-                self._forget_copies(block_id, self._device_to_host, self._host_copy_source)
-                self._forget_target(block_id, self._device_copy_source, self._host_to_device)
+        self.swap.device_blocks_allocated(blocks)
         return blocks
-
-    def _allocate_host(self, n: int) -> list[int]:
-        blocks = self.host_pool.allocate(n)
-        assert blocks is not None, "caller checked there was room"
-        for block_id in blocks:
-            self._forget_copies(block_id, self._host_to_device, self._device_copy_source)
-            self._forget_target(block_id, self._host_copy_source, self._device_to_host)
-        return blocks
-
-    @staticmethod
-    def _forget_copies(source: int, copies: dict, target_sources: dict) -> None:
-        """``source`` was re-allocated: its old content (and copies of it) are gone."""
-        copy = copies.pop(source, None)
-        if copy is not None and target_sources.get(copy[0]) == source:
-            del target_sources[copy[0]]
-
-    @staticmethod
-    def _forget_target(target: int, target_sources: dict, copies: dict) -> None:
-        """``target`` was re-allocated: it no longer holds a copy of anything."""
-        source = target_sources.pop(target, None)
-        if source is not None and copies.get(source, (None,))[0] == target:
-            del copies[source]
