@@ -13,12 +13,12 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention import cpu
 from pagedllm.attention.cpu import CpuAttention
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.kernels.build import load_library
 from pagedllm.model.llama import pack_small_weight, pack_weight
 from pagedllm.model.loader import load_model
 from pagedllm.worker.model_runner import TorchModelRunner
@@ -116,7 +116,7 @@ def test_optimize_switches_the_fast_paths_on(checkpoint):
     assert plain.packed is None and plain.small is None and loaded.model.fused_ops is None
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8)
     ops = loaded.model.fused_ops
-    assert ops is not None or not cpu.load_library()
+    assert ops is not None or not load_library()
     # One packed copy: the small-batch tiles where the CPU has the tile unit, else oneDNN's.
     if pack_small_weight(plain.weight, ops) is not None:
         assert plain.small is not None and plain.packed is None

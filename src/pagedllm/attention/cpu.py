@@ -1,12 +1,10 @@
 """Fast paged attention for CPU.
 
-Decode and short query chunks go to a C++ kernel (``csrc/paged_attention.cpp``) that reads K/V
-straight through the block tables: no contiguous copy of any context, one pass over each
-cached row per group of query heads (GQA), fp32 accumulation, torch's intra-op threads. The
-kernel is compiled with the system C++ compiler on first use and cached under
-``$PAGEDLLM_CACHE/extensions`` (default ``~/.cache/pagedllm``; the newest ``KEPT_BUILDS``
-builds are kept); if the build fails the backend falls back to a pure-torch path with the
-same results.
+Decode and short query chunks go to a C++ kernel (``kernels/csrc/paged_attention.cpp``) that
+reads K/V straight through the block tables: no contiguous copy of any context, one pass over
+each cached row per group of query heads (GQA), fp32 accumulation, torch's intra-op threads.
+The kernels are built by ``pagedllm.kernels.build``; if the build fails the backend falls back
+to a pure-torch path with the same results.
 
 Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
 64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens; otherwise to
@@ -18,32 +16,16 @@ causally in two mask-free calls, merged by their log-sum-exp.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import logging
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata, write_kv
 from pagedllm.attention.reference import causal_mask, gather_context
+from pagedllm.kernels.build import load_library
 
-logger = logging.getLogger(__name__)
-
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp", "decoder_layers.cpp")
-)
-# Included by the sources: part of the build's hash, not compiled on their own.
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("amx.h", "vec.h"))
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
 # Query rows per kernel task: each task reads its context once for rows x group query vectors.
@@ -403,140 +385,6 @@ def _merge_torch(
     out.copy_(base + (o1.float() - base) * w)
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels live: ``$PAGEDLLM_CACHE/extensions`` or ``~/.cache/pagedllm/...``."""
-    root = os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "extensions"
-
-
-@functools.cache
-def load_library() -> bool:
-    """Build (once per machine) and load the C++ kernels; ``False`` if that is impossible.
-
-    ``PAGEDLLM_NO_EXTENSION=1`` disables them (torch paths are used instead).
-    """
-    if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
-        return False
-    if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "argmax_rows"):
-        return True
-    try:
-        torch.ops.load_library(str(build_extension()))
-        return True
-    except Exception as exc:  # any failure means "use the torch path", never a crash
-        logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using torch", exc)
-        return False
-
-
 def load_extension() -> Callable[..., None] | None:
     """The paged attention kernel, or ``None`` when the C++ kernels are unavailable."""
     return torch.ops.pagedllm.paged_attention if load_library() else None
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` for 2-D CPU logits, ~10x faster through the C++ kernel
-    (same result: the first index of the maximum)."""
-    if (
-        logits.device.type == "cpu"
-        and logits.dim() == 2
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-        and load_library()
-    ):
-        return torch.ops.pagedllm.argmax_rows(logits)
-    return logits.argmax(-1)
-
-
-def layer_ops() -> Any | None:
-    """``torch.ops.pagedllm`` when the C++ kernels load, else ``None``: fused layer ops
-    ``rms_norm(x, w, eps)``, ``add_rms_norm(x, residual, w, eps)`` (residual += x in place),
-    ``rope_(q, k, cos, sin)`` (in place), ``silu_mul(gate_up)``, ``argmax_rows(logits)``.
-    Each rounds where the unfused torch expression rounds."""
-    return torch.ops.pagedllm if load_library() else None
-
-
-def build_extension(directory: Path | None = None) -> Path:
-    """Compile the ``csrc/*.cpp`` kernels into one shared library; returns its path.
-
-    The file name carries a hash of the source, the flags, the torch version and the CPU's
-    feature flags, so a cached build is reused only where it is valid.
-    """
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "g++")
-    torch_lib = cpp_extension.library_paths()[0]
-    flags = [
-        "-O3",
-        # No a*b+c fused into one rounding: the layer ops must round where torch rounds.
-        "-ffp-contract=off",
-        "-march=native",
-        "-std=c++20",
-        "-fPIC",
-        "-shared",
-        "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-        "-w",
-    ]
-    parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
-    parts += [" ".join(flags).encode(), torch.__version__.encode(), _cpu_flags().encode()]
-    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"pagedllm_cpu_{digest}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
-    # Build into a private file, then rename: concurrent builders never see half a library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    cmd = [compiler, *flags, *includes, *map(str, SOURCES), *libs, "-o", tmp]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    prune_builds(directory, keep=KEPT_BUILDS)
-    return target
-
-
-# Builds kept in the cache directory: each source change makes a new one (and another
-# checkout or torch version may still use an older one, so not just the newest).
-KEPT_BUILDS = 4
-
-
-def prune_builds(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` most recently built libraries in ``directory``; returns
-    what was deleted. A process that loaded a deleted library keeps its mapping."""
-    builds = []
-    for path in directory.glob("pagedllm_cpu_*.so"):
-        with contextlib.suppress(OSError):  # another process removed it first
-            builds.append((path.stat().st_mtime, path))
-    builds.sort()
-    removed = []
-    for _, path in builds[: max(0, len(builds) - keep)]:
-        try:
-            path.unlink()
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return sys.platform
-
-
-if __name__ == "__main__":
-    # `python -m pagedllm.attention.cpu`: build (or find) the kernels now, e.g. at install time.
-    print(build_extension())

@@ -14,7 +14,7 @@ memory; bf16 on the tile unit, 1.3-2x faster than oneDNN there, outputs equal bu
 one-ulp differences in the order of the sums; float32 with AVX-512, up to 2.4x faster than
 MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout
 (identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer ops from
-``attention/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
+``kernels/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
 which round where the torch expressions round. Steps whose linears and attention all run
 on those kernels go through one C++ call for every layer (``decoder_layers``), the same ops
 in the same order without Python between them.
@@ -57,7 +57,7 @@ def small_gemm_max_rows(small: torch.Tensor) -> int:
 
 
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
-    """The weight laid out for ``ops.small_gemm`` (``attention/csrc/small_gemm.cpp``), or
+    """The weight laid out for ``ops.small_gemm`` (``kernels/csrc/small_gemm.cpp``), or
     None where that kernel does not apply: bf16 needs the tile unit and rows in 16s,
     columns in 32s; float32 needs AVX-512 and rows in 16s."""
     bf16 = weight.dtype == torch.bfloat16
@@ -393,7 +393,7 @@ def fused_layer(
 
 
 class DecoderPlan(NamedTuple):
-    """Every layer's tensors as ``decoder_layers`` (``attention/csrc/decoder_layers.cpp``)
+    """Every layer's tensors as ``decoder_layers`` (``kernels/csrc/decoder_layers.cpp``)
     takes them: one C++ call runs ``fused_layer`` for all layers, without Python between
     the ops (1-2 ms of a 5-20 ms decode step on the benchmark model)."""
 
@@ -560,7 +560,7 @@ class LlamaForCausalLM(nn.Module):
         Call after the weights are loaded: packed weights are copies."""
         if self.embed_tokens.weight.device.type != "cpu":
             return
-        from pagedllm.attention.cpu import layer_ops
+        from pagedllm.kernels.ops import layer_ops
 
         ops = layer_ops()
         for module in self.modules():

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.attention.cpu import argmax_rows
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagedllm.kernels.ops import argmax_rows
 from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget

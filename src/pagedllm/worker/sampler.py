@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.cpu import argmax_rows
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
+from pagedllm.kernels.ops import argmax_rows
 from pagedllm.sampling_params import SamplingParams
 
 _DEFAULT_PARAMS = SamplingParams(temperature=0.0)

@@ -9,7 +9,9 @@ import torch
 
 from pagedllm.attention import cpu
 from pagedllm.attention.base import write_kv
-from pagedllm.attention.cpu import argmax_rows, build_extension, load_library
+from pagedllm.kernels import build, ops
+from pagedllm.kernels.build import build_extension, load_library
+from pagedllm.kernels.ops import argmax_rows
 
 needs_library = pytest.mark.skipif(not load_library(), reason="C++ kernels did not build")
 
@@ -42,7 +44,7 @@ def test_argmax_strided_rows_and_nan():
 
 
 def test_argmax_fallback_without_library(monkeypatch):
-    monkeypatch.setattr(cpu, "load_library", lambda: False)
+    monkeypatch.setattr(ops, "load_library", lambda: False)
     x = torch.randn(5, 33)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
 
@@ -60,11 +62,11 @@ def test_old_builds_are_pruned_newest_kept(tmp_path):
         path.write_bytes(b"")
         os.utime(path, (1_000_000 - age * 100, 1_000_000 - age * 100))
     (tmp_path / "unrelated.so").write_bytes(b"")
-    removed = cpu.prune_builds(tmp_path, keep=3)
+    removed = build.prune_builds(tmp_path, keep=3)
     assert sorted(p.name for p in removed) == ["pagedllm_cpu_a.so", "pagedllm_cpu_b.so"]
     left = sorted(p.name for p in tmp_path.glob("*.so"))
     assert left == ["pagedllm_cpu_c.so", "pagedllm_cpu_d.so", "pagedllm_cpu_e.so", "unrelated.so"]
-    assert cpu.prune_builds(tmp_path, keep=3) == []
+    assert build.prune_builds(tmp_path, keep=3) == []
 
 
 def test_disabled_extension_uses_torch_path(monkeypatch):
@@ -116,7 +118,7 @@ def test_rms_norm(dtype, hidden):
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
     w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
-    close_or_one_ulp(cpu.layer_ops().rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6))
+    close_or_one_ulp(ops.layer_ops().rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6))
 
 
 @needs_library
@@ -128,7 +130,7 @@ def test_add_rms_norm_updates_the_residual(dtype):
     w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
     expected_residual = x + residual
     expected = torch_rms_norm(expected_residual, w, 1e-5)
-    got = cpu.layer_ops().add_rms_norm(x, residual, w, 1e-5)
+    got = ops.layer_ops().add_rms_norm(x, residual, w, 1e-5)
     assert torch.equal(residual, expected_residual)
     close_or_one_ulp(got, expected)
 
@@ -147,7 +149,7 @@ def test_rope_in_place_on_fused_qkv_views(dtype, head_dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     expected_q, expected_k = torch_rope(q, cos, sin), torch_rope(k, cos, sin)
-    cpu.layer_ops().rope_(q, k, cos, sin)
+    ops.layer_ops().rope_(q, k, cos, sin)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
@@ -160,7 +162,7 @@ def test_silu_mul(dtype, inter):
     x = (torch.randn(13, 2 * inter, generator=gen) * 4).to(dtype)
     gate, up = x.split(inter, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    got = cpu.layer_ops().silu_mul(x)
+    got = ops.layer_ops().silu_mul(x)
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
     else:
@@ -173,7 +175,7 @@ def test_silu_mul_extreme_gates(dtype):
     gate = torch.tensor([[-200.0, -90.0, -88.0, -20.0, 0.0, 20.0, 88.0, 200.0] * 3])
     x = torch.cat((gate, torch.full_like(gate, 3.0)), dim=-1).to(dtype)
     expected = torch.nn.functional.silu(x[:, :24]) * x[:, 24:]
-    got = cpu.layer_ops().silu_mul(x)
+    got = ops.layer_ops().silu_mul(x)
     assert not got.isnan().any()
     torch.testing.assert_close(
         got, expected, atol=1e-30, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu
+from pagedllm.kernels import ops as kernel_ops
 from pagedllm.model.llama import SMALL_GEMM_MAX_ROWS_BF16, Linear, pack_small_weight
 
-ops = cpu.layer_ops()
+ops = kernel_ops.layer_ops()
 needs_tiles = pytest.mark.skipif(
     ops is None or not ops.small_gemm_available(), reason="no C++ kernels or no AMX tile unit"
 )

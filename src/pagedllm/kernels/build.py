@@ -1,0 +1,125 @@
+"""The compiler driver: builds the C++ kernels (``csrc/*.cpp``) into one shared library with the
+system compiler on first use, caches it under ``$PAGEDLLM_CACHE/extensions`` (default
+``~/.cache/pagedllm``; the newest ``KEPT_BUILDS`` builds are kept) and loads it into
+``torch.ops.pagedllm``. If the build fails every caller falls back to its torch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedllm.kernels.probe import cpu_flags_line
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_attention.cpp", "cpu_ops.cpp", "small_gemm.cpp", "decoder_layers.cpp")
+)
+# Included by the sources: part of the build's hash, not compiled on their own.
+HEADERS = tuple(CSRC / name for name in ("amx.h", "vec.h"))
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: ``$PAGEDLLM_CACHE/extensions`` or ``~/.cache/pagedllm/...``."""
+    root = os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "extensions"
+
+
+@functools.cache
+def load_library() -> bool:
+    """Build (once per machine) and load the C++ kernels; ``False`` if that is impossible.
+
+    ``PAGEDLLM_NO_EXTENSION=1`` disables them (torch paths are used instead).
+    """
+    if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
+        return False
+    if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "argmax_rows"):
+        return True
+    try:
+        torch.ops.load_library(str(build_extension()))
+        return True
+    except Exception as exc:  # any failure means "use the torch path", never a crash
+        logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using torch", exc)
+        return False
+
+
+def build_extension(directory: Path | None = None) -> Path:
+    """Compile the ``csrc/*.cpp`` kernels into one shared library; returns its path.
+
+    The file name carries a hash of the source, the flags, the torch version and the CPU's
+    feature flags, so a cached build is reused only where it is valid.
+    """
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "g++")
+    torch_lib = cpp_extension.library_paths()[0]
+    flags = [
+        "-O3",
+        # No a*b+c fused into one rounding: the layer ops must round where torch rounds.
+        "-ffp-contract=off",
+        "-march=native",
+        "-std=c++20",
+        "-fPIC",
+        "-shared",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        "-w",
+    ]
+    parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
+    parts += [" ".join(flags).encode(), torch.__version__.encode(), cpu_flags_line().encode()]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"pagedllm_cpu_{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+    # Build into a private file, then rename: concurrent builders never see half a library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    cmd = [compiler, *flags, *includes, *map(str, SOURCES), *libs, "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    prune_builds(directory, keep=KEPT_BUILDS)
+    return target
+
+
+# Builds kept in the cache directory: each source change makes a new one (and another
+# checkout or torch version may still use an older one, so not just the newest).
+KEPT_BUILDS = 4
+
+
+def prune_builds(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` most recently built libraries in ``directory``; returns
+    what was deleted. A process that loaded a deleted library keeps its mapping."""
+    builds = []
+    for path in directory.glob("pagedllm_cpu_*.so"):
+        with contextlib.suppress(OSError):  # another process removed it first
+            builds.append((path.stat().st_mtime, path))
+    builds.sort()
+    removed = []
+    for _, path in builds[: max(0, len(builds) - keep)]:
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
