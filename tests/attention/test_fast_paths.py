@@ -19,7 +19,8 @@ from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kernels.build import load_library
-from pagedllm.model.llama import pack_small_weight, pack_weight
+from pagedllm.kernels.linear import pack_small_weight, pack_weight
+from pagedllm.kernels.ops import layer_ops
 from pagedllm.model.loader import load_model
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.sampler import Sampler
@@ -113,10 +114,10 @@ def test_optimize_switches_the_fast_paths_on(checkpoint):
     loaded = load_model(checkpoint, "bfloat16", CpuAttention())
     plain = loaded.model.layers[0].mlp.gate_up_proj
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8, optimize=False)
-    assert plain.packed is None and plain.small is None and loaded.model.fused_ops is None
+    assert plain.packed is None and plain.small is None and loaded.model.fast_path is None
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8)
-    ops = loaded.model.fused_ops
-    assert ops is not None or not load_library()
+    ops = layer_ops()
+    assert (loaded.model.fast_path is not None) == load_library()
     # One packed copy: the small-batch tiles where the CPU has the tile unit, else oneDNN's.
     if pack_small_weight(plain.weight, ops) is not None:
         assert plain.small is not None and plain.packed is None
@@ -134,7 +135,7 @@ def test_greedy_tokens_from_the_head_equal_the_argmax_of_the_logits(checkpoint):
     hidden = runner.sampled_hidden(seqs)
     fused = loaded.model.greedy_tokens(hidden)
     if fused is None:  # no tile unit or no kernels: the runner takes the logits path
-        assert loaded.model.fused_ops is None or not loaded.model.fused_ops.small_gemm_available()
+        assert loaded.model.fast_path is None or not loaded.model.head_ops.small_gemm_available()
         return
     logits = loaded.model.compute_logits(hidden, float32=False)
     assert fused.tolist() == logits.argmax(-1).tolist()
@@ -152,7 +153,7 @@ def test_output_rows_are_the_full_forwards_rows_with_the_same_cache(checkpoint, 
     loaded = load_model(checkpoint, dtype, CpuAttention())
     runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64, optimize=True)
     model = runner.model
-    assert model.fused_layers  # the fused path is the one under test
+    assert model.fast_path is not None  # the fused path is the one under test
     seqs = [
         ScheduledSequence(f"r{i}", tuple(p), 0, tuple(range(1 + 8 * i, 8 + 8 * i)))
         for i, p in enumerate(prompts(3, seed=3))

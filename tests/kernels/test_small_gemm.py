@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import ops as kernel_ops
-from pagedllm.model.llama import SMALL_GEMM_MAX_ROWS_BF16, Linear, pack_small_weight
+from pagedllm.kernels.linear import SMALL_GEMM_MAX_ROWS_BF16, pack_small_weight
+from pagedllm.model.llama import Linear
 
 ops = kernel_ops.layer_ops()
 needs_tiles = pytest.mark.skipif(

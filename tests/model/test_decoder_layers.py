@@ -8,7 +8,7 @@ import torch
 from parity_helpers import HandDriver
 
 from pagedllm.attention.cpu import CpuAttention
-from pagedllm.model import llama
+from pagedllm.model import fast_path
 from pagedllm.model.loader import load_model
 from pagedllm.testing import make_tiny_checkpoint
 from pagedllm.worker.model_runner import TorchModelRunner
@@ -30,10 +30,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 def make_runner(path, dtype: str, whole: bool) -> TorchModelRunner:
     loaded = load_model(path, dtype, CpuAttention())
     runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64)
-    if loaded.model.decoder_plan is None:
+    path = loaded.model.fast_path
+    if path is None or path.plan is None:
         pytest.skip("no small_gemm for this dtype here (tile unit / AVX-512), or no kernels")
     if not whole:
-        loaded.model.decoder_plan = None
+        path.plan = None
     return runner
 
 
@@ -55,8 +56,8 @@ def run_steps(runner: TorchModelRunner) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_call_equals_the_layer_loop(checkpoints, monkeypatch, arch: str, dtype: str):
     calls = []
-    real = llama.decoder_layers
-    monkeypatch.setattr(llama, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    real = fast_path.decoder_layers
+    monkeypatch.setattr(fast_path, "decoder_layers", lambda *a: calls.append(1) or real(*a))
     whole = run_steps(make_runner(checkpoints[arch], dtype, whole=True))
     taken = len(calls)
     loop = run_steps(make_runner(checkpoints[arch], dtype, whole=False))
@@ -73,8 +74,8 @@ def test_one_call_equals_the_layer_loop(checkpoints, monkeypatch, arch: str, dty
 
 def test_steps_the_kernel_does_not_take_whole_use_the_loop(checkpoints, monkeypatch):
     calls = []
-    real = llama.decoder_layers
-    monkeypatch.setattr(llama, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    real = fast_path.decoder_layers
+    monkeypatch.setattr(fast_path, "decoder_layers", lambda *a: calls.append(1) or real(*a))
     runner = make_runner(checkpoints["llama"], "float32", whole=True)
     driver = HandDriver(runner)
     # float32 queries longer than MAX_KERNEL_QUERY_LEN go to SDPA: not a whole-kernel step.
@@ -88,7 +89,7 @@ def test_steps_the_kernel_does_not_take_whole_use_the_loop(checkpoints, monkeypa
 
 def test_kernel_step_refuses_what_the_op_would_not_take(checkpoints):
     runner = make_runner(checkpoints["llama"], "float32", whole=True)
-    backend = runner.model.decoder_plan.backend
+    backend = runner.model.fast_path.plan.backend
     driver = HandDriver(runner)
     seq = driver.add("a", list(range(5)))
     batch = runner.input_buffers.build(

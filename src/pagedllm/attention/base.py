@@ -60,6 +60,35 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def kernel_step(
+        self,
+        dtype: torch.dtype,
+        num_heads: int,
+        head_dim: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> KernelStep | None:
+        """The arguments with which pagedllm's C++ attention kernel (``paged_attention``)
+        takes this whole step, K/V write included, exactly as ``forward`` would route it;
+        None when it does not (or the backend has no such kernel). The model's fast path
+        then runs every layer of the step in one C++ call (``decoder_layers``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    """A step that ``paged_attention`` takes whole: the step's tables as the kernel takes
+    them (int32, unit last stride) and the kernel's settings."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    handled: torch.Tensor  # bool [num_seqs]: the sequences the kernel computes (all)
+    rows_per_task: int
+    fast_bf16: bool
+    use_amx: bool
+
 
 def write_kv(
     key: torch.Tensor,

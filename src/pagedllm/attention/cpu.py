@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.base import AttentionMetadata, write_kv
+from pagedllm.attention.base import AttentionMetadata, KernelStep, write_kv
 from pagedllm.attention.reference import causal_mask, gather_context
 from pagedllm.kernels.build import load_library
 
@@ -53,15 +53,6 @@ class _Route(NamedTuple):
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-
-
-class KernelStep(NamedTuple):
-    """A step that ``paged_attention`` takes whole: its route and the kernel's settings."""
-
-    route: _Route
-    rows_per_task: int
-    fast_bf16: bool
-    use_amx: bool
 
 
 class CpuAttention:
@@ -157,8 +148,8 @@ class CpuAttention:
         meta: AttentionMetadata,
     ) -> KernelStep | None:
         """``paged_attention``'s step arguments when the kernel takes every sequence of the
-        step and ``write_kv_`` takes the caches (as ``forward`` would route them), else None.
-        For callers that run a whole step's layers in C++ (``decoder_layers``)."""
+        step and ``write_kv_`` takes the caches (as ``forward`` would route them), else None
+        (``AttentionBackend.kernel_step``)."""
         # The kernel's conditions, then write_kv_'s for K/V rows cut from the qkv product
         # (rows contiguous, in the model's dtype): it refuses other caches and slot tensors.
         if (
@@ -177,7 +168,15 @@ class CpuAttention:
         route, rows = self._plan(dtype, num_heads, k_cache.shape[2], head_dim, meta)
         if route.rest or not route.any_kernel:
             return None
-        return KernelStep(route, rows, self.bf16_dot, self.amx)
+        return KernelStep(
+            block_tables=route.block_tables,
+            seq_lens=route.seq_lens,
+            query_start_loc=route.query_start_loc,
+            handled=route.kernel,
+            rows_per_task=rows,
+            fast_bf16=self.bf16_dot,
+            use_amx=self.amx,
+        )
 
     def _plan(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.base import AttentionMetadata, write_kv
+from pagedllm.attention.base import AttentionMetadata, KernelStep, write_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -55,3 +55,15 @@ class ReferenceAttention:
             out[start : start + query_len] = o.transpose(0, 1).to(query.dtype)
             start += query_len
         return out
+
+    def kernel_step(
+        self,
+        dtype: torch.dtype,
+        num_heads: int,
+        head_dim: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> KernelStep | None:
+        """None: the reference has no C++ kernel; every step goes through ``forward``."""
+        return None

@@ -7,87 +7,34 @@ part that knows about sequences, slots and block tables.
 q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
 (``gate_up_proj``) at load time: fewer, larger matmuls.
 
-``optimize_for_cpu()`` (the runner calls it) switches on the CPU fast paths, which give
-the plain code's results: linear weights pre-packed in the layout of pagedllm's small-batch
-kernel (``small_gemm``, for up to 256 rows: the decode steps, which stream every weight from
-memory; bf16 on the tile unit, 1.3-2x faster than oneDNN there, outputs equal but for rare
-one-ulp differences in the order of the sums; float32 with AVX-512, up to 2.4x faster than
-MKL at 8 rows, within fp32 rounding), else bf16 weights in oneDNN's blocked layout
-(identical outputs, ~1.5x faster at decode batch sizes), and fused C++ layer ops from
-``kernels/csrc`` (residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply),
-which round where the torch expressions round. Steps whose linears and attention all run
-on those kernels go through one C++ call for every layer (``decoder_layers``), the same ops
-in the same order without Python between them.
+``optimize_for_cpu()`` (the runner calls it) packs the linears for this CPU's kernels
+(``kernels/linear.py``) and switches on the fast path (``model/fast_path.py``), which gives
+this module's results through fused C++ ops; this module's forward stays the ground truth.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.kernels.linear import (
+    LinearTensors,
+    linear,
+    pack_for_cpu,
+    small_gemm_max_rows,
+)
 from pagedllm.model.config import ModelConfig, RopeConfig
 
+if TYPE_CHECKING:
+    from pagedllm.model.fast_path import FastPath
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-# Up to this many rows (the default max_num_seqs: every decode batch), linears run on
-# pagedllm's small-batch kernel (``small_gemm``: AMX for bf16, AVX-512 for float32), which
-# streams decode-step weights faster than oneDNN and MKL (all 33 bf16 linears of the
-# benchmark model, 2 threads, before its 2 x 2 tile blocks: 5.2 vs 6.4 ms oneDNN-packed vs
-# 9.8 ms plain at 64 rows, 30.9 vs 39.1 vs 43.3 ms at 256; the blocks took 256 rows from
-# 20.9 to 14.4 ms); more rows go to torch (MKL's sgemm for float32).
-SMALL_GEMM_MAX_ROWS = 256
-# bf16 goes on with the tile kernel up to this many rows (prompt chunks of a few hundred
-# tokens): against F.linear on all the linears of model (a) / (b), 2 threads, median of 7,
-# alternated: 384 rows 12.5 vs 18.4 / 51 vs 69 ms, 512 rows 15.5 vs 24.2 / 71 vs 95 ms,
-# 768 rows 45 vs 45 / 99 vs 155 ms, 1024 rows 34 vs 40 / 199 vs 204 ms; from 1536 rows on
-# oneDNN is 5-28% faster.
-SMALL_GEMM_MAX_ROWS_BF16 = 1024
-
-
-def small_gemm_max_rows(small: torch.Tensor) -> int:
-    """The most rows ``small_gemm`` takes for a weight packed as ``small``."""
-    return SMALL_GEMM_MAX_ROWS_BF16 if small.dtype == torch.bfloat16 else SMALL_GEMM_MAX_ROWS
-
-
-def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
-    """The weight laid out for ``ops.small_gemm`` (``kernels/csrc/small_gemm.cpp``), or
-    None where that kernel does not apply: bf16 needs the tile unit and rows in 16s,
-    columns in 32s; float32 needs AVX-512 and rows in 16s."""
-    bf16 = weight.dtype == torch.bfloat16
-    if (
-        ops is None
-        or weight.device.type != "cpu"
-        or weight.dtype not in (torch.bfloat16, torch.float32)
-        or weight.dim() != 2
-        or weight.shape[0] % 16
-        or (bf16 and weight.shape[1] % 32)
-        or not ops.small_gemm_available(bf16)
-    ):
-        return None
-    return ops.pack_small_gemm(weight.detach())
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of a bf16 CPU weight for ``Linear``, or None where unsupported."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return None
-    try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
@@ -109,40 +56,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
-
-
-class LinearTensors(NamedTuple):
-    """A linear's weight and bias with its pre-packed copies: ``linear``'s arguments."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    packed: torch.Tensor | None
-    small: torch.Tensor | None
-
-
-def pack_for_cpu(weight: torch.Tensor, ops: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
-    small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
-    measured within 5% of the packed copy at prefill sizes, where the reorder is small next
-    to the work)."""
-    small = pack_small_weight(weight, ops)
-    return (pack_weight(weight) if small is None else None), small
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    small: torch.Tensor | None,
-    ops: Any,
-) -> torch.Tensor:
-    """x @ weight.T (+ bias) on the fastest form of the weight for x's row count."""
-    if small is not None and x.dim() == 2 and x.shape[0] <= small_gemm_max_rows(small):
-        return ops.small_gemm(x, small, bias)
-    if packed is not None:
-        return packed_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -319,188 +232,6 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def fused(self) -> FusedLayer:
-        """This layer's tensors and sizes for ``fused_layer`` (after ``Linear.pack``)."""
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        return FusedLayer(
-            norm1.weight,
-            norm1.eps,
-            norm2.weight,
-            norm2.eps,
-            attn.qkv_proj.tensors,
-            attn.o_proj.tensors,
-            mlp.gate_up_proj.tensors,
-            mlp.down_proj.tensors,
-            attn.heads,
-            attn.scale,
-            attn.backend,
-        )
-
-
-class FusedLayer(NamedTuple):
-    """A decoder layer flattened for ``fused_layer``: plain tensors and sizes, so that a
-    decode step makes no nn.Module calls or attribute lookups (on a 30-layer model those
-    cost about 0.1 ms a layer, several percent of a small batch's step)."""
-
-    norm1: torch.Tensor
-    norm1_eps: float
-    norm2: torch.Tensor
-    norm2_eps: float
-    qkv: LinearTensors
-    o: LinearTensors
-    gate_up: LinearTensors
-    down: LinearTensors
-    heads: Heads
-    scale: float
-    backend: AttentionBackend
-
-
-def fused_layer(
-    ops: Any,
-    layer: FusedLayer,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    meta: AttentionMetadata,
-    rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DecoderLayer.forward`` with the fused C++ ops (cos, sin: [T, head_dim]; the rotary
-    embedding applied in place by one op). The residual stream is carried separately and
-    the previous layer's last add happens inside this layer's first norm::
-
-        residual += hidden; x = norm(residual)   (one op, same roundings)
-
-    Returns (this layer's MLP output, residual) for the next layer to add. ``rows``: only
-    these rows go on after attention (the last layer, where only the rows that sample are
-    read; every row's K/V is still written)."""
-    if residual is None:
-        residual = hidden
-        x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
-    else:
-        x = ops.add_rms_norm(hidden, residual, layer.norm1, layer.norm1_eps)
-    q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
-    ops.rope_(q, k, cos, sin)
-    out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
-    if rows is not None:
-        out, residual = out.index_select(0, rows), residual.index_select(0, rows)
-    q_width = layer.heads.counts[0] * layer.heads.head_dim
-    attn = linear(out.view(out.shape[0], q_width), *layer.o, ops)
-    x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
-    return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
-
-
-class DecoderPlan(NamedTuple):
-    """Every layer's tensors as ``decoder_layers`` (``kernels/csrc/decoder_layers.cpp``)
-    takes them: one C++ call runs ``fused_layer`` for all layers, without Python between
-    the ops (1-2 ms of a 5-20 ms decode step on the benchmark model)."""
-
-    norm1: list[torch.Tensor]
-    qkv: list[torch.Tensor]
-    qkv_bias: list[torch.Tensor | None]
-    o: list[torch.Tensor]
-    o_bias: list[torch.Tensor | None]
-    norm2: list[torch.Tensor]
-    gate_up: list[torch.Tensor]
-    gate_up_bias: list[torch.Tensor | None]
-    down: list[torch.Tensor]
-    down_bias: list[torch.Tensor | None]
-    final_norm: torch.Tensor
-    eps: float
-    heads: Heads
-    scale: float
-    backend: Any  # the attention backend of every layer (a CpuAttention: has kernel_step)
-    max_rows: int
-
-
-def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan | None:
-    """The plan for ``decoder_layers``, or None where it cannot stand in for the loop of
-    ``fused_layer``: every linear needs its small-batch copy (``small_gemm``), one norm
-    epsilon and one attention backend with ``kernel_step``, and no q/k norms."""
-    if not layers:
-        return None
-    first = layers[0]
-    linears = [t for layer in layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if (
-        any(t.small is None for t in linears)
-        or len({t.small.dtype for t in linears}) != 1
-        or any(layer.heads != first.heads or layer.scale != first.scale for layer in layers)
-        or first.heads.qk_norm is not None
-        or any(layer.backend is not first.backend for layer in layers)
-        or not hasattr(first.backend, "kernel_step")
-        or {final_norm.eps} != {e for layer in layers for e in (layer.norm1_eps, layer.norm2_eps)}
-    ):
-        return None
-    return DecoderPlan(
-        norm1=[layer.norm1 for layer in layers],
-        qkv=[layer.qkv.small for layer in layers],
-        qkv_bias=[layer.qkv.bias for layer in layers],
-        o=[layer.o.small for layer in layers],
-        o_bias=[layer.o.bias for layer in layers],
-        norm2=[layer.norm2 for layer in layers],
-        gate_up=[layer.gate_up.small for layer in layers],
-        gate_up_bias=[layer.gate_up.bias for layer in layers],
-        down=[layer.down.small for layer in layers],
-        down_bias=[layer.down.bias for layer in layers],
-        final_norm=final_norm.weight,
-        eps=final_norm.eps,
-        heads=first.heads,
-        scale=first.scale,
-        backend=first.backend,
-        max_rows=small_gemm_max_rows(first.qkv.small),
-    )
-
-
-def decoder_layers(
-    ops: Any,
-    plan: DecoderPlan,
-    step: Any,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_caches: KVCaches,
-    meta: AttentionMetadata,
-    output_rows: torch.Tensor | None,
-) -> torch.Tensor:
-    """The loop of ``fused_layer`` plus the final norm in one C++ call, for a step the
-    attention backend's kernel takes whole (``step``: its ``kernel_step``)."""
-    route = step.route
-    num_heads, num_kv_heads, _ = plan.heads.counts
-    return ops.decoder_layers(
-        hidden,
-        cos,
-        sin,
-        plan.norm1,
-        plan.qkv,
-        plan.qkv_bias,
-        plan.o,
-        plan.o_bias,
-        plan.norm2,
-        plan.gate_up,
-        plan.gate_up_bias,
-        plan.down,
-        plan.down_bias,
-        plan.final_norm,
-        plan.eps,
-        [k for k, _ in kv_caches],
-        [v for _, v in kv_caches],
-        meta.slot_mapping,
-        route.block_tables,
-        route.seq_lens,
-        route.query_start_loc,
-        route.kernel,
-        num_heads,
-        num_kv_heads,
-        plan.heads.head_dim,
-        plan.scale,
-        step.rows_per_task,
-        step.fast_bf16,
-        step.use_amx,
-        output_rows,
-    )
-
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` -> final hidden states; ``compute_logits`` -> logits."""
@@ -522,16 +253,12 @@ class LlamaForCausalLM(nn.Module):
         # A plain attribute, not a buffer: .to(dtype) and to_empty() must not touch it
         # (rotary frequencies stay float32, as in transformers).
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
-        # The fused CPU path's cos/sin (the plain path computes them each step).
-        self.rotary_table = RotaryTable(self.inv_freq)
-        # Set by optimize_for_cpu(): the fused ops namespace and a packed tied LM head.
-        self.fused_ops: Any = None
-        self.fused_layers: list[FusedLayer] = []
-        # Set by optimize_for_cpu() where one C++ call can run all the fused layers; None
-        # keeps the per-layer loop (tests set it to None to compare the two).
-        self.decoder_plan: DecoderPlan | None = None
-        self.packed_head: torch.Tensor | None = None
-        self.small_head: torch.Tensor | None = None
+        # Set by optimize_for_cpu(): the CPU fast path (``model/fast_path.py``), or None: the
+        # module-by-module forward below, which stays the ground truth.
+        self.fast_path: FastPath | None = None
+        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies.
+        self.tied_head = LinearTensors(self.embed_tokens.weight, None, None, None)
+        self.head_ops: Any = None
 
     def forward(
         self,
@@ -546,9 +273,8 @@ class LlamaForCausalLM(nn.Module):
         then skips, in the last layer, everything after attention for the other rows (as
         llama.cpp does): a prompt's rows but its last are only needed for their K/V."""
         hidden = self.embed_tokens(input_ids)
-        if self.fused_ops is not None and hidden.device.type == "cpu":
-            cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
-            return self._forward_fused(hidden, cos, sin, kv_caches, meta, output_rows)
+        if self.fast_path is not None and hidden.device.type == "cpu":
+            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
         cos, sin = self._rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
@@ -556,58 +282,29 @@ class LlamaForCausalLM(nn.Module):
         return hidden if output_rows is None else hidden[output_rows]
 
     def optimize_for_cpu(self) -> None:
-        """Switch on the CPU fast paths (see the module docstring); a no-op elsewhere.
-        Call after the weights are loaded: packed weights are copies."""
+        """Pack the linears for this CPU's kernels and switch on the fast path (see
+        ``model/fast_path.py``); a no-op elsewhere. Call after the weights are loaded:
+        packed weights are copies."""
         if self.embed_tokens.weight.device.type != "cpu":
             return
         from pagedllm.kernels.ops import layer_ops
+        from pagedllm.model.fast_path import CpuFastPath
 
         ops = layer_ops()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(ops)
         if self.lm_head is None:
-            self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
-        if self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16):
-            self.fused_ops = ops
-            self.fused_layers = [layer.fused() for layer in self.layers]
-            self.decoder_plan = decoder_plan(self.fused_layers, self.norm)
-
-    def _forward_fused(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        ops = self.fused_ops
-        plan = self.decoder_plan
-        if plan is not None and hidden.shape[0] <= plan.max_rows:
-            k_cache, v_cache = kv_caches[0]
-            heads = plan.heads
-            step = plan.backend.kernel_step(
-                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta
-            )
-            if step is not None:
-                return decoder_layers(
-                    ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
-                )
-        residual = None
-        last = len(self.fused_layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.fused_layers, kv_caches, strict=True)):
-            rows = output_rows if i == last else None
-            hidden, residual = fused_layer(
-                ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows
-            )
-        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+            weight = self.embed_tokens.weight
+            self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
+        self.head_ops = ops
+        self.fast_path = CpuFastPath.build(self, ops)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``
         leaves them in the head's dtype (for the sampler's greedy argmax, which needs no
         float32 copy)."""
-        logits = linear(hidden, *self._head(), self.fused_ops)
+        logits = linear(hidden, *self._head(), self.head_ops)
         return logits.float() if float32 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -624,15 +321,12 @@ class LlamaForCausalLM(nn.Module):
             or hidden.shape[0] > small_gemm_max_rows(packed)
         ):
             return None
-        return self.fused_ops.small_gemm_argmax(hidden, packed, bias)
+        return self.head_ops.small_gemm_argmax(hidden, packed, bias)
 
-    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:
-        """The LM head's (weight, bias, oneDNN copy, small-batch copy): the embedding's
-        when the two are tied."""
-        if self.lm_head is not None:
-            head = self.lm_head
-            return head.weight, head.bias, head.packed, head.small
-        return self.embed_tokens.weight, None, self.packed_head, self.small_head
+    def _head(self) -> LinearTensors:
+        """The LM head's weight, bias and packed copies: the embedding's when the two are
+        tied."""
+        return self.lm_head.tensors if self.lm_head is not None else self.tied_head
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim] (``rotary``)."""

@@ -1,0 +1,100 @@
+"""Linear layers on pagedllm's kernels: the packed weight layouts and the choice between them.
+
+A linear's weight gets one packed copy (``pack_for_cpu``): the small-batch kernel's layout
+(``small_gemm``, ``csrc/small_gemm.cpp``) where this CPU runs it, else oneDNN's blocked bf16
+layout. ``linear`` then takes the fastest form for the row count at hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# Up to this many rows (the default max_num_seqs: every decode batch), linears run on
+# pagedllm's small-batch kernel (``small_gemm``: AMX for bf16, AVX-512 for float32), which
+# streams decode-step weights faster than oneDNN and MKL (all 33 bf16 linears of the
+# benchmark model, 2 threads, before its 2 x 2 tile blocks: 5.2 vs 6.4 ms oneDNN-packed vs
+# 9.8 ms plain at 64 rows, 30.9 vs 39.1 vs 43.3 ms at 256; the blocks took 256 rows from
+# 20.9 to 14.4 ms); more rows go to torch (MKL's sgemm for float32).
+SMALL_GEMM_MAX_ROWS = 256
+# bf16 goes on with the tile kernel up to this many rows (prompt chunks of a few hundred
+# tokens): against F.linear on all the linears of model (a) / (b), 2 threads, median of 7,
+# alternated: 384 rows 12.5 vs 18.4 / 51 vs 69 ms, 512 rows 15.5 vs 24.2 / 71 vs 95 ms,
+# 768 rows 45 vs 45 / 99 vs 155 ms, 1024 rows 34 vs 40 / 199 vs 204 ms; from 1536 rows on
+# oneDNN is 5-28% faster.
+SMALL_GEMM_MAX_ROWS_BF16 = 1024
+
+
+def small_gemm_max_rows(small: torch.Tensor) -> int:
+    """The most rows ``small_gemm`` takes for a weight packed as ``small``."""
+    return SMALL_GEMM_MAX_ROWS_BF16 if small.dtype == torch.bfloat16 else SMALL_GEMM_MAX_ROWS
+
+
+def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
+    """The weight laid out for ``ops.small_gemm`` (``kernels/csrc/small_gemm.cpp``), or
+    None where that kernel does not apply: bf16 needs the tile unit and rows in 16s,
+    columns in 32s; float32 needs AVX-512 and rows in 16s."""
+    bf16 = weight.dtype == torch.bfloat16
+    if (
+        ops is None
+        or weight.device.type != "cpu"
+        or weight.dtype not in (torch.bfloat16, torch.float32)
+        or weight.dim() != 2
+        or weight.shape[0] % 16
+        or (bf16 and weight.shape[1] % 32)
+        or not ops.small_gemm_available(bf16)
+    ):
+        return None
+    return ops.pack_small_gemm(weight.detach())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of a bf16 CPU weight for ``Linear``, or None where unsupported."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class LinearTensors(NamedTuple):
+    """A linear's weight and bias with its pre-packed copies: ``linear``'s arguments."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None
+    small: torch.Tensor | None
+
+
+def pack_for_cpu(weight: torch.Tensor, ops: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
+    small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
+    measured within 5% of the packed copy at prefill sizes, where the reorder is small next
+    to the work)."""
+    small = pack_small_weight(weight, ops)
+    return (pack_weight(weight) if small is None else None), small
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    small: torch.Tensor | None,
+    ops: Any,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) on the fastest form of the weight for x's row count."""
+    if small is not None and x.dim() == 2 and x.shape[0] <= small_gemm_max_rows(small):
+        return ops.small_gemm(x, small, bias)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,285 @@
+"""The CPU fast path of the Llama-family decoder: the same computation as ``model/llama.py``'s
+modules, through pagedllm's fused C++ ops (``kernels/``), which round where the torch
+expressions round.
+
+Per layer (``fused_layer``): residual add + RMSNorm in one op, the qkv linear, the rotary
+embedding in place, attention, the o linear, add + norm, gate/up, SiLU-and-multiply, down.
+Steps whose linears all run on ``small_gemm`` and whose attention the backend's kernel takes
+whole (``AttentionBackend.kernel_step``) go through one C++ call for every layer
+(``decoder_layers``): the same ops in the same order without Python between them.
+
+The model calls its fast path through the ``FastPath`` Protocol; ``CpuFastPath.build`` says
+whether this CPU has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata, KernelStep
+from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
+from pagedllm.model.llama import (
+    DecoderLayer,
+    Heads,
+    KVCaches,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryTable,
+    split_heads,
+)
+
+
+class FastPath(Protocol):
+    """A faster way to run the model's decoder on this machine, with the model's results."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The embedded tokens [T, hidden] -> final-normed hidden states, as
+        ``LlamaForCausalLM.forward`` (only ``output_rows`` when given)."""
+        ...
+
+
+class CpuFastPath:
+    """The fused C++ ops, layer by layer or all layers in one call (``decoder_layers``)."""
+
+    def __init__(
+        self,
+        ops: Any,
+        layers: list[FusedLayer],
+        final_norm: RMSNorm,
+        rotary_table: RotaryTable,
+    ) -> None:
+        self.ops = ops
+        self.layers = layers
+        self.final_norm = final_norm
+        self.rotary_table = rotary_table
+        # None keeps the per-layer loop (tests set it to None to compare the two).
+        self.plan: DecoderPlan | None = decoder_plan(layers, final_norm)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, ops: Any) -> CpuFastPath | None:
+        """The fast path for ``model`` (its linears already packed), or None where the C++
+        ops are missing or the model's dtype has none."""
+        if ops is None or model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        layers = [fused_layer_of(layer) for layer in model.layers]
+        return cls(ops, layers, model.norm, RotaryTable(model.inv_freq))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
+        plan = self.plan
+        if plan is not None and hidden.shape[0] <= plan.max_rows:
+            k_cache, v_cache = kv_caches[0]
+            heads = plan.heads
+            step = plan.backend.kernel_step(
+                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta
+            )
+            if step is not None:
+                return decoder_layers(
+                    self.ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
+                )
+        residual = None
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = output_rows if i == last else None
+            hidden, residual = fused_layer(
+                self.ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows
+            )
+        norm = self.final_norm
+        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+
+
+def fused_layer_of(layer: DecoderLayer) -> FusedLayer:
+    """A layer's tensors and sizes for ``fused_layer`` (after ``Linear.pack``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    return FusedLayer(
+        norm1.weight,
+        norm1.eps,
+        norm2.weight,
+        norm2.eps,
+        attn.qkv_proj.tensors,
+        attn.o_proj.tensors,
+        mlp.gate_up_proj.tensors,
+        mlp.down_proj.tensors,
+        attn.heads,
+        attn.scale,
+        attn.backend,
+    )
+
+
+class FusedLayer(NamedTuple):
+    """A decoder layer flattened for ``fused_layer``: plain tensors and sizes, so that a
+    decode step makes no nn.Module calls or attribute lookups (on a 30-layer model those
+    cost about 0.1 ms a layer, several percent of a small batch's step)."""
+
+    norm1: torch.Tensor
+    norm1_eps: float
+    norm2: torch.Tensor
+    norm2_eps: float
+    qkv: LinearTensors
+    o: LinearTensors
+    gate_up: LinearTensors
+    down: LinearTensors
+    heads: Heads
+    scale: float
+    backend: AttentionBackend
+
+
+def fused_layer(
+    ops: Any,
+    layer: FusedLayer,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.forward`` with the fused C++ ops (cos, sin: [T, head_dim]; the rotary
+    embedding applied in place by one op). The residual stream is carried separately and
+    the previous layer's last add happens inside this layer's first norm::
+
+        residual += hidden; x = norm(residual)   (one op, same roundings)
+
+    Returns (this layer's MLP output, residual) for the next layer to add. ``rows``: only
+    these rows go on after attention (the last layer, where only the rows that sample are
+    read; every row's K/V is still written)."""
+    if residual is None:
+        residual = hidden
+        x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
+    else:
+        x = ops.add_rms_norm(hidden, residual, layer.norm1, layer.norm1_eps)
+    q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
+    ops.rope_(q, k, cos, sin)
+    out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+    if rows is not None:
+        out, residual = out.index_select(0, rows), residual.index_select(0, rows)
+    q_width = layer.heads.counts[0] * layer.heads.head_dim
+    attn = linear(out.view(out.shape[0], q_width), *layer.o, ops)
+    x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
+    return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
+
+
+class DecoderPlan(NamedTuple):
+    """Every layer's tensors as ``decoder_layers`` (``kernels/csrc/decoder_layers.cpp``)
+    takes them: one C++ call runs ``fused_layer`` for all layers, without Python between
+    the ops (1-2 ms of a 5-20 ms decode step on the benchmark model)."""
+
+    norm1: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    o: list[torch.Tensor]
+    o_bias: list[torch.Tensor | None]
+    norm2: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor | None]
+    down: list[torch.Tensor]
+    down_bias: list[torch.Tensor | None]
+    final_norm: torch.Tensor
+    eps: float
+    heads: Heads
+    scale: float
+    backend: AttentionBackend  # every layer's: its kernel_step says which steps it takes whole
+    max_rows: int
+
+
+def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan | None:
+    """The plan for ``decoder_layers``, or None where it cannot stand in for the loop of
+    ``fused_layer``: every linear needs its small-batch copy (``small_gemm``), one norm
+    epsilon and one attention backend, and no q/k norms."""
+    if not layers:
+        return None
+    first = layers[0]
+    linears = [t for layer in layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if (
+        any(t.small is None for t in linears)
+        or len({t.small.dtype for t in linears}) != 1
+        or any(layer.heads != first.heads or layer.scale != first.scale for layer in layers)
+        or first.heads.qk_norm is not None
+        or any(layer.backend is not first.backend for layer in layers)
+        or {final_norm.eps} != {e for layer in layers for e in (layer.norm1_eps, layer.norm2_eps)}
+    ):
+        return None
+    return DecoderPlan(
+        norm1=[layer.norm1 for layer in layers],
+        qkv=[layer.qkv.small for layer in layers],
+        qkv_bias=[layer.qkv.bias for layer in layers],
+        o=[layer.o.small for layer in layers],
+        o_bias=[layer.o.bias for layer in layers],
+        norm2=[layer.norm2 for layer in layers],
+        gate_up=[layer.gate_up.small for layer in layers],
+        gate_up_bias=[layer.gate_up.bias for layer in layers],
+        down=[layer.down.small for layer in layers],
+        down_bias=[layer.down.bias for layer in layers],
+        final_norm=final_norm.weight,
+        eps=final_norm.eps,
+        heads=first.heads,
+        scale=first.scale,
+        backend=first.backend,
+        max_rows=small_gemm_max_rows(first.qkv.small),
+    )
+
+
+def decoder_layers(
+    ops: Any,
+    plan: DecoderPlan,
+    step: KernelStep,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: KVCaches,
+    meta: AttentionMetadata,
+    output_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """The loop of ``fused_layer`` plus the final norm in one C++ call, for a step the
+    attention backend's kernel takes whole (``step``: its ``kernel_step``)."""
+    num_heads, num_kv_heads, _ = plan.heads.counts
+    return ops.decoder_layers(
+        hidden,
+        cos,
+        sin,
+        plan.norm1,
+        plan.qkv,
+        plan.qkv_bias,
+        plan.o,
+        plan.o_bias,
+        plan.norm2,
+        plan.gate_up,
+        plan.gate_up_bias,
+        plan.down,
+        plan.down_bias,
+        plan.final_norm,
+        plan.eps,
+        [k for k, _ in kv_caches],
+        [v for _, v in kv_caches],
+        meta.slot_mapping,
+        step.block_tables,
+        step.seq_lens,
+        step.query_start_loc,
+        step.handled,
+        num_heads,
+        num_kv_heads,
+        plan.heads.head_dim,
+        plan.scale,
+        step.rows_per_task,
+        step.fast_bf16,
+        step.use_amx,
+        output_rows,
+    )
