@@ -220,7 +220,48 @@ class KVCacheMachine(RuleBasedStateMachine):
         cached = self.kv.pool.num_cached_free_blocks
         assert self.kv.evict_cached_blocks(n) == min(n, cached)
 
+    # ---- the elastic pool: shrink in slices, settle, grow -------------------------
+
+    @rule(fraction=st.floats(0.0, 1.0))
+    def begin_shrink(self, fraction) -> None:
+        if self.kv.shrink_pending:
+            return
+        self.kv.begin_shrink(max(1, round(fraction * self.kv.num_blocks)))
+
+    @rule(max_moves=st.one_of(st.none(), st.integers(1, 3)))
+    def compact(self, max_moves) -> None:
+        plan = self.kv.plan_compaction(max_moves)
+        limit = self.kv.usable_blocks
+        assert all(dst < limit <= src for src, dst in plan.moves)
+        if plan.moves:
+            event("compaction moved blocks")
+        self.copy_blocks(plan.moves, self.device, self.device)
+        self.kv.apply_compaction(plan)
+
+    @rule(settle=st.booleans())
+    def finish_shrink(self, settle) -> None:
+        if self.kv.shrink_pending and not settle:
+            return
+        before = self.kv.num_blocks
+        assert self.kv.finish_shrink(settle=settle) <= before
+        if self.kv.num_blocks < before:
+            event("pool shrank")
+
+    @rule(extra=st.integers(1, 8))
+    def grow(self, extra) -> None:
+        self.kv.grow(self.kv.num_blocks + extra)
+
     # ---- invariants -------------------------------------------------------------
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self) -> None:
+        """A block found by its hash holds the tokens the index says (moves included)."""
+        if not hasattr(self, "kv"):
+            return
+        pool = self.kv.pool
+        for block_id in pool.hashed_blocks():
+            stored = tuple(self.device.get((block_id, off)) for off in range(self.bs))
+            assert stored == pool.block_token_ids(block_id), f"cached block {block_id}"
 
     @invariant()
     def manager_consistent(self) -> None:
@@ -253,6 +294,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert 0 <= report.duplication_tokens <= report.filled_slots
         assert report.external_tokens == 0
         assert report.headroom_tokens == self.kv.pool.num_free_blocks * self.bs
+        assert self.kv.stats().blocks_free + self.kv.stats().blocks_retired == (
+            self.kv.num_blocks - self.kv.pool.num_used_blocks - self.kv.pool.num_cached_free_blocks
+        )
         # Brute force: physical slots written vs distinct (position, prefix) stored.
         slots, prefixes = set(), set()
         for request_id, request in self.running.items():

@@ -6,6 +6,8 @@ Every block is in exactly one of three states::
     cached-free  ref_count == 0, still registered under its hash: findable by
                  ``lookup`` and revived by ``incref`` until it is evicted
     free         ref_count == 0, no hash
+    retired      ref_count == 0, no hash, at or above ``limit`` during a shrink: never
+                 handed out again, released by ``truncate`` (see ``core/compaction.py``)
 
 ``allocate`` takes plain free blocks first, then evicts cached-free blocks least
 recently released first. Callers release a finished request's blocks in reverse
@@ -23,7 +25,8 @@ from pagedllm.core.hashing import hash_block_tokens
 BLOCK_FREE = 0
 BLOCK_CACHED_FREE = 1
 BLOCK_USED = 2
-BLOCK_STATE_NAMES = ("free", "cached_free", "used")
+BLOCK_RETIRED = 3
+BLOCK_STATE_NAMES = ("free", "cached_free", "used", "retired")
 
 
 class BlockPool:
@@ -33,6 +36,9 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
+        # Blocks at or above the limit are on their way out (a shrink in progress): once
+        # free they are retired instead of handed out again.
+        self.limit = num_blocks
         self._ref_counts = [0] * num_blocks
         # OrderedDicts as ordered sets: O(1) pop from the front and removal from the
         # middle (a plain dict degrades to O(n) when popped from the front).
@@ -42,6 +48,7 @@ class BlockPool:
         self._block_hash: dict[int, bytes] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self._block_hash_inputs: dict[int, tuple[bytes | None, tuple]] = {}
+        self._retired: set[int] = set()
 
     # ---- public API -----------------------------------------------------------------
 
@@ -56,7 +63,11 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - self.num_free_blocks - len(self._retired)
+
+    @property
+    def num_retired_blocks(self) -> int:
+        return len(self._retired)
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` blocks with ref count 1, or ``None`` (and no change) if fewer are free."""
@@ -135,8 +146,10 @@ class BlockPool:
             if count == 1:
                 if block_id in self._block_hash:
                     self._cached_free[block_id] = None
-                else:
+                elif block_id < self.limit:
                     self._free[block_id] = None
+                else:
+                    self._retired.add(block_id)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -152,9 +165,95 @@ class BlockPool:
         count = len(self._cached_free) if n is None else min(n, len(self._cached_free))
         evicted = [self._cached_free.popitem(last=False)[0] for _ in range(count)]
         for block_id in evicted:
-            self._unregister(block_id)
-            self._free[block_id] = None
+            self._forget(block_id)
         return evicted
+
+    def drop(self, block_ids: Iterable[int]) -> None:
+        """Evict these cached-free blocks (a compaction plan's drops); they become free,
+        or retired at or above the limit."""
+        for block_id in block_ids:
+            if block_id not in self._cached_free:
+                raise ValueError(f"block {block_id} is not cached-free")
+            del self._cached_free[block_id]
+            self._forget(block_id)
+
+    # ---- resizing (the elastic pool; plans in core/compaction.py) ------------------
+
+    def free_block_ids(self) -> list[int]:
+        """Plain free blocks (all below the limit), in allocation order."""
+        return list(self._free)
+
+    def set_limit(self, limit: int) -> None:
+        """Hold back blocks at or above ``limit``: the free ones retire now, the others
+        as they are freed (or when compaction moves them). Raising the limit again
+        returns retired blocks below it to the free list."""
+        if not 0 <= limit <= self.num_blocks:
+            raise ValueError(f"limit must be in [0, {self.num_blocks}], got {limit}")
+        if limit < self.limit:
+            for block_id in range(limit, self.limit):
+                if block_id in self._free:
+                    del self._free[block_id]
+                    self._retired.add(block_id)
+        else:
+            for block_id in range(self.limit, limit):
+                if block_id in self._retired:
+                    self._retired.discard(block_id)
+                    self._free[block_id] = None
+        self.limit = limit
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks up to ``num_blocks`` in all, free; ends any shrink in progress."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"cannot grow from {self.num_blocks} to {num_blocks} blocks")
+        self.set_limit(self.num_blocks)
+        self._ref_counts.extend([0] * (num_blocks - self.num_blocks))
+        self._free.update(dict.fromkeys(range(self.num_blocks, num_blocks)))
+        self.num_blocks = self.limit = num_blocks
+
+    def occupied_above(self, limit: int) -> list[int]:
+        """Blocks at or above ``limit`` that hold data someone may read: referenced or
+        cached-free (ascending ids)."""
+        refs, cached = self._ref_counts, self._cached_free
+        return [b for b in range(limit, self.num_blocks) if refs[b] or b in cached]
+
+    def relocate(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Give each ``(src, dst)`` pair's state to ``dst``: ref count, hash and place in
+        the LRU order; ``dst`` must be free, ``src`` referenced or cached-free. The data
+        must already have been copied; ``src`` then becomes free (retired at or above
+        the limit). Callers rewrite the block tables that held ``src``."""
+        targets = {dst for _, dst in moves}
+        if len(targets) != len(moves) or len({src for src, _ in moves}) != len(moves):
+            raise ValueError("a block appears twice among the moves")
+        renamed: dict[int, int] = {}
+        for src, dst in moves:
+            if dst not in self._free:
+                raise ValueError(f"move target {dst} is not free")
+            if src in targets or not (self._ref_counts[src] or src in self._cached_free):
+                raise ValueError(f"move source {src} holds nothing to move")
+            del self._free[dst]
+            self._ref_counts[dst], self._ref_counts[src] = self._ref_counts[src], 0
+            block_hash = self._block_hash.pop(src, None)
+            if block_hash is not None:
+                self._block_hash[dst] = block_hash
+                self._hash_to_block[block_hash] = dst
+                self._block_tokens[dst] = self._block_tokens.pop(src)
+                self._block_hash_inputs[dst] = self._block_hash_inputs.pop(src)
+            renamed[src] = dst
+            if src < self.limit:
+                self._free[src] = None
+            else:
+                self._retired.add(src)
+        if any(src in self._cached_free for src in renamed):
+            self._cached_free = OrderedDict.fromkeys(renamed.get(b, b) for b in self._cached_free)
+
+    def truncate(self) -> None:
+        """Drop every block at or above the limit; they must all be retired."""
+        busy = self.occupied_above(self.limit)
+        if busy:
+            raise ValueError(f"blocks {busy[:8]} at or above the limit still hold data")
+        self._retired.clear()
+        del self._ref_counts[self.limit :]
+        self.num_blocks = self.limit
 
     def free_queue_order(self) -> list[int]:
         """The order ``allocate`` hands blocks out: plain free first, then cached-free LRU."""
@@ -177,6 +276,8 @@ class BlockPool:
         states = [BLOCK_USED if count else BLOCK_FREE for count in self._ref_counts]
         for block_id in self._cached_free:
             states[block_id] = BLOCK_CACHED_FREE
+        for block_id in self._retired:
+            states[block_id] = BLOCK_RETIRED
         return states
 
     def ref_counts(self) -> list[int]:
@@ -188,20 +289,25 @@ class BlockPool:
     ) -> None:
         """Raise AssertionError unless the pool is consistent.
 
-        free, cached-free and referenced partition the blocks; cached-free blocks are
-        hashed and plain free ones are not; the index and the per-block hashes agree.
+        free, cached-free, retired and referenced partition the blocks; free blocks lie
+        below the limit and retired ones at or above it; cached-free blocks are hashed
+        and plain free ones are not; the index and the per-block hashes agree.
         With ``block_size``, hashed blocks are full; with ``verify_hashes``, each hash
         is recomputed from its parent hash, tokens and extra keys.
         """
-        free, cached = set(self._free), set(self._cached_free)
+        free, cached, retired = set(self._free), set(self._cached_free), self._retired
         assert len(free) == len(self._free) and len(cached) == len(self._cached_free)
         assert not free & cached, "a block is both free and cached-free"
+        assert not retired & (free | cached), "a retired block is also free or cached-free"
+        assert len(self._ref_counts) == self.num_blocks and 0 <= self.limit <= self.num_blocks
+        assert all(b < self.limit for b in free), "a free block at or above the limit"
+        assert all(self.limit <= b < self.num_blocks for b in retired), "retired below limit"
         for block_id, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block_id} has ref_count {count}"
-            is_free = block_id in free or block_id in cached
+            is_free = block_id in free or block_id in cached or block_id in retired
             assert is_free == (count == 0), f"block {block_id}: ref_count {count}, free={is_free}"
         assert all(b in self._block_hash for b in cached), "cached-free block without hash"
-        assert not any(b in self._block_hash for b in free), "free block still hashed"
+        assert not any(b in self._block_hash for b in free | retired), "free block still hashed"
         assert len(self._hash_to_block) == len(self._block_hash)
         for block_hash, block_id in self._hash_to_block.items():
             assert self._block_hash.get(block_id) == block_hash, f"index mismatch at {block_id}"
@@ -215,6 +321,14 @@ class BlockPool:
                 )
 
     # ---- internal -------------------------------------------------------------------
+
+    def _forget(self, block_id: int) -> None:
+        """An evicted cached-free block: out of the index, free (retired past the limit)."""
+        self._unregister(block_id)
+        if block_id < self.limit:
+            self._free[block_id] = None
+        else:
+            self._retired.add(block_id)
 
     def _unregister(self, block_id: int) -> None:
         block_hash = self._block_hash.pop(block_id, None)

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
 from pagedllm.core.hashing import hash_block_tokens
 from pagedllm.core.request import Request
 from pagedllm.core.tiers import HostSwapTier, SwapPlan
@@ -48,7 +49,8 @@ class Allocation:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """A snapshot; ``blocks_used + blocks_cached_free + blocks_free == blocks_total``.
+    """A snapshot; ``blocks_used + blocks_cached_free + blocks_free + blocks_retired ==
+    blocks_total``.
 
     Prefix queries and hits are counted in tokens once per successful admission
     (an ``allocate_slots`` call given ``computed_blocks`` for a request holding no
@@ -64,6 +66,9 @@ class CacheStats:
     host_blocks_used: int
     prefix_queries_tokens: int
     prefix_hits_tokens: int
+    # Free blocks held back during a shrink (``core/compaction.py``): never handed out,
+    # released when it ends; counted in ``blocks_total``, not in ``blocks_free``.
+    blocks_retired: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -368,6 +373,55 @@ class KVCacheManager:
         self.cache_full_blocks(request)
         return [(host, device) for host, device, _ in copies]
 
+    # ---- resizing (the elastic pool; core/compaction.py plans the moves) ------------
+
+    def begin_shrink(self, num_blocks: int) -> None:
+        """Start shrinking the device tier to ``num_blocks``: allocation comes from below
+        it from now on; compaction slices empty the tail; ``finish_shrink`` drops it."""
+        if not 0 < num_blocks <= self.num_blocks:
+            raise ValueError(f"num_blocks must be in [1, {self.num_blocks}], got {num_blocks}")
+        self.pool.set_limit(num_blocks)
+
+    def plan_compaction(self, max_moves: int | None = None) -> CompactionPlan:
+        """The next slice of the shrink in progress (changes nothing)."""
+        return plan_compaction(self.pool, max_moves=max_moves)
+
+    def apply_compaction(self, plan: CompactionPlan) -> None:
+        """Move the books as ``plan`` says, once the worker has copied its blocks: the
+        pool (ref counts, prefix index, LRU order), every block table and the swap
+        tier's record of which blocks copy which."""
+        self.pool.drop(plan.drops)
+        if not plan.moves:
+            return
+        mapping = plan.mapping()
+        self.pool.relocate(plan.moves)
+        for request_id, table in self._tables.items():
+            if remap_table(table, mapping):
+                self._table_changed(request_id)
+        self.swap.device_blocks_relocated(mapping)
+
+    @property
+    def shrink_pending(self) -> bool:
+        """A shrink is under way: blocks at or above the limit still hold data."""
+        return bool(self.pool.occupied_above(self.pool.limit))
+
+    def finish_shrink(self, *, settle: bool = False) -> int:
+        """Drop the tail; returns the new number of blocks. With ``settle``, stop where
+        compaction got to: past the highest block still holding data."""
+        pool = self.pool
+        if settle:
+            pool.set_limit(settle_limit(pool))
+        # Their content is gone, as a re-allocated block's is.
+        self.swap.device_blocks_allocated(range(pool.limit, pool.num_blocks))
+        pool.truncate()
+        self._resized()
+        return self.num_blocks
+
+    def grow(self, num_blocks: int) -> None:
+        """Add free device blocks up to ``num_blocks`` (ends a shrink in progress)."""
+        self.pool.grow(num_blocks)
+        self._resized()
+
     # ---- views --------------------------------------------------------------------
 
     def block_table(self, request_id: str) -> list[int]:
@@ -406,6 +460,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def usable_blocks(self) -> int:
+        """Device blocks allocation may use: all of them, or the target of a shrink."""
+        return self.pool.limit
+
+    @property
     def num_free_host_blocks(self) -> int:
         return self.swap.num_free_blocks
 
@@ -417,16 +476,18 @@ class KVCacheManager:
     def stats(self) -> CacheStats:
         used = self.pool.num_used_blocks
         cached = self.pool.num_cached_free_blocks
+        retired = self.pool.num_retired_blocks
         return CacheStats(
             block_size=self.block_size,
             blocks_total=self.num_blocks,
             blocks_used=used,
             blocks_cached_free=cached,
-            blocks_free=self.num_blocks - used - cached,
+            blocks_free=self.num_blocks - used - cached - retired,
             host_blocks_total=self.num_host_blocks,
             host_blocks_used=self.swap.pool.num_used_blocks,
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
+            blocks_retired=retired,
         )
 
     def live_block_tables(self) -> dict[str, list[int]]:
@@ -477,6 +538,10 @@ class KVCacheManager:
                 )
 
     # ---- internal -------------------------------------------------------------------
+
+    def _resized(self) -> None:
+        self.num_blocks = self.pool.num_blocks
+        self._watermark_blocks = int(self.watermark * self.num_blocks)
 
     def _ensure_hashes(self, request: Request) -> list[bytes]:
         """The request's full-block hashes, extended incrementally as tokens arrive."""

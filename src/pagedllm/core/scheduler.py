@@ -139,7 +139,6 @@ class Scheduler:
         self.kv = kv
         cache = kv.stats()
         self._block_size = cache.block_size
-        self._num_blocks = cache.blocks_total
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -174,7 +173,7 @@ class Scheduler:
         num_tokens = num_prompt_tokens + max_tokens - 1
         block_size = self._block_size
         needed = -(-num_tokens // block_size)
-        total = self._num_blocks
+        total = self.kv.usable_blocks  # the pool may be resized at run time
         if needed > total:
             raise ValueError(
                 f"request needs {needed} KV blocks ({num_tokens} tokens) but the whole cache "
@@ -364,6 +363,29 @@ class Scheduler:
         self._last_step_ids = frozenset()
         return self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
 
+    def preempt_one(self) -> Request | None:
+        """Preempt (by recompute) the running request that a full cache would preempt
+        first, between steps (a shrink asked to make room); None when nothing runs."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=self._victim_key)
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self._requeue(victim)
+        return victim
+
+    def max_blocks_needed(self) -> int:
+        """Blocks the largest unfinished request holds at its longest: a pool smaller
+        than this could never finish it."""
+        size = self._block_size
+        return max(
+            (
+                -(-(r.num_prompt_tokens + self._max_tokens(r) - 1) // size)
+                for r in self.requests.values()
+            ),
+            default=0,
+        )
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -440,6 +462,10 @@ class Scheduler:
                 self.swapped.append(victim)
                 self.num_preemptions["swap"] += 1
                 return
+        self._requeue(victim)
+
+    def _requeue(self, victim: Request) -> None:
+        """Preemption by recompute: free the blocks, back to the front of the queue."""
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING

@@ -61,6 +61,13 @@ class CopyMap:
         if source is not None and self._by_source.get(source, (None,))[0] == target:
             del self._by_source[source]
 
+    def rename(self, sources: dict[int, int], targets: dict[int, int]) -> None:
+        """Blocks moved (compaction): rename sources and targets through the maps."""
+        self._by_source = {
+            sources.get(s, s): (targets.get(t, t), fill) for s, (t, fill) in self._by_source.items()
+        }
+        self._by_target = {targets.get(t, t): sources.get(s, s) for t, s in self._by_target.items()}
+
     def check_invariants(self) -> None:
         assert len(self._by_source) == len(self._by_target), "copy map: one-sided entry"
         for target, source in self._by_target.items():
@@ -169,6 +176,14 @@ class HostSwapTier:
             for block_id in block_ids:
                 self._to_host.forget_source(block_id)
                 self._to_device.forget_target(block_id)
+
+    def device_blocks_relocated(self, mapping: dict[int, int]) -> None:
+        """Compaction moved device blocks ``src -> dst`` (each ``dst`` was free): the
+        copies follow the data."""
+        if self._to_host or self._to_device:
+            self.device_blocks_allocated(mapping.values())  # stale records of the targets
+            self._to_host.rename(mapping, {})
+            self._to_device.rename({}, mapping)
 
     def release(self, request_id: str) -> None:
         """Drop the request's host table, tail first (nothing if it holds none)."""
