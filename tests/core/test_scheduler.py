@@ -23,6 +23,7 @@ def make(
     host_blocks: int = 0,
     prefix_caching: bool = True,
     chunked: bool = True,
+    inflight_sharing: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(
         num_blocks,
@@ -37,6 +38,7 @@ def make(
         max_model_len=max_model_len,
         preemption_mode=mode,
         enable_chunked_prefill=chunked,
+        enable_inflight_sharing=inflight_sharing,
     )
     return Scheduler(config, kv)
 
@@ -98,7 +100,7 @@ def run_to_end(s: Scheduler, limit: int = 200) -> None:
 def test_exact_batches_running_first_then_chunked_admission() -> None:
     s = make(budget=8)
     s.add_request(req("A", 6))
-    s.add_request(req("B", 5))
+    s.add_request(req("B", 5, first=100))
     assert batch(step(s)) == [("A", 0, 6, 1), ("B", 0, 2, 0)]
     # Decodes first, then the rest of B's prompt.
     assert batch(step(s)) == [("A", 6, 1, 1), ("B", 2, 3, 1)]
@@ -141,10 +143,10 @@ def test_max_num_seqs_limits_admission() -> None:
 def test_preemption_by_recompute_takes_the_newest_and_resumes_it_first() -> None:
     s = make(num_blocks=4, budget=16)
     s.add_request(req("A", 7, max_tokens=6, arrival=1.0))
-    s.add_request(req("B", 7, max_tokens=6, arrival=2.0))
+    s.add_request(req("B", 7, max_tokens=6, arrival=2.0, first=100))
     assert batch(step(s)) == [("A", 0, 7, 1), ("B", 0, 7, 1)]  # all 4 blocks used
     assert batch(step(s)) == [("A", 7, 1, 1), ("B", 7, 1, 1)]  # position 7 still fits
-    s.add_request(req("C", 2, arrival=3.0))
+    s.add_request(req("C", 2, arrival=3.0, first=200))
     out = step(s)  # A needs a 3rd block: B (newest running) is preempted
     assert batch(out) == [("A", 8, 1, 1)]
     b = s.requests["B"]
@@ -170,7 +172,7 @@ def test_preemption_by_swap_resumes_before_new_admissions() -> None:
     b = s.requests["B"]
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 8
     assert s.stats().num_preemptions_swap == 1
-    s.add_request(req("C", 2, arrival=3.0))
+    s.add_request(req("C", 2, arrival=3.0, first=200))
     swapped_in = False
     while s.has_unfinished_requests():
         out = step(s)
@@ -186,7 +188,7 @@ def test_preemption_by_swap_resumes_before_new_admissions() -> None:
 def test_victim_respects_priority() -> None:
     s = make(num_blocks=4, budget=16)
     s.add_request(req("low", 7, max_tokens=6, priority=5, arrival=1.0))
-    s.add_request(req("high", 7, max_tokens=6, priority=0, arrival=2.0))
+    s.add_request(req("high", 7, max_tokens=6, priority=0, arrival=2.0, first=100))
     step(s)
     step(s)
     step(s)  # somebody needs a 3rd block: the low-priority one goes, though it is older
@@ -266,8 +268,8 @@ def test_stops_eos_stop_token_min_tokens_and_length() -> None:
 def test_abort_frees_blocks_wherever_the_request_is() -> None:
     s = make(num_blocks=4, budget=16, mode="swap", host_blocks=8)
     s.add_request(req("A", 7, max_tokens=6))
-    s.add_request(req("B", 7, max_tokens=6, arrival=1.0))
-    s.add_request(req("W", 3, arrival=2.0))
+    s.add_request(req("B", 7, max_tokens=6, arrival=1.0, first=100))
+    s.add_request(req("W", 3, arrival=2.0, first=200))
     step(s)
     step(s)
     step(s)  # B swapped out, W waiting

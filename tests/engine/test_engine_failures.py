@@ -111,7 +111,8 @@ def test_failed_block_moves_fail_every_request_of_the_step(
     engine, runner = custom_engine(tokenizer, letter_ids, engines)
     for rid, prompt, n in WORKLOAD:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=10, n=n))
-    engine.step()  # prompts; "b" forks a child sharing its partial last block
+    engine.step()  # prompts; "b" waits for the block it shares with "a" (in-flight sharing)
+    engine.step()  # "b" finds it cached and forks a child sharing its partial last block
     runner.fail_moves = True
     outputs = engine.step()  # the child's copy-on-write copy fails
     assert {o.request_id for o in outputs} == {rid for rid, _, _ in WORKLOAD}

@@ -21,6 +21,7 @@ host block on the way back.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool
@@ -147,6 +148,10 @@ class KVCacheManager:
         if not block_ids:
             return _NO_HIT
         return ComputedBlocks(tuple(block_ids), len(block_ids) * bs)
+
+    def block_hashes(self, request: Request) -> Sequence[bytes]:
+        """Hashes of the request's full blocks (all known tokens), in table order."""
+        return self._ensure_hashes(request)
 
     def allocate_slots(
         self,

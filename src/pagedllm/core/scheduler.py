@@ -18,7 +18,15 @@ Order within a step:
    by recompute (free, requeue) or by swap (blocks to the host tier);
 2. swapped requests are swapped back in (only in a step without preemption);
 3. waiting requests are admitted (only when no request is still swapped out):
-   longest cached prefix first, then the rest within the budget.
+   longest cached prefix first, then the rest within the budget. A request whose next
+   uncached full block a running request is computing (in-flight sharing) waits until
+   that block is registered, then finds it in the prefix cache instead of computing it
+   a second time::
+
+       A (admitted, computing)  |b0|b1|b2|a3|          b0..b2 not yet registered
+       B (waiting)              |b0|b1|b2|x3|x4|       next uncached block b0: in flight
+                                 -> B waits; after A's step b0..b2 are cached and B
+                                    computes only x3, x4
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from pagedllm.core.outputs import (
 from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -59,6 +67,9 @@ class SchedulerConfig:
     # Up to this many greedy decode steps per schedule (multi-step decoding, see
     # ``Scheduler.schedule``); 1 schedules every step.
     num_scheduler_steps: int = 1
+    # A waiting request whose next uncached block a running request computes waits for it
+    # (``_schedule_waiting``); only with prefix caching.
+    enable_inflight_sharing: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +113,10 @@ class SchedulerStats:
     num_swapped: int
     num_preemptions_recompute: int
     num_preemptions_swap: int
+    # Prompt tokens found in the prefix cache that were in flight (being computed by
+    # another request) when the request first waited for them.
+    num_inflight_shared_tokens: int = 0
+    num_inflight_waits: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -148,6 +163,10 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._last_step_ids: frozenset[str] = frozenset()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        # request id -> tokens it found cached when it first waited for in-flight blocks.
+        self._inflight_waiters: dict[str, int] = {}
+        self.num_inflight_shared_tokens = 0
+        self.num_inflight_waits = 0
 
     # ------------------------------------------------------------------ public
 
@@ -400,6 +419,8 @@ class Scheduler:
             num_swapped=len(self.swapped),
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
+            num_inflight_shared_tokens=self.num_inflight_shared_tokens,
+            num_inflight_waits=self.num_inflight_waits,
         )
 
     # --------------------------------------------------------------- running
@@ -512,6 +533,7 @@ class Scheduler:
     # --------------------------------------------------------------- waiting
 
     def _schedule_waiting(self, step: _Step) -> None:
+        in_flight = self._in_flight_hashes()
         for request in sorted(self.waiting, key=self._priority_key):
             if step.budget <= 0:
                 break
@@ -519,6 +541,8 @@ class Scheduler:
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
+            if in_flight is not None and self._waits_for(request, computed, in_flight):
+                continue  # its next block is being computed; others may go first
             num_new = request.num_tokens - computed.num_tokens
             if num_new > step.budget and not self.config.enable_chunked_prefill:
                 break
@@ -535,8 +559,48 @@ class Scheduler:
             request.num_computed_tokens = computed.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_tokens
+            self._count_inflight_share(request, computed.num_tokens)
             self.running.append(request)
             step.add(request, num_new, allocation.block_copies)
+            if in_flight is not None:
+                in_flight.update(self._uncomputed_hashes(request))
+
+    def _in_flight_hashes(self) -> set[bytes] | None:
+        """Hashes of the full blocks running requests have yet to compute (None: no
+        in-flight sharing). Only known tokens count, so a decode holds at most the
+        block its next token completes."""
+        if not (
+            self.config.enable_inflight_sharing and self.kv.enable_prefix_caching and self.waiting
+        ):
+            return None
+        in_flight: set[bytes] = set()
+        for request in self.running:
+            in_flight.update(self._uncomputed_hashes(request))
+        return in_flight
+
+    def _uncomputed_hashes(self, request: Request) -> Sequence[bytes]:
+        hashes = self.kv.block_hashes(request)
+        return hashes[request.num_computed_tokens // self._block_size :]
+
+    def _waits_for(self, request: Request, computed: ComputedBlocks, in_flight: set[bytes]) -> bool:
+        """True when the first block ``request`` would compute, and could have found
+        cached, is being computed by a running request: it waits a step and hits it then.
+        Never starves: the block's owner runs every step until it is registered, and a
+        request that is preempted or finishes no longer counts."""
+        index = computed.num_tokens // self._block_size
+        if index >= (request.num_tokens - 1) // self._block_size:
+            return False  # beyond the cap of a prefix hit: it computes that block anyway
+        if self.kv.block_hashes(request)[index] not in in_flight:
+            return False
+        if request.request_id not in self._inflight_waiters:
+            self._inflight_waiters[request.request_id] = computed.num_tokens
+            self.num_inflight_waits += 1
+        return True
+
+    def _count_inflight_share(self, request: Request, num_cached: int) -> None:
+        base = self._inflight_waiters.pop(request.request_id, None)
+        if base is not None:
+            self.num_inflight_shared_tokens += max(0, num_cached - base)
 
     # ---------------------------------------------------------------- update
 
@@ -603,6 +667,7 @@ class Scheduler:
         request.status = status
         self.requests.pop(request.request_id, None)
         self._arrival_order.pop(request.request_id, None)
+        self._inflight_waiters.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
     # --------------------------------------------------------------- helpers

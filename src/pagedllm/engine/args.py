@@ -76,6 +76,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="split long prompts across steps",
     )
+    group.add_argument(
+        "--enable-inflight-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requests arriving together compute a shared prefix once (the others wait a "
+        "step for its blocks)",
+    )
     group.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
     group.add_argument(
         "--swap-space",
@@ -120,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_inflight_sharing=args.enable_inflight_sharing,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         watermark=args.watermark,

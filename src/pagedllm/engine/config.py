@@ -38,6 +38,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Requests arriving together share a prefix in flight: one computes it, the others
+    # wait a step for its blocks (see core/scheduler.py).
+    enable_inflight_sharing: bool = True
     preemption_mode: str = "auto"
     swap_space: float = 0.0
     num_host_blocks: int | None = None

@@ -67,6 +67,10 @@ class EngineStats:
     kv_cache_usage: float
     max_model_len: int
     cache: CacheStats
+    # Prompt tokens found cached that another request was computing when this one
+    # arrived (in-flight sharing), and how many requests waited for such blocks.
+    num_inflight_shared_tokens: int = 0
+    num_inflight_waits: int = 0
     # Internal, external and duplication waste of the device tier now
     # (``core.accounting.waste``); computed by ``get_stats`` only.
     waste: WasteReport | None = None
@@ -165,6 +169,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_inflight_sharing=config.enable_inflight_sharing,
                 num_scheduler_steps=config.num_scheduler_steps,
             ),
             self.kv,
@@ -391,6 +396,8 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage,
             max_model_len=self.max_model_len,
             cache=self.kv.stats(),
+            num_inflight_shared_tokens=s.num_inflight_shared_tokens,
+            num_inflight_waits=s.num_inflight_waits,
             waste=self._waste(),
         )
 

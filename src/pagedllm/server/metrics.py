@@ -59,6 +59,8 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
             "queries_tokens": queries,
             "hits_tokens": hits,
             "hit_rate": hits / queries if queries else 0.0,
+            "inflight_shared_tokens": stats.num_inflight_shared_tokens,
+            "inflight_waits": stats.num_inflight_waits,
         },
         "running": stats.num_running,
         "waiting": stats.num_waiting,
@@ -104,6 +106,12 @@ class _StatsCollector(Collector):
         )
         yield _counter(
             "prefix_cache_hits_tokens", "Prompt tokens found cached.", prefix["hits_tokens"]
+        )
+        yield _counter(
+            "prefix_cache_inflight_shared_tokens",
+            "Prompt tokens not computed twice: found cached after waiting for another "
+            "request that was computing them (in-flight sharing).",
+            prefix["inflight_shared_tokens"],
         )
         preempt = CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Preemptions, by mode.", labels=["mode"]
