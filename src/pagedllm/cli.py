@@ -1,4 +1,4 @@
-"""`pagedllm serve | generate | plan` — one dispatcher; each command lives with its layer."""
+"""`pagedllm serve | generate | plan | router` — one dispatcher; each command lives with its layer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "serve": ("pagedllm.server.cli", "OpenAI-compatible HTTP server"),
     "generate": ("pagedllm.engine.cli_generate", "generate text for a prompt offline"),
+    "router": ("pagedllm.server.router_cli", "route requests to data-parallel replicas by prefix"),
     "plan": ("pagedllm.planner.cli", "how many concurrent sessions fit in given memory"),
 }
 

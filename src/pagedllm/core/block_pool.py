@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from pagedllm.core.cache_events import CacheEventLog
 from pagedllm.core.hashing import hash_block_tokens
 
 # Codes of ``BlockPool.block_states`` (small ints: the dashboard ships one per block).
@@ -30,9 +31,12 @@ BLOCK_STATE_NAMES = ("free", "cached_free", "used", "retired")
 
 
 class BlockPool:
-    """``num_blocks`` KV blocks with ref counts and a hash -> block prefix index."""
+    """``num_blocks`` KV blocks with ref counts and a hash -> block prefix index.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``events``: where registrations and removals from the index are logged (a router's
+    feed, ``core/cache_events.py``); None logs nothing."""
+
+    def __init__(self, num_blocks: int, *, events: CacheEventLog | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +53,7 @@ class BlockPool:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self._block_hash_inputs: dict[int, tuple[bytes | None, tuple]] = {}
         self._retired: set[int] = set()
+        self.events = events
 
     # ---- public API -----------------------------------------------------------------
 
@@ -120,6 +125,8 @@ class BlockPool:
         self._block_hash[block_id] = block_hash
         self._block_tokens[block_id] = tuple(token_ids)
         self._block_hash_inputs[block_id] = (parent_hash, tuple(extra_keys))
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -336,3 +343,5 @@ class BlockPool:
             del self._hash_to_block[block_hash]
             del self._block_tokens[block_id]
             del self._block_hash_inputs[block_id]
+            if self.events is not None:
+                self.events.removed(block_hash)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
+from pagedllm.core.cache_events import CacheEventLog
 from pagedllm.core.hashing import hash_block_tokens
 from pagedllm.core.request import Request
 from pagedllm.core.tiers import HostSwapTier, SwapPlan
@@ -108,7 +109,9 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self.watermark = watermark
         self._watermark_blocks = int(watermark * num_blocks)
-        self.pool = BlockPool(num_blocks)
+        # The device pool's prefix index changes, for routers (core/cache_events.py).
+        self.events = CacheEventLog()
+        self.pool = BlockPool(num_blocks, events=self.events)
         # Read-only alias of the pool's ref counts (the list is never replaced): the
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts

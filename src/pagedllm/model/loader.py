@@ -84,6 +84,23 @@ def load_model(
     return LoadedModel(model=module, config=config, tokenizer=tokenizer, name=name)
 
 
+def load_tokenizer(model: str | Path = DEFAULT_MODEL_NAME) -> Any:
+    """The tokenizer of a model directory, a ``.gguf`` file or ``"default"``, without its
+    weights (the router hashes prompts with it)."""
+    if str(model) == DEFAULT_MODEL_NAME:
+        from pagedllm.model.default_model import ensure_default_model
+
+        return _hf_tokenizer_loader(ensure_default_model())()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from pagedllm.model.gguf_loader import read_gguf
+
+        return read_gguf(path)[2]()
+    if path.is_dir():
+        return _hf_tokenizer_loader(path)()
+    raise ValueError(f"model {str(model)!r} is neither a directory nor a .gguf file")
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     """ "auto" follows the config's ``torch_dtype`` (float32 when absent)."""
     if isinstance(dtype, torch.dtype):

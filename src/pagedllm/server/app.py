@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.server.cache_events import events_report
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
@@ -148,6 +149,12 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/cache")
     async def cache() -> Response:
         return JSONResponse(await report())
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int = 0, epoch: str | None = None) -> Response:
+        # A router's feed (server/cache_events.py), read between two steps.
+        body = await ctx.engine.call(lambda engine: events_report(engine, epoch, since))
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

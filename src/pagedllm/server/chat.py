@@ -42,7 +42,12 @@ from pagedllm.server.sse import sse_event
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> Prompt:
     """The messages through the tokenizer's chat template."""
-    tokenizer = ctx.tokenizer
+    return render_chat_prompt(ctx.tokenizer, req)
+
+
+def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Prompt:
+    """The messages through ``tokenizer``'s chat template (the router hashes the same
+    token ids the engine will)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     conversation = []

@@ -13,8 +13,12 @@ import asyncio
 import logging
 import signal
 import socket
+import subprocess
+import sys
+import time
 from typing import Any
 
+import httpx
 import uvicorn
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
@@ -81,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="N > 1: N engine processes (ports --port+1 ..) behind a prefix-aware "
+                       "router on --port")  # fmt: skip
+    from pagedllm.server.router_cli import add_router_arguments
+
+    add_router_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--max-queued-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise SystemExit("--shutdown-timeout must be non-negative")
+    if args.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be at least 1")
+    if args.data_parallel_size > 1:
+        return run_data_parallel(args)
     engine = LLMEngine.from_config(config_from_args(args))
     app = create_app(
         engine,
@@ -118,3 +132,73 @@ def run(args: argparse.Namespace) -> int:
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+REPLICA_START_TIMEOUT_S = 600.0
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    """``--data-parallel-size N``: N ``pagedllm serve`` processes on the next N ports,
+    the router in this process on ``--port``; the replicas stop when it does."""
+    urls, procs = [], []
+    try:
+        for i in range(args.data_parallel_size):
+            port = args.port + 1 + i
+            command = [sys.executable, "-m", "pagedllm.cli", "serve", *_replica_argv(args, port)]
+            procs.append(subprocess.Popen(command))
+            urls.append(f"http://{_client_host(args.host)}:{port}")
+        _wait_healthy(urls, procs)
+        from pagedllm.server.router_cli import serve_router
+
+        serve_router(args, urls, args.model)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(args.shutdown_timeout + _UVICORN_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def _replica_argv(args: argparse.Namespace, port: int) -> list[str]:
+    """This command's flags for one replica: the same values, its own port, no DP."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--port", str(port)]
+    for action in parser._actions:
+        dest = action.dest
+        if dest in ("help", "port", "data_parallel_size") or not action.option_strings:
+            continue
+        value = getattr(args, dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+    pending = list(zip(urls, procs, strict=True))
+    while pending:
+        url, proc = pending[0]
+        if proc.poll() is not None:
+            raise SystemExit(f"replica {url} exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replica {url} did not come up in {REPLICA_START_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)

@@ -1,0 +1,458 @@
+"""``pagedllm router``: one OpenAI endpoint in front of data-parallel replicas.
+
+Each request is hashed with the engines' own block-hash chain (same tokenizer, the
+replicas' block size, the request's ``cache_salt``) and sent to the replica whose prefix
+cache holds most of it (``core/routing.py``), unless that replica is much busier than the
+idlest. The router's picture of every replica's cache comes from the replica's cache
+events (``GET /v1/cache/events``, polled, and re-read after each request it proxied), so
+it predicts the cached tokens each replica will report.
+
+A replica that fails (connection refused or lost mid-stream) fails only the requests it
+was serving: a non-streaming request that never reached it is retried on another replica,
+a stream in progress ends with an error event and ``data: [DONE]``; the replica is marked
+unhealthy and gets no traffic until its events endpoint answers again.
+
+Routes: the OpenAI ones (proxied), /health, /metrics (router counters per replica),
+/v1/router (the same as JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.core.hashing import hash_request_blocks
+from pagedllm.core.routing import (
+    ReplicaCacheView,
+    ReplicaState,
+    RoutingPolicy,
+    make_policy,
+    predicted_cached_tokens,
+)
+from pagedllm.server.cache_events import parse_events_reply
+from pagedllm.server.errors import APIError
+from pagedllm.server.sse import DONE
+
+logger = logging.getLogger(__name__)
+
+PROXIED_HEADERS = ("authorization", "x-request-id", "content-type")
+PENDING_TTL_S = 30.0  # a routed prompt not confirmed by events this long is forgotten
+
+
+@dataclass(slots=True)
+class Replica:
+    """The router's books on one replica (event-loop state, not shared across threads)."""
+
+    url: str
+    view: ReplicaCacheView = field(default_factory=ReplicaCacheView)
+    healthy: bool = False
+    load: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_requests: int = 0
+    num_failed: int = 0
+    predicted_cached_tokens: int = 0
+    reported_cached_tokens: int = 0
+    reported_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    replica: Replica
+    predicted_cached_tokens: int  # from events confirmed when routed
+    block_hashes: tuple[bytes, ...]
+
+
+class RouterMetrics:
+    """The router's Prometheus registry (one per app)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["replica"]
+        r = self.registry
+        self.requests = Counter(
+            "pagedllm_router_requests", "requests routed", [*labels, "outcome"], registry=r
+        )
+        self.predicted = Counter(
+            "pagedllm_router_predicted_cached_tokens",
+            "prompt tokens the router expected the replica to find cached",
+            labels,
+            registry=r,
+        )
+        self.reported = Counter(
+            "pagedllm_router_reported_cached_tokens",
+            "cached prompt tokens the replica reported (usage.prompt_tokens_details)",
+            labels,
+            registry=r,
+        )
+        self.prompt = Counter(
+            "pagedllm_router_prompt_tokens",
+            "prompt tokens the replica reported",
+            labels,
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "pagedllm_router_replica_healthy", "1 while the replica answers", labels, registry=r
+        )
+        self.load = Gauge(
+            "pagedllm_router_replica_in_flight", "requests in flight", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "pagedllm_router_replica_kv_usage", "KV usage last reported", labels, registry=r
+        )
+        self.cached_blocks = Gauge(
+            "pagedllm_router_replica_cached_blocks",
+            "block hashes the router knows the replica holds",
+            labels,
+            registry=r,
+        )
+
+    def render(self, replicas: Sequence[Replica]) -> bytes:
+        for replica in replicas:
+            self.healthy.labels(replica.url).set(int(replica.healthy))
+            self.load.labels(replica.url).set(replica.load)
+            self.kv_usage.labels(replica.url).set(replica.kv_usage)
+            self.cached_blocks.labels(replica.url).set(len(replica.view.hashes))
+        return generate_latest(self.registry)
+
+
+class Router:
+    """Routing state and the replica feed; every method runs on the event loop."""
+
+    def __init__(
+        self,
+        replica_urls: Sequence[str],
+        policy: RoutingPolicy,
+        tokenizer: Any,
+        *,
+        client: httpx.AsyncClient | None = None,
+        poll_interval: float = 0.1,
+    ) -> None:
+        if not replica_urls:
+            raise ValueError("the router needs at least one --replica URL")
+        self.replicas = [Replica(url.rstrip("/")) for url in replica_urls]
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.poll_interval = poll_interval
+        self.metrics = RouterMetrics()
+        self._poller: asyncio.Task | None = None
+
+    # ---- the replicas' feed -------------------------------------------------------
+
+    async def refresh(self, replica: Replica) -> None:
+        """Read the replica's new cache events (or a snapshot); mark it healthy or not."""
+        params: dict[str, Any] = {"since": replica.view.next_seq}
+        if replica.view.epoch is not None:
+            params["epoch"] = replica.view.epoch
+        try:
+            response = await self.client.get(f"{replica.url}/v1/cache/events", params=params)
+            response.raise_for_status()
+            reply = parse_events_reply(response.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            if replica.healthy:
+                logger.warning("replica %s stopped answering: %s", replica.url, exc)
+            replica.healthy = False
+            return
+        if reply.snapshot is not None:
+            replica.view.reset(reply.epoch, reply.next_seq, reply.snapshot)
+        elif reply.batch is not None:
+            replica.view.apply(reply.batch)
+        replica.block_size = reply.block_size
+        replica.kv_usage = reply.kv_usage
+        replica.healthy = True
+        replica.view.expire_pending(time.monotonic() - PENDING_TTL_S)
+
+    async def refresh_all(self) -> None:
+        await asyncio.gather(*(self.refresh(r) for r in self.replicas))
+
+    def start(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self.client.aclose()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await self.refresh_all()
+            await asyncio.sleep(self.poll_interval)
+
+    # ---- routing ------------------------------------------------------------------
+
+    def route(self, token_ids: Sequence[int] | None, cache_salt: str | None) -> Route:
+        """Choose a replica for a prompt (None: a prompt the router could not read)."""
+        block_size = self.block_size()
+        hashes: tuple[bytes, ...] = ()
+        if token_ids and block_size:
+            extra_keys = () if cache_salt is None else (cache_salt,)
+            hashes = tuple(hash_request_blocks(token_ids, block_size, extra_keys))
+        states = [
+            ReplicaState(
+                r.healthy, r.load, r.kv_usage, r.view.matched_blocks(hashes, with_pending=True)
+            )
+            for r in self.replicas
+        ]
+        replica = self.replicas[self.policy.choose(states)]
+        predicted = 0
+        if token_ids and block_size:
+            matched = replica.view.matched_blocks(hashes, with_pending=False)
+            predicted = predicted_cached_tokens(matched, block_size, len(token_ids))
+        return Route(replica, predicted, hashes)
+
+    def block_size(self) -> int | None:
+        """The replicas' block size (the hash chain needs it); None until one answered.
+        Replicas with different block sizes cannot share a chain: refused."""
+        sizes = {r.block_size for r in self.replicas if r.block_size is not None}
+        if len(sizes) > 1:
+            raise APIError(503, f"replicas disagree on block_size: {sorted(sizes)}")
+        return next(iter(sizes), None)
+
+    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The token ids the replica will see for this body, or None where the router
+        cannot tell (a malformed body: the replica answers it)."""
+        try:
+            if path.endswith("/chat/completions"):
+                from pagedllm.server.chat import render_chat_prompt
+                from pagedllm.server.protocol import ChatCompletionRequest
+
+                req = ChatCompletionRequest.model_validate(body)
+                return render_chat_prompt(self.tokenizer, req).token_ids
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a batch goes to one replica: route by its first prompt
+            if isinstance(prompt, str):
+                return list(self.tokenizer.encode(prompt))
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+        except Exception:  # noqa: BLE001 - any unreadable body is the replica's to refuse
+            return None
+        return None
+
+    def record(self, route: Route, outcome: str, usage: dict[str, Any] | None) -> None:
+        replica = route.replica
+        label = replica.url
+        self.metrics.requests.labels(label, outcome).inc()
+        if outcome != "ok":
+            replica.num_failed += 1
+            return
+        if usage is None:
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        reported = int(details.get("cached_tokens") or 0)
+        replica.predicted_cached_tokens += route.predicted_cached_tokens
+        replica.reported_cached_tokens += reported
+        replica.reported_prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        self.metrics.predicted.labels(label).inc(route.predicted_cached_tokens)
+        self.metrics.reported.labels(label).inc(reported)
+        self.metrics.prompt.labels(label).inc(int(usage.get("prompt_tokens") or 0))
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "block_size": self.block_size(),
+            "replicas": [
+                {
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "in_flight": r.load,
+                    "kv_usage": r.kv_usage,
+                    "cached_blocks": len(r.view.hashes),
+                    "pending_blocks": len(r.view.pending),
+                    "requests": r.num_requests,
+                    "failed": r.num_failed,
+                    "predicted_cached_tokens": r.predicted_cached_tokens,
+                    "reported_cached_tokens": r.reported_cached_tokens,
+                    "reported_prompt_tokens": r.reported_prompt_tokens,
+                }
+                for r in self.replicas
+            ],
+        }
+
+    # ---- proxying -----------------------------------------------------------------
+
+    async def proxy(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        if self.block_size() is None:
+            await self.refresh_all()
+        token_ids = self.prompt_token_ids(request.url.path, body)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PROXIED_HEADERS}
+        stream = body.get("stream") is True
+        tried: set[str] = set()
+        while True:
+            route = self._route_untried(token_ids, salt, tried)
+            replica = route.replica
+            outgoing = self.client.build_request(
+                "POST", f"{replica.url}{request.url.path}", content=raw, headers=headers
+            )
+            replica.load += 1
+            replica.view.add_pending(route.block_hashes, time.monotonic())
+            try:
+                upstream = await self.client.send(outgoing, stream=True)
+            except httpx.HTTPError as exc:
+                replica.load -= 1
+                self._failed(replica, route, exc)
+                tried.add(replica.url)
+                continue  # it never reached the replica: another one may take it
+            replica.num_requests += 1
+            if stream and upstream.status_code == 200:
+                return StreamingResponse(
+                    self._relay(route, upstream),
+                    status_code=200,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                )
+            return await self._whole(route, upstream)
+
+    def _route_untried(self, token_ids: Any, salt: str | None, tried: set[str]) -> Route:
+        for replica in self.replicas:
+            if replica.url in tried:
+                replica.healthy = False
+        if not any(r.healthy for r in self.replicas):
+            raise APIError(503, "no healthy replica", code="no_replica")
+        return self.route(token_ids, salt)
+
+    def _failed(self, replica: Replica, route: Route, exc: Exception) -> None:
+        logger.warning("replica %s failed: %s", replica.url, exc)
+        replica.healthy = False
+        self.record(route, "error", None)
+
+    async def _whole(self, route: Route, upstream: httpx.Response) -> Response:
+        replica = route.replica
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            self._failed(replica, route, exc)
+            raise APIError(502, f"replica {replica.url} failed: {exc}") from None
+        finally:
+            replica.load -= 1
+            await upstream.aclose()
+        usage = None
+        if upstream.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                usage = json.loads(content).get("usage")
+            await self.refresh(replica)
+        self.record(route, "ok" if upstream.status_code < 500 else "error", usage)
+        media = upstream.headers.get("content-type", "application/json")
+        return Response(content, status_code=upstream.status_code, media_type=media)
+
+    async def _relay(self, route: Route, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        replica = route.replica
+        usage: dict[str, Any] | None = None
+        pending = b""
+        outcome = "ok"
+        try:
+            async for chunk in upstream.aiter_raw():
+                usage, pending = _read_usage(pending + chunk, usage)
+                yield chunk
+        except httpx.HTTPError as exc:
+            outcome = "error"
+            self._failed(replica, route, exc)
+            message = f"replica {replica.url} failed mid-stream: {type(exc).__name__}"
+            yield APIError(502, message, code="replica_failed").sse_event()
+            yield DONE
+        finally:
+            replica.load -= 1
+            await upstream.aclose()
+        if outcome == "ok":
+            await self.refresh(replica)
+            self.record(route, outcome, usage)
+
+
+def _read_usage(data: bytes, usage: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bytes]:
+    """(the latest ``usage`` among the complete SSE events of ``data``, the unfinished
+    tail): streams with ``stream_options.include_usage`` end with a usage event."""
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return usage, data
+    if b'"usage"' in data[:cut]:
+        for line in data[:cut].split(b"\n"):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                with contextlib.suppress(ValueError, AttributeError):
+                    usage = json.loads(line[6:]).get("usage") or usage
+    return usage, data[cut + 2 :]
+
+
+def create_router_app(
+    replica_urls: Sequence[str],
+    *,
+    tokenizer: Any,
+    policy: str = "prefix_aware",
+    max_imbalance: int = 8,
+    poll_interval: float = 0.1,
+    client: httpx.AsyncClient | None = None,
+) -> FastAPI:
+    """The router's app; ``client`` lets tests route through in-process replicas."""
+    router = Router(
+        replica_urls,
+        make_policy(policy, max_imbalance=max_imbalance),
+        tokenizer,
+        client=client,
+        poll_interval=poll_interval,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.refresh_all()
+        router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="pagedllm router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.proxy(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.proxy(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if any(r.healthy for r in router.replicas):
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "no healthy replica", code="no_replica").response()
+
+    @app.get("/v1/router")
+    async def report() -> Response:
+        return JSONResponse(router.report())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(router.replicas), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    return app

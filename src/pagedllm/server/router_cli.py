@@ -1,0 +1,57 @@
+"""``pagedllm router --replica URL ...``: the prefix-aware router under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from pagedllm.core.routing import ROUTING_POLICIES
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """The routing flags (shared with ``serve --data-parallel-size``)."""
+    group = parser.add_argument_group("router")
+    group.add_argument("--routing-policy", default="prefix_aware", choices=ROUTING_POLICIES,
+                       help="prefix_aware (default), or the baselines round_robin, least_loaded")  # fmt: skip
+    group.add_argument("--max-imbalance", type=int, default=8,
+                       help="requests in flight beyond the idlest replica's past which a prefix "
+                       "hit no longer wins (prefix_aware)")  # fmt: skip
+    group.add_argument("--poll-interval", type=float, default=0.1,
+                       help="seconds between reads of the replicas' cache events")  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a replica's base URL (repeat for each)")  # fmt: skip
+    parser.add_argument("--tokenizer", default="default",
+                        help="the replicas' model (directory, .gguf or 'default'), for its tokenizer")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
+    add_router_arguments(parser)
+
+
+def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_model: str) -> None:
+    """Run the router app until SIGTERM / Ctrl-C."""
+    from pagedllm.model.loader import load_tokenizer
+    from pagedllm.server.router import create_router_app
+
+    if args.max_imbalance < 0 or args.poll_interval <= 0:
+        raise SystemExit("--max-imbalance must be >= 0 and --poll-interval positive")
+    app = create_router_app(
+        replica_urls,
+        tokenizer=load_tokenizer(tokenizer_model),
+        policy=args.routing_policy,
+        max_imbalance=args.max_imbalance,
+        poll_interval=args.poll_interval,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve_router(args, args.replica, args.tokenizer)
+    return 0

@@ -1,0 +1,220 @@
+"""The data-parallel router in process: fake-runner replicas behind ``create_router_app``.
+
+Checks that the router predicts exactly the cached tokens each replica then reports,
+that prefix-aware routing keeps a tenant on one replica (round robin does not), and that
+a replica dying mid-stream fails only its own stream and gets no further traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from pagedllm.server.router import create_router_app
+
+from .conftest import sse_events, wait_pool_free
+
+PREFIXES = [list(range(97, 97 + 20)), list(range(100, 100 + 20)), list(range(103, 103 + 20))]
+
+
+class KillableTransport(httpx.AsyncBaseTransport):
+    """An in-process replica whose connection can be cut: after ``kill()``, new requests
+    fail to connect and a response being read raises ``ReadError`` after its first chunk."""
+
+    def __init__(self, app: Any) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.dead = False
+
+    def kill(self) -> None:
+        self.dead = True
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.dead:
+            raise httpx.ConnectError("replica is down", request=request)
+        response = await self.inner.handle_async_request(request)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_DyingStream(response.stream, self),
+            request=request,
+        )
+
+
+class _DyingStream(httpx.AsyncByteStream):
+    def __init__(self, inner: Any, transport: KillableTransport) -> None:
+        self.inner, self.transport = inner, transport
+
+    async def __aiter__(self):
+        sent = 0
+        async for chunk in self.inner:
+            # one SSE event at a time, so that a death can fall between two of them
+            parts = chunk.split(b"\n\n")
+            for i, part in enumerate(parts):
+                piece = part + (b"\n\n" if i < len(parts) - 1 else b"")
+                if self.transport.dead and sent:
+                    raise httpx.ReadError("connection lost")
+                if piece:
+                    sent += 1
+                    yield piece
+                    await asyncio.sleep(0.005)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _router(harnesses: list[Any], policy: str = "prefix_aware", **kw: Any) -> tuple[Any, list]:
+    transports = [KillableTransport(h.app) for h in harnesses]
+    mounts = {f"http://replica{i}": t for i, t in enumerate(transports)}
+    client = httpx.AsyncClient(mounts=mounts, timeout=30)
+    urls = [f"http://replica{i}" for i in range(len(harnesses))]
+    app = create_router_app(
+        urls, tokenizer=harnesses[0].tokenizer, policy=policy, client=client, **kw
+    )
+    return app, transports
+
+
+def _run(router_app: Any, harnesses: list[Any], body: Any) -> Any:
+    async def main() -> Any:
+        transport = httpx.ASGITransport(app=router_app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://router", timeout=30
+        ) as c:
+            try:
+                result = await body(c)
+                for h in harnesses:
+                    await wait_pool_free(h.engine)
+                return result
+            finally:
+                await router_app.state.router.client.aclose()
+                for h in harnesses:
+                    await h.engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def _prompt(tenant: int, i: int) -> list[int]:
+    return PREFIXES[tenant] + [110 + i, 111 + i, 112 + (i % 3)]
+
+
+async def _complete(client: httpx.AsyncClient, prompt: list[int], **extra: Any) -> dict:
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_predicted_cached_tokens_equal_what_replicas_report(make_harness):
+    harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]
+    app, _ = _router(harnesses)
+
+    async def body(client: httpx.AsyncClient) -> dict:
+        reported = []
+        for i in range(4):
+            for tenant in range(3):
+                out = await _complete(client, _prompt(tenant, i))
+                reported.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # cache_salt changes every block hash: no hit predicted, none reported
+        out = await _complete(client, _prompt(0, 9), cache_salt="tenant-b")
+        reported.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return {"reported": reported, "router": (await client.get("/v1/router")).json()}
+
+    result = _run(app, harnesses, body)
+    replicas = result["router"]["replicas"]
+    predicted = sum(r["predicted_cached_tokens"] for r in replicas)
+    reported = sum(r["reported_cached_tokens"] for r in replicas)
+    assert reported == sum(result["reported"]) and reported > 0
+    assert predicted == reported
+    for r in replicas:  # per replica, not only in total
+        assert r["predicted_cached_tokens"] == r["reported_cached_tokens"]
+    # after its first request every tenant's prompts hit their 20-token prefix
+    assert result["reported"][3:12] == [20] * 9 and result["reported"][12] == 0
+
+
+def test_prefix_aware_keeps_each_tenant_on_one_replica_round_robin_does_not(make_harness):
+    def hit_tokens(policy: str) -> tuple[int, dict]:
+        harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]
+        app, _ = _router(harnesses, policy)
+
+        async def body(client: httpx.AsyncClient) -> tuple[int, dict]:
+            total = 0
+            for i in range(4):
+                for tenant in range(3):
+                    out = await _complete(client, _prompt(tenant, i))
+                    total += out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return total, (await client.get("/v1/router")).json()
+
+        return _run(app, harnesses, body)
+
+    aware, report = hit_tokens("prefix_aware")
+    rr, _ = hit_tokens("round_robin")
+    assert aware == 9 * 20  # every request after a tenant's first
+    assert rr < aware
+    assert all(r["healthy"] for r in report["replicas"])
+
+
+def test_metrics_name_every_replica(make_harness):
+    harnesses = [make_harness() for _ in range(2)]
+    app, _ = _router(harnesses, "least_loaded")
+
+    async def body(client: httpx.AsyncClient) -> str:
+        await _complete(client, _prompt(0, 0))
+        return (await client.get("/metrics")).text
+
+    text = _run(app, harnesses, body)
+    for i in range(2):
+        assert f'pagedllm_router_replica_healthy{{replica="http://replica{i}"}} 1.0' in text
+    assert 'pagedllm_router_requests_total{outcome="ok",replica="http://replica0"} 1.0' in text
+
+
+def test_replica_dying_mid_stream_fails_only_its_requests(make_harness):
+    harnesses = [make_harness(runner_kw={"step_delay_s": 0.01}) for _ in range(2)]
+    app, transports = _router(harnesses, "round_robin")
+
+    async def stream(client: httpx.AsyncClient, prompt: list[int]) -> bytes:
+        body = {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            return b"".join([chunk async for chunk in response.aiter_raw()])
+
+    async def body(client: httpx.AsyncClient) -> dict:
+        router = app.state.router
+        await router.refresh_all()
+        # round robin: the first stream goes to replica 0, the second to replica 1
+        first = asyncio.create_task(stream(client, _prompt(0, 0)))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(stream(client, _prompt(1, 0)))
+        while router.replicas[0].load == 0 or router.replicas[1].load == 0:
+            await asyncio.sleep(0.001)
+        transports[0].kill()
+        dead, alive = await first, await second
+        later = [await _complete(client, _prompt(2, i)) for i in range(3)]
+        report = (await client.get("/v1/router")).json()
+        return {"dead": dead, "alive": alive, "later": later, "report": report}
+
+    result = _run(app, harnesses, body)
+    dead_events = sse_events(result["dead"])
+    assert dead_events[-1]["error"]["code"] == "replica_failed"
+    alive_events = sse_events(result["alive"])
+    assert alive_events[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["text"] for e in alive_events if e.get("choices"))
+    assert text == harnesses[1].expected_text(_prompt(1, 0), 12)
+    replicas = result["report"]["replicas"]
+    assert replicas[0]["healthy"] is False and replicas[1]["healthy"] is True
+    assert replicas[0]["requests"] == 1 and replicas[1]["requests"] == 4
+    assert all(len(out["choices"][0]["text"]) for out in result["later"])
+
+
+def test_no_healthy_replica_is_503(make_harness):
+    harnesses = [make_harness()]
+    app, transports = _router(harnesses)
+    transports[0].kill()
+
+    async def body(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2})
+
+    response = _run(app, harnesses, body)
+    assert response.status_code == 503
+    assert json.loads(response.text)["error"]["code"] == "no_replica"
