@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
 from pagedllm.core.cache_events import CacheEventLog
+from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
 from pagedllm.core.hashing import hash_block_tokens
 from pagedllm.core.request import Request
 from pagedllm.core.tiers import HostSwapTier, SwapPlan
