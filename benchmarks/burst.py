@@ -27,15 +27,16 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_child import VllmChild  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,58 +167,23 @@ if __name__ == "__main__":
 """
 
 
-class VllmChild:
-    """The VLLM_SCRIPT process; its log goes to a file."""
+def start_vllm(python: str, model: Path, dtype: str, burst: Burst, max_model_len: int):
+    """vLLM loaded in its child process; returns a function that runs one burst there."""
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "prompts": burst.prompts,
+        "max_tokens": burst.max_tokens,
+        "max_model_len": max_model_len,
+    }
+    child = VllmChild(python, VLLM_SCRIPT, spec)
+    total = sum(len(p) for p in burst.prompts)
 
-    def __init__(self, python: str, model: Path, dtype: str, burst: Burst, max_model_len: int):
-        spec = {
-            "model": str(model),
-            "dtype": dtype,
-            "prompts": burst.prompts,
-            "max_tokens": burst.max_tokens,
-            "max_model_len": max_model_len,
-        }
-        self.tmp = tempfile.TemporaryDirectory()
-        tmp = Path(self.tmp.name)
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        (tmp / "run_vllm.py").write_text(VLLM_SCRIPT)
-        self.log = open(tmp / "log.txt", "w+")  # noqa: SIM115 (closed by close())
-        self.proc = subprocess.Popen(
-            [python, str(tmp / "run_vllm.py"), str(tmp / "spec.json")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.burst = burst
-        self._reply("VLLM_READY ")
-
-    def _reply(self, prefix: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return json.loads(line.removeprefix(prefix))
-        self.proc.wait()
-        self.log.seek(0)
-        raise RuntimeError(f"vLLM failed (exit {self.proc.returncode}): {self.log.read()[-3000:]}")
-
-    def run(self) -> BurstResult:
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
-        r = self._reply("VLLM_RESULT ")
-        total = sum(len(p) for p in self.burst.prompts)
+    def run() -> BurstResult:
+        r = child.ask("run")
         return BurstResult(r["seconds"], r["ttft"], total - r["cached_tokens"], r["cached_tokens"])
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        self.tmp.cleanup()
+    return run, child.close
 
 
 def build_engine(args: argparse.Namespace, model: Path, sharing: bool):
@@ -266,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for engine in runners.values():  # warm-up: kernels built, buffers sized
         run_pagedllm(engine, make_burst(2, 32, 2, seed=1))
-    vllm = None
+    vllm, close_vllm = None, None
     if args.vs_vllm:
-        vllm = VllmChild(args.vs_vllm, model, args.dtype, burst, args.max_model_len)
+        vllm, close_vllm = start_vllm(args.vs_vllm, model, args.dtype, burst, args.max_model_len)
     results: dict[str, list[BurstResult]] = {"on": [], "off": [], "vllm": []}
     try:
         for r in range(args.rounds):
@@ -276,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 if name == "vllm":
                     if vllm is not None:
-                        results[name].append(vllm.run())
+                        results[name].append(vllm())
                 else:
                     results[name].append(run_pagedllm(runners[name], burst))
     finally:
-        if vllm is not None:
-            vllm.close()
+        if close_vllm is not None:
+            close_vllm()
     report(args, burst, {k: v for k, v in results.items() if v})
     return 0
 

@@ -47,9 +47,7 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +60,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+# The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_child import VllmChild  # noqa: E402
 
 MODELS_DIR = Path(__file__).resolve().parent / ".models"
 MODEL_A = {
@@ -310,70 +312,22 @@ if __name__ == "__main__":
 """
 
 
-class VllmChild:
-    """The VLLM_SCRIPT process; its log goes to a file (a pipe nobody reads would fill)."""
-
-    def __init__(self, python: str, model: Path, dtype: str, work: Workload) -> None:
-        warm = warmup_workload()
-        spec = {
-            "model": str(model),
-            "dtype": dtype,
-            "prompts": work.prompts,
-            "max_tokens": work.max_tokens,
-            "warmup": [warm.prompts, warm.max_tokens],
-        }
-        self.tmp = tempfile.TemporaryDirectory()
-        tmp = Path(self.tmp.name)
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        (tmp / "run_vllm.py").write_text(VLLM_SCRIPT)
-        self.log = open(tmp / "log.txt", "w+")  # noqa: SIM115 (closed by close())
-        self.proc = subprocess.Popen(
-            [python, str(tmp / "run_vllm.py"), str(tmp / "spec.json")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        try:
-            self.startup_s = self._reply("VLLM_READY ")["startup_s"]
-        except RuntimeError:
-            self.close()  # nobody else holds the child yet
-            raise
-
-    def _reply(self, prefix: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return json.loads(line.removeprefix(prefix))
-        self.proc.wait()
-        self.log.seek(0)
-        tail = self.log.read()[-3000:]
-        raise RuntimeError(f"vLLM run failed (exit {self.proc.returncode}): {tail}")
-
-    def run(self, command: str = "run") -> float:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._reply("VLLM_RESULT ")["elapsed"]
-
-    def run_prompts(self) -> float:
-        return self.run("prompts")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        self.tmp.cleanup()
-
-
 def start_vllm(python: str, model: Path, dtype: str, work: Workload) -> Started:
-    child = VllmChild(python, model, dtype, work)
-    extra = {"startup_s": round(child.startup_s, 2)}
-    return Started("vllm", child.run, extra, child.close, child.run_prompts)
+    warm = warmup_workload()
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "prompts": work.prompts,
+        "max_tokens": work.max_tokens,
+        "warmup": [warm.prompts, warm.max_tokens],
+    }
+    child = VllmChild(python, VLLM_SCRIPT, spec)
+    extra = {"startup_s": round(child.ready["startup_s"], 2)}
+
+    def run(command: str = "run") -> float:
+        return child.ask(command)["elapsed"]
+
+    return Started("vllm", run, extra, child.close, partial(run, "prompts"))
 
 
 def cpu_times() -> tuple[int, int] | None:
