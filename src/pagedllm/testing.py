@@ -25,6 +25,25 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# Family settings of the tiny checkpoints (before the caller's overrides): head sizes
+# transformers has no default for, and experts small enough for tests.
+_FAMILY_VALUES: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},
+    "qwen3": {"head_dim": 32},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
 }
 
 
@@ -95,10 +114,7 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
         "pad_token_id": 256,
         "architectures": [ARCHITECTURES[arch]],
     }
-    if arch == "mistral":
-        values["sliding_window"] = None
-    if arch == "qwen3":
-        values["head_dim"] = 32
+    values.update(_FAMILY_VALUES.get(arch, {}))
     values.update(overrides)
     return AutoConfig.for_model(arch, **values)
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from pagedllm.core.outputs import ScheduledSequence, SchedulerOutput
+from pagedllm.model import load_model
 from pagedllm.testing import make_tiny_checkpoint
+from pagedllm.worker.model_runner import TorchModelRunner
 
 PROMPTS = [
     [5, 17, 42],
@@ -68,7 +70,33 @@ VARIANTS = {
     "mistral": ("mistral", {}),
     "qwen2_bias": ("qwen2", {}),
     "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": True}),
+    "mistral_window": ("mistral", {"sliding_window": 4}),
+    "qwen2_window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
+    "gemma2": (
+        "gemma2",
+        {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    "mixtral": ("mixtral", {"sliding_window": None}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
 }
+# Variants whose tiny checkpoints have sliding-window layers (window 4 or 5).
+WINDOWED = ("mistral_window", "qwen2_window", "gemma2", "gemma3")
 
 
 class HFReference:
@@ -152,3 +180,32 @@ class HandDriver:
 
     def append(self, request_id: str, token_id: int) -> None:
         self.seqs[request_id].token_ids.append(token_id)
+
+
+TOLERANCE = 1e-4
+NUM_DECODE = 5
+
+
+def make_runner(path, block_size: int, num_blocks: int = 256, **kwargs) -> TorchModelRunner:
+    loaded = load_model(path, dtype="float32", load_tokenizer=False)
+    return TorchModelRunner(loaded.model, block_size=block_size, num_blocks=num_blocks, **kwargs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    error = relative_error(actual, expected)
+    assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE}"
+
+
+def greedy_batch(runner: TorchModelRunner, hf: HFReference, prompts, num_decode: int) -> None:
+    """Prefill all prompts in one step, then decode them together; check every step."""
+    driver = HandDriver(runner)
+    seqs = [driver.add(f"r{i}", p) for i, p in enumerate(prompts)]
+    rows = driver.step([driver.schedule(s, len(s.token_ids)) for s in seqs])
+    for _ in range(num_decode):
+        for seq in seqs:
+            expected = hf.logits(seq.token_ids)[-1]
+            assert_close(rows[seq.request_id], expected, f"{seq.request_id} at {seq.num_computed}")
+            token = int(rows[seq.request_id].argmax())
+            assert token == int(expected.argmax())
+            driver.append(seq.request_id, token)
+        rows = driver.step([driver.schedule(s, 1) for s in seqs])

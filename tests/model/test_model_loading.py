@@ -27,15 +27,13 @@ def config_dict(arch: str = "llama", **overrides) -> dict:
             {"architectures": ["GPT2LMHeadModel"]},
             "unsupported architecture 'GPT2LMHeadModel'",
         ),
-        ("mistral", {"sliding_window": 128}, "sliding_window=128"),
-        (
-            "qwen2",
-            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
-            "sliding",
-        ),
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
-        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ("llama", {"rope_scaling": {"rope_type": "linear"}}, "needs rope_scaling.factor"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("llama", {"layer_types": ["full_attention", "chunked"]}, "unsupported layer_types"),
+        ("llama", {"layer_types": ["full_attention"]}, "1 entries for 2 layers"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional"),
+        ("gemma2", {"hidden_activation": "relu"}, "activation 'relu'"),
         ("llama", {"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ],
 )
@@ -55,17 +53,60 @@ def test_quantization_config_is_refused() -> None:
         parse_config(raw)
 
 
-def test_mistral_default_window_is_refused_when_key_missing() -> None:
+def test_mistral_default_window_applies_when_key_missing() -> None:
     raw = config_dict("mistral")
     del raw["sliding_window"]  # transformers' default is 4096 < max positions
     raw["max_position_embeddings"] = 32768
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        parse_config(raw)
+    config = parse_config(raw)
+    assert config.sliding_windows == (4096, 4096)
 
 
-def test_mistral_window_as_wide_as_context_is_accepted() -> None:
+def test_mistral_window_as_wide_as_context_is_full_attention() -> None:
     raw = config_dict("mistral", sliding_window=1024, max_position_embeddings=1024)
-    assert parse_config(raw).architecture == "MistralForCausalLM"
+    config = parse_config(raw)
+    assert config.sliding_windows == (None, None) and config.sliding_window is None
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "windows"),
+    [
+        ("mistral", {"sliding_window": 128}, (128, 128)),
+        # Qwen2 slides the layers from max_window_layers on, only with use_sliding_window.
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            (None, 64),
+        ),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, (None, None)),
+        # Gemma 3's default pattern: five local layers, then a global one.
+        ("gemma3_text", {"num_hidden_layers": 7, "layer_types": None}, (4,) * 5 + (None, 4)),
+        ("gemma2", {}, (4, None)),
+    ],
+)
+def test_layer_windows_from_the_config(arch, overrides, windows) -> None:
+    raw = config_dict(arch, **overrides)
+    assert parse_config(raw).sliding_windows == windows
+
+
+def test_gemma_specifics() -> None:
+    gemma2 = parse_config(config_dict("gemma2"))
+    assert gemma2.norm_offset and gemma2.embed_scale and gemma2.sandwich_norm
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.attn_scale == 16**-0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
+    raw = config_dict("gemma3_text")
+    raw["rope_parameters"]["full_attention"]["rope_theta"] = 1e6
+    gemma3 = parse_config(raw)
+    assert gemma3.qk_norm and gemma3.attn_softcap is None
+    assert gemma3.rope.theta == 1e6 and gemma3.local_rope.theta == 10_000.0
+
+
+def test_moe_specifics() -> None:
+    mixtral = parse_config(config_dict("mixtral")).moe
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.norm_topk_prob) == (4, 2, True)
+    raw = config_dict("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    qwen = parse_config(raw).moe
+    assert qwen.sparse_layers == (False, True, False, False)
+    assert (qwen.num_experts, qwen.intermediate_size, qwen.norm_topk_prob) == (8, 32, False)
 
 
 def test_rope_scaling_old_and_new_spellings_agree() -> None:

@@ -4,39 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_helpers import PROMPTS, VARIANTS, HandDriver, HFReference, relative_error
+from parity_helpers import (
+    NUM_DECODE,
+    PROMPTS,
+    VARIANTS,
+    HandDriver,
+    HFReference,
+    assert_close,
+    greedy_batch,
+    make_runner,
+    relative_error,
+)
 
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.model import load_model
 from pagedllm.worker.model_runner import TorchModelRunner
-
-TOLERANCE = 1e-4
-NUM_DECODE = 5
-
-
-def make_runner(path, block_size: int, num_blocks: int = 256, **kwargs) -> TorchModelRunner:
-    loaded = load_model(path, dtype="float32", load_tokenizer=False)
-    return TorchModelRunner(loaded.model, block_size=block_size, num_blocks=num_blocks, **kwargs)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    error = relative_error(actual, expected)
-    assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE}"
-
-
-def greedy_batch(runner: TorchModelRunner, hf: HFReference, prompts, num_decode: int) -> None:
-    """Prefill all prompts in one step, then decode them together; check every step."""
-    driver = HandDriver(runner)
-    seqs = [driver.add(f"r{i}", p) for i, p in enumerate(prompts)]
-    rows = driver.step([driver.schedule(s, len(s.token_ids)) for s in seqs])
-    for _ in range(num_decode):
-        for seq in seqs:
-            expected = hf.logits(seq.token_ids)[-1]
-            assert_close(rows[seq.request_id], expected, f"{seq.request_id} at {seq.num_computed}")
-            token = int(rows[seq.request_id].argmax())
-            assert token == int(expected.argmax())
-            driver.append(seq.request_id, token)
-        rows = driver.step([driver.schedule(s, 1) for s in seqs])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -9,7 +9,11 @@ A step's batch is flattened: sequence i owns query rows
                                       ^ seq_len - query_len
 
 Query row j of sequence i sits at position ``seq_lens[i] - query_lens[i] + j`` and
-attends causally to positions ``0 .. that position``.
+attends causally to positions ``0 .. that position`` — or, in a layer whose
+``AttentionKind`` has a ``sliding_window`` W, to the last W of them (its own included:
+key position k is seen from query position p when ``p - W < k <= p``, as transformers'
+sliding-window mask has it). Block-table entries wholly before every query's window are
+never read, so a manager may have freed them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,29 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKind:
+    """What a layer's attention does beyond causal softmax(q k^T * scale) v:
+    ``sliding_window`` (see the module docstring) and ``softcap`` (Gemma 2: scores pass
+    through ``softcap * tanh(scores / softcap)`` before the mask and softmax)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"softcap must be positive, got {self.softcap}")
+
+    @property
+    def is_full(self) -> bool:
+        return self.sliding_window is None and self.softcap is None
+
+
+FULL_ATTENTION = AttentionKind()
 
 
 @dataclass(slots=True)
@@ -44,7 +71,8 @@ class AttentionBackend(Protocol):
     Shapes: ``query`` [num_tokens, num_heads, head_dim]; ``key``/``value``
     [num_tokens, num_kv_heads, head_dim]; ``k_cache``/``v_cache``
     [num_blocks, block_size, num_kv_heads, head_dim]. Returns
-    [num_tokens, num_heads, head_dim] in the dtype of ``query``.
+    [num_tokens, num_heads, head_dim] in the dtype of ``query``. ``kind``: the layer's
+    window and soft-capping (every backend honours both).
     """
 
     name: str
@@ -58,6 +86,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> torch.Tensor: ...
 
     def kernel_step(

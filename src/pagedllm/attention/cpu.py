@@ -22,8 +22,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.base import AttentionMetadata, KernelStep, write_kv
-from pagedllm.attention.reference import causal_mask, gather_context
+from pagedllm.attention.base import (
+    FULL_ATTENTION,
+    AttentionKind,
+    AttentionMetadata,
+    KernelStep,
+    write_kv,
+)
+from pagedllm.attention.reference import causal_mask, gather_context, paged_attention
 from pagedllm.kernels.build import load_library
 
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
@@ -106,8 +112,13 @@ class CpuAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> torch.Tensor:
         self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if not kind.is_full:
+            # Windows and soft-capping: the reference computation over the visible blocks
+            # only (the kernel does not take them yet).
+            return paged_attention(query, k_cache, v_cache, meta, scale, kind)
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         out = q.new_empty(q.shape)

@@ -1,8 +1,13 @@
 """Parse and validate a Hugging Face ``config.json`` into a frozen ``ModelConfig``.
 
-Only what the decoder in ``model/llama.py`` runs exactly is accepted. Anything else
-(another architecture, a sliding window, an unknown rope type, a non-SiLU activation,
-a quantised checkpoint) is refused here with a message naming it, never run wrong.
+Only what the decoders in ``model/`` run exactly is accepted. Anything else (another
+architecture, an unknown rope type or activation, a quantised checkpoint) is refused here
+with a message naming it, never run wrong.
+
+The Llama family (Llama, Mistral, Qwen2, Qwen3) is read from the dict directly. The
+families added later (Gemma 2/3, Mixtral, Qwen3-MoE) go through transformers' own config
+class first, so that defaults a ``config.json`` leaves out (Gemma 3's layer pattern and
+local rope base, Qwen3-MoE's sparse step) are the ones transformers runs with.
 """
 
 from __future__ import annotations
@@ -17,8 +22,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Families whose config goes through transformers' config class (see the module docstring).
+NORMALISED_FAMILIES = ("gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 # transformers' per-family defaults for keys a config.json may leave out.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -31,7 +45,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding parameters (``rope_type`` is "default" or "llama3")."""
+    """Rotary embedding parameters (``rope_type`` is "default", "llama3" or "linear":
+    positions divided by ``factor``)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -42,12 +57,33 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: the router's scoring and top-k, the experts' size, and
+    which layers are sparse (``sparse_layers[i]``; the others keep a dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    scoring: str = "softmax"  # softmax over all experts, then top-k
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the Llama-family decoder needs, with Hugging Face's field names.
 
     ``qkv_bias``: q/k/v projections have a bias (Qwen2, or ``attention_bias``);
     ``o_bias``: the output projection has one (``attention_bias`` only);
-    ``qk_norm``: per-head RMSNorm on q and k before rotary (Qwen3).
+    ``qk_norm``: per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3).
+    ``layer_types``: per layer "full_attention" or "sliding_attention" (a window of the last
+    ``sliding_window`` positions, the query's own included); empty = all full.
+    Gemma: ``norm_offset`` (norms scale by 1 + weight), ``embed_scale`` (embeddings times
+    sqrt(hidden_size)), ``sandwich_norm`` (norms after attention and around the MLP too),
+    ``attn_scale`` (query_pre_attn_scalar ** -0.5), ``attn_softcap`` / ``final_softcap``
+    (tanh soft-capping of scores / logits), ``local_rope`` (sliding layers' rope).
     """
 
     architecture: str
@@ -70,6 +106,33 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    norm_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norm: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope: RopeConfig | None = None
+    moe: MoeConfig | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """``layer_window`` of every layer."""
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def uses_llama_decoder(self) -> bool:
+        """The plain Llama-family decoder (``model/llama.py``) runs this model."""
+        return self.model_type in ("llama", "mistral", "qwen2", "qwen3")
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +171,8 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Validate a ``config.json`` dict into a ``ModelConfig``."""
     architecture = _architecture(raw)
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family in NORMALISED_FAMILIES:
+        return _parse_normalised(raw, architecture, family)
     values = {**_FAMILY_DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None}}
     if raw.get("sliding_window", "absent") is None:
         values.pop("sliding_window", None)
@@ -149,7 +214,161 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=values.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=values.get("torch_dtype") or values.get("dtype"),
+        **_window_fields(values, family),
     )
+
+
+def _window_fields(values: dict[str, Any], family: str) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window`` of a Llama-family config: Mistral slides every
+    layer; Qwen2/3 with ``use_sliding_window`` slide layers from ``max_window_layers`` on
+    (transformers' rule); an explicit ``layer_types`` wins."""
+    num_layers = int(values["num_hidden_layers"])
+    window = values.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not values.get("use_sliding_window", False):
+        window = None
+    types = values.get("layer_types")
+    if not types:
+        first = int(values.get("max_window_layers", 0)) if family in ("qwen2", "qwen3") else 0
+        types = [
+            SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+            for i in range(num_layers)
+        ]
+    types = _checked_layer_types(types, num_layers)
+    if window is None and SLIDING_ATTENTION in types:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is unset")
+    if window is not None and int(window) >= int(values["max_position_embeddings"]):
+        window = None  # as wide as the context: full attention
+        types = (FULL_ATTENTION,) * num_layers
+    if window is None or SLIDING_ATTENTION not in types:
+        return {}
+    return {"layer_types": types, "sliding_window": _positive_int({"w": window}, "w")}
+
+
+def _checked_layer_types(types: Any, num_layers: int) -> tuple[str, ...]:
+    types = tuple(types)
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}: only full and sliding attention")
+    return types
+
+
+def _parse_normalised(raw: dict[str, Any], architecture: str, family: str) -> ModelConfig:
+    """Gemma 2/3, Mixtral and Qwen3-MoE, their defaults filled by transformers."""
+    values = _transformers_values(raw, family)
+    if values.get("quantization_config"):
+        method = values["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"unsupported quantization_config (quant_method={method!r})")
+    act = values.get("hidden_activation") or values.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"unsupported activation {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    if values.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention (an encoder, not a decoder)")
+    gemma = family.startswith("gemma")
+    num_heads = _positive_int(values, "num_attention_heads")
+    num_kv_heads = _positive_int(values, "num_key_value_heads")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    hidden_size = _positive_int(values, "hidden_size")
+    max_positions = _positive_int(values, "max_position_embeddings")
+    rope, local_rope = _layer_type_ropes(values, max_positions)
+    eos = values.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    attention_bias = bool(values.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        model_type=family,
+        vocab_size=_positive_int(values, "vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=_positive_int(values, "intermediate_size"),
+        num_hidden_layers=_positive_int(values, "num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=int(values.get("head_dim") or hidden_size // num_heads),
+        max_position_embeddings=max_positions,
+        rms_norm_eps=float(values["rms_norm_eps"]),
+        rope=rope,
+        tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=family in ("gemma3_text", "qwen3_moe"),
+        bos_token_id=values.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        hidden_act=act,
+        norm_offset=gemma,
+        embed_scale=gemma,
+        sandwich_norm=gemma,
+        attn_scale=float(values["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+        attn_softcap=_optional_float(values.get("attn_logit_softcapping")),
+        final_softcap=_optional_float(values.get("final_logit_softcapping")),
+        local_rope=local_rope,
+        moe=_moe(values, family),
+        **_window_fields(values, family),
+    )
+
+
+def _transformers_values(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """``raw`` through transformers' config class of ``family``: every default filled."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    try:
+        return AutoConfig.for_model(family, **fields).to_dict()
+    except (TypeError, ValueError, KeyError) as error:
+        raise ValueError(f"invalid {family} config: {error}") from error
+
+
+def _layer_type_ropes(
+    values: dict[str, Any], max_positions: int
+) -> tuple[RopeConfig, RopeConfig | None]:
+    """(full layers' rope, sliding layers' rope or None) from ``rope_parameters``, which is
+    keyed by layer type where the two differ (Gemma 3)."""
+    params = values.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        full = _rope({"rope_parameters": params[FULL_ATTENTION]}, max_positions)
+        local = params.get(SLIDING_ATTENTION)
+        return full, None if local is None else _rope({"rope_parameters": local}, max_positions)
+    return _rope(values, max_positions), None
+
+
+def _moe(values: dict[str, Any], family: str) -> MoeConfig | None:
+    if family == "mixtral":
+        num_layers = int(values["num_hidden_layers"])
+        return MoeConfig(
+            num_experts=_positive_int(values, "num_local_experts"),
+            top_k=_positive_int(values, "num_experts_per_tok"),
+            intermediate_size=_positive_int(values, "intermediate_size"),
+            norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers,
+        )
+    if family == "qwen3_moe":
+        num_layers = int(values["num_hidden_layers"])
+        step = int(values.get("decoder_sparse_step") or 1)
+        dense = set(values.get("mlp_only_layers") or ())
+        # transformers 5 writes num_local_experts; older files num_experts.
+        num_experts = int(values.get("num_local_experts") or values.get("num_experts") or 0)
+        sparse = tuple(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=_positive_int(values, "num_experts_per_tok"),
+            intermediate_size=_positive_int(values, "moe_intermediate_size"),
+            norm_topk_prob=bool(values.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+        )
+    return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -176,30 +395,6 @@ def _refuse_unsupported(values: dict[str, Any], family: str) -> None:
         raise ValueError(f"unsupported pretraining_tp={values['pretraining_tp']}; only 1")
     if float(values.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("unsupported partial_rotary_factor; only 1.0 (full rotary)")
-    _refuse_sliding_window(values, family)
-
-
-def _refuse_sliding_window(values: dict[str, Any], family: str) -> None:
-    """A window narrower than the context changes attention: refuse it by name."""
-    layer_types = values.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"unsupported layer_types {sorted(set(layer_types))}: only full attention is supported"
-        )
-    window = values.get("sliding_window")
-    if window is None:
-        return
-    if family in ("qwen2", "qwen3"):
-        uses_window = bool(values.get("use_sliding_window", False)) and int(
-            values.get("max_window_layers", 28)
-        ) < int(values["num_hidden_layers"])
-    else:
-        uses_window = True
-    if uses_window and int(window) < int(values["max_position_embeddings"]):
-        raise ValueError(
-            f"unsupported sliding_window={window} (smaller than max_position_embeddings="
-            f"{values['max_position_embeddings']}); only full attention is supported"
-        )
 
 
 def _rope(values: dict[str, Any], max_positions: int) -> RopeConfig:
@@ -219,6 +414,10 @@ def _rope(values: dict[str, Any], max_positions: int) -> RopeConfig:
         raise ValueError("unsupported partial_rotary_factor; only 1.0 (full rotary)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        if "factor" not in params:
+            raise ValueError("rope type 'linear' needs rope_scaling.factor")
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key not in params:
             raise ValueError(f"rope type 'llama3' needs rope_scaling.{key}")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import (
     LinearTensors,
     linear,
@@ -74,12 +74,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] for the "default" and "llama3" rope types."""
+    """Inverse frequencies [head_dim // 2] for the "default", "linear" and "llama3" rope
+    types."""
     # Explicit CPU device: the model may be built under a meta-device context.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     old_len = rope.original_max_position_embeddings
     low_freq_wavelen = old_len / rope.low_freq_factor
     high_freq_wavelen = old_len / rope.high_freq_factor
@@ -140,8 +143,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, kind: AttentionKind | None = None
+    ) -> None:
         super().__init__()
+        self.kind = kind or AttentionKind()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -177,7 +183,7 @@ class Attention(nn.Module):
         q, k, v = split_heads(self.qkv_proj(hidden), self.heads)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kind)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -214,10 +220,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        kind = AttentionKind(sliding_window=config.layer_window(layer))
+        self.self_attn = Attention(config, backend, kind)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -242,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
@@ -298,7 +305,10 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight
             self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
         self.head_ops = ops
-        self.fast_path = CpuFastPath.build(self, ops)
+        # The fast path's fused layers attend without a window: sliding-window models
+        # keep the per-module loop (on the packed weights).
+        if not any(w is not None for w in self.config.sliding_windows):
+            self.fast_path = CpuFastPath.build(self, ops)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``

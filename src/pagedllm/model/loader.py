@@ -1,4 +1,4 @@
-"""Load a Llama-family model: a local Hugging Face directory, a ``.gguf`` file, or "default".
+"""Load a model (the families of ``model/config.py``): a local Hugging Face directory, a ``.gguf`` file, or "default".
 
 ::
 
@@ -33,7 +33,7 @@ DEFAULT_MODEL_NAME = "default"
 class LoadedModel:
     """A ready model, its validated config, its tokenizer and a display name."""
 
-    model: LlamaForCausalLM
+    model: torch.nn.Module  # LlamaForCausalLM or DecoderForCausalLM
     config: ModelConfig
     tokenizer: Any
     name: str
@@ -120,17 +120,27 @@ def build_model(
     dtype: torch.dtype,
     backend: AttentionBackend | None = None,
     device: torch.device | str = "cpu",
-) -> LlamaForCausalLM:
+) -> torch.nn.Module:
     """Allocate the model without initialising it, then load the weights in."""
     if backend is None:
         from pagedllm.attention.select import get_backend
 
         backend = get_backend("auto")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = model_class(config)(config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     return model.eval().requires_grad_(False)
+
+
+def model_class(config: ModelConfig) -> type[torch.nn.Module]:
+    """The decoder that runs ``config``: the Llama family's (with the CPU fast paths) or
+    the general one (Gemma, mixtures of experts)."""
+    if config.uses_llama_decoder:
+        return LlamaForCausalLM
+    from pagedllm.model.decoder import DecoderForCausalLM
+
+    return DecoderForCausalLM
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

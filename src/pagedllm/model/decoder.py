@@ -1,0 +1,311 @@
+"""The decoder of the families beyond plain Llama: Gemma 2 / Gemma 3 (text) and the
+mixtures of experts (Mixtral, Qwen3-MoE), over the same paged KV cache.
+
+What differs from ``model/llama.py``, all read from the ``ModelConfig``:
+
+- per-layer attention kinds: sliding-window layers (Gemma's local layers) with their own
+  rope base, Gemma 2's score soft-capping, Gemma's ``query_pre_attn_scalar`` scale;
+- Gemma's norms (scale by 1 + weight, computed in float32), the "sandwich" norms after
+  attention and around the MLP, embeddings times sqrt(hidden_size), GELU (tanh) gating,
+  soft-capped logits;
+- sparse MLPs: a router picks ``top_k`` experts per token (softmax, renormalised where
+  the model says so); the experts run grouped by expert — the step's (token, expert)
+  pairs sorted by expert, one matmul pair per expert over its rows — never a loop per token.
+
+Linears use ``llama.Linear`` (packed for the CPU by ``optimize_for_cpu``); attention goes
+through the backend like every model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
+from pagedllm.kernels.linear import linear, pack_for_cpu
+from pagedllm.model.config import ModelConfig, MoeConfig
+from pagedllm.model.llama import (
+    Heads,
+    KVCaches,
+    Linear,
+    RMSNorm,
+    rope_inv_freq,
+    rotary,
+    rotate_half,
+    split_heads,
+)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: float32 throughout, scaled by (1 + weight), then cast back."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> nn.Module:
+    if config.norm_offset:
+        return OffsetRMSNorm(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gate's activation by its transformers name (validated by the config)."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
+class DecoderAttention(nn.Module):
+    """Fused q/k/v, optional q/k norms, rotary, the backend, the output projection."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = config.attn_scale or self.head_dim**-0.5
+        self.kind = AttentionKind(config.layer_window(layer), config.attn_softcap)
+        self.backend = backend
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        heads = Heads((self.num_heads, self.num_kv_heads, self.num_kv_heads), self.head_dim, norms)
+        q, k, v = split_heads(self.qkv_proj(hidden), heads)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kind)
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one linear."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.act = activation(config.hidden_act)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def route_softmax(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [T, top_k]: softmax over all experts in float32, the top_k
+    kept, renormalised to sum 1 where ``norm_topk_prob`` (Mixtral always, Qwen3-MoE by
+    config), times ``routed_scaling_factor``."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * moe.routed_scaling_factor, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]), computed by expert: the
+    (token, slot) pairs sorted by expert id, each expert's rows one contiguous slice
+    through its gate_up [E, 2I, H] and down [E, H, I] weights, the results scattered back
+    and summed per token."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tokens = order // top_k
+    rows = x.index_select(0, tokens)
+    out = torch.empty_like(rows)
+    inter = down.shape[2]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        part = rows[start : start + count]
+        gate, up = F.linear(part, gate_up[expert]).split(inter, dim=-1)
+        out[start : start + count] = F.linear(act(gate) * up, down[expert])
+        start += count
+    out *= weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoe(nn.Module):
+    """Router + experts (weights stacked per expert: ``experts_gate_up`` [E, 2I, H],
+    ``experts_down`` [E, H, I]) + shared experts where the model has them."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.act = activation(config.hidden_act)
+        hidden, inter, num = config.hidden_size, moe.intermediate_size, moe.num_experts
+        self.gate = nn.Linear(hidden, num, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(num, 2 * inter, hidden))
+        self.experts_down = nn.Parameter(torch.empty(num, hidden, inter))
+        self.shared_experts = (
+            GatedMLP(config, inter * moe.num_shared_experts) if moe.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax(F.linear(x, self.gate.weight), self.moe)
+        out = grouped_experts(x, weights, ids, self.experts_gate_up, self.experts_down, self.act)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class GeneralDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        size = config.hidden_size
+        self.input_layernorm = make_norm(config, size)
+        self.self_attn = DecoderAttention(config, backend, layer)
+        moe = config.moe
+        sparse = moe is not None and moe.sparse_layers[layer]
+        self.mlp: nn.Module = (
+            SparseMoe(config, moe) if sparse else GatedMLP(config, config.intermediate_size)
+        )
+        self.post_attention_layernorm = make_norm(config, size)
+        # Gemma's sandwich: the attention output is normed before the residual add (by
+        # post_attention_layernorm), and the MLP sits between its own pre/post norms.
+        self.pre_feedforward_layernorm = make_norm(config, size) if config.sandwich_norm else None
+        self.post_feedforward_layernorm = make_norm(config, size) if config.sandwich_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        if self.pre_feedforward_layernorm is None:
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Decoder + LM head for the families above, with ``LlamaForCausalLM``'s interface:
+    ``forward`` -> final hidden states, ``compute_logits`` -> logits."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GeneralDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = make_norm(config, config.hidden_size)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # Plain attributes (float32 frequencies, untouched by .to(dtype)): the full layers'
+        # rope and the sliding layers' where it differs (Gemma 3's local base).
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        local = config.local_rope
+        self.local_inv_freq = None if local is None else rope_inv_freq(local, config.head_dim)
+        self.ops = None
+        self.packed_head: torch.Tensor | None = None
+        self.small_head: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T or S, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            # Rounded to the model's dtype first, as transformers does.
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        full = self._rotary(self.inv_freq, positions, hidden.dtype)
+        local = full
+        if self.local_inv_freq is not None:
+            local = self._rotary(self.local_inv_freq, positions, hidden.dtype)
+        windows = self.config.sliding_windows
+        for layer, kv_cache, window in zip(self.layers, kv_caches, windows, strict=True):
+            cos, sin = full if window is None else local
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        hidden = self.norm(hidden)
+        return hidden if output_rows is None else hidden[output_rows]
+
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """hidden [S, hidden_size] -> logits [S, vocab_size] (float32 unless ``float32`` is
+        False), soft-capped where the model says so."""
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.embed_tokens.weight
+            logits = linear(hidden, weight, None, self.packed_head, self.small_head, self.ops)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float() if float32 else logits
+
+    def optimize_for_cpu(self) -> None:
+        """Pack the linears (and a tied head) for the CPU kernels; a no-op elsewhere."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            return
+        from pagedllm.kernels.ops import layer_ops
+
+        ops = layer_ops()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(ops)
+        if self.lm_head is None:
+            self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
+            self.ops = ops if self.small_head is not None else None
+
+    def _rotary(
+        self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rotary(positions, inv_freq.to(positions.device), dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (q/k/v, gate/up and the experts fused).
+        ``ValueError`` for an unknown name, a shape mismatch or a missing weight."""
+        from pagedllm.model.weights import load_into
+
+        load_into(self, weights)
