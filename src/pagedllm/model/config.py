@@ -177,42 +177,18 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("sliding_window", "absent") is None:
         values.pop("sliding_window", None)
     _refuse_unsupported(values, family)
-    hidden_size = _positive_int(values, "hidden_size")
-    num_heads = _positive_int(values, "num_attention_heads")
-    num_kv_heads = _positive_int(
-        {"num_key_value_heads": num_heads, **values}, "num_key_value_heads"
+    common = _common_fields(
+        {"num_key_value_heads": values.get("num_attention_heads"), **values}, architecture, family
     )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_attention_heads ({num_heads}) must be a multiple of "
-            f"num_key_value_heads ({num_kv_heads})"
-        )
-    head_dim = values.get("head_dim") or hidden_size // num_heads
     # Which projections carry biases is fixed per family in transformers' own code.
     attention_bias = family in ("llama", "qwen3") and bool(values.get("attention_bias", False))
-    eos = values.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    max_positions = _positive_int(values, "max_position_embeddings")
     return ModelConfig(
-        architecture=architecture,
-        model_type=family,
-        vocab_size=_positive_int(values, "vocab_size"),
-        hidden_size=hidden_size,
-        intermediate_size=_positive_int(values, "intermediate_size"),
-        num_hidden_layers=_positive_int(values, "num_hidden_layers"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=int(head_dim),
-        max_position_embeddings=max_positions,
-        rms_norm_eps=float(values["rms_norm_eps"]),
-        rope=_rope(values, max_positions),
-        tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
+        **common,
+        rope=_rope(values, common["max_position_embeddings"]),
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=attention_bias,
         mlp_bias=family == "llama" and bool(values.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
-        bos_token_id=values.get("bos_token_id"),
-        eos_token_ids=eos_ids,
         torch_dtype=values.get("torch_dtype") or values.get("dtype"),
         **_window_fields(values, family),
     )
@@ -268,38 +244,15 @@ def _parse_normalised(raw: dict[str, Any], architecture: str, family: str) -> Mo
     if values.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention (an encoder, not a decoder)")
     gemma = family.startswith("gemma")
-    num_heads = _positive_int(values, "num_attention_heads")
-    num_kv_heads = _positive_int(values, "num_key_value_heads")
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_attention_heads ({num_heads}) must be a multiple of "
-            f"num_key_value_heads ({num_kv_heads})"
-        )
-    hidden_size = _positive_int(values, "hidden_size")
-    max_positions = _positive_int(values, "max_position_embeddings")
-    rope, local_rope = _layer_type_ropes(values, max_positions)
-    eos = values.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    common = _common_fields(values, architecture, family)
+    rope, local_rope = _layer_type_ropes(values, common["max_position_embeddings"])
     attention_bias = bool(values.get("attention_bias", False))
     return ModelConfig(
-        architecture=architecture,
-        model_type=family,
-        vocab_size=_positive_int(values, "vocab_size"),
-        hidden_size=hidden_size,
-        intermediate_size=_positive_int(values, "intermediate_size"),
-        num_hidden_layers=_positive_int(values, "num_hidden_layers"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=int(values.get("head_dim") or hidden_size // num_heads),
-        max_position_embeddings=max_positions,
-        rms_norm_eps=float(values["rms_norm_eps"]),
+        **common,
         rope=rope,
-        tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=family in ("gemma3_text", "qwen3_moe"),
-        bos_token_id=values.get("bos_token_id"),
-        eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         hidden_act=act,
         norm_offset=gemma,
@@ -312,6 +265,37 @@ def _parse_normalised(raw: dict[str, Any], architecture: str, family: str) -> Mo
         moe=_moe(values, family),
         **_window_fields(values, family),
     )
+
+
+def _common_fields(values: dict[str, Any], architecture: str, family: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every family reads the same way."""
+    hidden_size = _positive_int(values, "hidden_size")
+    num_heads = _positive_int(values, "num_attention_heads")
+    num_kv_heads = _positive_int(values, "num_key_value_heads")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    eos = values.get("eos_token_id")
+    return {
+        "architecture": architecture,
+        "model_type": family,
+        "vocab_size": _positive_int(values, "vocab_size"),
+        "hidden_size": hidden_size,
+        "intermediate_size": _positive_int(values, "intermediate_size"),
+        "num_hidden_layers": _positive_int(values, "num_hidden_layers"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": int(values.get("head_dim") or hidden_size // num_heads),
+        "max_position_embeddings": _positive_int(values, "max_position_embeddings"),
+        "rms_norm_eps": float(values["rms_norm_eps"]),
+        "tie_word_embeddings": bool(values.get("tie_word_embeddings", False)),
+        "bos_token_id": values.get("bos_token_id"),
+        "eos_token_ids": tuple(eos)
+        if isinstance(eos, list)
+        else (() if eos is None else (int(eos),)),
+    }
 
 
 def _transformers_values(raw: dict[str, Any], family: str) -> dict[str, Any]:

@@ -28,24 +28,19 @@ from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMe
 from pagedllm.kernels.linear import linear, pack_for_cpu
 from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
-    Heads,
+    MLP,
+    Attention,
     KVCaches,
     Linear,
     RMSNorm,
+    activation,
     rope_inv_freq,
     rotary,
-    rotate_half,
-    split_heads,
 )
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: float32 throughout, scaled by (1 + weight), then cast back."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
@@ -57,65 +52,6 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     if config.norm_offset:
         return OffsetRMSNorm(size, config.rms_norm_eps)
     return RMSNorm(size, config.rms_norm_eps)
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gate's activation by its transformers name (validated by the config)."""
-    if name == "gelu_pytorch_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.silu
-
-
-class DecoderAttention(nn.Module):
-    """Fused q/k/v, optional q/k norms, rotary, the backend, the output projection."""
-
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.attn_scale or self.head_dim**-0.5
-        self.kind = AttentionKind(config.layer_window(layer), config.attn_softcap)
-        self.backend = backend
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
-        heads = Heads((self.num_heads, self.num_kv_heads, self.num_kv_heads), self.head_dim, norms)
-        q, k, v = split_heads(self.qkv_proj(hidden), heads)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kind)
-        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one linear."""
-
-    def __init__(self, config: ModelConfig, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.act = activation(config.hidden_act)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 def route_softmax(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +110,7 @@ class SparseMoe(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num, hidden, inter))
         self.shared_experts = (
-            GatedMLP(config, inter * moe.num_shared_experts) if moe.num_shared_experts else None
+            MLP(config, inter * moe.num_shared_experts) if moe.num_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,12 +126,12 @@ class GeneralDecoderLayer(nn.Module):
         super().__init__()
         size = config.hidden_size
         self.input_layernorm = make_norm(config, size)
-        self.self_attn = DecoderAttention(config, backend, layer)
+        kind = AttentionKind(config.layer_window(layer), config.attn_softcap)
+        norm = OffsetRMSNorm if config.norm_offset else RMSNorm
+        self.self_attn = Attention(config, backend, kind, norm)
         moe = config.moe
         sparse = moe is not None and moe.sparse_layers[layer]
-        self.mlp: nn.Module = (
-            SparseMoe(config, moe) if sparse else GatedMLP(config, config.intermediate_size)
-        )
+        self.mlp: nn.Module = SparseMoe(config, moe) if sparse else MLP(config)
         self.post_attention_layernorm = make_norm(config, size)
         # Gemma's sandwich: the attention output is normed before the residual add (by
         # post_attention_layernorm), and the MLP sits between its own pre/post norms.

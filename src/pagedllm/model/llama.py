@@ -14,8 +14,9 @@ this module's results through fused C++ ops; this module's forward stays the gro
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -142,9 +143,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP gate's activation by its transformers name (validated by the config)."""
+    if name == "gelu_pytorch_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
+    return F.silu
+
+
 class Attention(nn.Module):
+    """Fused q/k/v, q/k norms where configured (``norm``: their class), rotary, the
+    backend with the layer's ``kind``, the output projection."""
+
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, kind: AttentionKind | None = None
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        kind: AttentionKind | None = None,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.kind = kind or AttentionKind()
@@ -153,14 +168,14 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attn_scale or self.head_dim**-0.5
         self.backend = backend
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     @property
     def heads(self) -> Heads:
@@ -206,17 +221,20 @@ def split_heads(qkv: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Te
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """down(act(gate(x)) * up(x)), gate and up fused into one linear; ``intermediate_size``
+    defaults to the config's (experts and shared experts pass their own)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        inter = intermediate_size or config.intermediate_size
+        self.intermediate_size = inter
+        self.act = activation(config.hidden_act)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -346,86 +364,9 @@ class LlamaForCausalLM(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up
+        (``model/weights.py``). Raises ``ValueError`` for an unknown tensor name, a shape
+        mismatch, or a parameter left unset."""
+        from pagedllm.model.weights import load_into
 
-        Raises ``ValueError`` for an unknown tensor name, a shape mismatch, or a
-        parameter left unset.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            target = _map_name(hf_name, self.config)
-            if target is None:
-                continue
-            name, part = target
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
-            _copy_into(params[name], tensor, part, hf_name, self.config)
-            loaded.add(f"{name}@{part}")
-        missing = [key for key in self._expected_keys() if key not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}")
-
-    def _expected_keys(self) -> list[str]:
-        keys = []
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                keys += [f"{name}@{part}" for part in ("q", "k", "v")]
-            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-                keys += [f"{name}@{part}" for part in ("gate", "up")]
-            else:
-                keys.append(f"{name}@")
-        return keys
-
-
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-
-
-def _map_name(hf_name: str, config: ModelConfig) -> tuple[str, str] | None:
-    """HF name -> (our parameter name, fused part or ""); None for tensors to skip."""
-    if "rotary_emb" in hf_name:
-        return None
-    name = hf_name.removeprefix("model.")
-    if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None  # some tied checkpoints still store the (identical) head
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, part = _FUSED[parts[-2]]
-        return ".".join([*parts[:-2], fused, parts[-1]]), part
-    return name, ""
-
-
-def _copy_into(
-    param: nn.Parameter, tensor: torch.Tensor, part: str, hf_name: str, config: ModelConfig
-) -> None:
-    target = param.data
-    if part:
-        start, stop = _fused_rows(part, config)
-        target = target[start:stop]
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(
-            f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-        )
-    with torch.no_grad():
-        target.copy_(tensor)
-
-
-def _fused_rows(part: str, config: ModelConfig) -> tuple[int, int]:
-    """Row range of one part (q, k, v, gate, up) inside its fused weight or bias."""
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    inter = config.intermediate_size
-    ranges = {
-        "q": (0, q),
-        "k": (q, q + kv),
-        "v": (q + kv, q + 2 * kv),
-        "gate": (0, inter),
-        "up": (inter, 2 * inter),
-    }
-    return ranges[part]
+        load_into(self, weights)
