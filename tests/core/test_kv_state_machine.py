@@ -2,9 +2,10 @@
 
 It drives allocate / append / fork / copy-on-write / free / swap_out / swap_in /
 evict in random orders, keeps a fake KV store (one token id per slot, on both
-tiers) that applies every copy and move the manager asks for, and after every
-rule checks the manager's invariants and that every request's computed tokens
-can be read back through its block table on its tier.
+tiers, plus a disk of whole blocks by hash) that applies every copy, move, store and
+load the manager asks for, and after every rule checks the manager's invariants and
+that every request's computed tokens can be read back through its block table on its
+tier. Disk files get lost at random: a load of one is a miss the manager is told of.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hypothesis.stateful import (
 from pagedllm.core.accounting import waste
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
+from pagedllm.core.tiers import DiskTier
 
 # A few shared prefixes over a tiny alphabet, so hits, collisions of content
 # across tenants and shared partial blocks all happen often.
@@ -50,6 +52,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.running: dict[str, Request] = {}
         self.swapped: dict[str, Request] = {}
+        self.disk: dict[bytes, dict[int, int]] = {}  # block hash -> slot offset -> token
         self.next_id = 0
 
     @initialize(
@@ -58,15 +61,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_host_blocks=st.integers(0, 32),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
+        num_disk_blocks=st.sampled_from([0, 0, 2, 8, 64]),
     )
-    def setup(self, num_blocks, block_size, num_host_blocks, caching, watermark) -> None:
+    def setup(
+        self, num_blocks, block_size, num_host_blocks, caching, watermark, num_disk_blocks
+    ) -> None:
         self.kv = KVCacheManager(
             num_blocks,
             block_size,
             enable_prefix_caching=caching,
             num_host_blocks=num_host_blocks,
             watermark=watermark,
+            disk=DiskTier(num_disk_blocks) if num_disk_blocks else None,
         )
+        self.disk: dict[bytes, dict[int, int]] = {}  # block hash -> slot offset -> token
         self.bs = block_size
         # The fake KV cache: slot -> token id. Freed blocks keep stale contents,
         # as real memory does, so a wrong reuse shows up as a wrong token.
@@ -99,6 +107,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             for off, token in content.items():
                 dst_tier[dst, off] = token
 
+    def disk_io(self) -> set[int]:
+        """Do the disk I/O the manager planned; the device blocks that failed to load."""
+        ops = self.kv.take_disk_ops()
+        failed = set()
+        for block_id, block_hash, _ in ops.stores:
+            self.disk[block_hash] = {
+                off: self.device[block_id, off]
+                for off in range(self.bs)
+                if (block_id, off) in self.device
+            }
+        for block_id, block_hash, _ in ops.loads:
+            content = self.disk.get(block_hash)
+            if content is None:
+                failed.add(block_id)
+                continue
+            event("disk load")
+            for off in range(self.bs):
+                self.device.pop((block_id, off), None)
+            for off, token in content.items():
+                self.device[block_id, off] = token
+        for block_hash in ops.drops:
+            self.disk.pop(block_hash, None)
+        if failed:
+            event("disk load failed")
+            self.kv.loads_failed(failed)
+        return failed
+
     def compute(self, request: Request, num_new: int, allocation) -> None:
         if allocation.block_copies:
             event("copy-on-write")
@@ -109,6 +144,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.write(request, start, start + num_new)
         request.num_computed_tokens += num_new
         self.kv.cache_full_blocks(request)
+        self.disk_io()
 
     # ---- rules ------------------------------------------------------------------
 
@@ -135,6 +171,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             event("admission refused")
             assert snapshot(self.kv, self.all_ids()) == before
             self.kv.free(request)  # drops the hashes get_computed_blocks kept
+            return
+        if hit.num_disk_blocks:
+            event("disk hit")
+        if self.disk_io():
+            self.kv.free(request)  # as Scheduler.reject_loads does; it will be recomputed
             return
         request.num_computed_tokens = hit.num_tokens
         self.compute(request, num_new, allocation)
@@ -213,7 +254,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         if len(moves) < len(self.kv.block_table(request.request_id)):
             event("swap_in reused a device block")
         self.copy_blocks(moves, self.host, self.device)
+        self.disk_io()
         self.running[request.request_id] = self.swapped.pop(request.request_id)
+
+    @precondition(lambda self: self.disk)
+    @rule(data=st.data())
+    def lose_disk_file(self, data) -> None:
+        """A file goes missing or corrupt behind the manager's back."""
+        del self.disk[data.draw(st.sampled_from(sorted(self.disk)))]
 
     @rule(n=st.integers(1, 4))
     def evict(self, n) -> None:

@@ -46,6 +46,7 @@ def pools_end_all_free(engines: list[LLMEngine]) -> Iterator[None]:
     """After every engine test: no request left, every block (both tiers) free."""
     yield
     for engine in engines:
+        engine.close()  # the disk tier's writer, where there is one
         assert not engine.has_unfinished_requests(), "a test left requests in the engine"
         engine.kv.check_invariants()
         stats = engine.kv.stats()

@@ -175,6 +175,15 @@ class BlockPool:
             self._forget(block_id)
         return evicted
 
+    def discard(self, block_id: int) -> None:
+        """Take a block out of the prefix index whatever its state (its content is not
+        what its hash says: a failed load); a cached-free one becomes free."""
+        if block_id in self._cached_free:
+            del self._cached_free[block_id]
+            self._forget(block_id)
+        else:
+            self._unregister(block_id)
+
     def drop(self, block_ids: Iterable[int]) -> None:
         """Evict these cached-free blocks (a compaction plan's drops); they become free,
         or retired at or above the limit."""

@@ -16,6 +16,16 @@ Swapping moves a preempted request's blocks to the host tier (``tiers.HostSwapTi
 a second pool with no prefix index, which keeps its own books). A physical block
 shared by several swapped requests takes one host block and is moved once; so is a
 host block on the way back.
+
+With a disk tier (``tiers.DiskTier``), every block registered in the prefix index is
+also stored on disk in the background, and a prefix lookup goes on past the last
+block found in RAM through the hashes the disk holds::
+
+    |<- RAM hits (block_ids) ->|<- disk hits (num_disk_blocks) ->|<- computed ... ->|
+
+Admission allocates fresh blocks for the disk hits, indexes them at once and plans
+their loads (``take_disk_ops``); a load the worker cannot do is handed back through
+``loads_failed``, which takes those blocks out of the index.
 """
 
 from __future__ import annotations
@@ -29,15 +39,18 @@ from pagedllm.core.cache_events import CacheEventLog
 from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
 from pagedllm.core.hashing import hash_block_tokens
 from pagedllm.core.request import Request
-from pagedllm.core.tiers import HostSwapTier, SwapPlan
+from pagedllm.core.tiers import NO_DISK_OPS, DiskOps, DiskTier, HostSwapTier, SwapPlan
 
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """The longest cached prefix of a request: full blocks only."""
+    """The longest cached prefix of a request: full blocks only. ``block_ids`` are found
+    in RAM; the next ``num_disk_blocks`` blocks are on disk (loaded at admission);
+    ``num_tokens`` covers both."""
 
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
+    num_disk_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +80,13 @@ class CacheStats:
     host_blocks_total: int
     host_blocks_used: int
     prefix_queries_tokens: int
-    prefix_hits_tokens: int
+    prefix_hits_tokens: int  # from either tier
     # Free blocks held back during a shrink (``core/compaction.py``): never handed out,
     # released when it ends; counted in ``blocks_total``, not in ``blocks_free``.
     blocks_retired: int = 0
+    disk_blocks_total: int = 0  # the disk tier's capacity (0: no disk tier)
+    disk_blocks_used: int = 0
+    prefix_disk_hits_tokens: int = 0  # the share of prefix_hits_tokens loaded from disk
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -86,7 +102,9 @@ _NOTHING_NEW = Allocation()
 
 
 class KVCacheManager:
-    """Block tables, prefix lookup, copy-on-write, fork, free and swap bookkeeping."""
+    """Block tables, prefix lookup, copy-on-write, fork, free; asks the tiers below.
+
+    ``disk``: a ``DiskTier`` (None: no disk tier)."""
 
     def __init__(
         self,
@@ -96,6 +114,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         watermark: float = 0.01,
+        disk: DiskTier | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -116,6 +135,8 @@ class KVCacheManager:
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts
         self.swap = HostSwapTier(num_host_blocks)
+        self.disk = disk if enable_prefix_caching else None
+        self._loads_in_flight: dict[int, bytes] = {}  # device block -> hash, last disk ops
         self._tables: dict[str, list[int]] = {}
         # Tuple views of `_tables`, built on demand and dropped when a table changes: the
         # same object step after step while a table is unchanged (see `block_table_tuple`).
@@ -130,6 +151,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
+        self._prefix_disk_hits_tokens = 0
 
     # ---- prefix lookup and allocation ----------------------------------------------
 
@@ -148,9 +170,16 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        if not block_ids:
+        num_disk = 0
+        disk = self.disk
+        if disk is not None:
+            while (
+                len(block_ids) + num_disk < max_blocks and hashes[len(block_ids) + num_disk] in disk
+            ):
+                num_disk += 1
+        if not block_ids and not num_disk:
             return _NO_HIT
-        return ComputedBlocks(tuple(block_ids), len(block_ids) * bs)
+        return ComputedBlocks(tuple(block_ids), (len(block_ids) + num_disk) * bs, num_disk)
 
     def block_hashes(self, request: Request) -> Sequence[bytes]:
         """Hashes of the request's full blocks (all known tokens), in table order."""
@@ -200,20 +229,25 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         start = request.num_computed_tokens
         hit_ids: tuple[int, ...] = ()
-        if computed_blocks is not None and computed_blocks.block_ids:
+        num_loads = 0
+        if computed_blocks is not None and computed_blocks.num_tokens:
             if table:
                 raise ValueError(f"request {request_id!r} already holds blocks")
-            hit_ids = computed_blocks.block_ids
-            if computed_blocks.num_tokens != len(hit_ids) * bs:
-                raise ValueError("computed_blocks.num_tokens must be len(block_ids) * block_size")
-            self._check_hit(request, hit_ids)
+            hit_ids, num_loads = computed_blocks.block_ids, computed_blocks.num_disk_blocks
+            if computed_blocks.num_tokens != (len(hit_ids) + num_loads) * bs:
+                raise ValueError(
+                    "computed_blocks.num_tokens must be "
+                    "(len(block_ids) + num_disk_blocks) * block_size"
+                )
+            self._check_hit(request, hit_ids, num_loads)
             start += computed_blocks.num_tokens
-        num_held = len(hit_ids) if hit_ids else (len(table) if table else 0)
+        num_hit = len(hit_ids) + num_loads
+        num_held = num_hit if num_hit else (len(table) if table else 0)
         total = start + num_new_tokens
         num_new_blocks = max(0, -(-total // bs) - num_held)
         cow_indices = self._cow_indices(table, start, total) if table and num_new_tokens else ()
 
-        if not hit_ids and not num_new_blocks and not cow_indices:
+        if not num_hit and not num_new_blocks and not cow_indices:
             if table is None:
                 self._count_prefix_query(request, computed_blocks)
                 self._tables[request_id] = []
@@ -224,27 +258,33 @@ class KVCacheManager:
             return _NOTHING_NEW
 
         num_revived = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
-        free_after = self.pool.num_free_blocks - num_revived - num_new_blocks - len(cow_indices)
+        free_after = (
+            self.pool.num_free_blocks - num_revived - num_loads - num_new_blocks - len(cow_indices)
+        )
         if free_after < 0 or (admission and free_after < self._watermark_blocks):
             return None
 
         if table is None:
             self._count_prefix_query(request, computed_blocks)
-        if hit_ids:
+        if num_hit:
             self.pool.incref(hit_ids)  # before allocating, so they cannot be evicted
             table = list(hit_ids)
-            self._num_registered[request_id] = len(hit_ids)
+            self._num_registered[request_id] = num_hit
         elif table is None:
             table = []
-        new_ids = self._allocate_device(len(cow_indices) + num_new_blocks)
+        new_ids = self._allocate_device(num_loads + len(cow_indices) + num_new_blocks)
+        if num_loads:
+            self._plan_loads(request, len(table), new_ids[:num_loads])
+            table.extend(new_ids[:num_loads])
+        rest = new_ids[num_loads:]
         copies = []
-        for idx, dst in zip(cow_indices, new_ids, strict=False):
+        for idx, dst in zip(cow_indices, rest, strict=False):
             src = table[idx]
             table[idx] = dst
             self.pool.decref((src,))
             if idx * bs < start:  # the block holds computed tokens that must survive
                 copies.append((src, dst))
-        table.extend(new_ids[len(cow_indices) :])
+        table.extend(rest[len(cow_indices) :])
         self._tables[request_id] = table
         self._table_changed(request_id)
         self._adopt_pending_hashes(request)
@@ -269,14 +309,18 @@ class KVCacheManager:
         hashes = self._ensure_hashes(request)
         tokens = request.all_token_ids
         extra_keys = request.extra_keys
+        disk = self.disk
         for i in range(done, num_full):
-            self.pool.register(
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            registered = self.pool.register(
                 table[i],
                 hashes[i],
-                tokens[i * bs : (i + 1) * bs],
+                block_tokens,
                 parent_hash=hashes[i - 1] if i else None,
                 extra_keys=extra_keys,
             )
+            if registered and disk is not None:
+                disk.block_registered(table[i], hashes[i], block_tokens)
         self._num_registered[request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -322,6 +366,29 @@ class KVCacheManager:
         """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix
         index, least recently used first; returns how many were evicted."""
         return len(self.pool.evict(num_blocks))
+
+    # ---- the disk tier ------------------------------------------------------------
+
+    def take_disk_ops(self) -> DiskOps:
+        """The disk I/O planned since the last call, for this step's worker."""
+        if self.disk is None:
+            return NO_DISK_OPS
+        ops = self.disk.take_ops()
+        self._loads_in_flight = {block_id: block_hash for block_id, block_hash, _ in ops.loads}
+        return ops
+
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """The worker could not load these blocks of the last disk ops (file missing,
+        truncated or corrupt): they leave the prefix index and the disk tier. Their
+        holders must be freed and recomputed (``Scheduler.reject_loads``)."""
+        for block_id in block_ids:
+            block_hash = self._loads_in_flight.get(block_id)
+            if block_hash is None:
+                raise ValueError(f"block {block_id} was not loaded from disk in the last step")
+            if self.pool.block_hash(block_id) == block_hash:
+                self.pool.discard(block_id)
+            if self.disk is not None:
+                self.disk.discard(block_hash)
 
     # ---- swapping -----------------------------------------------------------------
 
@@ -496,6 +563,9 @@ class KVCacheManager:
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
             blocks_retired=retired,
+            disk_blocks_total=self.disk.capacity if self.disk is not None else 0,
+            disk_blocks_used=len(self.disk) if self.disk is not None else 0,
+            prefix_disk_hits_tokens=self._prefix_disk_hits_tokens,
         )
 
     def live_block_tables(self) -> dict[str, list[int]]:
@@ -520,6 +590,8 @@ class KVCacheManager:
         bs = self.block_size
         self.pool.check_invariants(bs, verify_hashes=True)
         self.swap.check_invariants(self.num_slots, bs)
+        if self.disk is not None:
+            self.disk.check_invariants()
         assert not any(self.swap.holds(rid) for rid in self._tables), "request on both tiers"
         held: Counter[int] = Counter()
         for request_id, table in self._tables.items():
@@ -584,6 +656,7 @@ class KVCacheManager:
         if computed is not None and self.enable_prefix_caching:
             self._prefix_queries_tokens += request.num_tokens
             self._prefix_hits_tokens += computed.num_tokens
+            self._prefix_disk_hits_tokens += computed.num_disk_blocks * self.block_size
 
     def _adopt_pending_hashes(self, request: Request) -> None:
         pending = self._pending_hashes
@@ -591,15 +664,37 @@ class KVCacheManager:
             self._block_hashes[request.request_id] = pending[1]
             self._pending_hashes = None
 
-    def _check_hit(self, request: Request, hit_ids: tuple[int, ...]) -> None:
+    def _check_hit(self, request: Request, hit_ids: tuple[int, ...], num_loads: int) -> None:
         hashes = self._ensure_hashes(request)
-        if len(hit_ids) > len(hashes):
+        if len(hit_ids) + num_loads > len(hashes):
             raise ValueError("computed_blocks cover more than the request's full blocks")
-        for i, block_id in enumerate(hit_ids):
-            if self.pool.block_hash(block_id) != hashes[i]:
-                raise ValueError(
-                    "stale computed_blocks: call get_computed_blocks right before allocate_slots"
-                )
+        stale = any(self.pool.block_hash(b) != hashes[i] for i, b in enumerate(hit_ids))
+        if num_loads:
+            disk = self.disk
+            end = len(hit_ids) + num_loads
+            stale = stale or disk is None or any(h not in disk for h in hashes[len(hit_ids) : end])
+        if stale:
+            raise ValueError(
+                "stale computed_blocks: call get_computed_blocks right before allocate_slots"
+            )
+
+    def _plan_loads(self, request: Request, first: int, block_ids: list[int]) -> None:
+        """Index fresh device blocks under the request's disk hits from block ``first`` on
+        and plan their loads."""
+        assert self.disk is not None
+        bs = self.block_size
+        hashes = self._ensure_hashes(request)
+        tokens, extra_keys = request.all_token_ids, request.extra_keys
+        for i, block_id in enumerate(block_ids, start=first):
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            self.pool.register(
+                block_id,
+                hashes[i],
+                block_tokens,
+                parent_hash=hashes[i - 1] if i else None,
+                extra_keys=extra_keys,
+            )
+            self.disk.load(block_id, hashes[i], block_tokens)
 
     def _cow_indices(self, table: list[int], start: int, total: int) -> tuple[int, ...]:
         """Indices of shared blocks the tokens ``start .. total-1`` would write into."""

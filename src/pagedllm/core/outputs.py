@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from pagedllm.core.tiers import NO_DISK_OPS, DiskOps
+
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
 
@@ -46,10 +48,12 @@ class ScheduledSequence(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """What the worker must do this step, in this order:
+    0. ``disk.stores``: read those device blocks (written to disk in the background),
     1. ``swap_out`` (device block -> host block) for requests preempted by swap,
     2. ``swap_in`` (host block -> device block) for requests resumed,
-    3. ``block_copies`` (src -> dst device blocks, copy-on-write),
-    4. the forward pass over ``scheduled``, then sampling.
+    3. ``disk.loads`` (disk -> fresh device blocks), then ``disk.drops``,
+    4. ``block_copies`` (src -> dst device blocks, copy-on-write),
+    5. the forward pass over ``scheduled``, then sampling.
     ``finished_request_ids`` lets the worker drop per-request state (generators).
 
     ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
@@ -66,6 +70,7 @@ class SchedulerOutput:
     swap_in: tuple[tuple[int, int], ...] = ()
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)
     num_steps: int = 1
+    disk: DiskOps = NO_DISK_OPS
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,7 +78,7 @@ class SchedulerOutput:
 
     @property
     def has_block_moves(self) -> bool:
-        return bool(self.block_copies or self.swap_out or self.swap_in)
+        return bool(self.block_copies or self.swap_out or self.swap_in or self.disk)
 
     @property
     def is_empty(self) -> bool:
@@ -97,8 +102,11 @@ class ModelRunnerOutput:
 
     ``sampled_token_ids[i]`` has ``num_samples`` tokens (empty for a mid-prompt
     chunk). ``logprobs[i]`` is None unless the request asked for logprobs, else
-    one ``TokenLogprob`` per sampled token.
+    one ``TokenLogprob`` per sampled token. ``failed_loads``: device blocks of
+    ``SchedulerOutput.disk.loads`` that could not be read (missing, truncated or corrupt
+    on disk); their holders must be recomputed (``Scheduler.reject_loads``).
     """
 
     sampled_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
+    failed_loads: tuple[int, ...] = ()

@@ -32,7 +32,7 @@ Order within a step:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -228,9 +228,31 @@ class Scheduler:
             swap_in=tuple(step.swap_in),
             finished_request_ids=frozenset(self._finished_ids),
             num_steps=num_steps,
+            disk=self.kv.take_disk_ops(),
         )
         self._finished_ids.clear()
         return output
+
+    def reject_loads(self, output: SchedulerOutput, block_ids: Iterable[int]) -> SchedulerOutput:
+        """The worker could not load these blocks of ``output.disk.loads``: they leave the
+        prefix index and the disk tier, every running request holding one is freed and
+        queued again (it will be recomputed from the first missing block; not counted as
+        a preemption), and ``output`` is returned without those requests."""
+        failed = set(block_ids)
+        if not failed:
+            return output
+        self.kv.loads_failed(failed)
+        dropped = set()
+        for request in list(self.running):
+            if failed.intersection(self.kv.block_table_tuple(request.request_id)):
+                self.running.remove(request)
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.insert(0, request)
+                dropped.add(request.request_id)
+        scheduled = tuple(s for s in output.scheduled if s.request_id not in dropped)
+        return replace(output, scheduled=scheduled)
 
     def _multi_step_size(self) -> int:
         """How many decode steps this schedule may cover: 1, or up to

@@ -3,7 +3,8 @@
     device pool    ``BlockPool``: the blocks the model attends over, with the prefix index
     host swap tier ``HostSwapTier``: blocks of requests preempted by swapping, one host
                    table per swapped request, no prefix index
-    disk store     ``DiskTier`` (see below): which block hashes the store on disk holds
+    disk store     ``DiskTier``: which block hashes the content-addressed store on disk
+                   holds, in LRU order within a capacity, and the I/O the worker owes it
 
 ``KVCacheManager`` asks the tiers; it does not keep their books. The worker moves the
 bytes (``SchedulerOutput.swap_out`` / ``swap_in``); nothing here holds a tensor.
@@ -18,13 +19,16 @@ either side is re-allocated (``forget``).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool
 
 # One swap plan entry: (source block, target block or None for a new one, fill).
 SwapPlan = list[tuple[int, int | None, int]]
+# One block's disk I/O: (device block, block hash, its token ids).
+DiskBlock = tuple[int, bytes, tuple[int, ...]]
 
 
 class CopyMap:
@@ -208,3 +212,97 @@ class HostSwapTier:
             )
         self._to_host.check_invariants()
         self._to_device.check_invariants()
+
+
+@dataclass(frozen=True, slots=True)
+class DiskOps:
+    """The disk I/O of one step, for the worker, in this order: ``stores`` are read from
+    the device before anything else of the step writes a block (then written in the
+    background), ``loads`` are read into their (fresh) device blocks before the forward
+    pass, ``drops`` are deleted after both (a hash may be loaded, then dropped)."""
+
+    stores: tuple[DiskBlock, ...] = ()
+    loads: tuple[DiskBlock, ...] = ()
+    drops: tuple[bytes, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.drops)
+
+
+NO_DISK_OPS = DiskOps()
+
+
+class DiskTier:
+    """Which full blocks the store on disk holds, keyed by block hash (salt included), in
+    least-recently-used order, at most ``capacity`` of them; and the I/O the worker owes.
+
+    A hash is *present* from the moment its store is planned: the worker keeps the bytes
+    of a store in flight and serves a load of it from them. A block registered in the
+    prefix index is stored once (``block_registered``); an admitted disk hit is loaded
+    into a fresh device block (``load``); past capacity the least recently used hashes
+    are dropped. A load the worker could not do (missing, truncated or corrupt file) is
+    ``discard``-ed: a miss from then on.
+    """
+
+    def __init__(self, capacity: int, present: Iterable[bytes] = ()) -> None:
+        if capacity < 0:
+            raise ValueError(f"disk capacity must be >= 0 blocks, got {capacity}")
+        self.capacity = capacity
+        self._hashes: OrderedDict[bytes, None] = OrderedDict.fromkeys(present)  # LRU first
+        self._stores: list[DiskBlock] = []
+        self._loads: list[DiskBlock] = []
+        self._drops: list[bytes] = []
+        self._shrink()
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._hashes
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def hashes(self) -> list[bytes]:
+        """Present hashes, least recently used first."""
+        return list(self._hashes)
+
+    def block_registered(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """A full block entered the prefix index: store it unless the disk has it."""
+        if block_hash in self._hashes:
+            self._hashes.move_to_end(block_hash)
+            return
+        if not self.capacity:
+            return
+        self._hashes[block_hash] = None
+        self._stores.append((block_id, block_hash, tuple(token_ids)))
+        self._shrink()
+
+    def load(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """An admitted disk hit: read ``block_hash`` into device block ``block_id``."""
+        if block_hash not in self._hashes:
+            raise ValueError("load of a hash the disk tier does not hold")
+        self._hashes.move_to_end(block_hash)
+        self._loads.append((block_id, block_hash, tuple(token_ids)))
+
+    def discard(self, block_hash: bytes) -> None:
+        """The worker found no good copy of ``block_hash``: it is gone."""
+        if self._hashes.pop(block_hash, False) is None:
+            self._drops.append(block_hash)
+
+    def take_ops(self) -> DiskOps:
+        """The I/O planned since the last call (and forget it)."""
+        if not (self._stores or self._loads or self._drops):
+            return NO_DISK_OPS
+        ops = DiskOps(tuple(self._stores), tuple(self._loads), tuple(self._drops))
+        self._stores, self._loads, self._drops = [], [], []
+        return ops
+
+    def check_invariants(self) -> None:
+        assert len(self._hashes) <= self.capacity, "disk tier over capacity"
+        stored = [block_hash for _, block_hash, _ in self._stores]
+        assert len(set(stored)) == len(stored), "a hash stored twice in one step"
+
+    def _shrink(self) -> None:
+        # A hash with a load planned this step is touched, so it sits at the MRU end and
+        # goes last; the worker loads before it drops anyway.
+        while len(self._hashes) > self.capacity:
+            block_hash, _ = self._hashes.popitem(last=False)
+            self._drops.append(block_hash)

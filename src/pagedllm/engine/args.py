@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
-from pagedllm.engine.config import DTYPES, EngineConfig
+from pagedllm.engine.config import DEFAULT_KV_OFFLOAD_SPACE_GIB, DTYPES, EngineConfig
 from pagedllm.planner.presets import parse_size as _parse_size
 
 
@@ -91,6 +91,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="host swap tier in GiB (for preemption by swap)",
     )
     group.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="disk tier under the prefix cache: full KV blocks are kept in this directory "
+        "(one of its own; kept across restarts) and loaded instead of recomputed",
+    )
+    group.add_argument(
+        "--kv-offload-space",
+        type=float,
+        default=DEFAULT_KV_OFFLOAD_SPACE_GIB,
+        help=f"most GiB the disk tier holds, least recently used dropped first "
+        f"(default {DEFAULT_KV_OFFLOAD_SPACE_GIB:g})",
+    )
+    group.add_argument(
         "--watermark",
         type=float,
         default=0.01,
@@ -130,6 +143,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_inflight_sharing=args.enable_inflight_sharing,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_space=args.kv_offload_space,
         watermark=args.watermark,
         seed=args.seed,
         attention_backend=args.attention_backend,

@@ -11,6 +11,7 @@ GIB = 1 << 30
 # a small model, and never a surprise on a machine shared with other work.
 DEFAULT_KV_CACHE_MEMORY = 1 * GIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_KV_OFFLOAD_SPACE_GIB = 16.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The names pagedllm.attention.select.get_backend accepts (kept here so config stays torch-free).
 ATTENTION_BACKENDS = ("auto", "cpu", "reference")
@@ -24,7 +25,9 @@ class EngineConfig:
     device tier; ``num_blocks`` overrides both (tests). ``swap_space`` is the host
     tier in GiB (0 disables preemption by swap). ``max_model_len=None`` takes the
     model's limit, capped to what the cache holds; ``max_num_batched_tokens=None``
-    means 2048 with chunked prefill, else ``max_model_len``.
+    means 2048 with chunked prefill, else ``max_model_len``. ``kv_offload_dir`` turns
+    on the disk tier under the prefix cache (a directory of its own, kept across
+    restarts), holding at most ``kv_offload_space`` GiB.
     """
 
     model: str = "default"
@@ -52,6 +55,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Greedy decode steps per schedule (multi-step decoding; 1: schedule every step).
     num_scheduler_steps: int = 1
+    kv_offload_dir: str | None = None
+    kv_offload_space: float = DEFAULT_KV_OFFLOAD_SPACE_GIB
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
@@ -68,6 +73,15 @@ class EngineConfig:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not self.kv_offload_space > 0:
+            raise ValueError(
+                f"kv_offload_space must be positive (GiB), got {self.kv_offload_space!r}"
+            )
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
+                raise ValueError(f"kv_offload_dir must be a path, got {self.kv_offload_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir needs prefix caching (enable_prefix_caching)")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}")
         if not 0.0 <= self.watermark < 1.0:

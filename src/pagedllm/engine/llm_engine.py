@@ -33,11 +33,13 @@ from pagedllm.core.scheduler import (
     SequenceUpdate,
     child_request_id,
 )
-from pagedllm.engine.config import EngineConfig
+from pagedllm.core.tiers import DiskTier
+from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.base import ModelRunner
+from pagedllm.worker.base import ModelRunner, SupportsDiskTier
+from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ class EngineStats:
     # Internal, external and duplication waste of the device tier now
     # (``core.accounting.waste``); computed by ``get_stats`` only.
     waste: WasteReport | None = None
+    # The disk tier's I/O totals (None without one); its blocks and hits are in `cache`.
+    disk: DiskStoreStats | None = None
 
 
 @dataclass(slots=True)
@@ -155,12 +159,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = self._resolve_max_model_len(model_config)
+        self.disk_store, disk = self._open_disk_tier(config, runner)
         self.kv = KVCacheManager(
             runner.num_blocks,
             runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=runner.num_host_blocks,
             watermark=config.watermark,
+            disk=disk,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -337,13 +343,17 @@ class LLMEngine:
             # and every request of the step fails; if they succeed, a failing forward
             # can be retried sequence by sequence without repeating them.
             try:
-                self.runner.execute(replace(scheduler_output, scheduled=()))
+                moved = self.runner.execute(replace(scheduler_output, scheduled=()))
             except Exception as exc:  # one bad step must not take the engine down
                 logger.exception("block moves failed; failing the step's requests")
                 return self._fail(self.scheduler.fail_last_step(), exc)
             forward = SchedulerOutput(
                 scheduled=scheduler_output.scheduled, num_steps=scheduler_output.num_steps
             )
+            if moved.failed_loads:
+                # Their holders go back to waiting and are recomputed: a miss, not an error.
+                logger.warning("%d KV blocks failed to load from disk", len(moved.failed_loads))
+                forward = self.scheduler.reject_loads(forward, moved.failed_loads)
         failed: list[RequestOutput] = []
         culprits: dict[str, Exception] = {}
         try:
@@ -399,9 +409,47 @@ class LLMEngine:
             num_inflight_shared_tokens=s.num_inflight_shared_tokens,
             num_inflight_waits=s.num_inflight_waits,
             waste=self._waste(),
+            disk=self.disk_store.stats() if self.disk_store is not None else None,
         )
 
+    def flush_disk_tier(self) -> None:
+        """Wait until every block queued for the disk tier is written."""
+        if self.disk_store is not None:
+            self.disk_store.flush()
+
+    def close(self) -> None:
+        """Finish the disk tier's writes and stop its writer (idempotent). The engine's
+        requests are untouched; nothing else needs closing."""
+        if self.disk_store is not None:
+            self.disk_store.close()
+
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _open_disk_tier(
+        config: EngineConfig, runner: ModelRunner
+    ) -> tuple[DiskKVStore | None, DiskTier | None]:
+        """The store in ``config.kv_offload_dir`` (attached to the runner) and the core's
+        books of it, sized from ``kv_offload_space``; (None, None) without a directory."""
+        if config.kv_offload_dir is None:
+            return None, None
+        if not isinstance(runner, SupportsDiskTier):
+            raise ValueError(f"{type(runner).__name__} cannot run a disk tier (kv_offload_dir)")
+        store = DiskKVStore(
+            config.kv_offload_dir,
+            runner.kv_fingerprint(),
+            block_size=runner.block_size,
+            payload_nbytes=runner.block_nbytes,
+        )
+        capacity = int(config.kv_offload_space * GIB) // store.file_nbytes
+        if capacity == 0:
+            store.close()
+            raise ValueError(
+                f"kv_offload_space ({config.kv_offload_space} GiB) holds no block "
+                f"({store.file_nbytes} bytes each)"
+            )
+        runner.attach_disk_store(store)
+        return store, DiskTier(capacity, store.scan())
 
     def _waste(self) -> WasteReport:
         """The cache's three wastes, from the live block tables and request tokens

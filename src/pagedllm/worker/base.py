@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedllm.worker.disk_store import DiskKVStore
 
 
 class ModelRunner(Protocol):
@@ -22,3 +25,17 @@ class ModelRunner(Protocol):
     num_host_blocks: int  # host-tier (swap) KV blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@runtime_checkable
+class SupportsDiskTier(Protocol):
+    """A runner that does the disk tier's I/O (``SchedulerOutput.disk``): it reads and
+    writes its blocks as bytes (``disk_store.BlockBytes``) through an attached store."""
+
+    block_nbytes: int  # bytes of one block on disk
+
+    def kv_fingerprint(self) -> dict[str, Any]:
+        """What the blocks' bytes depend on (model, weights, dtype, KV layout)."""
+        ...
+
+    def attach_disk_store(self, store: DiskKVStore) -> None: ...

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.outputs import (
     ModelRunnerOutput,
@@ -22,8 +23,10 @@ from pagedllm.core.outputs import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
+    from pagedllm.worker.disk_store import DiskKVStore
     from pagedllm.worker.sampler import Sampler
 
 _MASK = (1 << 61) - 1  # a Mersenne prime: a cheap, well-mixed rolling hash
@@ -85,6 +88,7 @@ class FakeModelRunner:
         self.host_slots: list[int | None] = [None] * (num_host_blocks * block_size)
         self.num_steps = 0
         self.num_tokens_computed = 0
+        self.disk_store: DiskKVStore | None = None
         self._sampler: Sampler | None = None
         if use_sampler:
             from pagedllm.worker.sampler import Sampler
@@ -96,6 +100,38 @@ class FakeModelRunner:
         """``SchedulerOutput.num_steps > 1`` runs in the deterministic mode only."""
         return self._sampler is None
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block on the disk tier (a token id per slot, int64)."""
+        return 8 * self.block_size
+
+    def kv_fingerprint(self) -> dict[str, Any]:
+        return {"runner": "fake", "vocab_size": self.vocab_size, "block_size": self.block_size}
+
+    def attach_disk_store(self, store: DiskKVStore) -> None:
+        self.disk_store = store
+
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Blocks as rows of int64 token ids (-1 for an empty slot), viewed as bytes."""
+        import numpy as np
+
+        bs = self.block_size
+        rows = [
+            [-1 if t is None else t for t in self.device_slots[b * bs : (b + 1) * bs]]
+            for b in block_ids
+        ]
+        return np.array(rows, dtype=np.int64).reshape(len(block_ids), bs).view(np.uint8)
+
+    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        import numpy as np
+
+        bs = self.block_size
+        rows = np.ascontiguousarray(data).view(np.int64).reshape(len(block_ids), bs)
+        for block_id, row in zip(block_ids, rows.tolist(), strict=True):
+            self.device_slots[block_id * bs : (block_id + 1) * bs] = [
+                None if t == -1 else t for t in row
+            ]
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failing = {s.request_id for s in scheduler_output.scheduled} & self.fail_request_ids
         if failing:
@@ -104,19 +140,31 @@ class FakeModelRunner:
             time.sleep(self.step_delay_s)
         if self._sampler is not None:
             self._sampler.release(scheduler_output.finished_request_ids)
+        disk, store = scheduler_output.disk, self.disk_store
+        if disk and store is None:
+            raise ValueError("the step has disk-tier I/O but the runner has no disk store")
+        if store is not None:
+            store.save_blocks(disk.stores, self)
         for device_block, host_block in scheduler_output.swap_out:
             self._move(self.device_slots, device_block, self.host_slots, host_block)
         for host_block, device_block in scheduler_output.swap_in:
             self._move(self.host_slots, host_block, self.device_slots, device_block)
+        failed_loads: tuple[int, ...] = ()
+        if store is not None:
+            failed_loads = store.load_blocks(disk.loads, self)
+            store.drop(disk.drops)
         for src, dst in scheduler_output.block_copies:
             self._move(self.device_slots, src, self.device_slots, dst)
         if scheduler_output.num_steps > 1:
-            return self._multi_step(scheduler_output)
-        contexts = [self._forward(seq) for seq in scheduler_output.scheduled]
-        self.num_steps += 1
-        if self._sampler is not None:
-            return self._sample(contexts, scheduler_output.scheduled)
-        return self._deterministic(contexts, scheduler_output.scheduled)
+            output = self._multi_step(scheduler_output)
+        else:
+            contexts = [self._forward(seq) for seq in scheduler_output.scheduled]
+            self.num_steps += 1
+            if self._sampler is not None:
+                output = self._sample(contexts, scheduler_output.scheduled)
+            else:
+                output = self._deterministic(contexts, scheduler_output.scheduled)
+        return replace(output, failed_loads=failed_loads) if failed_loads else output
 
     def next_token(self, context: Sequence[int], sample_index: int = 0) -> int:
         """The token this runner generates after ``context`` (used by tests as a

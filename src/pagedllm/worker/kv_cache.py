@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.worker.allocator import zeros_on_huge_pages
@@ -131,6 +132,28 @@ class KVCache:
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host block, device block) pairs."""
         swap_blocks(self.host_caches, self.device_caches, pairs)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Device blocks as flat bytes, one row a block (every layer's K then V): a copy
+        ``[n, spec.bytes_per_block]`` uint8, for the disk tier."""
+        spec = self.spec
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        shape = (len(block_ids), spec.num_layers, 2, *spec.block_shape)
+        rows = torch.empty(shape, dtype=spec.dtype, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.device_caches):
+            rows[:, layer, 0] = k_cache.index_select(0, ids)
+            rows[:, layer, 1] = v_cache.index_select(0, ids)
+        return rows.reshape(len(block_ids), -1).view(torch.uint8).cpu().numpy()
+
+    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        """Overwrite device blocks with rows of ``read_blocks``' layout."""
+        spec = self.spec
+        rows = torch.from_numpy(np.ascontiguousarray(data)).view(spec.dtype)
+        rows = rows.view(len(block_ids), spec.num_layers, 2, *spec.block_shape).to(self.device)
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.device_caches):
+            k_cache.index_copy_(0, ids, rows[:, layer, 0])
+            v_cache.index_copy_(0, ids, rows[:, layer, 1])
 
 
 def allocate_caches(

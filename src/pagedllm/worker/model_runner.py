@@ -12,13 +12,17 @@ malloc's defaults.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.kernels.ops import argmax_rows
 from pagedllm.worker.allocator import keep_step_buffers
+from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
@@ -58,6 +62,8 @@ class TorchModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        self.disk_store: DiskKVStore | None = None
+        self._weights_digest = _weights_digest(model)  # before any repacking of weights
         if optimize and self.device.type == "cpu":
             keep_step_buffers()
             if hasattr(model, "optimize_for_cpu"):
@@ -101,10 +107,31 @@ class TorchModelRunner:
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.kv_cache.device_caches
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's K/V on the disk tier."""
+        return self.spec.bytes_per_block
+
+    def kv_fingerprint(self) -> dict[str, Any]:
+        """What a disk store's blocks depend on: the model (config and a digest of its
+        weights) and the KV layout."""
+        return {
+            "runner": "torch",
+            "model": asdict(self.config),
+            "weights": self._weights_digest,
+            "kv_dtype": str(self.spec.dtype),
+            "block_size": self.block_size,
+            "block_shape": [self.spec.num_layers, 2, *self.spec.block_shape],
+        }
+
+    def attach_disk_store(self, store: DiskKVStore) -> None:
+        self.disk_store = store
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps, copies, forward, sampling; releases finished requests' sampler state."""
+        failed_loads: tuple[int, ...] = ()
         if scheduler_output.has_block_moves:
-            self.apply_block_moves(scheduler_output)
+            failed_loads = self.apply_block_moves(scheduler_output)
         scheduled = scheduler_output.scheduled
         if scheduled and scheduler_output.num_steps > 1:
             output = self._execute_steps(scheduled, scheduler_output.num_steps)
@@ -120,7 +147,9 @@ class TorchModelRunner:
                     self._logits(hidden, float32=True), scheduled, fast_path=False
                 )
         else:
-            output = ModelRunnerOutput()
+            output = ModelRunnerOutput(failed_loads=failed_loads)
+        if failed_loads and scheduled:
+            output = replace(output, failed_loads=failed_loads)
         if scheduler_output.finished_request_ids:
             self.sampler.release(scheduler_output.finished_request_ids)
         return output
@@ -155,12 +184,24 @@ class TorchModelRunner:
             tokens = torch.stack(steps, dim=1).tolist()
         return ModelRunnerOutput(tuple(map(tuple, tokens)), (None,) * len(tokens))
 
-    def apply_block_moves(self, scheduler_output: SchedulerOutput) -> None:
-        """swap_out, then swap_in, then copy-on-write copies (the contract's order)."""
+    def apply_block_moves(self, scheduler_output: SchedulerOutput) -> tuple[int, ...]:
+        """Disk stores, swap_out, swap_in, disk loads and drops, copy-on-write copies (the
+        contract's order); returns the device blocks whose disk load failed."""
+        disk = scheduler_output.disk
+        store = self.disk_store
+        if disk and store is None:
+            raise ValueError("the step has disk-tier I/O but the runner has no disk store")
+        failed: tuple[int, ...] = ()
         with torch.inference_mode():
+            if store is not None:
+                store.save_blocks(disk.stores, self.kv_cache)
             self.kv_cache.swap_out(scheduler_output.swap_out)
             self.kv_cache.swap_in(scheduler_output.swap_in)
+            if store is not None:
+                failed = store.load_blocks(disk.loads, self.kv_cache)
+                store.drop(disk.drops)
             self.kv_cache.copy_blocks(scheduler_output.block_copies)
+        return failed
 
     def compute_logits(
         self, scheduled: Sequence[ScheduledSequence], *, float32: bool = True
@@ -200,3 +241,17 @@ class TorchModelRunner:
             return None
         with torch.inference_mode():
             return greedy(hidden)
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every tensor's name, shape, dtype and first and last elements: tells
+    one checkpoint from another (a fine-tune of the same config included) in
+    milliseconds, without reading all the weights."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            ends = torch.cat([flat[:64], flat[-64:]]).to("cpu", torch.float32)
+            digest.update(ends.numpy().tobytes())
+    return digest.hexdigest()

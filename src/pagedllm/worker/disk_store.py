@@ -1,0 +1,374 @@
+"""The disk tier's store: one file per full KV block, named by the block's hash chain.
+
+The scheduler plans (``core.tiers.DiskTier``: which hashes are on disk, what to store,
+load and drop); this module moves the bytes. Layout::
+
+    DIR/                         0700
+      store.json                 0600  format version + fingerprint of model and KV layout
+      blocks/ab/<64 hex>.kv      0600  one block; the name is its hash (salt included)
+
+A block file is ``header | token ids (int64 x block_size) | payload`` where the header
+holds a magic, the format, the block size, the payload size, the store's fingerprint
+digest, the block hash, and an xxh3-128 checksum over everything else in the file. A
+missing, truncated or corrupt file, or one whose hash or tokens differ from what was
+asked, is a miss: the block is recomputed, never read wrong.
+
+Writes run on one background thread, in the order asked (a drop after a store of the
+same hash deletes it); each goes to a temporary file renamed into place, so a reader
+never sees half a block. A store still in flight is served from memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+_MAGIC = b"PGLMKV\x00\x01"
+# magic, format, block_size, payload bytes, fingerprint digest, block hash | checksum
+_HEADER = struct.Struct("<8sIIQ32s32s")
+_CHECKSUM = struct.Struct("<16s")
+_PREFIX_NBYTES = _HEADER.size + _CHECKSUM.size
+_STORE_FILE = "store.json"
+_HASH_HEX = 64
+# Stores queued for the writer before ``save`` waits (bounds the memory they hold).
+_MAX_QUEUED = 1024
+
+DiskBlock = tuple[int, bytes, tuple[int, ...]]  # (device block, block hash, token ids)
+
+
+class BlockBytes(Protocol):
+    """A KV cache whose blocks can be read and written as flat bytes (one row a block)."""
+
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A snapshot ``[len(block_ids), block_nbytes]`` uint8 (a copy, not a view)."""
+        ...
+
+    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        """Overwrite the blocks with the rows of ``data`` ``[n, block_nbytes]`` uint8."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStoreStats:
+    """Totals since the store was opened (``load_seconds``: time spent loading)."""
+
+    path: str
+    file_nbytes: int
+    blocks_written: int
+    bytes_written: int
+    blocks_read: int
+    bytes_read: int
+    loads: int
+    load_seconds: float
+    misses_corrupt: int
+    write_errors: int
+    writes_queued: int
+
+
+class DiskKVStore:
+    """A content-addressed store of KV blocks in ``path``, bound to one ``fingerprint``
+    (model, dtype, block size, KV layout, format). ``ValueError`` when ``path`` holds
+    another fingerprint's store or other files."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fingerprint: Mapping[str, object],
+        *,
+        block_size: int,
+        payload_nbytes: int,
+    ) -> None:
+        if block_size <= 0 or payload_nbytes <= 0:
+            raise ValueError("block_size and payload_nbytes must be positive")
+        self.path = Path(path).expanduser().resolve()
+        self.block_size = block_size
+        self.payload_nbytes = payload_nbytes
+        self.fingerprint = {"format": FORMAT_VERSION, **dict(fingerprint)}
+        canonical = json.dumps(self.fingerprint, sort_keys=True, default=str).encode()
+        self.digest = hashlib.sha256(canonical).digest()
+        self._open_directory()
+        self.file_nbytes = _PREFIX_NBYTES + 8 * block_size + payload_nbytes
+        self._pending: dict[bytes, tuple[bytes, np.ndarray]] = {}  # hash -> (tokens, payload)
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(_MAX_QUEUED)
+        self._counts = dict.fromkeys(("written", "read", "loads", "corrupt", "write_errors"), 0)
+        self._load_seconds = 0.0
+        self._made_dirs: set[str] = set()
+        self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-disk")
+        self._writer.daemon = True
+        self._writer.start()
+
+    # ---- the worker's side of DiskOps ----------------------------------------------
+
+    def scan(self) -> list[bytes]:
+        """The block hashes on disk, least recently used first (by modification time;
+        a load touches its file). Leftover temporary files are removed."""
+        found = []
+        blocks = self.path / "blocks"
+        for entry in _walk_files(blocks):
+            name = entry.name
+            if name.startswith(".tmp"):
+                _unlink(entry.path)
+            elif name.endswith(".kv") and len(name) == _HASH_HEX + 3:
+                try:
+                    found.append((entry.stat().st_mtime_ns, bytes.fromhex(name[:_HASH_HEX])))
+                except (OSError, ValueError):
+                    continue
+        found.sort()
+        return [block_hash for _, block_hash in found]
+
+    def save_blocks(self, stores: Sequence[DiskBlock], blocks: BlockBytes) -> None:
+        """Snapshot the stores' device blocks now, write them in the background."""
+        if not stores:
+            return
+        data = blocks.read_blocks([block_id for block_id, _, _ in stores])
+        for row, (_, block_hash, token_ids) in zip(data, stores, strict=True):
+            tokens = _token_bytes(token_ids, self.block_size)
+            with self._lock:
+                self._pending[block_hash] = (tokens, row)
+            self._queue.put(("store", block_hash))
+
+    def load_blocks(self, loads: Sequence[DiskBlock], blocks: BlockBytes) -> tuple[int, ...]:
+        """Read the loads into their device blocks; the device blocks that could not be
+        loaded (their files are gone, or are deleted as corrupt)."""
+        if not loads:
+            return ()
+        start = time.perf_counter()
+        data = np.empty((len(loads), self.payload_nbytes), dtype=np.uint8)
+        good, failed = [], []
+        for i, (block_id, block_hash, token_ids) in enumerate(loads):
+            if self._read(block_hash, _token_bytes(token_ids, self.block_size), data[i]):
+                good.append(i)
+            else:
+                failed.append(block_id)
+        if good:
+            rows = data if len(good) == len(loads) else data[good]
+            blocks.write_blocks([loads[i][0] for i in good], rows)
+        self._counts["loads"] += 1
+        self._load_seconds += time.perf_counter() - start
+        return tuple(failed)
+
+    def drop(self, hashes: Sequence[bytes]) -> None:
+        """Delete these blocks (after any store of them queued before)."""
+        for block_hash in hashes:
+            self._queue.put(("drop", block_hash))
+
+    def flush(self) -> None:
+        """Wait until every queued write and drop is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer (idempotent)."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def stats(self) -> DiskStoreStats:
+        c = self._counts
+        return DiskStoreStats(
+            path=str(self.path),
+            file_nbytes=self.file_nbytes,
+            blocks_written=c["written"],
+            bytes_written=c["written"] * self.file_nbytes,
+            blocks_read=c["read"],
+            bytes_read=c["read"] * self.file_nbytes,
+            loads=c["loads"],
+            load_seconds=self._load_seconds,
+            misses_corrupt=c["corrupt"],
+            write_errors=c["write_errors"],
+            writes_queued=self._queue.qsize(),
+        )
+
+    def block_path(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.path / "blocks" / name[:2] / f"{name}.kv"
+
+    # ---- internal -------------------------------------------------------------------
+
+    def _open_directory(self) -> None:
+        path = self.path
+        meta = path / _STORE_FILE
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"kv_offload_dir {str(path)!r} is not a directory")
+        if meta.exists():
+            self._check_fingerprint(meta)
+        elif path.exists() and any(path.iterdir()):
+            raise ValueError(
+                f"kv_offload_dir {str(path)!r} is not empty and holds no pagedllm KV store "
+                f"({_STORE_FILE}); give an empty or new directory"
+            )
+        else:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            text = json.dumps(self.fingerprint, sort_keys=True, indent=1, default=str)
+            _write_atomically(meta, text.encode())
+        os.chmod(path, 0o700)  # our store, whoever made the directory
+        (path / "blocks").mkdir(mode=0o700, exist_ok=True)
+
+    def _check_fingerprint(self, meta: Path) -> None:
+        try:
+            theirs = json.loads(meta.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"kv_offload_dir: cannot read {str(meta)!r}: {exc}") from None
+        ours = json.loads(json.dumps(self.fingerprint, sort_keys=True, default=str))
+        if theirs == ours:
+            return
+        keys = sorted(set(theirs) | set(ours)) if isinstance(theirs, dict) else []
+        diffs = [
+            f"{k}: store has {theirs.get(k)!r}, this engine {ours.get(k)!r}"
+            for k in keys
+            if theirs.get(k) != ours.get(k)
+        ]
+        raise ValueError(
+            f"kv_offload_dir {str(self.path)!r} holds KV blocks of another model or KV layout "
+            f"({'; '.join(diffs) or 'unreadable fingerprint'}); give another directory, or "
+            f"empty this one to start over"
+        )
+
+    def _read(self, block_hash: bytes, tokens: bytes, row: np.ndarray) -> bool:
+        with self._lock:
+            pending = self._pending.get(block_hash)
+        if pending is not None:
+            if pending[0] != tokens:
+                return False
+            row[:] = pending[1]
+            self._counts["read"] += 1
+            return True
+        path = self.block_path(block_hash)
+        try:
+            with open(path, "rb", buffering=0) as handle:
+                if os.fstat(handle.fileno()).st_size != self.file_nbytes:
+                    raise _Corrupt
+                head = bytearray(_PREFIX_NBYTES + len(tokens))
+                if handle.readinto(head) != len(head) or handle.readinto(row) != len(row):
+                    raise _Corrupt
+            self._check(head, block_hash, tokens, row)
+            os.utime(path)  # least recently used order survives a restart
+        except FileNotFoundError:
+            return False
+        except (_Corrupt, OSError):
+            self._counts["corrupt"] += 1
+            self._queue.put(("drop", block_hash))
+            return False
+        self._counts["read"] += 1
+        return True
+
+    def _check(self, head: bytearray, block_hash: bytes, tokens: bytes, row: np.ndarray) -> None:
+        magic, version, block_size, nbytes, digest, file_hash = _HEADER.unpack_from(head)
+        (checksum,) = _CHECKSUM.unpack_from(head, _HEADER.size)
+        if (
+            magic != _MAGIC
+            or version != FORMAT_VERSION
+            or block_size != self.block_size
+            or nbytes != self.payload_nbytes
+            or digest != self.digest
+            or file_hash != block_hash
+            or head[_PREFIX_NBYTES:] != tokens
+        ):
+            raise _Corrupt
+        if _checksum(head[: _HEADER.size], tokens, row) != checksum:
+            raise _Corrupt
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                kind, block_hash = item
+                if kind == "store":
+                    self._write(block_hash)
+                else:
+                    _unlink(self.block_path(block_hash))
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes) -> None:
+        with self._lock:
+            pending = self._pending.get(block_hash)
+        if pending is None:
+            return
+        tokens, payload = pending
+        header = _HEADER.pack(
+            _MAGIC, FORMAT_VERSION, self.block_size, self.payload_nbytes, self.digest, block_hash
+        )
+        checksum = _CHECKSUM.pack(_checksum(header, tokens, payload))
+        path = self.block_path(block_hash)
+        try:
+            parent = str(path.parent)
+            if parent not in self._made_dirs:
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                self._made_dirs.add(parent)
+            _write_atomically(path, header, checksum, tokens, payload)
+            self._counts["written"] += 1
+        except OSError:
+            self._counts["write_errors"] += 1  # a later load of it is a miss
+        finally:
+            with self._lock:
+                if self._pending.get(block_hash) is pending:
+                    del self._pending[block_hash]
+
+
+class _Corrupt(Exception):
+    """A block file that is not what its name says."""
+
+
+def _checksum(header: bytes | bytearray, tokens: bytes, payload: np.ndarray) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(header)
+    h.update(tokens)
+    h.update(payload)
+    return h.digest()
+
+
+def _token_bytes(token_ids: Sequence[int], block_size: int) -> bytes:
+    if len(token_ids) != block_size:
+        raise ValueError(f"a disk block holds {block_size} tokens, got {len(token_ids)}")
+    return struct.pack(f"<{block_size}q", *token_ids)
+
+
+def _write_atomically(path: Path, *parts: bytes | np.ndarray) -> None:
+    """Write to a temporary file beside ``path`` (0600), then rename it into place."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as handle:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[handle.write(view) :]
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _walk_files(root: Path) -> list[os.DirEntry[str]]:
+    entries: list[os.DirEntry[str]] = []
+    try:
+        with os.scandir(root) as top:
+            subdirs = [e.path for e in top if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return entries
+    for sub in subdirs:
+        with os.scandir(sub) as files:
+            entries.extend(e for e in files if e.is_file(follow_symlinks=False))
+    return entries
+
+
+def _unlink(path: str | os.PathLike[str]) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,229 @@
+"""The disk tier under the prefix cache, on the fake runner (its strict mode raises when
+the context read back through a block table is not the sequence's tokens, so a block
+loaded wrong cannot go unnoticed) and on a tiny random Llama (K/V bit-identical)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tests.engine.conftest import run_all
+
+from pagedllm.core.hashing import hash_request_blocks
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+BS = 4
+
+
+def conversation(seed: int, length: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30) for _ in range(length)]
+
+
+def ask(engine: LLMEngine, request_id: str, prompt: list[int], salt: str | None = None):
+    engine.add_request(request_id, prompt, GREEDY, cache_salt=salt)
+    return run_all(engine)[request_id]
+
+
+def history_and_next(engine: LLMEngine, seed: int) -> tuple[list[int], list[int]]:
+    """A first turn, then the prompt of the second (history + reply + new message)."""
+    first = conversation(seed)
+    out = ask(engine, f"c{seed}-1", first)
+    return first, first + list(out.outputs[0].token_ids) + conversation(seed + 100, 5)
+
+
+def history_blocks_tokens(second: list[int]) -> int:
+    """Tokens in the full blocks of the first turn's cache: the prompt and every generated
+    token but the last, which was sampled, never fed back."""
+    return (len(second) - 5 - 1) // BS * BS
+
+
+def block_files(path: Path) -> list[Path]:
+    return sorted(path.glob("blocks/*/*.kv"))
+
+
+@pytest.fixture
+def tier_engine(fake_engine: Callable[..., LLMEngine], tmp_path: Path) -> Callable[..., LLMEngine]:
+    """A fake-runner engine with a small pool (about one conversation) and a disk tier."""
+
+    def build(num_blocks: int = 16, path: Path | None = None, **config) -> LLMEngine:
+        return fake_engine(
+            num_blocks=num_blocks,
+            block_size=BS,
+            kv_offload_dir=str(path or tmp_path / "kv"),
+            max_model_len=60,
+            **config,
+        )
+
+    return build
+
+
+def evict_everything(engine: LLMEngine) -> None:
+    engine.flush_disk_tier()
+    engine.kv.evict_cached_blocks()
+
+
+def test_a_returning_conversation_loads_its_history_from_disk(
+    tier_engine: Callable[..., LLMEngine], fake_engine: Callable[..., LLMEngine]
+) -> None:
+    engine = tier_engine()
+    _, second = history_and_next(engine, 1)
+    evict_everything(engine)
+    out = ask(engine, "c1-2", second)
+    # Every full block of the history (prompt and generated tokens) came from disk.
+    assert out.num_cached_tokens == history_blocks_tokens(second)
+    stats = engine.get_stats()
+    assert stats.cache.prefix_disk_hits_tokens == out.num_cached_tokens
+    assert stats.disk.blocks_read == out.num_cached_tokens // BS
+    plain = fake_engine(num_blocks=64, block_size=BS, max_model_len=60)
+    assert out.outputs[0].token_ids == ask(plain, "p", second).outputs[0].token_ids
+
+
+def test_after_a_restart_the_first_request_finds_its_whole_history(
+    tier_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    engine = tier_engine()
+    _, second = history_and_next(engine, 2)
+    expected = ask(engine, "again", second).outputs[0].token_ids
+    engine.close()
+    restarted = tier_engine()
+    out = ask(restarted, "c2-2", second)
+    assert out.num_cached_tokens == (len(second) - 1) // BS * BS
+    assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap-names"])
+def test_a_damaged_block_file_is_recomputed_with_the_same_output(
+    tier_engine: Callable[..., LLMEngine], tmp_path: Path, damage: str
+) -> None:
+    engine = tier_engine()
+    _, second = history_and_next(engine, 3)
+    expected = ask(engine, "again", second).outputs[0].token_ids
+    engine.close()
+    hashes = hash_request_blocks(second, BS)
+    victim = tmp_path / "kv" / "blocks" / hashes[3].hex()[:2] / f"{hashes[3].hex()}.kv"
+    data = victim.read_bytes()
+    if damage == "flip":
+        victim.write_bytes(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:])
+    elif damage == "truncate":
+        victim.write_bytes(data[:-5])
+    elif damage == "delete":
+        victim.unlink()
+    else:  # another block's valid file under this block's name
+        other = tmp_path / "kv" / "blocks" / hashes[4].hex()[:2] / f"{hashes[4].hex()}.kv"
+        victim.write_bytes(other.read_bytes())
+    restarted = tier_engine()
+    out = ask(restarted, "c3-2", second)
+    assert out.outputs[0].token_ids == expected
+    # Blocks 0-2 are good; from the damaged block 3 on, the history is recomputed.
+    assert out.num_cached_tokens == 3 * BS
+    stats = restarted.get_stats().disk
+    assert stats.misses_corrupt == (0 if damage == "delete" else 1)
+    restarted.flush_disk_tier()
+    assert victim.read_bytes() == data  # the damaged file was deleted, then stored anew
+    again = ask(restarted, "c3-3", second)
+    assert again.outputs[0].token_ids == expected
+
+
+def test_a_store_of_another_model_is_refused(
+    tier_engine: Callable[..., LLMEngine], fake_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    tier_engine().close()
+    with pytest.raises(ValueError, match="another model or KV layout.*block_size"):
+        fake_engine(num_blocks=16, block_size=8, kv_offload_dir=str(tmp_path / "kv"))
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and holds no pagedllm KV store"):
+        tier_engine(path=foreign)
+
+
+def test_the_store_is_private_and_named_by_hashes_only(
+    tier_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    engine = tier_engine()
+    history_and_next(engine, 4)
+    engine.flush_disk_tier()
+    root = tmp_path / "kv"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    files = block_files(root)
+    assert files
+    for path in [*files, root / "store.json"]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for path in files:
+        assert len(path.stem) == 64 and int(path.stem, 16) >= 0
+
+
+def test_tenants_never_read_each_others_blocks(tier_engine: Callable[..., LLMEngine]) -> None:
+    engine = tier_engine()
+    prompt = conversation(5)
+    ask(engine, "a1", prompt, salt="tenant-a")
+    evict_everything(engine)
+    assert ask(engine, "b1", prompt, salt="tenant-b").num_cached_tokens == 0
+    evict_everything(engine)
+    assert ask(engine, "a2", prompt, salt="tenant-a").num_cached_tokens > 0
+
+
+def test_the_byte_budget_keeps_the_most_recently_used_blocks(
+    tier_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    file_nbytes = 104 + 8 * BS + 8 * BS
+    engine = tier_engine(kv_offload_space=12 * file_nbytes / 2**30)
+    assert engine.kv.disk.capacity == 12
+    for seed in (6, 7, 8):
+        ask(engine, f"s{seed}", conversation(seed))
+    engine.flush_disk_tier()
+    assert len(block_files(tmp_path / "kv")) == len(engine.kv.disk) == 12
+    # The least recently used go first: the last conversation's blocks are all kept.
+    last = {h.hex() for h in hash_request_blocks(conversation(8), BS)}
+    assert last <= {p.stem for p in block_files(tmp_path / "kv")}
+
+
+def test_the_prefix_lookup_has_no_side_effect(tier_engine: Callable[..., LLMEngine]) -> None:
+    engine = tier_engine()
+    _, second = history_and_next(engine, 9)
+    evict_everything(engine)
+    from pagedllm.core.request import Request
+
+    order = engine.kv.disk.hashes()
+    hit = engine.kv.get_computed_blocks(Request("probe", second))
+    assert hit.num_disk_blocks > 0 and not hit.block_ids
+    assert engine.kv.disk.hashes() == order
+    assert not engine.kv.take_disk_ops()
+    engine.kv.free(Request("probe", second))
+
+
+def test_torch_runner_restores_kv_bit_identical(
+    model_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    def kv_digest(engine: LLMEngine, block_ids: list[int]) -> str:
+        data = engine.runner.kv_cache.read_blocks(block_ids)
+        return hashlib.sha256(data.tobytes()).hexdigest()
+
+    common = dict(block_size=BS, num_blocks=64, max_model_len=64, dtype="bfloat16")
+    engine = model_engine(kv_offload_dir=str(tmp_path / "kv"), **common)
+    prompt = conversation(10, 33)
+    engine.add_request("w", prompt, GREEDY)
+    engine.step()  # the prompt computed, its blocks registered
+    request = engine.scheduler.requests["w"]
+    written = kv_digest(engine, engine.kv.block_table("w")[:8])
+    run_all(engine)
+    assert request.num_computed_tokens > 32
+    expected = ask(engine, "again", prompt).outputs[0].token_ids
+    engine.close()
+    restarted = model_engine(kv_offload_dir=str(tmp_path / "kv"), **common)
+    restarted.add_request("r", prompt, GREEDY)
+    restarted.step()
+    assert restarted.scheduler.requests["r"].num_cached_tokens == 32
+    assert kv_digest(restarted, restarted.kv.block_table("r")[:8]) == written
+    assert run_all(restarted)["r"].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="another model or KV layout.*kv_dtype"):
+        model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "dtype": "float32"})
+    assert os.listdir(tmp_path / "kv")
