@@ -20,7 +20,7 @@ def _letters(n: int, start: int = 0) -> list[int]:
 
 def _check_consistent(report: dict[str, Any]) -> None:
     """States, ref counts and block tables describe one moment of the pool."""
-    assert report["state_names"] == ["free", "cached_free", "used"]
+    assert report["state_names"] == ["free", "cached_free", "used", "retired"]
     for tier, state_key, ref_key, table_key in (
         ("device", "state", "ref_count", "block_table"),
         ("host", "host_state", "host_ref_count", "host_block_table"),

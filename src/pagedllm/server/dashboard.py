@@ -204,6 +204,7 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
       <div class="kv">
         <span>queried tokens</span><span id="p-q">–</span>
         <span>hit tokens</span><span id="p-h">–</span>
+        <span>shared in flight</span><span id="p-f">–</span>
       </div></div>
     <div class="card"><h2>Requests</h2>
       <div class="kv">
@@ -313,6 +314,7 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
     set("hitrate", pct(r.prefix_cache.hit_rate) + " hit");
     set("p-q", fmt(r.prefix_cache.queries_tokens));
     set("p-h", fmt(r.prefix_cache.hits_tokens));
+    set("p-f", fmt(r.prefix_cache.inflight_shared_tokens));
     set("r-running", fmt(r.running));
     set("r-waiting", fmt(r.waiting));
     set("r-swapped", fmt(r.swapped));
