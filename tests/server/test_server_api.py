@@ -415,3 +415,35 @@ def test_chat_stream_bytes(make_harness):
         assert r.content == expected + b"data: [DONE]\n\n"
 
     h.run(body)
+
+
+def test_disk_tier_in_usage_cache_report_and_metrics(make_harness, tmp_path):
+    # A pool of 8 blocks (32 tokens): a second prompt evicts the first from RAM.
+    h = make_harness(
+        num_blocks=8, max_model_len=32, engine_kw={"kv_offload_dir": str(tmp_path / "kv")}
+    )
+    first, other = list(range(97, 117)), list(range(100, 120))
+
+    async def cached(client, prompt):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def body(client):
+        assert await cached(client, first) == 0
+        assert await cached(client, other) == 0
+        await h.engine.call(lambda engine: engine.flush_disk_tier())
+        await h.engine.call(lambda engine: engine.kv.evict_cached_blocks())
+        assert await cached(client, first) == 16  # all four full blocks, from disk
+        report = (await client.get("/v1/cache")).json()
+        disk = report["disk"]
+        assert disk["hits_tokens_disk"] == 16 and disk["hits_tokens_ram"] == 0
+        assert disk["blocks_read"] == 4 and disk["blocks_used"] >= 8
+        assert disk["bytes_used"] == disk["blocks_used"] * (104 + 2 * 8 * 4)
+        text = (await client.get("/metrics")).text
+        values = _samples(text)
+        assert values['pagedllm_prefix_cache_hits_tokens_by_tier_total{tier="disk"}'] == 16
+        assert values["pagedllm_kv_disk_blocks_used"] == disk["blocks_used"]
+        assert values["pagedllm_kv_disk_read_bytes_total"] == disk["bytes_read"]
+
+    h.run(body)

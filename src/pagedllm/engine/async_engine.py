@@ -284,12 +284,12 @@ class AsyncEngine:
             self._forget(stream)
             stream._fail(EngineClosedError("the server is shutting down"))
         thread = self._thread
-        if thread is None:
-            return
-        self._commands.put((lambda: self._abort_in_engine(ids), None))
-        self._commands.put(None)  # a second shutdown adds another: never read, harmless
-        await asyncio.to_thread(thread.join)
-        self._thread = None
+        if thread is not None:
+            self._commands.put((lambda: self._abort_in_engine(ids), None))
+            self._commands.put(None)  # a second shutdown adds another: never read, harmless
+            await asyncio.to_thread(thread.join)
+            self._thread = None
+        await asyncio.to_thread(self.engine.close)  # the disk tier's queued writes
 
     # ------------------------------------------------------------------ event-loop side
 

@@ -223,6 +223,14 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
       <div class="kv">
         <span>blocks used</span><span id="h-used">–</span>
         <span>blocks total</span><span id="h-total">–</span>
+      </div>
+      <h2 style="margin-top:10px">Disk tier</h2>
+      <div class="kv">
+        <span>blocks on disk</span><span id="d-blocks">–</span>
+        <span>bytes on disk</span><span id="d-bytes">–</span>
+        <span>hit tokens RAM / disk</span><span id="d-hits">–</span>
+        <span>read / written</span><span id="d-io">–</span>
+        <span>mean load</span><span id="d-load">–</span>
       </div></div>
   </div>
   <div class="card">
@@ -324,6 +332,16 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
     set("pr-swap", fmt(r.preemptions.swap));
     set("h-used", fmt(r.host_blocks_used));
     set("h-total", fmt(r.host_blocks_total));
+    const d = r.disk;
+    set("d-blocks", d ? fmt(d.blocks_used) + " of " + fmt(d.blocks_total) : "off");
+    set("d-bytes", d ? mib(d.bytes_used) : "off");
+    set("d-hits", d ? fmt(d.hits_tokens_ram) + " / " + fmt(d.hits_tokens_disk) : "off");
+    set("d-io", d ? mib(d.bytes_read) + " / " + mib(d.bytes_written) : "off");
+    set("d-load", d && d.loads ? (1000 * d.load_seconds / d.loads).toFixed(1) + " ms" : "–");
+  }
+
+  function mib(bytes) {
+    return (bytes / 1048576).toFixed(1) + " MiB";
   }
 
   function invert(rows, field, n) {

@@ -55,6 +55,7 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         "host_blocks_used": cache.host_blocks_used,
         "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
         "headroom_tokens": None if waste is None else waste.headroom_tokens,
+        "disk": _disk_entry(stats),
         "prefix_cache": {
             "queries_tokens": queries,
             "hits_tokens": hits,
@@ -69,6 +70,31 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
             "recompute": stats.num_preemptions_recompute,
             "swap": stats.num_preemptions_swap,
         },
+    }
+
+
+def _disk_entry(stats: EngineStats) -> dict[str, Any] | None:
+    """The disk tier's part of the report (None without one)."""
+    cache, disk = stats.cache, stats.disk
+    if disk is None:
+        return None
+    return {
+        "path": disk.path,
+        "blocks_total": cache.disk_blocks_total,
+        "blocks_used": cache.disk_blocks_used,
+        "bytes_total": cache.disk_blocks_total * disk.file_nbytes,
+        "bytes_used": cache.disk_blocks_used * disk.file_nbytes,
+        "hits_tokens_ram": cache.prefix_hits_tokens - cache.prefix_disk_hits_tokens,
+        "hits_tokens_disk": cache.prefix_disk_hits_tokens,
+        "blocks_read": disk.blocks_read,
+        "blocks_written": disk.blocks_written,
+        "bytes_read": disk.bytes_read,
+        "bytes_written": disk.bytes_written,
+        "loads": disk.loads,
+        "load_seconds": disk.load_seconds,
+        "misses_corrupt": disk.misses_corrupt,
+        "write_errors": disk.write_errors,
+        "writes_queued": disk.writes_queued,
     }
 
 
@@ -113,12 +139,46 @@ class _StatsCollector(Collector):
             "request that was computing them (in-flight sharing).",
             prefix["inflight_shared_tokens"],
         )
+        disk = r.get("disk")
+        if disk is not None:
+            yield from _disk_metrics(disk)
         preempt = CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Preemptions, by mode.", labels=["mode"]
         )
         for mode, count in r["preemptions"].items():
             preempt.add_metric([mode], count)
         yield preempt
+
+
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
+    yield _gauge("kv_disk_blocks_used", "KV blocks on the disk tier.", disk["blocks_used"])
+    yield _gauge(
+        "kv_disk_blocks_total", "KV blocks the disk tier holds at most.", disk["blocks_total"]
+    )
+    yield _gauge("kv_disk_bytes_used", "Bytes of KV blocks on the disk tier.", disk["bytes_used"])
+    hits = CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_hits_tokens_by_tier",
+        "Prompt tokens found cached, by tier.",
+        labels=["tier"],
+    )
+    hits.add_metric(["ram"], disk["hits_tokens_ram"])
+    hits.add_metric(["disk"], disk["hits_tokens_disk"])
+    yield hits
+    yield _counter("kv_disk_read_bytes", "Bytes read from the disk tier.", disk["bytes_read"])
+    yield _counter(
+        "kv_disk_written_bytes", "Bytes written to the disk tier.", disk["bytes_written"]
+    )
+    yield _counter("kv_disk_loads", "Steps that loaded blocks from the disk tier.", disk["loads"])
+    yield _counter(
+        "kv_disk_load_seconds",
+        "Time spent loading blocks from the disk tier.",
+        disk["load_seconds"],
+    )
+    yield _counter(
+        "kv_disk_misses_corrupt",
+        "Disk-tier blocks found truncated or corrupt (recomputed).",
+        disk["misses_corrupt"],
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
