@@ -123,6 +123,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads for the model step (default: one per core)",
     )
     group.add_argument("--device", default="cpu")
+    group.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: requests give token ids and get token ids back",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -150,4 +155,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=getattr(args, "num_threads", None),
+        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
     )

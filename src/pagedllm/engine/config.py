@@ -57,6 +57,8 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     kv_offload_dir: str | None = None
     kv_offload_space: float = DEFAULT_KV_OFFLOAD_SPACE_GIB
+    # Load no tokenizer: prompts are token ids, outputs token ids (text stays empty).
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)

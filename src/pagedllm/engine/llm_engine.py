@@ -41,6 +41,11 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
+# Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
+NO_TOKENIZER = (
+    "this engine has no tokenizer (skip_tokenizer_init / --skip-tokenizer-init): "
+    "give prompts as token ids"
+)
 logger = logging.getLogger(__name__)
 
 
@@ -213,7 +218,11 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(
-            config.model, config.dtype, _attention_backend(config), device=config.device
+            config.model,
+            config.dtype,
+            _attention_backend(config),
+            device=config.device,
+            load_tokenizer=not config.skip_tokenizer_init,
         )
         spec = KVCacheSpec.from_model_config(loaded.config, config.block_size, loaded.dtype)
         num_host_blocks = config.num_host_blocks
@@ -264,6 +273,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError(f"{NO_TOKENIZER}; stop strings need one (use stop_token_ids)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
@@ -630,7 +641,7 @@ class LLMEngine:
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: give prompt token ids")
+                raise ValueError(NO_TOKENIZER)
             token_ids = list(self.tokenizer.encode(prompt))
             text: str | None = prompt
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):

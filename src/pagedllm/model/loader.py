@@ -176,11 +176,25 @@ def _read_config(path: Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _hf_tokenizer_loader(path: Path):
     def load() -> Any:
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); to serve "
+                "token ids only, pass skip_tokenizer_init=True / --skip-tokenizer-init"
+            )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (ImportError, OSError, ValueError) as error:
+            raise ValueError(
+                f"the tokenizer of {path} cannot be loaded ({error}); to serve token ids "
+                "only, pass skip_tokenizer_init=True / --skip-tokenizer-init"
+            ) from error
 
     return load

@@ -42,7 +42,7 @@ from pagedllm.server.sse import sse_event
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> Prompt:
     """The messages through the tokenizer's chat template."""
-    return render_chat_prompt(ctx.tokenizer, req)
+    return render_chat_prompt(ctx.text_tokenizer("messages"), req)
 
 
 def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Prompt:

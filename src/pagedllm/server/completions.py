@@ -50,7 +50,7 @@ def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
     for i, item in enumerate(batch):
         param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            token_ids = list(ctx.tokenizer.encode(item))
+            token_ids = list(ctx.text_tokenizer(param).encode(item))
             prompts.append(Prompt(token_ids, item))
         else:
             _check_token_ids(ctx, item, param)
@@ -138,11 +138,18 @@ def _choice(
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
+        token_ids=list(c.token_ids) if _returns_ids(ctx, req) else None,
     )
 
 
+def _returns_ids(ctx: ServerContext, req: CompletionRequest) -> bool:
+    """Choices carry token ids when asked, and always without a tokenizer (their text
+    is then empty)."""
+    return req.return_token_ids or ctx.tokenizer is None
+
+
 def _decode(ctx: ServerContext, prompt: Prompt) -> str:
-    return ctx.tokenizer.decode(prompt.token_ids)
+    return "" if ctx.tokenizer is None else ctx.tokenizer.decode(prompt.token_ids)
 
 
 async def completion_events(
@@ -154,7 +161,9 @@ async def completion_events(
     streams: Sequence[RequestStream],
 ) -> AsyncGenerator[bytes, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
+    exclude: dict[str, Any] = {} if include_usage else {"usage": True}
+    if not _returns_ids(ctx, req):
+        exclude["choices"] = {"__all__": {"token_ids"}}
     finals = []
     for i, (prompt, stream) in enumerate(zip(prompts, streams, strict=True)):
         states: dict[int, ChoiceState] = {}
@@ -172,7 +181,7 @@ async def completion_events(
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=ctx.model_name, choices=choices
                     )
-                    yield sse_event(chunk, exclude=exclude)
+                    yield sse_event(chunk, exclude=exclude or None)
         finals.append(last)
     if include_usage:
         chunk = CompletionStreamResponse(
@@ -204,8 +213,10 @@ def _completion_delta(
             len(prompt.text or "") if req.echo and not state.started else 0
         )
         logprobs = completion_logprobs(ctx.tokenizer, entries, ids, offset)
-    if not text and not entries and not c.finish_reason:
+    new_ids = list(c.token_ids[state.num_tokens :]) if _returns_ids(ctx, req) else None
+    if not text and not entries and not new_ids and not c.finish_reason:
         return None
+    state.num_tokens = len(c.token_ids)
     state.started = True
     state.text_len = len(c.text)
     state.num_logprobs += len(entries)
@@ -217,4 +228,5 @@ def _completion_delta(
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
+        token_ids=new_ids,
     )

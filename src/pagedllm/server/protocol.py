@@ -63,6 +63,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    # Each choice also carries its generated token ids (always so without a tokenizer).
+    return_token_ids: bool = False
 
 
 class TextContentPart(_Request):
@@ -119,6 +121,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

@@ -68,6 +68,17 @@ class ServerContext:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def text_tokenizer(self, param: str) -> Any:
+        """The tokenizer, for a request that gives text; a 400 naming ``param`` when the
+        server runs without one (``--skip-tokenizer-init``)."""
+        if self.engine.tokenizer is None:
+            raise bad_request(
+                "this server runs without a tokenizer (--skip-tokenizer-init): give the "
+                "prompt as token ids to /v1/completions",
+                param=param,
+            )
+        return self.engine.tokenizer
+
     @property
     def cache_tokens(self) -> int:
         return self.num_blocks * self.block_size
@@ -82,6 +93,7 @@ class Prompt:
 @dataclass(slots=True)
 class ChoiceState:
     text_len: int = 0
+    num_tokens: int = 0
     num_logprobs: int = 0
     text_offset: int = 0
     started: bool = False
@@ -368,15 +380,20 @@ def _logprob_triples(
     return triples
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token as text; ``token_id:N`` without a tokenizer (as vLLM spells it)."""
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+
 def completion_logprobs(
     tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[int], offset: int
 ) -> CompletionLogprobs:
     result = CompletionLogprobs()
     for token_id, logprob, top in _logprob_triples(entries, token_ids):
-        text = tokenizer.decode([token_id])
+        text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(logprob)
-        result.top_logprobs.append({tokenizer.decode([t]): lp for t, lp in top})
+        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -385,10 +402,10 @@ def completion_logprobs(
 def chat_logprobs(tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[int]) -> ChatLogprobs:
     content = []
     for token_id, logprob, top in _logprob_triples(entries, token_ids):
-        text = tokenizer.decode([token_id])
+        text = token_text(tokenizer, token_id)
         alternatives = []
         for t, lp in top:
-            alt = tokenizer.decode([t])
+            alt = token_text(tokenizer, t)
             alternatives.append(TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode())))
         content.append(
             ChatTokenLogprob(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -22,7 +22,7 @@ T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: BaseModel, *, exclude: set[str] | None = None) -> bytes:
+def sse_event(payload: BaseModel, *, exclude: set[str] | dict[str, Any] | None = None) -> bytes:
     """One SSE event carrying ``payload`` as compact JSON."""
     return b"data: " + payload.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
