@@ -1,4 +1,5 @@
-"""The small-batch AMX linear kernel (csrc/small_gemm.cpp) against torch."""
+"""The small-batch linear kernel (csrc/small_gemm*.cpp) against torch: bf16 on each route this
+CPU has (the AMX tile unit, AVX-512-bf16 dot products), float32 with AVX-512."""
 
 from __future__ import annotations
 
@@ -11,16 +12,32 @@ from pagedllm.kernels.linear import SMALL_GEMM_MAX_ROWS_BF16, pack_small_weight
 from pagedllm.model.llama import Linear
 
 ops = kernel_ops.layer_ops()
-needs_tiles = pytest.mark.skipif(
-    ops is None or not ops.small_gemm_available(), reason="no C++ kernels or no AMX tile unit"
-)
+BF16_ROUTES = ["amx", "avx512_bf16"]
+
+
+@pytest.fixture(params=BF16_ROUTES)
+def bf16_route(request):
+    """Runs the test on one bf16 route, capped with set_small_gemm_isa; skips where this CPU
+    (or the build) lacks it."""
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    saved = ops.set_small_gemm_isa(request.param)
+    try:
+        if ops.small_gemm_isa() != request.param:
+            pytest.skip(f"this CPU has no {request.param} (small_gemm runs {ops.small_gemm_isa()})")
+        yield request.param
+    finally:
+        ops.set_small_gemm_isa(saved)
+
+
+on_bf16_routes = pytest.mark.usefixtures("bf16_route")
 
 
 def bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@needs_tiles
+@on_bf16_routes
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (768, 512), (512, 1536), (4000, 64)])
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 63, 64, 65, 130])
 def test_matches_linear(m, n, k):
@@ -36,7 +53,7 @@ def test_matches_linear(m, n, k):
         assert (got != F.linear(x, w, b)).float().mean().item() <= 1e-3
 
 
-@needs_tiles
+@on_bf16_routes
 def test_strided_rows_and_empty_batch():
     w = bf16(64, 64, seed=1)
     packed = ops.pack_small_gemm(w)
@@ -46,7 +63,7 @@ def test_strided_rows_and_empty_batch():
     assert ops.small_gemm(wide[:0, :64], packed).shape == (0, 64)
 
 
-@needs_tiles
+@on_bf16_routes
 @pytest.mark.parametrize("m", [16, 21])
 def test_rows_off_cache_lines_give_the_same_bits(m):
     # x starting 16 bytes into a line, rows 144 bytes apart: read through an aligned copy.
@@ -60,7 +77,7 @@ def test_rows_off_cache_lines_give_the_same_bits(m):
     )
 
 
-@needs_tiles
+@on_bf16_routes
 def test_bad_shapes_raise():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.pack_small_gemm(bf16(24, 64, seed=0))
@@ -71,7 +88,7 @@ def test_bad_shapes_raise():
         ops.small_gemm(torch.randn(2, 64), packed)
 
 
-@needs_tiles
+@on_bf16_routes
 def test_linear_routes_by_row_count():
     layer = Linear(64, 48, bias=True).to(torch.bfloat16)
     layer.pack(ops)
@@ -81,6 +98,22 @@ def test_linear_routes_by_row_count():
         with torch.inference_mode():
             got = layer(x)
         assert (got != F.linear(x, layer.weight, layer.bias)).float().mean().item() <= 1e-3
+
+
+def test_route_cap_is_checked_and_restored():
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    best = ops.small_gemm_isa()
+    saved = ops.set_small_gemm_isa("none")
+    try:
+        assert ops.small_gemm_isa() == "none" and not ops.small_gemm_available(True)
+        with pytest.raises(RuntimeError, match="AMX tile unit or AVX-512-bf16"):
+            ops.small_gemm(bf16(2, 64, seed=0), ops.pack_small_gemm(bf16(32, 64, seed=0)))
+        with pytest.raises(RuntimeError, match="unknown ISA"):
+            ops.set_small_gemm_isa("sse")
+    finally:
+        ops.set_small_gemm_isa(saved)
+    assert ops.small_gemm_isa() == best
 
 
 def test_not_packed_where_it_does_not_apply():
@@ -108,7 +141,7 @@ def test_float32_matches_linear(m, n, k):
     torch.testing.assert_close(ops.small_gemm(wide, packed), F.linear(wide.contiguous(), w), **tol)
 
 
-@needs_tiles
+@on_bf16_routes
 @pytest.mark.parametrize("n,k", [(16, 32), (4000, 96), (32000, 512)])
 @pytest.mark.parametrize("m", [1, 5, 17, 64])
 def test_argmax_equals_argmax_of_the_logits(m, n, k):
@@ -119,7 +152,7 @@ def test_argmax_equals_argmax_of_the_logits(m, n, k):
         assert torch.equal(ops.small_gemm_argmax(x, packed, b), logits.argmax(-1))
 
 
-@needs_tiles
+@on_bf16_routes
 def test_argmax_ties_take_the_first_column_and_nan_wins():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # two column ranges to merge
@@ -138,7 +171,7 @@ def test_argmax_ties_take_the_first_column_and_nan_wins():
         torch.set_num_threads(threads)
 
 
-@needs_tiles
+@on_bf16_routes
 @pytest.mark.parametrize("n", [16, 48, 3072])
 @pytest.mark.parametrize("m", [17, 32, 33, 48, 100, 256, 300])
 def test_register_blocks_at_the_edges(m, n):
@@ -155,7 +188,7 @@ def test_register_blocks_at_the_edges(m, n):
         assert torch.equal(ops.small_gemm_argmax(x, packed, b), got.argmax(-1))
 
 
-@needs_tiles
+@on_bf16_routes
 @pytest.mark.parametrize("threads", [1, 2])
 def test_argmax_ties_across_column_group_pairs(threads):
     saved = torch.get_num_threads()

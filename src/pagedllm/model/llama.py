@@ -41,7 +41,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
     small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
-    plain weight) where the CPU has the tile unit, else oneDNN's."""
+    plain weight) where this CPU runs that kernel, else oneDNN's."""
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
