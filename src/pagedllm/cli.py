@@ -1,4 +1,5 @@
-"""`pagedllm serve | generate | plan | router` — one dispatcher; each command lives with its layer."""
+"""`pagedllm serve | generate | plan | router | cache-report` — one dispatcher; each command lives
+with its layer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ COMMANDS = {
     "generate": ("pagedllm.engine.cli_generate", "generate text for a prompt offline"),
     "router": ("pagedllm.server.router_cli", "route requests to data-parallel replicas by prefix"),
     "plan": ("pagedllm.planner.cli", "how many concurrent sessions fit in given memory"),
+    "cache-report": (
+        "pagedllm.planner.cache_report",
+        "why prompts of a request log are not cached, and what it costs",
+    ),
 }
 
 

@@ -123,3 +123,46 @@ def _timeline_axes(ax: Any, sim: dict[str, Any]) -> None:
 
 def _tokens(x: float, _pos: int) -> str:
     return f"{x / 1024:g}k" if x >= 1024 else f"{x:g}"
+
+
+def write_cache_plot(report: dict[str, Any], path: str | Path) -> Path:
+    """`pagedllm cache-report --plot`: hit rate by prompt position, and the divergence
+    histogram (tokens recomputed by the token index where requests diverged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6))
+    points = report["hit_rate_by_position"]
+    left.plot([p for p, _ in points], [r for _, r in points], color="tab:blue", linewidth=1.8)
+    left.set_ylim(0, 1.02)
+    left.set_xlabel("prompt position (tokens)")
+    left.set_ylabel("requests reaching it that found it cached")
+    left.set_title(f"hit rate by position ({report['cache']} cache)")
+    left.grid(True, alpha=0.3)
+    rows = report["divergences"]
+    if rows:
+        colors = plt.get_cmap("tab10")
+        kinds = sorted({d["kind"] for d in rows})
+        for k, kind in enumerate(kinds):
+            mine = [d for d in rows if d["kind"] == kind]
+            right.bar(
+                [d["token_index"] for d in mine],
+                [d["tokens_recomputed"] for d in mine],
+                width=max(1.0, max(d["token_index"] for d in rows) / 80),
+                color=colors(k),
+                label=kind,
+            )
+        right.legend()
+    else:
+        right.text(0.5, 0.5, "no divergence points", ha="center", va="center")
+    right.set_xlabel("token index of the divergence")
+    right.set_ylabel("tokens recomputed because of it")
+    right.set_title("divergence points")
+    right.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
