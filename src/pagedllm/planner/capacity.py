@@ -361,7 +361,7 @@ class BlockSizeRow:
 @dataclass(frozen=True, slots=True)
 class BlockSizeAdvice:
     rows: tuple[BlockSizeRow, ...]
-    block_size: int
+    block_size: int | None  # None: not one sequence fits at any candidate block size
     reasoning: str
 
 
@@ -388,6 +388,10 @@ def recommend_block_size(
         for bs in candidates
     )
     best = max(row.concurrency for row in rows)
+    if best == 0:
+        return BlockSizeAdvice(
+            rows, None, _nothing_fits(kv_budget_bytes, kv_bytes_per_token, workload, candidates)
+        )
     good = [row for row in rows if row.concurrency >= best * (1 - tolerance)]
     chosen = max(good, key=lambda row: row.block_size)
     smallest = min(rows, key=lambda row: row.block_size)
@@ -415,6 +419,25 @@ def recommend_block_size(
             + ")"
         )
     return BlockSizeAdvice(rows, chosen.block_size, reasoning)
+
+
+def _nothing_fits(
+    kv_budget_bytes: int, kvpt: int, workload: Workload, candidates: Sequence[int]
+) -> str:
+    longest = workload.max_length
+    if kv_budget_bytes <= 0:
+        why = "no KV budget: the weights and activation reserve take all the memory"
+    else:
+        why = (
+            f"the {kv_budget_bytes / 2**30:.2f} GiB KV budget holds "
+            f"{kv_budget_bytes // kvpt:,} tokens, fewer than one {_tokens_label(longest)}-token "
+            "sequence needs"
+        )
+    return (
+        f"not one sequence fits at any block size {candidates[0]}..{candidates[-1]} "
+        f"({why}); fit the model first (a larger --tp, a smaller --weight-dtype, "
+        "--kv-dtype fp8, more memory or shorter contexts)"
+    )
 
 
 def _block_size_row(

@@ -124,6 +124,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="scheduler: tokens per step (chunked prefill)",
     )
+    h = parser.add_argument_group("the cost of holding context (shown when a price is given)")
+    h.add_argument("--gpu-hour-price", type=float, help="price of one device for an hour")
+    h.add_argument(
+        "--gib-hour-price",
+        type=float,
+        help="device memory price per GiB-hour (default: --gpu-hour-price / device GiB)",
+    )
+    h.add_argument("--hold-tokens", type=int, help="tokens of context held (default: mean length)")
+    h.add_argument(
+        "--hold-seconds", type=float, default=300.0, help="time until its next use (default 300)"
+    )
+    h.add_argument(
+        "--prefill-tokens-per-s", type=float, help="measured or given prefill speed (recompute)"
+    )
+    h.add_argument("--tier-gib-hour-price", type=float, help="slower tier (host RAM, disk) price")
+    h.add_argument(
+        "--tier-bandwidth",
+        type=float,
+        default=25.0,
+        help="GiB/s from the slower tier back to the device (default 25)",
+    )
     s.add_argument("--plot", metavar="FILE.png", help="write the plots (matplotlib)")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -191,7 +212,36 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any], list[TraceEntry]]:
         "curve": cap.concurrency_curve(geometry, max_model_len, args.shared_prefix),
     }
     plan |= _advice(args, plan, main, max_model_len, target)
+    if args.gpu_hour_price is not None or args.gib_hour_price is not None:
+        plan["holding"] = _holding(args, plan, main)
     return plan, entries
+
+
+def _holding(
+    args: argparse.Namespace, plan: dict[str, Any], workload: cap.Workload
+) -> dict[str, Any]:
+    """The cost of holding one context, and the break-even intervals (planner/holding.py)."""
+    from pagedllm.planner.holding import HoldingPrices, holding_cost
+
+    memory = plan["device"]["memory_bytes"]
+    device_hour = args.gpu_hour_price
+    if device_hour is None:  # only a GiB-hour price: the device's hour from its memory
+        device_hour = args.gib_hour_price * memory / GIB
+    prices = HoldingPrices(
+        device_hour=device_hour,
+        device_memory_bytes=memory,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        tier_gib_hour=args.tier_gib_hour_price,
+        tier_gib_per_s=args.tier_bandwidth,
+        device_gib_hour=args.gib_hour_price,
+    )
+    tokens = args.hold_tokens or max(1, round(workload.mean_length))
+    cost = holding_cost(plan["kv_bytes_per_token"], tokens, args.hold_seconds, prices)
+    return asdict(cost) | {
+        "resident_gib_hour": prices.resident_gib_hour,
+        "tier_gib_hour": prices.tier_gib_hour,
+        "device_hour": prices.device_hour,
+    }
 
 
 def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
@@ -364,6 +414,8 @@ def render(plan: dict[str, Any]) -> str:
         *(f"verdict: {v}" for v in plan["verdicts"]),
     ]
     lines += ["", *_block_size_table(plan), "", *_fraction_lines(plan)]
+    if plan.get("holding"):
+        lines += ["", *_holding_lines(plan["holding"], plan["kv_bytes_per_token"])]
     if plan.get("simulation"):
         from pagedllm.planner.simulate import render_simulation
 
@@ -405,8 +457,9 @@ def _below_target(plan: dict[str, Any]) -> list[str]:
 
 def _block_size_table(plan: dict[str, Any]) -> list[str]:
     advice = plan["block_size_advice"]
+    nothing = " nothing fits at any block size" if advice["block_size"] is None else ""
     lines = [
-        f"block size for {plan['workload']['label']}:",
+        f"block size for {plan['workload']['label']}:{nothing}",
         f"  {'size':>5} {'blocks':>10} {'blocks/seq':>11} {'last-block waste':>17} "
         f"{'prompt unshared':>16} {'concurrency':>12} {'block ops/1k tok':>17}",
     ]
@@ -416,7 +469,10 @@ def _block_size_table(plan: dict[str, Any]) -> list[str]:
             f"{r['internal_waste_tokens']:>8.1f} ({r['internal_waste_fraction']:>5.1%}) "
             f"{r['prefix_unshared_tokens']:>16} {r['concurrency']:>12,} {r['table_ops_per_1k_tokens']:>17.1f}"
         )
-    lines.append(f"  recommended --block-size {advice['block_size']}: {advice['reasoning']}")
+    if advice["block_size"] is None:
+        lines.append(f"  no --block-size to recommend: {advice['reasoning']}")
+    else:
+        lines.append(f"  recommended --block-size {advice['block_size']}: {advice['reasoning']}")
     return lines
 
 
@@ -430,3 +486,39 @@ def _fraction_lines(plan: dict[str, Any]) -> list[str]:
         "cannot be met" if advice["memory_fraction"] is None else f"{advice['memory_fraction']:.2f}"
     )
     return [f"{head} ({advice['scheme']}): {choice}", f"  {advice['reasoning']}"]
+
+
+def _holding_lines(h: dict[str, Any], kvpt: int) -> list[str]:
+    when = _duration(h["seconds"])
+    lines = [
+        f"holding context: {h['num_tokens']:,} tokens x {kvpt:,} bytes/token = "
+        f"{h['bytes'] / GIB:.3f} GiB, next used after {when}",
+        f"  resident   {h['resident_gib_hour']:.4g}/GiB-hour (device {h['device_hour']:.4g}/hour "
+        f"over its memory): {h['resident']:.6f}",
+    ]
+    if h["tier"] is not None:
+        lines.append(
+            f"  tier       {h['tier_gib_hour']:.4g}/GiB-hour + {h['tier_load_s']:.3f} s of device "
+            f"time to load it back: {h['tier']:.6f}"
+        )
+    if h["recompute"] is None:
+        lines.append("  recompute  give --prefill-tokens-per-s (measured) to compare")
+    else:
+        lines.append(f"  recompute  {h['recompute_s']:.3f} s of device time: {h['recompute']:.6f}")
+    until = [f"keep it resident if reused within {_duration(h['resident_until_s'])}"]
+    if h["tier_until_s"] is not None:
+        until.append(f"on the tier within {_duration(h['tier_until_s'])}")
+    if h["recompute"] is not None:
+        until.append("else recompute it")
+    lines += [f"  break-even: {'; '.join(until)}", f"  cheapest for this reuse: {h['cheapest']}"]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "any time"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
