@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from pagedllm.worker.allocator import HUGE_PAGE, zeros_on_huge_pages
+from pagedllm.engine.elastic import process_resident_bytes
+from pagedllm.worker.allocator import HUGE_PAGE, BlockArena
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_caches
 
 PROBE = textwrap.dedent(
@@ -79,15 +80,48 @@ def _huge_kib_of_range(start: int, end: int) -> int:
     return total
 
 
-def test_huge_page_tensor_is_zeroed_aligned_and_contiguous():
-    t = zeros_on_huge_pages((64, 16, 2, 64), torch.bfloat16)  # 256 KiB: below one huge page
-    assert t.shape == (64, 16, 2, 64) and t.dtype == torch.bfloat16 and not t.any()
-    big = zeros_on_huge_pages((3, 1 << 20), torch.float32)  # 12 MiB
-    assert big.is_contiguous() and not big.any()
+def test_arena_tensors_are_zeroed_aligned_and_contiguous():
+    small = BlockArena([((16, 2, 64), torch.bfloat16)], 64, 64).tensors[0]  # 256 KiB
+    assert small.shape == (64, 16, 2, 64) and small.dtype == torch.bfloat16 and not small.any()
+    arena = BlockArena([((1 << 20,), torch.float32), ((4,), torch.int8)], 3, 8)
+    big, scales = arena.tensors
+    assert big.shape == (3, 1 << 20) and scales.shape == (3, 4)
+    assert big.is_contiguous() and not big.any() and not scales.any()
     if sys.platform.startswith("linux"):
-        assert big.data_ptr() % HUGE_PAGE == 0
+        assert big.data_ptr() % HUGE_PAGE == 0 and scales.data_ptr() % HUGE_PAGE == 0
     big.fill_(1.0)
     assert big.sum().item() == 3 * (1 << 20)
+
+
+def test_arena_resize_keeps_the_head_and_views_grow_in_place():
+    arena = BlockArena([((1024,), torch.float32)] * 2, 6, 16)
+    for i, tensor in enumerate(arena.tensors):
+        tensor.copy_(torch.arange(6).unsqueeze(1).float() + 10 * i)
+    first = arena.tensors[0].data_ptr()
+    arena.resize(2)
+    assert arena.tensors[0].shape[0] == 2
+    arena.resize(12)
+    arena.wait_populated()
+    assert arena.tensors[0].data_ptr() == first  # no copy, no new mapping
+    for i, tensor in enumerate(arena.tensors):
+        assert tensor[:2, 0].tolist() == [10 * i, 10 * i + 1]
+        assert not tensor[2:].any()  # given back, read back as zeros
+    with pytest.raises(ValueError):
+        arena.resize(17)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_arena_shrink_returns_resident_memory_at_once():
+    mib = 1 << 20
+    arena = BlockArena([((mib,), torch.uint8)] * 4, 64, 96)  # 256 MiB committed
+    before = process_resident_bytes()
+    arena.resize(8)  # gives back 4 x 56 MiB
+    after = process_resident_bytes()
+    released = 4 * 56 * mib
+    assert before - after >= 0.95 * released
+    arena.resize(64)
+    arena.wait_populated()  # faulted in again by the background thread
+    assert process_resident_bytes() - after >= 0.95 * released
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
@@ -95,7 +129,7 @@ def test_kv_cache_is_backed_by_huge_pages():
     spec = KVCacheSpec(
         num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16
     )
-    caches = allocate_caches(spec, 2048, torch.device("cpu"))  # 4 views of 8 MiB each
+    caches = allocate_caches(spec, 2048, torch.device("cpu"))  # 4 regions of 8 MiB each
     start = caches[0][0].data_ptr()
     end = caches[-1][1].data_ptr() + caches[-1][1].numel() * 2
     assert end - start == 4 * 2048 * spec.bytes_per_block // (2 * spec.num_layers)

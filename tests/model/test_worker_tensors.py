@@ -129,3 +129,23 @@ def test_swap_without_host_tier_is_refused() -> None:
     cache = filled_cache(num_host_blocks=0)
     with pytest.raises(ValueError, match="num_host_blocks"):
         cache.swap_out([(0, 0)])
+
+
+@pytest.mark.parametrize("max_num_blocks", [None, 8])
+def test_resize_keeps_the_kept_blocks_of_every_tensor(max_num_blocks) -> None:
+    cache = KVCache(KVCacheSpec(2, 1, 2, 2), 6, 0, max_num_blocks=max_num_blocks)
+    for layer, (k, v) in enumerate(cache.device_caches):
+        for block in range(6):
+            k[block] = 100 * layer + block
+            v[block] = -(100 * layer + block)
+    cache.resize(3)
+    assert all(t.shape[0] == 3 for t in cache.device_tensors)
+    cache.resize(12)  # past the arena's capacity when it is 8: a new arena, blocks copied
+    assert cache.num_blocks == 12 and len(cache.device_caches) == 2
+    for layer, (k, v) in enumerate(cache.device_caches):
+        assert k.shape[0] == 12
+        assert k[:3, 0, 0, 0].tolist() == [100 * layer + b for b in range(3)]
+        assert torch.equal(v[:3], -k[:3])
+        k[11] = 7  # the new blocks are usable
+    cache.copy_blocks([(11, 0)])
+    assert cache.device_caches[1][0][0, 0, 0, 0].item() == 7

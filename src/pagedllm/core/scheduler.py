@@ -163,6 +163,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._last_step_ids: frozenset[str] = frozenset()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        # The most blocks the pool may grow to (the elastic pool's MAX), if it can grow.
+        self.max_num_blocks: int | None = None
         # request id -> tokens it found cached when it first waited for in-flight blocks.
         self._inflight_waiters: dict[str, int] = {}
         self.num_inflight_shared_tokens = 0
@@ -192,7 +194,8 @@ class Scheduler:
         num_tokens = num_prompt_tokens + max_tokens - 1
         block_size = self._block_size
         needed = -(-num_tokens // block_size)
-        total = self.kv.usable_blocks  # the pool may be resized at run time
+        # The pool may be resized at run time; an elastic pool may grow to max_num_blocks.
+        total = max(self.kv.usable_blocks, self.max_num_blocks or 0)
         if needed > total:
             raise ValueError(
                 f"request needs {needed} KV blocks ({num_tokens} tokens) but the whole cache "

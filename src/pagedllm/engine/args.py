@@ -21,6 +21,24 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_size_range(text: str | int) -> tuple[int, int | None]:
+    """``4GiB`` -> (bytes, None); ``512MiB:4GiB`` -> (MIN, MAX), the elastic pool's range."""
+    if isinstance(text, str) and ":" in text:
+        low, high = text.split(":", 1)
+        low_bytes, high_bytes = parse_size(low), parse_size(high)
+        if low_bytes > high_bytes:
+            raise ValueError(f"MIN ({low}) is larger than MAX ({high})")
+        return low_bytes, high_bytes
+    return parse_size(text), None
+
+
+def _size_range_arg(text: str) -> tuple[int, int | None]:
+    try:
+        return parse_size_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's flags (model, cache, batching, preemption) to ``parser``."""
     group = parser.add_argument_group("engine")
@@ -33,9 +51,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument(
         "--kv-cache-memory",
-        type=_size_arg,
+        type=_size_range_arg,
         default=None,
-        help="KV cache size, e.g. 4GiB (default 1GiB)",
+        help="KV cache size, e.g. 4GiB (default 1GiB); MIN:MAX (512MiB:4GiB) for the "
+        "automatic elastic pool: it grows under load up to MAX and compacts and shrinks "
+        "toward MIN after --elastic-idle seconds without requests",
+    )
+    group.add_argument(
+        "--elastic-idle",
+        type=float,
+        default=30.0,
+        help="seconds without requests before the elastic pool shrinks (default 30)",
     )
     group.add_argument(
         "--memory-fraction",
@@ -136,7 +162,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory[0] if args.kv_cache_memory else None,
+        kv_cache_memory_max=args.kv_cache_memory[1] if args.kv_cache_memory else None,
+        elastic_idle_s=args.elastic_idle,
         memory_fraction=args.memory_fraction,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,

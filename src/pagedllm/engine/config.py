@@ -59,12 +59,23 @@ class EngineConfig:
     kv_offload_space: float = DEFAULT_KV_OFFLOAD_SPACE_GIB
     # Load no tokenizer: prompts are token ids, outputs token ids (text stays empty).
     skip_tokenizer_init: bool = False
+    # The elastic pool's automatic mode (``--kv-cache-memory MIN:MAX``): kv_cache_memory
+    # is MIN (the start), this is MAX; the pool shrinks toward MIN after elastic_idle_s.
+    kv_cache_memory_max: int | None = None
+    elastic_idle_s: float = 30.0
+    # A shrink's compaction takes at most this share of a step's time, per step.
+    compaction_step_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
         self._check_positive("max_num_seqs", self.max_num_seqs)
         self._check_positive("num_scheduler_steps", self.num_scheduler_steps)
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "kv_cache_memory",
+            "kv_cache_memory_max",
+        ):
             if getattr(self, name) is not None:
                 self._check_positive(name, getattr(self, name))
         for name in ("num_blocks", "num_host_blocks"):
@@ -73,6 +84,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.kv_cache_memory is not None and self.memory_fraction is not None:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
+        if self.kv_cache_memory_max is not None and (
+            self.kv_cache_memory is None or self.kv_cache_memory > self.kv_cache_memory_max
+        ):
+            raise ValueError("kv_cache_memory_max needs kv_cache_memory (MIN) <= it (MAX)")
+        if self.elastic_idle_s < 0:
+            raise ValueError(f"elastic_idle_s must be >= 0, got {self.elastic_idle_s}")
+        if not 0.0 < self.compaction_step_fraction <= 10.0:
+            raise ValueError(
+                f"compaction_step_fraction must be in (0, 10], got {self.compaction_step_fraction}"
+            )
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not self.kv_offload_space > 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,9 +36,10 @@ from pagedllm.core.scheduler import (
 from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.base import ModelRunner, SupportsDiskTier
+from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
 # Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
@@ -83,6 +84,8 @@ class EngineStats:
     waste: WasteReport | None = None
     # The disk tier's I/O totals (None without one); its blocks and hits are in `cache`.
     disk: DiskStoreStats | None = None
+    # The elastic pool (sizes, policy, last resize); None for a runner that cannot resize.
+    elastic: ElasticStats | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +201,15 @@ class LLMEngine:
         )
         self.startup_report = self._make_startup_report(memory_bytes)
         self.model_name: str | None = None  # set by from_config
+        self.elastic = ElasticPool(
+            self.kv,
+            self.scheduler,
+            runner,
+            step_fraction=config.compaction_step_fraction,
+            policy=_elastic_policy(config, runner),
+        )
+        if self.elastic.policy is not None:
+            self.scheduler.max_num_blocks = self.elastic.policy.max_blocks
         if config.preemption_mode == "swap" and runner.num_host_blocks == 0:
             logger.warning(
                 "preemption_mode='swap' without a host tier (swap_space=0): "
@@ -337,6 +349,33 @@ class LLMEngine:
         self.kv.evict_cached_blocks()
         return True
 
+    # ------------------------------------------------------------------ the elastic pool
+
+    def resize_kv_cache(self, num_bytes: int, *, preempt: bool = False) -> ResizeReport:
+        """Resize the KV cache's device tier to ``num_bytes`` now (compaction, then the
+        tail given back; or grown in place). A shrink stops above what running requests
+        hold (plus a block each) and the largest unfinished request's need, unless
+        ``preempt``; the report says so. See ``engine/elastic.py``."""
+        return self.elastic.resize(num_bytes, preempt=preempt)
+
+    def start_resize(
+        self,
+        num_bytes: int,
+        *,
+        preempt: bool = False,
+        on_done: Callable[[ResizeReport], None] | None = None,
+    ) -> None:
+        """Begin a resize carried out between the next steps in bounded slices, so running
+        requests keep generating; ``on_done`` gets the report."""
+        self.elastic.start(num_bytes, preempt=preempt, on_done=on_done)
+
+    def elastic_tick(self) -> None:
+        """Let the automatic elastic policy act while no step runs (an idle server's
+        timer calls this); a shrink under way with nothing running completes."""
+        if self.elastic.resizing and not self.scheduler.has_unfinished_requests():
+            self.elastic.finish_now()
+        self.elastic.tick(time.monotonic())
+
     # ------------------------------------------------------------------ the step
 
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
@@ -344,9 +383,17 @@ class LLMEngine:
         ``finished_only`` only of those it finished (or failed): offline generation needs no
         others, and building one per running request every step costs a good share of a
         decode step's Python time (so does detokenizing each token: without stop strings the
-        text is then decoded when the request finishes)."""
+        text is then decoded when the request finishes). A shrink under way takes a bounded
+        slice of compaction first."""
+        self.elastic.before_step()
         if not self.scheduler.has_unfinished_requests():
             return []
+        started = time.perf_counter()
+        outputs = self._step(finished_only)
+        self.elastic.after_step(time.perf_counter() - started, time.monotonic())
+        return outputs
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         forward = scheduler_output
         if scheduler_output.has_block_moves:
@@ -421,6 +468,7 @@ class LLMEngine:
             num_inflight_waits=s.num_inflight_waits,
             waste=self._waste(),
             disk=self.disk_store.stats() if self.disk_store is not None else None,
+            elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
         )
 
     def flush_disk_tier(self) -> None:
@@ -675,7 +723,7 @@ class LLMEngine:
         return params.with_eos(self.eos_token_id)
 
     def _resolve_max_model_len(self, model_config: Any) -> int:
-        cache_tokens = self.runner.num_blocks * self.runner.block_size
+        cache_tokens = _max_num_blocks(self.config, self.runner) * self.runner.block_size
         model_limit = getattr(model_config, "max_position_embeddings", None)
         requested = self.config.max_model_len
         if requested is None:
@@ -724,6 +772,23 @@ class LLMEngine:
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
         )
+
+
+def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy | None:
+    """The automatic policy of ``--kv-cache-memory MIN:MAX`` (MIN is the start size)."""
+    if config.kv_cache_memory_max is None:
+        return None
+    if not isinstance(runner, ResizableRunner):
+        raise ValueError(f"kv_cache_memory_max: {type(runner).__name__} cannot resize")
+    max_blocks = _max_num_blocks(config, runner)
+    return ElasticPolicy(runner.num_blocks, max_blocks, idle_s=config.elastic_idle_s)
+
+
+def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
+    """The most blocks the device tier may hold: its size, or the elastic pool's MAX."""
+    if config.kv_cache_memory_max is None or not isinstance(runner, ResizableRunner):
+        return runner.num_blocks
+    return max(runner.num_blocks, config.kv_cache_memory_max // runner.kv_block_bytes)
 
 
 def _describe(exc: BaseException) -> str:

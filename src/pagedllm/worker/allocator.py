@@ -1,5 +1,5 @@
 """Where the CPU engine's memory comes from: step buffers from the heap, the KV cache on
-huge pages.
+huge pages (``BlockArena``: resizable at run time, the tail given back to the kernel).
 
 Step buffers (``keep_step_buffers``): kept in the heap instead of fresh pages from the kernel.
 
@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
+import os
+import sys
+import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -55,33 +60,146 @@ def keep_step_buffers() -> bool:
     return ok
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in its own anonymous mapping, which the kernel is asked to back
-    with transparent huge pages (``madvise(MADV_HUGEPAGE)``, then every page written once
-    here; the tensor starts on a 2 MiB boundary).
+# madvise advice numbers (Linux, asm-generic/mman-common.h); mmap lacks some of them.
+MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MAP_NORESERVE = 0x4000  # Linux: address space only, no commit charge
+PAGE = mmap.PAGESIZE
 
-    For the KV cache: a decode step reads every context through its block table, one random
-    4 KiB block after another, so with small pages nearly every block costs a TLB miss and a
-    page walk (dearer still in a virtual machine); one 2 MiB entry covers 512 blocks. Measured:
-    the decode kernel over 64 contexts of 400 tokens read from memory, one thread, 2.26 -> 1.93
-    ms (median of 12); the standard workload, 8 runs alternated with small pages: 1.08x the
-    speed (median; 6 of 8 faster). Faulting the pages in as the steps first reach them instead
-    made those runs slower (5 of 7): the faults (and any compaction they trigger) then land in
-    the steps. So the whole tensor is committed now, as vLLM's cache is: 0.1-0.6 s per GiB here.
-    Where huge pages are unavailable (not Linux, THP ``never``) the memory is ordinary pages.
+
+class BlockArena:
+    """Per-block tensors (K and V of every layer, scales of a quantized cache, ...) whose
+    number of blocks changes at run time, in one anonymous mapping on huge pages.
+
+    Huge pages: a decode step reads every context through its block table, one random
+    block after another; with 4 KiB pages nearly every block costs a TLB miss, while one
+    2 MiB entry covers many blocks. The first ``num_blocks`` are committed (zeroed) at
+    start-up, as a fixed cache is, so page faults do not land in the first steps.
+
+    Each tensor gets its own region, sized for ``capacity`` blocks of address space
+    (``MAP_NORESERVE``: nothing is committed by the reservation) and starting on a 2 MiB
+    boundary; ``tensors`` are views of the first ``num_blocks`` blocks of each region.
+    Shrinking gives the pages past the new end back to the kernel at once
+    (``madvise(MADV_DONTNEED)``: resident memory drops; they read as zeros later);
+    growing only lengthens the views, so it takes no copy and no restart, and a
+    background thread faults the new pages in (``MADV_POPULATE_WRITE``, which leaves
+    their contents alone) so the steps do not pay for it.
     """
+
+    def __init__(
+        self,
+        layouts: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        num_blocks: int,
+        capacity: int,
+    ) -> None:
+        if not 0 < num_blocks <= capacity:
+            raise ValueError(f"need 0 < num_blocks <= capacity, got {num_blocks}, {capacity}")
+        self.capacity = capacity
+        self.block_bytes = [_numel(shape) * _itemsize(dtype) for shape, dtype in layouts]
+        sizes = [-(-capacity * b // HUGE_PAGE) * HUGE_PAGE for b in self.block_bytes]
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        if sys.platform.startswith("linux"):
+            flags |= MAP_NORESERVE
+        self._map = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=flags)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        start = -raw.data_ptr() % HUGE_PAGE
+        _madvise(raw.data_ptr(), len(self._map), MADV_HUGEPAGE)
+        self._regions = []
+        for (shape, dtype), size in zip(layouts, sizes, strict=True):
+            region = raw[start : start + size].view(dtype)
+            self._regions.append(region[: capacity * _numel(shape)].view(capacity, *shape))
+            start += size
+        self._populating: threading.Thread | None = None
+        self.num_blocks = 0
+        self.tensors: list[torch.Tensor] = []
+        self.resize(num_blocks, populate=False)
+        for tensor in self.tensors:  # committed now (zeros), as a fixed cache is
+            tensor.zero_()
+
+    @property
+    def nbytes_per_block(self) -> int:
+        return sum(self.block_bytes)
+
+    def resize(self, num_blocks: int, *, populate: bool = True) -> None:
+        """Views of ``num_blocks`` blocks; blocks past a smaller size are given back to the
+        kernel (their data is lost), blocks past a larger one are zeros or stale data of
+        blocks dropped earlier, faulted in by a background thread (``populate``)."""
+        if not 0 < num_blocks <= self.capacity:
+            raise ValueError(f"num_blocks must be in [1, {self.capacity}], got {num_blocks}")
+        old = self.num_blocks
+        self.wait_populated()
+        for region, block_bytes in zip(self._regions, self.block_bytes, strict=True):
+            if num_blocks < old:
+                low = -(-num_blocks * block_bytes // PAGE) * PAGE  # keep the shared page
+                high = -(-old * block_bytes // PAGE) * PAGE
+                if high > low:
+                    _madvise(region.data_ptr() + low, high - low, MADV_DONTNEED)
+        self.tensors = [region[:num_blocks] for region in self._regions]
+        self.num_blocks = num_blocks
+        if populate and num_blocks > old:
+            ranges = [
+                (region.data_ptr() + old * b, (num_blocks - old) * b)
+                for region, b in zip(self._regions, self.block_bytes, strict=True)
+            ]
+            self._populating = threading.Thread(
+                target=_populate, args=(ranges,), name="kv-populate", daemon=True
+            )
+            self._populating.start()
+
+    def wait_populated(self) -> None:
+        """Wait for the background fault-in of the last growth (tests, benchmarks)."""
+        if self._populating is not None:
+            self._populating.join()
+            self._populating = None
+
+
+def total_memory_bytes() -> int:
+    """Physical memory of the machine."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _populate(ranges: Sequence[tuple[int, int]]) -> None:
+    for address, length in ranges:
+        start = address - address % PAGE
+        _madvise(start, address + length - start, MADV_POPULATE_WRITE)
+
+
+def _madvise(address: int, length: int, advice: int) -> bool:
+    """``madvise`` through ctypes (which lets other threads run meanwhile); False where
+    it is unavailable or refused (then the memory simply stays as it is)."""
+    libc = _libc()
+    if libc is None or length <= 0:
+        return False
+    start = address - address % PAGE
+    return (
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice) == 0
+    )
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def _numel(shape: Sequence[int]) -> int:
     count = 1
     for size in shape:
         count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    # The mapping lives as long as the tensor (frombuffer keeps it).
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    region.madvise(advice)
-    raw = torch.frombuffer(region, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    # Written once now, so the huge pages are faulted in (and zeroed) here rather than by
-    # the first steps that reach each 2 MiB of the cache.
-    return raw[start : start + nbytes].zero_().view(dtype).view(shape)
+    return count
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

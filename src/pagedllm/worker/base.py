@@ -39,3 +39,18 @@ class SupportsDiskTier(Protocol):
         ...
 
     def attach_disk_store(self, store: DiskKVStore) -> None: ...
+
+
+@runtime_checkable
+class ResizableRunner(Protocol):
+    """A runner whose device tier can change size at run time (the elastic pool).
+
+    The engine first compacts (the core plans, the runner copies the blocks through
+    ``execute`` as ``block_copies``), so a shrink drops only blocks nobody reads.
+    """
+
+    kv_block_bytes: int  # one device block, every per-block tensor together
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Keep device blocks ``0 .. num_blocks - 1``; new ones may hold anything."""
+        ...

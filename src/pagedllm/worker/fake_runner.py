@@ -61,6 +61,7 @@ class FakeModelRunner:
     samples it with the real ``Sampler``, so that every sampling parameter works.
     ``fail_request_ids``: a step that schedules one of them raises
     ``InjectedFailure`` before touching anything. ``step_delay_s`` slows each step.
+    ``kv_block_bytes`` is the size it reports for a block (the elastic pool's sizing).
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class FakeModelRunner:
         strict: bool = True,
         fail_request_ids: Iterable[str] = (),
         step_delay_s: float = 0.0,
+        kv_block_bytes: int = 4096,
     ) -> None:
         self.num_blocks = num_blocks
+        self.kv_block_bytes = kv_block_bytes
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.num_host_blocks = num_host_blocks
@@ -165,6 +168,15 @@ class FakeModelRunner:
             else:
                 output = self._deterministic(contexts, scheduler_output.scheduled)
         return replace(output, failed_loads=failed_loads) if failed_loads else output
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Keep blocks ``0 .. num_blocks - 1``; new blocks hold nothing (``ResizableRunner``)."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        size = num_blocks * self.block_size
+        del self.device_slots[size:]
+        self.device_slots.extend([None] * (size - len(self.device_slots)))
+        self.num_blocks = num_blocks
 
     def next_token(self, context: Sequence[int], sample_index: int = 0) -> int:
         """The token this runner generates after ``context`` (used by tests as a

@@ -1,9 +1,15 @@
-"""The KV tensors: allocated once, per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""The KV tensors, per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
 Two tiers: the device tier the model attends over, and a host tier (CPU, pinned when
 a GPU exists) that holds the blocks of requests preempted by swapping. Block ids are
-indices into the first dimension; the scheduler decides them, this module only moves
-bytes.
+indices into the first dimension of every *per-block tensor* (K and V of each layer,
+and whatever else a cache format keeps per block); the scheduler decides them, this
+module only moves bytes, always through the whole list of per-block tensors.
+
+The device tier can be resized at run time (``KVCache.resize``, after the core's
+compaction emptied the blocks being dropped): on the CPU a ``BlockArena`` reserves
+address space for the largest size and gives the tail back to the kernel; elsewhere
+the tensors are re-allocated and the kept blocks copied.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.worker.allocator import zeros_on_huge_pages
+from pagedllm.worker.allocator import BlockArena, total_memory_bytes
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -51,6 +57,11 @@ class KVCacheSpec:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    def block_layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape past the block dimension and dtype of every per-block tensor, in
+        order: K and V of layer 0, K and V of layer 1, ..."""
+        return [(self.block_shape, self.dtype)] * (2 * self.num_layers)
 
     @property
     def bytes_per_token(self) -> int:
@@ -100,7 +111,7 @@ def num_blocks_from_budget(
 
 
 class KVCache:
-    """Per-layer K and V tensors of both tiers, allocated once."""
+    """The per-block tensors of both tiers; the device tier is resizable."""
 
     def __init__(
         self,
@@ -108,6 +119,8 @@ class KVCache:
         num_blocks: int,
         num_host_blocks: int = 0,
         device: torch.device | str = "cpu",
+        *,
+        max_num_blocks: int | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -117,21 +130,90 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.device = torch.device(device)
-        self.device_caches = allocate_caches(spec, num_blocks, self.device)
+        self.arena: BlockArena | None = None
+        if self.device.type == "cpu":
+            # Address space for the largest size the cache may grow to (the machine's
+            # memory unless told): reserving it commits nothing.
+            capacity = max_num_blocks or max(1, total_memory_bytes() // spec.bytes_per_block)
+            self.arena = BlockArena(spec.block_layouts(), num_blocks, max(capacity, num_blocks))
+            self.device_tensors = self.arena.tensors
+        else:
+            self.device_tensors = allocate_block_tensors(spec, num_blocks, self.device)
         pin = self.device.type == "cuda"
-        self.host_caches = allocate_caches(spec, num_host_blocks, torch.device("cpu"), pin=pin)
+        self.host_tensors = allocate_block_tensors(
+            spec, num_host_blocks, torch.device("cpu"), pin=pin
+        )
+        self.device_caches = _pairs(self.device_tensors)
+        self.host_caches = _pairs(self.host_tensors)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy device blocks src -> dst (copy-on-write), every layer, K and V."""
-        copy_blocks(self.device_caches, pairs)
+        """Copy device blocks src -> dst (copy-on-write, compaction), every per-block tensor."""
+        copy_blocks(self.device_tensors, pairs)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device block, host block) pairs."""
-        swap_blocks(self.device_caches, self.host_caches, pairs)
+        swap_blocks(self.device_tensors, self.host_tensors, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host block, device block) pairs."""
-        swap_blocks(self.host_caches, self.device_caches, pairs)
+        swap_blocks(self.host_tensors, self.device_tensors, pairs)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Device blocks as flat bytes, one row a block (every per-block tensor's block in
+        turn: layer 0's K then V, ...): a copy ``[n, bytes per block]`` uint8, for the
+        disk tier."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        parts = [
+            t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8)
+            for t in self.device_tensors
+        ]
+        return torch.cat(parts, dim=1).cpu().numpy()
+
+    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        """Overwrite device blocks with rows of ``read_blocks``' layout."""
+        rows = torch.from_numpy(np.ascontiguousarray(data)).to(self.device)
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        start = 0
+        for t in self.device_tensors:
+            size = t[0].numel() * t.element_size()
+            part = rows[:, start : start + size].contiguous().view(t.dtype)
+            t.index_copy_(0, ids, part.view(len(block_ids), *t.shape[1:]))
+            start += size
+
+    def resize(self, num_blocks: int) -> None:
+        """Keep device blocks ``0 .. num_blocks - 1`` (those past a smaller size must hold
+        nothing anyone reads: the core compacted them away). In place within the arena's
+        capacity; past it (or off the CPU) by re-allocating and copying the kept blocks."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if self.arena is not None and num_blocks <= self.arena.capacity:
+            self.arena.resize(num_blocks)
+            tensors = self.arena.tensors
+        else:
+            kept = min(num_blocks, self.num_blocks)
+            if self.arena is not None:
+                arena = BlockArena(self.spec.block_layouts(), num_blocks, num_blocks)
+                tensors = arena.tensors
+            else:
+                tensors = allocate_block_tensors(self.spec, num_blocks, self.device)
+            for new, old in zip(tensors, self.device_tensors, strict=True):
+                new[:kept].copy_(old[:kept])
+            if self.arena is not None:
+                self.arena = arena
+        self.device_tensors = tensors
+        self.device_caches = _pairs(tensors)
+        self.num_blocks = num_blocks
+
+
+def allocate_block_tensors(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, *, pin: bool = False
+) -> list[torch.Tensor]:
+    """Zeroed per-block tensors (``spec.block_layouts()``); zeros keep padding harmless
+    and runs reproducible."""
+    return [
+        torch.zeros((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin)
+        for shape, dtype in spec.block_layouts()
+    ]
 
     def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """Device blocks as flat bytes, one row a block (every layer's K then V): a copy
@@ -159,42 +241,40 @@ class KVCache:
 def allocate_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device, *, pin: bool = False
 ) -> KVPairs:
-    """Zeroed K and V per layer; zeros keep padding harmless and runs reproducible. On the
-    CPU, views of one allocation on transparent huge pages (``zeros_on_huge_pages``)."""
-    shape = (num_blocks, *spec.block_shape)
+    """Zeroed K and V per layer: on the CPU in a ``BlockArena`` (transparent huge pages)."""
     if device.type == "cpu" and not pin:
-        whole = zeros_on_huge_pages((spec.num_layers, 2, *shape), spec.dtype)
-        return [(layer[0], layer[1]) for layer in whole]
-    return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin),
-            torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin),
-        )
-        for _ in range(spec.num_layers)
-    ]
+        return _pairs(BlockArena(spec.block_layouts(), num_blocks, num_blocks).tensors)
+    return _pairs(allocate_block_tensors(spec, num_blocks, device, pin=pin))
 
 
-def copy_blocks(caches: KVPairs, pairs: Sequence[tuple[int, int]]) -> None:
+def _pairs(tensors: list[torch.Tensor]) -> KVPairs:
+    """(K, V) per layer from the per-block tensors (K and V lead each layer's entries)."""
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
+
+
+def copy_blocks(tensors: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
     """All sources are read before any destination is written."""
     if not pairs:
         return
-    device = caches[0][0].device
+    device = tensors[0].device
     src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
-    for k_cache, v_cache in caches:
-        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+    for tensor in tensors:
+        tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
 
-def swap_blocks(src_caches: KVPairs, dst_caches: KVPairs, pairs: Sequence[tuple[int, int]]) -> None:
+def swap_blocks(
+    src_tensors: Sequence[torch.Tensor],
+    dst_tensors: Sequence[torch.Tensor],
+    pairs: Sequence[tuple[int, int]],
+) -> None:
     """Move blocks between tiers (possibly different devices): (src block, dst block)."""
     if not pairs:
         return
-    if not src_caches or src_caches[0][0].shape[0] == 0 or dst_caches[0][0].shape[0] == 0:
+    if not src_tensors or src_tensors[0].shape[0] == 0 or dst_tensors[0].shape[0] == 0:
         raise ValueError("swap requested but the host tier has no blocks (num_host_blocks=0)")
-    src_device, dst_device = src_caches[0][0].device, dst_caches[0][0].device
+    src_device, dst_device = src_tensors[0].device, dst_tensors[0].device
     src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_device)
-    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches, strict=True):
-        dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_device))
-        dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_device))
+    for src_t, dst_t in zip(src_tensors, dst_tensors, strict=True):
+        dst_t.index_copy_(0, dst, src_t.index_select(0, src).to(dst_device))

@@ -127,6 +127,16 @@ class TorchModelRunner:
     def attach_disk_store(self, store: DiskKVStore) -> None:
         self.disk_store = store
 
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one device block across every per-block tensor."""
+        return sum(t[0].numel() * t.element_size() for t in self.kv_cache.device_tensors)
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Keep device blocks ``0 .. num_blocks - 1`` (``ResizableRunner``)."""
+        self.kv_cache.resize(num_blocks)
+        self.num_blocks = num_blocks
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps, copies, forward, sampling; releases finished requests' sampler state."""
         failed_loads: tuple[int, ...] = ()
