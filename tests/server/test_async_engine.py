@@ -38,9 +38,9 @@ def test_generate_streams_cumulative_outputs(tokenizer, num_scheduler_steps):
 
     async def main():
         engine = AsyncEngine(llm)
-        outputs = [
-            o async for o in engine.generate("r", [97, 98, 99], SamplingParams(max_tokens=6))
-        ]
+        # Greedy: multi-step decoding applies only to plain-argmax requests.
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        outputs = [o async for o in engine.generate("r", [97, 98, 99], params)]
         await engine.shutdown()
         return outputs
 
