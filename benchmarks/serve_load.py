@@ -71,33 +71,33 @@ class Tally:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
+    """The engine the server runs: its core in a process of its own (``--engine-core
+    process``, as ``pagedllm serve``) or in a thread of this one."""
+    from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.core import ConfigEngineFactory
+    from pagedllm.testing import FakeEngineFactory, make_tiny_tokenizer
 
-    config = EngineConfig(
-        model=args.model or "fake",
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        num_host_blocks=args.host_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        preemption_mode=args.preemption_mode,
-    )
+    engine_kw = {"max_num_seqs": args.max_num_seqs, "preemption_mode": args.preemption_mode}
     if args.model:
-        return LLMEngine.from_config(config)
-    from pagedllm.testing import make_tiny_tokenizer
-    from pagedllm.worker.fake_runner import FakeModelRunner
-
-    tokenizer = make_tiny_tokenizer(tempfile.mkdtemp(prefix="serve-load-"))
-    runner = FakeModelRunner(
-        args.num_blocks,
-        args.block_size,
-        vocab_size=len(tokenizer),
-        num_host_blocks=args.host_blocks,
-        allowed_token_ids=range(ord("a"), ord("z") + 1),
-        step_delay_s=args.step_delay,
-    )
-    return LLMEngine(config, runner, tokenizer)
+        config = EngineConfig(
+            model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+            num_host_blocks=args.host_blocks, max_model_len=args.max_model_len, **engine_kw,
+        )  # fmt: skip
+        factory: Any = ConfigEngineFactory(config)
+    else:
+        tokenizer_dir = tempfile.mkdtemp(prefix="serve-load-")
+        make_tiny_tokenizer(tokenizer_dir)
+        runner_kw = {"num_host_blocks": args.host_blocks, "step_delay_s": args.step_delay}
+        factory = FakeEngineFactory(
+            tokenizer_dir, num_blocks=args.num_blocks, block_size=args.block_size,
+            max_model_len=args.max_model_len, runner_kw=runner_kw, engine_kw=engine_kw,
+        )  # fmt: skip
+    if args.engine_core == "thread":
+        return AsyncEngine.in_thread(
+            factory.build_engine(), max_queued_requests=args.max_queued_requests
+        )
+    return AsyncEngine.launch(factory, max_queued_requests=args.max_queued_requests)
 
 
 class ServerThread:
@@ -363,6 +363,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--invalid-share", type=float, default=0.1)
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-core", default="process", choices=("process", "thread"),
+        help="where the engine core runs (default: its own process, as pagedllm serve)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.duration = 8, 5.0
@@ -378,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.server.app import create_app
 
     engine = build_engine(args)
-    app = create_app(engine, max_queued_requests=args.max_queued_requests)
+    app = create_app(engine)
     with ServerThread(app) as base:
         tally, report, elapsed = asyncio.run(drive(base, args))
     result = summarize(tally, report, elapsed)

@@ -8,6 +8,7 @@ server without a real model.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,38 @@ def _randomise_norms(model: Any, seed: int) -> None:
 
 def write_json(path: str | Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2))
+
+
+@dataclass(frozen=True)
+class FakeEngineFactory:
+    """An ``EngineFactory`` (``pagedllm.engine.core``) of an ``LLMEngine`` over the
+    ``FakeModelRunner`` and the tokenizer saved at ``tokenizer_path`` (``make_tiny_tokenizer``):
+    the engine core in its own process with no model. Generated tokens are lowercase letters
+    unless ``runner_kw`` says otherwise."""
+
+    tokenizer_path: str
+    num_blocks: int = 64
+    block_size: int = 4
+    max_model_len: int = 128
+    runner_kw: dict[str, Any] = field(default_factory=dict)
+    engine_kw: dict[str, Any] = field(default_factory=dict)
+
+    def build_engine(self) -> Any:
+        from pagedllm.engine.config import EngineConfig
+        from pagedllm.engine.llm_engine import LLMEngine
+        from pagedllm.worker.fake_runner import FakeModelRunner
+
+        tokenizer = self.load_tokenizer()
+        runner_kw = {"allowed_token_ids": range(ord("a"), ord("z") + 1), **self.runner_kw}
+        runner = FakeModelRunner(
+            self.num_blocks, self.block_size, vocab_size=len(tokenizer), **runner_kw
+        )
+        config = EngineConfig(
+            block_size=self.block_size, max_model_len=self.max_model_len, **self.engine_kw
+        )
+        return LLMEngine(config, runner, tokenizer)
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path)

@@ -16,8 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from pagedllm.engine.async_engine import EngineClosedError
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.reports import cache_report as build_cache_report
 from pagedllm.server.app import create_app
 from pagedllm.testing import make_tiny_tokenizer
 from pagedllm.worker.fake_runner import FakeModelRunner
@@ -30,6 +32,7 @@ class Harness:
     app: Any
     runner: FakeModelRunner
     tokenizer: Any
+    llm: LLMEngine  # runs in the app's engine-core thread: touch it only while that idles
 
     @property
     def engine(self) -> Any:
@@ -67,7 +70,7 @@ class Harness:
             ) as client:
                 try:
                     result = await body(client)
-                    await wait_pool_free(self.engine)
+                    await wait_pool_free(self.engine, llm=self.llm)
                     return result
                 finally:
                     await self.engine.shutdown()
@@ -75,18 +78,31 @@ class Harness:
         return asyncio.run(main())
 
 
-async def cache_report(engine: Any) -> dict[str, Any]:
-    from pagedllm.server.metrics import cache_report as build
+async def cache_report(engine: Any, llm: LLMEngine | None = None) -> dict[str, Any]:
+    """The engine's /v1/cache report; once its core has stopped, read from ``llm``."""
+    try:
+        return await engine.cache_report()
+    except EngineClosedError:
+        if llm is None:
+            raise
+        return build_cache_report(llm.get_stats())
 
-    return build(await engine.get_stats())
+
+def hold_core(engine: Any, llm: LLMEngine, gate: Any) -> Any:
+    """A future for a utility call that keeps the engine core (a thread here) busy until
+    ``gate`` is set: whatever is sent meanwhile waits, as behind a long step."""
+    llm.hold_for_test = lambda: gate.wait(10)  # a utility is any public method
+    return asyncio.ensure_future(engine.call_utility("hold_for_test"))
 
 
-async def wait_pool_free(engine: Any, timeout: float = 10.0) -> dict[str, Any]:
+async def wait_pool_free(
+    engine: Any, timeout: float = 10.0, llm: LLMEngine | None = None
+) -> dict[str, Any]:
     """Wait until no block is held by a request and nothing runs; fail otherwise."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        report = await cache_report(engine)
+        report = await cache_report(engine, llm)
         idle = report["running"] == report["waiting"] == report["swapped"] == 0
         if report["blocks_used"] == 0 and idle and engine.num_in_flight == 0:
             assert report["blocks_free"] + report["blocks_cached_free"] == report["blocks_total"]
@@ -171,8 +187,17 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 @pytest.fixture
@@ -199,6 +224,6 @@ def make_harness(tokenizer: Any) -> Callable[..., Harness]:
             block_size=block_size, max_model_len=max_model_len, **(engine_kw or {})
         )
         engine = LLMEngine(config, runner, tokenizer)
-        return Harness(create_app(engine, **app_kw), runner, tokenizer)
+        return Harness(create_app(engine, **app_kw), runner, tokenizer, engine)
 
     return make

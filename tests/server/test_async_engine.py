@@ -1,4 +1,6 @@
-"""AsyncEngine on its own: the step thread, per-request streams, abort, the queue bound."""
+"""AsyncEngine with its engine core in a thread: streams of deltas, abort, the queue
+bound, shutdown. The same messages cross the same sockets as with the core in its own
+process (test_core_process.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 
-from .conftest import LETTERS
+from .conftest import LETTERS, hold_core
 
 
 def _engine(
@@ -33,35 +35,61 @@ def _blocks_used(engine: LLMEngine) -> int:
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_generate_streams_cumulative_outputs(tokenizer, num_scheduler_steps):
+def test_generate_streams_deltas_and_the_text_of_their_tokens(tokenizer, num_scheduler_steps):
     llm, runner = _engine(tokenizer, num_scheduler_steps)
 
     async def main():
-        engine = AsyncEngine(llm)
-        # Greedy: multi-step decoding applies only to plain-argmax requests.
+        engine = AsyncEngine.in_thread(llm)
+        # Greedy: multi-step windows are for plain argmax requests only.
         params = SamplingParams(max_tokens=6, temperature=0.0)
-        outputs = [o async for o in engine.generate("r", [97, 98, 99], params)]
+        stream = await engine.add_request("r", [97, 98, 99], params)
+        deltas = [d async for d in stream]
         await engine.shutdown()
-        return outputs
+        return deltas, stream.output()
 
-    outputs = asyncio.run(main())
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    assert lengths == sorted(lengths) and lengths[-1] == 6
-    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    deltas, output = asyncio.run(main())
     context = [97, 98, 99]
     for _ in range(6):
         context.append(runner.next_token(context))
-    assert list(outputs[-1].outputs[0].token_ids) == context[3:]
+    expected = context[3:]
+    assert [t for d in deltas for t in d.choices[0].token_ids] == expected
+    assert "".join(d.choices[0].text for d in deltas) == tokenizer.decode(expected)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert list(output.outputs[0].token_ids) == expected and output.finished
+    assert output.outputs[0].text == tokenizer.decode(expected)
     assert _blocks_used(llm) == 0
-    if num_scheduler_steps > 1:  # prompt, 4 steps, 1 step: at most three outputs
-        assert len(outputs) <= 3
+    # The prompt's step, then multi-step windows: fewer messages than tokens.
+    assert len(deltas) <= (3 if num_scheduler_steps > 1 else 6)
+
+
+def test_stop_strings_cut_the_text_as_offline(tokenizer):
+    llm, runner = _engine(tokenizer)
+    context = [97, 98]
+    for _ in range(8):
+        context.append(runner.next_token(context))
+    text = tokenizer.decode(context[2:])
+    stop = text[3:5]
+    params = SamplingParams(max_tokens=8, stop=[stop])
+
+    async def main():
+        engine = AsyncEngine.in_thread(llm)
+        stream = await engine.add_request("s", [97, 98], params)
+        deltas = [d async for d in stream]
+        await engine.shutdown()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert "".join(d.choices[0].text for d in deltas) == text[: text.index(stop)]
+    assert deltas[-1].choices[0].finish_reason == "stop"
+    assert deltas[-1].choices[0].stop_reason == stop
 
 
 def test_slow_steps_never_block_the_event_loop(tokenizer):
     llm, _ = _engine(tokenizer, step_delay_s=0.2)
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.in_thread(llm)
         gaps: list[float] = []
         done = asyncio.Event()
 
@@ -90,30 +118,31 @@ def test_abort_frees_blocks_before_the_next_step(tokenizer):
     llm, _ = _engine(tokenizer, step_delay_s=0.01)
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.in_thread(llm)
         stream = await engine.add_request("a", [97] * 9, SamplingParams(max_tokens=40))
         first = await stream.__anext__()
         assert not first.finished
-        assert await engine.call(_blocks_used) > 0
+        assert (await engine.get_stats()).cache.blocks_used > 0
         stream.abort()
-        # commands run in order: the abort has been applied when this one runs
-        used = await engine.call(_blocks_used)
+        # messages run in order: the abort has been applied when this call runs
+        stats = await engine.get_stats()
         assert engine.num_in_flight == 0 and engine.num_queued == 0
         await engine.shutdown()
-        return used, [o async for o in stream]
+        return stats, [d async for d in stream]
 
-    used, rest = asyncio.run(main())
-    assert used == 0 and rest == []
-    assert llm.get_stats().num_requests_aborted == 1
+    stats, rest = asyncio.run(main())
+    assert stats.cache.blocks_used == 0 and rest == []
+    assert stats.num_requests_aborted == 1 and stats.num_unfinished_requests == 0
 
 
 def test_bad_input_and_duplicates_leave_nothing_behind(tokenizer):
     llm, _ = _engine(tokenizer, step_delay_s=0.01)  # "dup" stays in flight for ~0.6 s
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.in_thread(llm)
         with pytest.raises(ValueError):
             await engine.add_request("x", [9999], SamplingParams())
+        assert engine.num_in_flight == 0 and engine.num_queued == 0
         stream = await engine.add_request("dup", [97], SamplingParams(max_tokens=60))
         with pytest.raises(ValueError, match="in flight"):
             await engine.add_request("dup", [98], SamplingParams())
@@ -131,20 +160,39 @@ def test_queue_bound_counts_requests_without_output(tokenizer):
     gate = threading.Event()
 
     async def main():
-        engine = AsyncEngine(llm, max_queued_requests=1)
+        engine = AsyncEngine.in_thread(llm, max_queued_requests=1)
         engine.start()
-        held = asyncio.ensure_future(engine.call(lambda e: gate.wait(10)))
+        held = hold_core(engine, llm, gate)
         first = asyncio.ensure_future(engine.add_request("one", [97], SamplingParams(max_tokens=2)))
         await asyncio.sleep(0.02)
         with pytest.raises(QueueFullError):
             await engine.add_request("two", [97], SamplingParams(max_tokens=2))
         gate.set()
         await held
-        outputs = [o async for o in await first]
+        deltas = [d async for d in await first]
         # once the first request produced output, it no longer counts as queued
         second = await engine.add_request("two", [97], SamplingParams(max_tokens=2))
-        assert [o.finished for o in outputs][-1]
-        assert [o async for o in second][-1].finished
+        assert deltas[-1].finished
+        assert [d async for d in second][-1].finished
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_utility_calls_by_name(tokenizer):
+    llm, _ = _engine(tokenizer)
+
+    async def main():
+        engine = AsyncEngine.in_thread(llm)
+        assert await engine.call_utility("get_num_unfinished_requests") == 0
+        assert await engine.call_utility("tokenize", [97, 98]) == [97, 98]
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.call_utility("tokenize", [99999])
+        for bad in ("_groups", "no_such_method", "max_model_len"):
+            with pytest.raises(ValueError, match="no utility"):
+                await engine.call_utility(bad)
+        report = await engine.cache_report()
+        assert report["blocks_total"] == 32 and report["blocks_used"] == 0
         await engine.shutdown()
 
     asyncio.run(main())
@@ -154,7 +202,7 @@ def test_shutdown_fails_streams_and_refuses_new_requests(tokenizer):
     llm, _ = _engine(tokenizer, step_delay_s=0.01)
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.in_thread(llm)
         stream = await engine.add_request("long", [97], SamplingParams(max_tokens=60))
         await stream.__anext__()
         await engine.shutdown()
@@ -164,21 +212,22 @@ def test_shutdown_fails_streams_and_refuses_new_requests(tokenizer):
         with pytest.raises(EngineClosedError):
             await engine.add_request("late", [97], SamplingParams())
         assert not engine.is_running
+        assert not engine.host.is_alive()
 
     asyncio.run(main())
     assert not llm.has_unfinished_requests() and _blocks_used(llm) == 0
 
 
 def test_cancelled_add_is_aborted_not_leaked(tokenizer):
-    """A caller cancelled while its add waits in the command queue: either the add is
-    skipped, or (when the step thread had already taken it) it is aborted at once."""
+    """A caller cancelled while its add waits behind a busy core: the add still runs
+    there, and the abort sent after it removes it."""
     llm, _ = _engine(tokenizer, step_delay_s=0.01)
     gate = threading.Event()
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.in_thread(llm)
         engine.start()
-        held = asyncio.ensure_future(engine.call(lambda e: gate.wait(10)))
+        held = hold_core(engine, llm, gate)
         adding = asyncio.ensure_future(
             engine.add_request("gone", [97] * 8, SamplingParams(max_tokens=50))
         )

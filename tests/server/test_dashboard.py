@@ -7,6 +7,8 @@ import re
 from collections import Counter
 from typing import Any
 
+from pagedllm.engine.core import pack, to_wire, unpack
+from pagedllm.engine.reports import blocks_report
 from pagedllm.sampling_params import SamplingParams
 
 from .conftest import LETTERS
@@ -34,9 +36,15 @@ def _check_consistent(report: dict[str, Any]) -> None:
             assert (states[block_id] == U) == (refs[block_id] > 0), (tier, block_id)
 
 
+def _report(llm: Any) -> dict[str, Any]:
+    """The block report as the route sends it, for tests that step the engine by hand
+    (the app's core thread idles meanwhile: nothing was sent to it)."""
+    return unpack(pack(to_wire(blocks_report(llm))))
+
+
 def test_blocks_show_a_shared_prefix_with_exact_ids_and_ref_counts(make_harness):
     h = make_harness(num_blocks=16, block_size=4, max_model_len=64)
-    llm = h.engine.engine  # no request went through the API: no step thread yet
+    llm = h.llm
     params = SamplingParams(max_tokens=50, temperature=0.0)
     prefix = _letters(8)  # two full blocks
 
@@ -45,7 +53,7 @@ def test_blocks_show_a_shared_prefix_with_exact_ids_and_ref_counts(make_harness)
         llm.step()  # prefill a; its two full blocks join the prefix index
         llm.add_request("b", prefix + _letters(3, 20), params)  # 11 tokens
         llm.step()  # a decodes (its table already covers token 10); b hits blocks 0, 1
-        report = (await client.get("/v1/cache/blocks")).json()
+        report = _report(llm)
         _check_consistent(report)
         assert report["blocks_total"] == 16 and report["block_size"] == 4
         assert report["state"] == [U, U, U, U] + [F] * 12
@@ -62,13 +70,13 @@ def test_blocks_show_a_shared_prefix_with_exact_ids_and_ref_counts(make_harness)
         assert report["host_blocks_total"] == 0 and report["host_state"] == []
 
         llm.abort_request(["a"])
-        report = (await client.get("/v1/cache/blocks")).json()
+        report = _report(llm)
         _check_consistent(report)
         # a's private block 2 held a partial block: plain free; the prefix stays held by b.
         assert report["state"] == [U, U, F, U] + [F] * 12
         assert report["ref_count"] == [1, 1, 0, 1] + [0] * 12
         llm.abort_request(["b"])
-        report = (await client.get("/v1/cache/blocks")).json()
+        report = _report(llm)
         assert report["state"] == [C, C] + [F] * 14  # the prefix is findable, not held
         assert report["requests"] == []
 
@@ -110,7 +118,7 @@ def test_blocks_show_the_host_tier_after_a_swap_preemption(make_harness):
         num_blocks=8, block_size=4, max_model_len=32, num_host_blocks=8,
         engine_kw={"preemption_mode": "swap"},
     )  # fmt: skip
-    llm = h.engine.engine
+    llm = h.llm
     params = SamplingParams(max_tokens=16, temperature=0.0)
 
     async def body(client):
@@ -120,7 +128,7 @@ def test_blocks_show_the_host_tier_after_a_swap_preemption(make_harness):
             llm.step()
             if llm.get_stats().num_swapped:
                 break
-        report = (await client.get("/v1/cache/blocks")).json()
+        report = _report(llm)
         _check_consistent(report)
         swapped = [row for row in report["requests"] if row["status"] == "swapped"]
         assert len(swapped) == 1

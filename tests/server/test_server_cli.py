@@ -125,7 +125,7 @@ def test_shutdown_drains_then_ends_late_streams_with_an_event(make_harness):
     short, long = (sse_events(bodies[k]) for k in ("short", "long"))
     assert short[-1]["choices"][0]["finish_reason"] == "length"
     assert long[-1]["error"]["code"] == "engine_unavailable"
-    stats = h.engine.engine.get_stats()
+    stats = h.llm.get_stats()
     assert stats.num_unfinished_requests == 0 and stats.cache.blocks_used == 0
     assert stats.num_requests_aborted == 1
     with pytest.raises(httpx.ConnectError):

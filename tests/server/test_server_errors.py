@@ -8,7 +8,9 @@ import threading
 
 import pytest
 
-from .conftest import ASGIStream, sse_events, wait_pool_free
+from pagedllm.engine.async_engine import EngineClosedError
+
+from .conftest import ASGIStream, hold_core, sse_events, wait_pool_free
 
 BAD_COMPLETIONS = [
     # (raw body, expected param or None, words the message must contain)
@@ -150,7 +152,7 @@ def test_queue_bound_gives_429_with_retry_after(make_harness):
     async def body(client):
         # Hold the step thread so that accepted requests stay queued.
         h.engine.start()
-        held = asyncio.ensure_future(h.engine.call(lambda engine: gate.wait(10)))
+        held = hold_core(h.engine, h.llm, gate)
         await asyncio.sleep(0.05)
         payload = {"prompt": "queued", "max_tokens": 3}
         first = [asyncio.ensure_future(client.post("/v1/completions", json=payload))
@@ -247,8 +249,8 @@ def test_failing_request_fails_alone_while_a_concurrent_one_succeeds(make_harnes
 def test_step_exception_fails_in_flight_requests_only(make_harness):
     """If ``LLMEngine.step`` itself raises, in-flight requests fail; later ones work."""
     h = make_harness()
-    llm = h.engine.engine
-    real_step = llm.step
+    llm = h.llm
+    real_step = llm.step_deltas
     calls = {"n": 0}
 
     def flaky_step():
@@ -257,14 +259,14 @@ def test_step_exception_fails_in_flight_requests_only(make_harness):
             raise RuntimeError("boom in step")
         return real_step()
 
-    llm.step = flaky_step
+    llm.step_deltas = flaky_step
 
     async def body(client):
         r = await client.post("/v1/completions", json={"prompt": "first", "max_tokens": 3})
         assert r.status_code == 500 and "boom in step" in r.json()["error"]["message"]
         r = await client.post("/v1/completions", json={"prompt": "second", "max_tokens": 3})
         assert r.status_code == 200
-        assert h.engine.num_step_failures == 1
+        assert h.engine.host.core.num_step_failures == 1
 
     h.run(body)
 
@@ -327,7 +329,9 @@ def test_shutdown_ends_streams_and_refuses_new_requests(make_harness):
         r = await client.post("/v1/completions", json={"prompt": "late"})
         assert r.status_code == 503
         assert (await client.get("/health")).status_code == 503
-        assert (await h.engine.get_stats()).num_unfinished_requests == 0
+        with pytest.raises(EngineClosedError):  # the core has stopped
+            await h.engine.get_stats()
+        assert h.llm.get_stats().num_unfinished_requests == 0
 
     h.run(body)
 
@@ -341,7 +345,7 @@ def test_disconnect_before_any_output_aborts(make_harness, stream):
 
     async def body(client):
         h.engine.start()
-        held = asyncio.ensure_future(h.engine.call(lambda engine: gate.wait(10)))
+        held = hold_core(h.engine, h.llm, gate)
         payload = {"prompt": "bye", "max_tokens": 50, "stream": stream}
         asgi = ASGIStream(h.app, "/v1/completions", payload).start()
         await asyncio.sleep(0.05)

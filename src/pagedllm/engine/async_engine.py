@@ -1,47 +1,86 @@
-"""AsyncEngine: an ``LLMEngine`` driven by one background thread, fed from asyncio.
+"""AsyncEngine: the server's handle on an engine core that runs elsewhere.
 
 ::
 
-    event loop (server)                         step thread (owns the LLMEngine)
-    -------------------                         --------------------------------
-    add_requests() --- command ----------->     engine.add_request(...)
-    abort()        --- command ----------->     engine.abort_request(...)
-    call(fn)       --- command ----------->     fn(engine)  (stats for /metrics)
-                                                outputs = engine.step()
-    RequestStream  <-- call_soon_threadsafe --  (one hand-off per step)
+    server process (asyncio event loop)              engine core (core.py)
+    -----------------------------------              ---------------------
+    add_requests() -- ["add", id, specs] ------->    own process (``launch``: `pagedllm serve`)
+    abort()        -- ["abort", ids] ----------->      or a thread (``in_thread``: tests,
+    call_utility() -- ["utility", id, name, args]>      ``create_app(LLMEngine)``)
+    reader task    <-- ["deltas", ...] ----------    one message per step: new token ids
+       RequestStream: detokenizes, keeps the text, hands out what is new
+    core watcher   <-- the process/thread ended      every stream fails, /health says 503
 
-The ``LLMEngine`` is not thread-safe, so only the step thread ever touches it: every
-other operation travels as a command that the thread runs between two steps. The event
-loop never waits on a step; it awaits a future that the thread completes.
+The core never shares this interpreter's lock when it runs in its own process: HTTP,
+JSON, tokenization, detokenization and SSE happen here while it steps. Both hosts speak
+the same messages over the same ZeroMQ sockets, so tests of the thread exercise the
+process's code path.
 
-Outputs are cumulative (the whole text so far), so a stream keeps only the latest one:
-a slow client gets bigger deltas instead of an unbounded backlog.
+A stream keeps every token and hands out, per read, everything new since the last read:
+a slow client gets bigger deltas, never an unbounded queue of small ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import atexit
 import contextlib
+import itertools
 import logging
-import queue
+import os
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from pagedllm.core.outputs import TokenLogprob
+from pagedllm.engine.core import (
+    EngineCore,
+    EngineFactory,
+    RequestSpec,
+    UtilityError,
+    core_process_main,
+    decode_deltas,
+    encode_spec,
+    pack,
+    run_core_loop,
+    unpack,
+)
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pagedllm.engine.reports import stats_from_wire
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.engine.outputs import RequestOutput
+    from pagedllm.engine.llm_engine import EngineStats, LLMEngine
     from pagedllm.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "ChoiceDelta",
+    "EngineClosedError",
+    "QueueFullError",
+    "RequestSpec",
+    "RequestStream",
+    "StreamDelta",
+    "UtilityError",
+]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-_Command = tuple[Callable[[], Any], "concurrent.futures.Future[Any] | None"]
-OutputListener = Callable[[Sequence["RequestOutput"], float], None]
+OutputListener = Callable[[Sequence[RequestDelta], float], None]
+# Seconds the engine core may take to load its model and say "ready".
+DEFAULT_READY_TIMEOUT_S = 600.0
+# Seconds a stopping core gets to exit (its disk tier finishes queued writes) before it
+# is killed.
+_STOP_TIMEOUT_S = 60.0
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
+                                       "KeyError": KeyError}  # fmt: skip
 
 
 class QueueFullError(RuntimeError):
@@ -49,54 +88,134 @@ class QueueFullError(RuntimeError):
 
 
 class EngineClosedError(RuntimeError):
-    """The engine is shutting down or its step loop has died."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (an exception while running its step)."""
+    """The engine is shutting down, or its core has died."""
 
 
 @dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request to add: what ``LLMEngine.add_request`` takes."""
+class ChoiceDelta:
+    """What is new in one completion since the stream's last read."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """One read of a ``RequestStream``: the completions with something new."""
 
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
+    choices: tuple[ChoiceDelta, ...]
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One completion as the server sees it: all its tokens, its text, what was read."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_read_tokens: int = 0
+    num_read_chars: int = 0
+    num_read_logprobs: int = 0
+    finish_read: bool = False
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
+        self.token_ids.extend(token_ids)
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs)
+        self.detokenizer.add_tokens(token_ids)
+
+    def finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.detokenizer.finish()
+
+    @property
+    def text(self) -> str:
+        """The text so far; while running, without what a stop string could take back."""
+        if self.finish_reason is not None:
+            return self.detokenizer.text
+        return self.detokenizer.visible_text
+
+    def read(self) -> ChoiceDelta | None:
+        """Everything new since the last read (None: nothing)."""
+        text = self.text[self.num_read_chars :]
+        token_ids = self.token_ids[self.num_read_tokens :]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = tuple(self.logprobs[self.num_read_logprobs :])
+        finish = None if self.finish_read else self.finish_reason
+        if not (text or token_ids or logprobs or finish):
+            return None
+        self.num_read_chars += len(text)
+        self.num_read_tokens = len(self.token_ids)
+        self.num_read_logprobs = len(self.logprobs or ())
+        self.finish_read = finish is not None
+        stop = self.stop_reason if finish else None
+        return ChoiceDelta(self.index, text, tuple(token_ids), logprobs, finish, stop)
+
+    def output(self) -> CompletionOutput:
+        """Everything so far, as the offline engine reports it."""
+        logprobs = tuple(self.logprobs) if self.logprobs is not None else None
+        cumulative = sum(lp.logprob for lp in logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            self.index, self.detokenizer.text, tuple(self.token_ids), cumulative, logprobs,
+            self.finish_reason, self.stop_reason,
+        )  # fmt: skip
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator of cumulative ``RequestOutput``.
+    """One request's outputs, as an async iterator of ``StreamDelta``.
 
-    Iteration ends after the finished output; it raises ``RequestFailedError`` when the
-    engine failed the request, and ``EngineClosedError`` when the engine shut down first.
-    Leaving the iteration early (client gone) must be followed by ``abort()``;
-    ``AsyncEngine.generate`` does that for you.
+    Iteration ends after the delta that finishes the request; it raises
+    ``EngineClosedError`` when the engine shut down or died first. A failed request
+    ends with choices whose ``finish_reason`` is "error" and the delta's ``error``.
+    Leaving the iteration early (client gone) must be followed by ``abort()``.
+    ``output()`` is everything so far, cumulative (the non-streaming answer).
     """
 
-    def __init__(self, request_id: str, owner: AsyncEngine, arrival_time: float) -> None:
-        self.request_id = request_id
+    def __init__(
+        self,
+        spec: RequestSpec,
+        prompt_token_ids: list[int],
+        tokenizer: Any,
+        owner: AsyncEngine,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = spec.request_id
+        self.params = spec.params
+        self.prompt = spec.prompt if isinstance(spec.prompt, str) else None
+        self.prompt_token_ids = tuple(prompt_token_ids)
         self.arrival_time = arrival_time
         self.first_output_time: float | None = None
         self.finished = False
-        self._got_final = False
+        self.num_cached_tokens = 0
+        self.error: str | None = None
+        self._tokenizer = tokenizer
         self._owner = owner
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
+        self._choices: dict[int, _Choice] = {}
+        self._got_final = False
+        self._failure: BaseException | None = None
         self._ready = asyncio.Event()
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> StreamDelta:
         while True:
-            if self._latest is not None:
-                output, self._latest = self._latest, None
-                return output
-            if self._error is not None:
-                raise self._error
+            delta = self._read()
+            if delta is not None:
+                return delta
+            if self._failure is not None:
+                raise self._failure
             if self.finished:
                 raise StopAsyncIteration
             self._ready.clear()
@@ -107,55 +226,213 @@ class RequestStream:
         if not self.finished:
             self._owner.abort(self.request_id)
 
+    def output(self) -> RequestOutput:
+        choices = tuple(self._choices[i].output() for i in sorted(self._choices))
+        if self.error is not None and not choices:
+            choices = (CompletionOutput(0, "", (), finish_reason="error"),)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, choices,
+            self._got_final, self.num_cached_tokens, self.error,
+        )  # fmt: skip
+
     # Called on the event loop by the AsyncEngine.
-    def _put(self, output: RequestOutput) -> None:
-        self._latest = output
-        if output.finished:
+    def _put(self, delta: RequestDelta) -> None:
+        for seq in delta.seqs:
+            choice = self._choices.get(seq.index)
+            if choice is None:
+                choice = self._choices[seq.index] = self._new_choice(seq.index)
+            choice.add(seq.token_ids, seq.logprobs)
+            if seq.finish_reason is not None:
+                choice.finish(seq.finish_reason, seq.stop_reason)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.error is not None:
+            self.error = delta.error
+        if delta.finished:
             self.finished = self._got_final = True
         self._ready.set()
 
     def _fail(self, error: BaseException) -> None:
         if self._got_final:
             return
-        self._error = error
+        self._failure = error
         self.finished = True
         self._ready.set()
 
+    def _read(self) -> StreamDelta | None:
+        choices = [d for i in sorted(self._choices) if (d := self._choices[i].read())]
+        if not choices:
+            return None
+        return StreamDelta(self.request_id, tuple(choices), self._got_final, self.error)
+
+    def _new_choice(self, index: int) -> _Choice:
+        params = self.params
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer,
+            self.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        return _Choice(index, detokenizer, logprobs=[] if params.logprobs is not None else None)
+
+
+# ---------------------------------------------------------------- where the core runs
+
+
+class _CoreHost(Protocol):
+    """A place where the core loop runs: a thread or a process."""
+
+    def start(self, input_address: str, output_address: str) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def describe_exit(self) -> str: ...
+
+
+class _CoreThread:
+    """The core loop in a thread of this process (tests; a server around an engine
+    object that cannot be rebuilt elsewhere)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._thread: threading.Thread | None = None
+
+    def start(self, input_address: str, output_address: str) -> None:
+        def run() -> None:
+            context = zmq.Context()
+            try:
+                run_core_loop(self.core, context, input_address, output_address)
+            except BaseException:  # logged and reported as "dead" by the loop
+                pass
+            finally:
+                context.destroy(linger=1000)
+
+        self._thread = threading.Thread(target=run, name="pagedllm-core", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def kill(self) -> None:
+        """A thread cannot be killed; it ends with the process (it is a daemon)."""
+
+    def describe_exit(self) -> str:
+        return "the engine core thread ended"
+
+
+class _CoreProcess:
+    """The core loop in a process of its own (``pagedllm serve``)."""
+
+    def __init__(self, factory: EngineFactory) -> None:
+        self.factory = factory
+        self.process: Any = None
+
+    def start(self, input_address: str, output_address: str) -> None:
+        import multiprocessing
+
+        # spawn: a fork of a process that has started threads (tokenizers, torch) can hang.
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=core_process_main,
+            args=(self.factory, input_address, output_address),
+            name="pagedllm-core",
+        )
+        self.process.start()
+        atexit.register(self.kill)  # never outlive the server, however it ends
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.process is not None:
+            self.process.join(timeout)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def describe_exit(self) -> str:
+        code = None if self.process is None else self.process.exitcode
+        return f"the engine core process (pid {self.pid}) exited with code {code}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+
+# ---------------------------------------------------------------- the client
+
 
 class AsyncEngine:
-    """Serve an ``LLMEngine`` to asyncio code through a dedicated step thread.
+    """The asyncio side of an engine core (see the module docstring).
 
-    ``max_queued_requests`` bounds the requests that have been accepted but have not
-    produced their first output yet; ``add_requests`` raises ``QueueFullError`` beyond it.
-    The thread starts with the first request (or ``start()``), bound to the running loop.
+    Build it with ``AsyncEngine.launch(factory)`` (core in its own process) or
+    ``AsyncEngine.in_thread(engine)``. ``max_queued_requests`` bounds the requests that
+    have been accepted but have not produced their first token yet; ``add_requests``
+    raises ``QueueFullError`` beyond it. ``info`` describes the engine (model name,
+    ``max_model_len``, vocabulary and cache sizes).
     """
 
-    def __init__(self, engine: LLMEngine, *, max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        host: _CoreHost,
+        tokenizer: Any,
+        *,
+        max_queued_requests: int | None = None,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be at least 1, got {max_queued_requests}")
-        self.engine = engine
+        self.tokenizer = tokenizer
         self.max_queued_requests = max_queued_requests
+        self.host = host
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0
-        # (command, its future or None); None as a whole means "stop".
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._listeners: list[OutputListener] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
         self._closing = False
+        self._stopped = False
         self._dead: BaseException | None = None
-        self._engine_ids: set[str] = set()  # step thread only: requests inside the engine
-        self.num_step_failures = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._context = zmq.asyncio.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._sync_to_core = zmq.Socket.shadow(self._to_core.underlying)
+        addresses = [_ipc_address(kind) for kind in ("in", "out")]
+        self._to_core.bind(addresses[0])
+        self._from_core.bind(addresses[1])
+        self._paths = [a.removeprefix("ipc://") for a in addresses]
+        try:
+            host.start(*addresses)
+            self.info: dict[str, Any] = self._wait_ready(ready_timeout)
+        except BaseException:
+            host.kill()
+            self._close_sockets()
+            raise
+
+    @classmethod
+    def launch(cls, factory: EngineFactory, **kw: Any) -> AsyncEngine:
+        """Start the engine core in a process of its own and wait until it is ready
+        (``RuntimeError`` with its reason if it fails to start)."""
+        return cls(_CoreProcess(factory), factory.load_tokenizer(), **kw)
+
+    @classmethod
+    def in_thread(cls, engine: LLMEngine, **kw: Any) -> AsyncEngine:
+        """Run ``engine``'s core loop in a thread of this process (same messages)."""
+        return cls(_CoreThread(EngineCore(engine)), engine.tokenizer, **kw)
 
     # ------------------------------------------------------------------ public API
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def config(self) -> Any:
-        return self.engine.config
 
     @property
     def num_in_flight(self) -> int:
@@ -171,18 +448,22 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return not self._closing and self._dead is None
 
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._dead is None else str(self._dead)
+
     def add_listener(self, listener: OutputListener) -> None:
-        """Call ``listener(outputs, step_end_time)`` on the loop after every step (metrics)."""
+        """Call ``listener(deltas, arrival_time)`` on the loop after every step (metrics)."""
         self._listeners.append(listener)
 
     def start(self) -> None:
-        """Start the step thread, bound to the running event loop (idempotent)."""
-        if self._thread is not None:
+        """Start reading the core's messages on the running loop (idempotent)."""
+        if self._reader is not None:
             return
         self._check_open()
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagedllm-step", daemon=True)
-        self._thread.start()
+        self._reader = self._loop.create_task(self._read_messages())
+        threading.Thread(target=self._watch_core, name="pagedllm-core-watch", daemon=True).start()
 
     def check_capacity(self, count: int = 1) -> None:
         """Raise ``QueueFullError`` / ``EngineClosedError`` if ``count`` requests would not be taken."""
@@ -202,19 +483,21 @@ class AsyncEngine:
         """
         self.check_capacity(len(specs))
         self.start()
+        specs = [self._with_token_ids(s) for s in specs]
+        ids = [s.request_id for s in specs]
+        for request_id in ids:
+            if request_id in self._streams or ids.count(request_id) > 1:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
         now = time.monotonic()
-        streams = [RequestStream(s.request_id, self, now) for s in specs]
-        for stream in streams:
-            if stream.request_id in self._streams:
-                raise ValueError(f"request_id {stream.request_id!r} is already in flight")
+        streams = [RequestStream(s, list(s.prompt), self.tokenizer, self, now) for s in specs]
         for stream in streams:
             self._streams[stream.request_id] = stream
         self._num_queued += len(streams)
         try:
-            await self._submit(lambda: self._add_all(specs))
+            await self._call("add", [encode_spec(s) for s in specs])
         except BaseException:
-            # Refused, or the caller was cancelled while the add was queued: in the
-            # latter case the add still runs, so abort after it (commands run in order).
+            # Refused, or the caller was cancelled while the add was on its way: in the
+            # latter case the add still runs, so abort after it (messages run in order).
             for stream in streams:
                 self.abort(stream.request_id)
             raise
@@ -234,46 +517,45 @@ class AsyncEngine:
         return (await self.add_requests([spec]))[0]
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs; leaving early (or being cancelled) aborts the request."""
-        stream = await self.add_request(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt
-        )
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, **kw: Any
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield a request's deltas; leaving early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, params, **kw)
         try:
-            async for output in stream:
-                yield output
+            async for delta in stream:
+                yield delta
         finally:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe; returns at once). Its blocks are freed by the
-        step thread before its next step."""
+        """Abort a request (returns at once; callable from any thread). The core frees
+        its blocks before its next step."""
         if self._loop is not None and not _on_loop(self._loop):
-            self._call_on_loop(self._forget_id, request_id)
-        else:
-            self._forget_id(request_id)
-        self._commands.put((lambda: self._abort_in_engine([request_id]), None))
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                self._loop.call_soon_threadsafe(self.abort, request_id)
+            return
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._forget(stream)
+        self._send(["abort", [request_id]])
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` between two steps (on the step thread when it runs)."""
-        if self._thread is None or not self._thread.is_alive():
-            return fn(self.engine)  # no thread: nobody else touches the engine
-        return await self._submit(lambda: fn(self.engine))
+    async def call_utility(self, name: str, *args: Any) -> Any:
+        """Run ``name(*args)`` in the engine core between two steps and return its
+        msgpack-able result (see ``pagedllm.engine.core``). ValueError, TypeError and
+        KeyError raised there are raised here; other errors as ``UtilityError``."""
+        return await self._call("utility", name, list(args))
 
-    async def get_stats(self) -> Any:
-        """``LLMEngine.get_stats()``, read safely between two steps."""
-        return await self.call(lambda engine: engine.get_stats())
+    async def get_stats(self) -> EngineStats:
+        """``LLMEngine.get_stats()``, taken in the core between two steps."""
+        return stats_from_wire(await self.call_utility("get_stats"))
+
+    async def cache_report(self) -> dict[str, Any]:
+        """The ``/v1/cache`` report (``engine/reports.py``)."""
+        return await self.call_utility("cache_report")
 
     async def shutdown(self, *, drain_timeout: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to ``drain_timeout``
-        seconds, abort the rest, and stop the step thread."""
+        seconds, abort the rest, and stop the engine core."""
         self._closing = True
         deadline = time.monotonic() + drain_timeout
         while self._streams and time.monotonic() < deadline and self._dead is None:
@@ -283,31 +565,130 @@ class AsyncEngine:
             stream = self._streams[request_id]
             self._forget(stream)
             stream._fail(EngineClosedError("the server is shutting down"))
-        thread = self._thread
-        if thread is not None:
-            self._commands.put((lambda: self._abort_in_engine(ids), None))
-            self._commands.put(None)  # a second shutdown adds another: never read, harmless
-            await asyncio.to_thread(thread.join)
-            self._thread = None
-        await asyncio.to_thread(self.engine.close)  # the disk tier's queued writes
+        if self._stopped:
+            return
+        self._stopped = True
+        self._send(["abort", ids])
+        self._send(["shutdown"])
+        await asyncio.to_thread(self.host.join, _STOP_TIMEOUT_S)
+        if self.host.is_alive():
+            logger.warning("the engine core did not stop in %.0f s; killing it", _STOP_TIMEOUT_S)
+            await asyncio.to_thread(self.host.kill)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._fail_calls(EngineClosedError("the engine has stopped"))
+        self._close_sockets()
 
-    # ------------------------------------------------------------------ event-loop side
+    # ------------------------------------------------------------------ internals
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Block until the core says "ready" (the first message); ``RuntimeError`` if it
+        dies or says "dead" first, ``TimeoutError`` after ``timeout`` seconds."""
+        sync = zmq.Socket.shadow(self._from_core.underlying)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sync.poll(100):
+                kind, *args = unpack(sync.recv())
+                if kind == "ready":
+                    return args[0]
+                raise RuntimeError(f"the engine core failed to start: {args[0]}")
+            if not self.host.is_alive():
+                raise RuntimeError(f"{self.host.describe_exit()} while starting")
+        raise TimeoutError(f"the engine core was not ready after {timeout:.0f} s")
 
     def _check_open(self) -> None:
         if self._dead is not None:
-            raise EngineClosedError(f"the engine step loop has died: {self._dead!r}")
+            raise EngineClosedError(str(self._dead))
         if self._closing:
             raise EngineClosedError("the server is shutting down")
 
-    async def _submit(self, fn: Callable[[], T]) -> T:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+    def _with_token_ids(self, spec: RequestSpec) -> RequestSpec:
+        """Text prompts are tokenized here, so the core gets ids and the stream has context."""
+        if not isinstance(spec.prompt, str):
+            return spec
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give prompt token ids")
+        ids = list(self.tokenizer.encode(spec.prompt))
+        return RequestSpec(spec.request_id, ids, spec.params, spec.priority, spec.cache_salt)
 
-    def _forget_id(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
+    def _send(self, message: list[Any]) -> None:
+        if self._stopped and message[0] != "shutdown" and message[0] != "abort":
+            raise EngineClosedError("the engine has stopped")
+        try:
+            self._sync_to_core.send(pack(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the core is gone and its queue is full, or closed
+            if message[0] not in ("abort", "shutdown"):
+                raise EngineClosedError(f"the engine core is unreachable: {exc}") from None
+
+    async def _call(self, kind: str, *args: Any) -> Any:
+        self._check_alive()
+        self.start()
+        assert self._loop is not None
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._send([kind, call_id, *args])
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineClosedError(str(self._dead))
+        if self._stopped:
+            raise EngineClosedError("the engine has stopped")
+
+    async def _read_messages(self) -> None:
+        while True:
+            frame = await self._from_core.recv()
+            kind, *args = unpack(frame)
+            if kind == "deltas":
+                self._deliver(decode_deltas(args[0]), time.monotonic())
+            elif kind == "result":
+                self._resolve(*args)
+            elif kind == "dead":
+                self._mark_dead(EngineClosedError(f"the engine core failed: {args[0]}"))
+
+    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
+        future = self._calls.get(call_id)
+        if future is None or future.done():
+            return  # its caller was cancelled
+        if ok:
+            future.set_result(value)
+        else:
+            name, message = value
+            future.set_exception(_ERRORS.get(name, UtilityError)(message))
+
+    def _watch_core(self) -> None:
+        """Thread: wait for the core to end; if nobody stopped it, it died."""
+        self.host.join()
+        loop = self._loop
+        if loop is not None and not self._stopped:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(self._on_core_exit)
+
+    def _on_core_exit(self) -> None:
+        if not self._stopped and self._dead is None:
+            message = f"{self.host.describe_exit()}; the requests in flight failed"
+            logger.error("%s", message)
+            self._mark_dead(EngineClosedError(message))
+
+    def _mark_dead(self, error: BaseException) -> None:
+        if self._dead is None:
+            self._dead = error
+        for request_id in list(self._streams):
+            stream = self._streams[request_id]
             self._forget(stream)
+            stream._fail(error)
+        self._fail_calls(error)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _forget(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -315,140 +696,39 @@ class AsyncEngine:
             if stream.first_output_time is None:
                 self._num_queued -= 1
         stream.finished = True
-        stream._latest = None  # aborted: nothing more is delivered
+        stream._choices.clear()  # aborted: nothing more is delivered
         stream._ready.set()  # a waiting iterator ends instead of hanging
 
-    def _deliver(self, outputs: Sequence[RequestOutput], step_time: float) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
+    def _deliver(self, deltas: Sequence[RequestDelta], now: float) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue  # aborted by its client meanwhile
             if stream.first_output_time is None:
-                stream.first_output_time = step_time
+                stream.first_output_time = now
                 self._num_queued -= 1
-            if output.finished:
-                del self._streams[output.request_id]
-            stream._put(output)
+            if delta.finished:
+                del self._streams[delta.request_id]
+            stream._put(delta)
         for listener in self._listeners:
             try:
-                listener(outputs, step_time)
+                listener(deltas, now)
             except Exception:
                 logger.exception("output listener failed")
 
-    def _fail_streams(self, request_ids: Sequence[str], error: BaseException) -> None:
-        for request_id in request_ids:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                self._forget(stream)
-                stream._fail(error)
-
-    def _mark_dead(self, error: BaseException) -> None:
-        self._dead = error
-        self._fail_streams(list(self._streams), EngineClosedError(f"engine failed: {error!r}"))
-
-    # ------------------------------------------------------------------ step thread side
-
-    def _add_all(self, specs: Sequence[RequestSpec]) -> None:
-        added: list[str] = []
-        try:
-            for spec in specs:
-                self.engine.add_request(
-                    spec.request_id,
-                    spec.prompt,
-                    spec.params,
-                    priority=spec.priority,
-                    cache_salt=spec.cache_salt,
-                )
-                added.append(spec.request_id)
-                self._engine_ids.add(spec.request_id)
-        except BaseException:
-            self._abort_in_engine(added)
-            raise
-
-    def _abort_in_engine(self, request_ids: Sequence[str]) -> None:
-        if not request_ids:
-            return
-        self._engine_ids.difference_update(request_ids)
-        try:
-            self.engine.abort_request(list(request_ids))
-        except Exception:
-            logger.exception("abort_request(%s) failed", list(request_ids))
-
-    def _run(self) -> None:
-        assert self._loop is not None
-        try:
-            while self._run_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
-                    self._step_once()
-        except BaseException as exc:  # the loop itself broke: fail everyone, say so
-            logger.exception("engine step loop died")
-            self._call_on_loop(self._mark_dead, exc)
-        finally:
-            self._refuse_pending()
-
-    def _run_commands(self, *, block: bool) -> bool:
-        """Run queued commands (waiting for one when idle). False means stop."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if command is None:
-                return False
-            _run_command(*command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _refuse_pending(self) -> None:
-        """After the loop ends, fail the futures of commands nobody will run."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None and command[1] is not None:
-                command[1].set_exception(EngineClosedError("the engine has stopped"))
-
-    def _step_once(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            # The contract says step() fails single requests itself; if the step as a
-            # whole raises, fail what is in flight and keep serving new requests.
-            logger.exception("engine.step() raised; failing the requests in flight")
-            self.num_step_failures += 1
-            ids = sorted(self._engine_ids)
-            self._abort_in_engine(ids)
-            error = RequestFailedError(f"engine step failed: {exc!r}")
-            self._call_on_loop(self._fail_streams, ids, error)
-            if self.engine.has_unfinished_requests():
-                raise RuntimeError("engine still busy after aborting a failed step") from exc
-            return
-        for output in outputs:
-            if output.finished:
-                self._engine_ids.discard(output.request_id)
-        if outputs:
-            self._call_on_loop(self._deliver, outputs, time.monotonic())
-
-    def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        # RuntimeError: the loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(fn, *args)
+    def _close_sockets(self) -> None:
+        self._sync_to_core.close(linger=0)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._context.term()
+        for path in self._paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
-def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future | None) -> None:
-    if future is None:
-        fn()
-        return
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(fn())
-    except BaseException as exc:
-        future.set_exception(exc)
+def _ipc_address(kind: str) -> str:
+    name = f"pagedllm-{os.getpid()}-{uuid.uuid4().hex[:12]}-{kind}"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

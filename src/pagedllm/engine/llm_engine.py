@@ -37,7 +37,7 @@ from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
-from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
@@ -103,6 +103,10 @@ class _Sequence:
     # on a sequence without stop strings leaves its tokens in the request, and they are
     # handed on, decoded as one window, when the text is read (``text_detokenizer``).
     num_detokenized: int = 0
+    # What ``step_deltas`` has reported of this sequence so far.
+    num_sent: int = 0
+    num_logprobs_sent: int = 0
+    delta_finished: bool = False
 
     def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
         """The detokenizer, once given the request's output tokens before ``end``."""
@@ -339,6 +343,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so the next prompts are computed in full (vLLM's
         name; for benchmarks that repeat a workload, and after changing weights). Refused
@@ -385,15 +392,29 @@ class LLMEngine:
         decode step's Python time (so does detokenizing each token: without stop strings the
         text is then decoded when the request finishes). A shrink under way takes a bounded
         slice of compaction first."""
+        groups = self._timed_step(lazy_text=finished_only, final_text=True)
+        if finished_only:
+            groups = [g for g in groups if g.finished]
+        return [self._output_and_maybe_forget(g) for g in groups]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one step for a caller that detokenizes itself (the server's engine core):
+        per advanced request, the token ids and logprobs new since the last call and the
+        finish reasons. No text is decoded here unless a stop string must be looked for."""
+        return [self._delta_and_maybe_forget(g) for g in self._timed_step(lazy_text=True)]
+
+    def _timed_step(self, *, lazy_text: bool, final_text: bool = False) -> list[_Group]:
+        """The step of ``step`` and ``step_deltas``, between the elastic pool's hooks: the
+        groups it failed, then those it advanced."""
         self.elastic.before_step()
         if not self.scheduler.has_unfinished_requests():
             return []
         started = time.perf_counter()
-        outputs = self._step(finished_only)
+        groups = self._step(lazy_text=lazy_text, final_text=final_text)
         self.elastic.after_step(time.perf_counter() - started, time.monotonic())
-        return outputs
+        return groups
 
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
+    def _step(self, *, lazy_text: bool, final_text: bool) -> list[_Group]:
         scheduler_output = self.scheduler.schedule()
         forward = scheduler_output
         if scheduler_output.has_block_moves:
@@ -412,7 +433,7 @@ class LLMEngine:
                 # Their holders go back to waiting and are recomputed: a miss, not an error.
                 logger.warning("%d KV blocks failed to load from disk", len(moved.failed_loads))
                 forward = self.scheduler.reject_loads(forward, moved.failed_loads)
-        failed: list[RequestOutput] = []
+        failed: list[_Group] = []
         culprits: dict[str, Exception] = {}
         try:
             result = self.runner.execute(forward)
@@ -427,15 +448,12 @@ class LLMEngine:
                 len(s.token_ids) for s in forward.scheduled if s.request_id in culprits
             )
         self._counters["computed"] += num_computed * forward.num_steps
-        touched: dict[str, _Group] = {}
+        touched = {g.request_id: g for g in failed}
         for update in self.scheduler.update(forward, result):
-            group = self._apply(update, lazy_text=finished_only)
+            group = self._apply(update, lazy_text=lazy_text, final_text=final_text)
             if group is not None:
                 touched[group.request_id] = group
-        groups = touched.values()
-        if finished_only:
-            groups = [g for g in groups if g.finished]
-        return failed + [self._output_and_maybe_forget(g) for g in groups]
+        return list(touched.values())
 
     @property
     def num_steps(self) -> int:
@@ -527,9 +545,12 @@ class LLMEngine:
             next_len = len(first.prompt_token_ids) + max_tokens
         return waste(self.kv, token_ids, next_request_len=next_len)
 
-    def _apply(self, update: SequenceUpdate, *, lazy_text: bool = False) -> _Group | None:
+    def _apply(
+        self, update: SequenceUpdate, *, lazy_text: bool = False, final_text: bool = True
+    ) -> _Group | None:
         """Record a sequence's new tokens; ``lazy_text``: no output is read before the
-        request finishes, so (without stop strings) its text is decoded in one go then."""
+        request finishes, so (without stop strings) its text is decoded in one go then;
+        without ``final_text`` not even then (the caller detokenizes)."""
         request = update.request
         owner = self._seq_owner.get(request.request_id)
         if owner is None:
@@ -558,7 +579,8 @@ class LLMEngine:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             group.finish(seq, "stop", stop)
         elif request.is_finished:
-            seq.text_detokenizer().finish()
+            if final_text:
+                seq.text_detokenizer().finish()
             group.finish(seq, request.status.value, request.stop_reason)
         return group
 
@@ -578,10 +600,43 @@ class LLMEngine:
 
     def _output_and_maybe_forget(self, group: _Group) -> RequestOutput:
         output = self._output(group)
-        if output.finished:
+        self._maybe_forget(group)
+        return output
+
+    def _delta_and_maybe_forget(self, group: _Group) -> RequestDelta:
+        deltas = [self._sequence_delta(group.seqs[i]) for i in sorted(group.seqs)]
+        if group.error is not None and not deltas:
+            deltas = [SequenceDelta(0, (), finish_reason="error")]
+        first = group.seqs.get(0)
+        self._maybe_forget(group)
+        return RequestDelta(
+            request_id=group.request_id,
+            seqs=tuple(d for d in deltas if d.token_ids or d.finish_reason or d.logprobs),
+            finished=group.finished,
+            num_cached_tokens=first.request.num_cached_tokens if first else 0,
+            error=group.error,
+        )
+
+    @staticmethod
+    def _sequence_delta(seq: _Sequence) -> SequenceDelta:
+        """``seq``'s tokens and logprobs since the last delta (then marked sent)."""
+        tokens = seq.request.output_token_ids
+        new_ids = tuple(tokens[seq.num_sent :])
+        seq.num_sent = len(tokens)
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = tuple(seq.logprobs[seq.num_logprobs_sent :])
+            seq.num_logprobs_sent = len(seq.logprobs)
+        finish = seq.finish_reason
+        if finish is not None and seq.delta_finished:
+            finish = None  # reported once
+        seq.delta_finished = finish is not None or seq.delta_finished
+        return SequenceDelta(seq.index, new_ids, logprobs, finish, seq.stop_reason)
+
+    def _maybe_forget(self, group: _Group) -> None:
+        if group.finished:
             self._forget(group)
             self._counters["failed" if group.error else "finished"] += 1
-        return output
 
     def _output(self, group: _Group) -> RequestOutput:
         completions = [self._completion(group.seqs[i]) for i in sorted(group.seqs)]
@@ -656,30 +711,30 @@ class LLMEngine:
                 logprobs[i] = result.logprobs[0]
         return ModelRunnerOutput(tuple(sampled), tuple(logprobs)), culprits
 
-    def _fail_culprits(self, culprits: dict[str, Exception]) -> list[RequestOutput]:
+    def _fail_culprits(self, culprits: dict[str, Exception]) -> list[_Group]:
         """Fail the groups of the sequences that raised, each with its own error."""
-        outputs: list[RequestOutput] = []
+        failed: list[_Group] = []
         for request_id, exc in culprits.items():
             request = self.scheduler.requests.get(request_id)
             if request is not None:
-                outputs.extend(self._fail([request], exc))
-        return outputs
+                failed.extend(self._fail([request], exc))
+        return failed
 
-    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+    def _fail(self, requests: list[Request], exc: Exception) -> list[_Group]:
+        """Finish the groups of ``requests`` with ``exc`` (the caller reports and forgets
+        them)."""
         groups: dict[str, _Group] = {}
         for request in requests:
             owner = self._seq_owner.get(request.request_id)
             if owner is not None:
                 groups[owner[0].request_id] = owner[0]
-        outputs = []
         for group in groups.values():
             # A group is one answer: if one of its samples failed, so did it.
             self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ERROR)
             group.error = _describe(exc)
             for seq in group.seqs.values():
                 group.finish(seq, "error")
-            outputs.append(self._output_and_maybe_forget(group))
-        return outputs
+        return list(groups.values())
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)

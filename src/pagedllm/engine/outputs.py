@@ -1,4 +1,6 @@
-"""What the engine returns per request: cumulative outputs (the server computes deltas)."""
+"""What the engine returns per request: cumulative outputs (``LLMEngine.step``, the offline
+``LLM``) or token deltas (``LLMEngine.step_deltas``, the engine core behind the server,
+which detokenizes in its own process)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,32 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceDelta:
+    """What one step added to one completion: new token ids (and their logprobs when
+    asked for), and the finish reason once, in the step that finished it."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """One request's step: the completions that changed; ``finished`` once all ended.
+
+    ``error``: why the request failed (then ``finished`` and ``finish_reason="error"``).
+    """
+
+    request_id: str
+    seqs: tuple[SequenceDelta, ...]
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None

@@ -4,10 +4,13 @@
 and keeps it on ``app.state``; nothing lives at module level, so tests build as many
 apps as they like in one process.
 
-The app starts the engine's step thread on first use (``httpx.ASGITransport`` sends no
-lifespan events) and stops it on lifespan shutdown: under uvicorn, SIGTERM stops
-accepting connections, lets in-flight requests finish (``timeout_graceful_shutdown``),
-then aborts what is left and joins the step thread.
+The engine core runs in a process of its own (``AsyncEngine.launch``, what ``pagedllm
+serve`` does) or, when the app is built around an ``LLMEngine`` object, in a thread
+(``AsyncEngine.in_thread``); the app talks to both the same way. It starts reading the
+core's messages on first use (``httpx.ASGITransport`` sends no lifespan events) and stops
+the core on lifespan shutdown: under uvicorn, SIGTERM stops accepting connections, lets
+in-flight requests finish (``timeout_graceful_shutdown``), then aborts what is left and
+stops the core.
 """
 
 from __future__ import annotations
@@ -25,13 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.server.cache_events import events_report
+from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.errors import APIError
-from pagedllm.server.metrics import ServerMetrics, cache_report
+from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ModelCard, ModelList
 from pagedllm.server.serving import ServerContext
 
@@ -74,9 +76,9 @@ def create_app(
     served_model_name: str | None = None,
     shutdown_drain_timeout: float = 0.0,
 ) -> FastAPI:
-    """Build the OpenAI-compatible app around an ``LLMEngine`` or an ``AsyncEngine``.
+    """Build the OpenAI-compatible app around an ``AsyncEngine`` or an ``LLMEngine``.
 
-    An ``LLMEngine`` is wrapped in a new ``AsyncEngine`` bounded by
+    An ``LLMEngine`` gets a new ``AsyncEngine.in_thread`` bounded by
     ``max_queued_requests``; an ``AsyncEngine`` is used as given (with its own bound).
     ``served_model_name`` is the name clients send as ``model`` (default: the engine's
     model name). With ``api_key``, every route but /health and the /dashboard page
@@ -85,7 +87,7 @@ def create_app(
     if isinstance(engine, AsyncEngine):
         async_engine = engine
     else:
-        async_engine = AsyncEngine(engine, max_queued_requests=max_queued_requests)
+        async_engine = AsyncEngine.in_thread(engine, max_queued_requests=max_queued_requests)
     ctx = _build_context(async_engine, served_model_name)
     async_engine.add_listener(ctx.metrics.on_outputs)
 
@@ -106,18 +108,18 @@ def create_app(
 
 
 def _build_context(engine: AsyncEngine, served_model_name: str | None) -> ServerContext:
-    llm = engine.engine
-    model = str(getattr(llm, "model_name", None) or llm.config.model)
+    info = engine.info
+    model = info["model_name"]
     name = served_model_name or model
     return ServerContext(
         engine=engine,
         metrics=ServerMetrics(),
         model_name=name,
-        model_aliases=frozenset({name, model, str(llm.config.model)}),
-        max_model_len=int(llm.max_model_len),
-        vocab_size=int(llm.runner.vocab_size),
-        block_size=int(llm.runner.block_size),
-        num_blocks=int(llm.runner.num_blocks),
+        model_aliases=frozenset({name, model, info["model"]}),
+        max_model_len=info["max_model_len"],
+        vocab_size=info["vocab_size"],
+        block_size=info["block_size"],
+        num_blocks=info["num_blocks"],
     )
 
 
@@ -126,7 +128,9 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health() -> Response:
         if ctx.engine.is_running:
             return JSONResponse({"status": "ok"})
-        return APIError(503, "the engine is not running", code="engine_unavailable").response()
+        reason = ctx.engine.dead_reason or "the server is shutting down"
+        message = f"the engine is not running: {reason}"
+        return APIError(503, message, code="engine_unavailable").response()
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -142,7 +146,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await create_chat_completion(ctx, request)
 
     async def report() -> dict[str, Any]:
-        result = cache_report(await ctx.engine.get_stats())
+        result = await ctx.engine.cache_report()
         result["server"] = {"in_flight": ctx.engine.num_in_flight, "queued": ctx.engine.num_queued}
         return result
 
@@ -152,8 +156,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/cache/events")
     async def cache_events(since: int = 0, epoch: str | None = None) -> Response:
-        # A router's feed (server/cache_events.py), read between two steps.
-        body = await ctx.engine.call(lambda engine: events_report(engine, epoch, since))
+        # A router's feed (server/cache_events.py), read in the core between two steps.
+        body = await ctx.engine.call_utility("events_report", epoch, since)
         return JSONResponse(body)
 
     @app.get("/metrics")
@@ -169,6 +173,10 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         ctx.metrics.rejected.labels(str(exc.status)).inc()
         return exc.response()
+
+    @app.exception_handler(EngineClosedError)
+    async def engine_closed(request: Request, exc: EngineClosedError) -> Response:
+        return APIError(503, str(exc), code="engine_unavailable").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

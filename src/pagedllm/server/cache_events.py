@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.cache_events import CacheEvents
+from pagedllm.engine.reports import events_report
+
+__all__ = ["EventsReply", "events_report", "parse_events_reply"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,28 +34,6 @@ class EventsReply:
     kv_usage: float
     num_running: int
     num_waiting: int
-
-
-def events_report(engine: Any, epoch: str | None, since: int) -> dict[str, Any]:
-    """The JSON reply for an ``LLMEngine`` (call it on the step thread)."""
-    kv = engine.kv
-    log = kv.events
-    batch = log.since(since) if epoch == log.epoch else None
-    stats = engine.scheduler.stats()
-    body: dict[str, Any] = {
-        "epoch": log.epoch,
-        "block_size": kv.block_size,
-        "next_seq": log.next_seq,
-        "kv_usage": kv.usage,
-        "num_running": stats.num_running,
-        "num_waiting": stats.num_waiting,
-    }
-    if batch is None:
-        body["snapshot"] = [h.hex() for h in kv.pool.hashed_blocks().values()]
-    else:
-        body["first_seq"] = batch.first_seq
-        body["events"] = [[kind, h.hex()] for kind, h in batch.events]
-    return body
 
 
 def parse_events_reply(body: dict[str, Any]) -> EventsReply:

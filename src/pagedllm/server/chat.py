@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedllm.engine.async_engine import RequestSpec, RequestStream
+from pagedllm.engine.async_engine import ChoiceDelta, RequestSpec, RequestStream
 from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import (
     AssistantMessage,
@@ -23,7 +23,6 @@ from pagedllm.server.protocol import (
     Usage,
 )
 from pagedllm.server.serving import (
-    ChoiceState,
     Prompt,
     ServerContext,
     chat_logprobs,
@@ -140,43 +139,26 @@ async def chat_events(
         )
         return sse_event(body, exclude=exclude)
 
-    states: dict[int, ChoiceState] = {}
-    last = None
-    async with aclosing(outputs_of(ctx, stream)) as outputs:
-        async for output in outputs:
-            last = output
-            for c in sorted(output.outputs, key=lambda c: c.index):
-                state = states.setdefault(c.index, ChoiceState())
-                if not state.started:
-                    state.started = True
+    started: set[int] = set()
+    async with aclosing(outputs_of(ctx, stream)) as deltas:
+        async for delta in deltas:
+            for c in delta.choices:
+                if c.index not in started:
+                    started.add(c.index)
                     role = DeltaMessage(role="assistant", content="")
                     yield chunk([ChatStreamChoice(index=c.index, delta=role)])
-                choice = _chat_delta(ctx, req, c, state)
-                if choice is not None:
-                    yield chunk([choice])
-    if include_usage and last is not None:
-        yield chunk([], usage_of([last]))
+                yield chunk([_chat_delta(ctx, req, c)])
+    if include_usage:
+        yield chunk([], usage_of([stream.output()]))
 
 
-def _chat_delta(
-    ctx: ServerContext, req: ChatCompletionRequest, c: Any, state: ChoiceState
-) -> ChatStreamChoice | None:
-    if state.finished:
-        return None
-    text = c.text[state.text_len :]
-    entries = c.logprobs[state.num_logprobs :] if c.logprobs and req.logprobs else []
-    if not text and not entries and not c.finish_reason:
-        return None
+def _chat_delta(ctx: ServerContext, req: ChatCompletionRequest, c: ChoiceDelta) -> ChatStreamChoice:
     logprobs = None
-    if entries:
-        ids = c.token_ids[state.num_logprobs : state.num_logprobs + len(entries)]
-        logprobs = chat_logprobs(ctx.tokenizer, entries, ids)
-    state.text_len = len(c.text)
-    state.num_logprobs += len(entries)
-    state.finished = c.finish_reason is not None
+    if req.logprobs and c.logprobs:
+        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids)
     return ChatStreamChoice(
         index=c.index,
-        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+        delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,

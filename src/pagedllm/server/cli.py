@@ -1,5 +1,10 @@
 """``pagedllm serve``: the OpenAI-compatible server under uvicorn.
 
+The engine core (scheduler, model runner, sampler) runs in a process of its own, started
+here and spoken to over ZeroMQ (``engine/core.py``); this process does HTTP, tokenization,
+detokenization and SSE. If the core dies, every request in flight fails with an error
+and /health answers 503 until the server is restarted.
+
 SIGTERM / Ctrl-C: the listening socket closes and the engine refuses new requests at once
 (503, /health too); in-flight requests get ``--shutdown-timeout`` seconds to finish, then
 whatever still runs is aborted (its blocks freed) and its stream ends with an error event
@@ -23,6 +28,7 @@ import uvicorn
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.core import ConfigEngineFactory
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
 
 # uvicorn's own deadline comes this long after ours, so that streams we end have time
@@ -83,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
+    group.add_argument(
+        "--engine-core",
+        default="process",
+        choices=("process", "thread"),
+        help="where the engine core runs: its own process (default), or a thread of the "
+        "server's (shares the interpreter lock with HTTP; for comparison)",
+    )
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
     group.add_argument("--data-parallel-size", type=int, default=1,
@@ -106,7 +119,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data-parallel-size must be at least 1")
     if args.data_parallel_size > 1:
         return run_data_parallel(args)
-    engine = LLMEngine.from_config(config_from_args(args))
+    config = config_from_args(args)
+    if args.engine_core == "process":
+        engine: Any = AsyncEngine.launch(
+            ConfigEngineFactory(config), max_queued_requests=args.max_queued_requests
+        )
+    else:
+        engine = LLMEngine.from_config(config)
     app = create_app(
         engine,
         api_key=args.api_key,

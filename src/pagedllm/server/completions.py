@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedllm.engine.async_engine import RequestSpec, RequestStream
+from pagedllm.engine.async_engine import ChoiceDelta, RequestSpec, RequestStream
 from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import (
     CompletionChoice,
@@ -19,7 +19,6 @@ from pagedllm.server.protocol import (
     CompletionStreamResponse,
 )
 from pagedllm.server.serving import (
-    ChoiceState,
     Prompt,
     ServerContext,
     check_common,
@@ -164,29 +163,22 @@ async def completion_events(
     exclude: dict[str, Any] = {} if include_usage else {"usage": True}
     if not _returns_ids(ctx, req):
         exclude["choices"] = {"__all__": {"token_ids"}}
-    finals = []
     for i, (prompt, stream) in enumerate(zip(prompts, streams, strict=True)):
-        states: dict[int, ChoiceState] = {}
-        last = None
-        async with aclosing(outputs_of(ctx, stream)) as outputs:
-            async for output in outputs:
-                last = output
-                choices = []
-                for c in output.outputs:
-                    state = states.setdefault(c.index, ChoiceState())
-                    choice = _completion_delta(ctx, req, prompt, c, state, i * req.n)
-                    if choice is not None:
-                        choices.append(choice)
-                if choices:
-                    chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=ctx.model_name, choices=choices
-                    )
-                    yield sse_event(chunk, exclude=exclude or None)
-        finals.append(last)
+        offsets: dict[int, int] = {}  # per choice: characters sent (for logprobs' text_offset)
+        async with aclosing(outputs_of(ctx, stream)) as deltas:
+            async for delta in deltas:
+                choices = [
+                    _completion_delta(ctx, req, prompt, c, offsets, i * req.n)
+                    for c in delta.choices
+                ]
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=ctx.model_name, choices=choices
+                )
+                yield sse_event(chunk, exclude=exclude or None)
     if include_usage:
         chunk = CompletionStreamResponse(
             id=request_id, created=created, model=ctx.model_name, choices=[],
-            usage=usage_of(finals),
+            usage=usage_of([s.output() for s in streams]),
         )  # fmt: skip
         yield sse_event(chunk)
 
@@ -195,38 +187,26 @@ def _completion_delta(
     ctx: ServerContext,
     req: CompletionRequest,
     prompt: Prompt,
-    c: Any,
-    state: ChoiceState,
+    c: ChoiceDelta,
+    offsets: dict[int, int],
     index_base: int,
-) -> CompletionChoice | None:
-    if state.finished:
-        return None
-    text = c.text[state.text_len :]
-    if req.echo and not state.started and prompt.text:
+) -> CompletionChoice:
+    """The chunk of choice ``c``; the echoed prompt goes before its first text."""
+    first = c.index not in offsets
+    offset = offsets.get(c.index, 0)
+    text = c.text
+    if req.echo and first and prompt.text:
         text = prompt.text + text
-        state.text_offset = 0
     logprobs = None
-    entries = c.logprobs[state.num_logprobs :] if c.logprobs and req.logprobs is not None else []
-    if entries:
-        ids = c.token_ids[state.num_logprobs : state.num_logprobs + len(entries)]
-        offset = state.text_offset + (
-            len(prompt.text or "") if req.echo and not state.started else 0
-        )
-        logprobs = completion_logprobs(ctx.tokenizer, entries, ids, offset)
-    new_ids = list(c.token_ids[state.num_tokens :]) if _returns_ids(ctx, req) else None
-    if not text and not entries and not new_ids and not c.finish_reason:
-        return None
-    state.num_tokens = len(c.token_ids)
-    state.started = True
-    state.text_len = len(c.text)
-    state.num_logprobs += len(entries)
-    state.text_offset += len(text)
-    state.finished = c.finish_reason is not None
+    if req.logprobs is not None and c.logprobs:
+        start = offset + (len(prompt.text or "") if req.echo and first else 0)
+        logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, start)
+    offsets[c.index] = offset + len(text)
     return CompletionChoice(
         index=index_base + c.index,
         text=text,
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
-        token_ids=new_ids,
+        token_ids=list(c.token_ids) if _returns_ids(ctx, req) else None,
     )

@@ -8,8 +8,8 @@ JSON follows ``--api-key``: open ``/dashboard#key=KEY`` and the page sends
 ``#key=KEY&request=ID`` also outlines request ``ID``'s blocks on the map (so does
 clicking its row).
 
-The block report is built on the engine's step thread between two steps
-(``AsyncEngine.call``), so block states, ref counts and block tables are one
+The block report is built by the engine core between two steps (a utility call,
+``engine/reports.py``), so block states, ref counts and block tables are one
 consistent snapshot.
 """
 
@@ -20,9 +20,6 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from pagedllm.core.block_pool import BLOCK_STATE_NAMES
-from pagedllm.core.request import RequestStatus
-
 DASHBOARD_PATH = "/dashboard"
 BLOCKS_PATH = "/v1/cache/blocks"
 
@@ -32,60 +29,6 @@ _CSP = (
     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'"
 )
-_STATUS_ORDER = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
-
-
-def blocks_report(engine: Any) -> dict[str, Any]:
-    """Per-block state and ref count of both tiers plus every live request's tables.
-
-    ``engine`` is an ``LLMEngine``; call this on its step thread (``AsyncEngine.call``).
-    ``state[i]`` is an index into ``state_names`` for block ``i``.
-    """
-    kv = engine.kv
-    tables = kv.live_block_tables()
-    host_tables = kv.live_host_block_tables()
-    requests = sorted(
-        engine.scheduler.requests.values(),
-        key=lambda r: (_STATUS_ORDER.get(r.status, 3), r.arrival_time, r.request_id),
-    )
-    rows = [_request_row(r, tables.pop(r.request_id, []), host_tables.pop(r.request_id, []))
-            for r in requests]  # fmt: skip
-    # Tables of requests the scheduler no longer lists (should be none): still show them.
-    for request_id in sorted(tables.keys() | host_tables.keys()):
-        rows.append(
-            {
-                "request_id": request_id,
-                "status": "unknown",
-                "block_table": tables.get(request_id, []),
-                "host_block_table": host_tables.get(request_id, []),
-            }
-        )
-    return {
-        "block_size": kv.block_size,
-        "blocks_total": kv.num_blocks,
-        "host_blocks_total": kv.num_host_blocks,
-        "state_names": list(BLOCK_STATE_NAMES),
-        "state": kv.block_states(),
-        "ref_count": kv.block_ref_counts(),
-        "host_state": kv.block_states(host=True),
-        "host_ref_count": kv.block_ref_counts(host=True),
-        "requests": rows,
-    }
-
-
-def _request_row(request: Any, table: list[int], host_table: list[int]) -> dict[str, Any]:
-    return {
-        "request_id": request.request_id,
-        "status": request.status.value,
-        "block_table": table,
-        "host_block_table": host_table,
-        "num_tokens": request.num_tokens,
-        "num_prompt_tokens": request.num_prompt_tokens,
-        "num_computed_tokens": request.num_computed_tokens,
-        "num_cached_tokens": request.num_cached_tokens,
-        "num_preemptions": request.num_preemptions,
-        "priority": request.priority,
-    }
 
 
 def add_dashboard_routes(app: FastAPI, ctx: Any) -> None:
@@ -98,7 +41,7 @@ def add_dashboard_routes(app: FastAPI, ctx: Any) -> None:
 
     @app.get(BLOCKS_PATH)
     async def cache_blocks() -> Response:
-        report = await ctx.engine.call(blocks_report)
+        report = await ctx.engine.call_utility("blocks_report")
         return JSONResponse(report, headers={"Cache-Control": "no-store"})
 
 

@@ -18,84 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.reports import cache_report
+
+__all__ = ["ServerMetrics", "cache_report"]
 
 PREFIX = "pagedllm"
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-_WASTES = ("internal", "external", "duplication")
-
-
-def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
-    """``{"tokens": ..., "fraction": ...}`` for one kind of waste of a ``WasteReport``
-    (``EngineStats.waste``); None values when the engine could not measure it."""
-    if waste is None:
-        return {"tokens": None, "fraction": None}
-    tokens = getattr(waste, f"{kind}_tokens")
-    if tokens is None:  # duplication needs every live request's token ids
-        return {"tokens": None, "fraction": None}
-    return {"tokens": tokens, "fraction": float(getattr(waste, f"{kind}_fraction"))}
-
-
-def cache_report(stats: EngineStats) -> dict[str, Any]:
-    """The ``/v1/cache`` JSON built from one ``LLMEngine.get_stats()`` snapshot (its
-    ``waste`` is computed by the engine, on the step thread)."""
-    cache, waste = stats.cache, stats.waste
-    queries, hits = cache.prefix_queries_tokens, cache.prefix_hits_tokens
-    return {
-        "block_size": cache.block_size,
-        "blocks_total": cache.blocks_total,
-        "blocks_used": cache.blocks_used,
-        "blocks_cached_free": cache.blocks_cached_free,
-        "blocks_free": cache.blocks_free,
-        "usage": cache.blocks_used / cache.blocks_total if cache.blocks_total else 0.0,
-        "host_blocks_total": cache.host_blocks_total,
-        "host_blocks_used": cache.host_blocks_used,
-        "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
-        "headroom_tokens": None if waste is None else waste.headroom_tokens,
-        "disk": _disk_entry(stats),
-        "prefix_cache": {
-            "queries_tokens": queries,
-            "hits_tokens": hits,
-            "hit_rate": hits / queries if queries else 0.0,
-            "inflight_shared_tokens": stats.num_inflight_shared_tokens,
-            "inflight_waits": stats.num_inflight_waits,
-        },
-        "running": stats.num_running,
-        "waiting": stats.num_waiting,
-        "swapped": stats.num_swapped,
-        "preemptions": {
-            "recompute": stats.num_preemptions_recompute,
-            "swap": stats.num_preemptions_swap,
-        },
-    }
-
-
-def _disk_entry(stats: EngineStats) -> dict[str, Any] | None:
-    """The disk tier's part of the report (None without one)."""
-    cache, disk = stats.cache, stats.disk
-    if disk is None:
-        return None
-    return {
-        "path": disk.path,
-        "blocks_total": cache.disk_blocks_total,
-        "blocks_used": cache.disk_blocks_used,
-        "bytes_total": cache.disk_blocks_total * disk.file_nbytes,
-        "bytes_used": cache.disk_blocks_used * disk.file_nbytes,
-        "hits_tokens_ram": cache.prefix_hits_tokens - cache.prefix_disk_hits_tokens,
-        "hits_tokens_disk": cache.prefix_disk_hits_tokens,
-        "blocks_read": disk.blocks_read,
-        "blocks_written": disk.blocks_written,
-        "bytes_read": disk.bytes_read,
-        "bytes_written": disk.bytes_written,
-        "loads": disk.loads,
-        "load_seconds": disk.load_seconds,
-        "misses_corrupt": disk.misses_corrupt,
-        "write_errors": disk.write_errors,
-        "writes_queued": disk.writes_queued,
-    }
 
 
 class _StatsCollector(Collector):
@@ -200,8 +131,8 @@ def _labelled_gauge(name: str, doc: str, by_kind: dict[str, Any], key: str) -> G
 @dataclass(slots=True)
 class _Timing:
     arrival: float
+    num_prompt_tokens: int = 0
     last: float | None = None
-    num_tokens: int = 0
 
 
 def _latency_histogram(registry: CollectorRegistry, name: str, doc: str) -> Histogram:
@@ -255,8 +186,8 @@ class ServerMetrics:
             registry=reg,
         )
 
-    def request_started(self, request_id: str, arrival: float) -> None:
-        self._timings[request_id] = _Timing(arrival)
+    def request_started(self, request_id: str, arrival: float, num_prompt_tokens: int = 0) -> None:
+        self._timings[request_id] = _Timing(arrival, num_prompt_tokens)
 
     def request_ended(self, request_id: str, reason: str) -> None:
         """The client side is done with the request (finished, aborted or failed)."""
@@ -267,24 +198,22 @@ class ServerMetrics:
         """The request never reached the engine (refused)."""
         self._timings.pop(request_id, None)
 
-    def on_outputs(self, outputs: Sequence[Any], step_time: float) -> None:
-        """AsyncEngine listener: latency and token counts from one step's outputs."""
-        for output in outputs:
-            timing = self._timings.get(output.request_id)
+    def on_outputs(self, deltas: Sequence[Any], step_time: float) -> None:
+        """AsyncEngine listener: latency and token counts from one step's ``RequestDelta``s."""
+        for delta in deltas:
+            timing = self._timings.get(delta.request_id)
             if timing is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            new_tokens = num_tokens - timing.num_tokens
+            new_tokens = sum(len(s.token_ids) for s in delta.seqs)
             if new_tokens > 0:
                 if timing.last is None:
                     self.ttft.observe(step_time - timing.arrival)
-                    self.prompt_tokens.inc(len(output.prompt_token_ids or ()))
+                    self.prompt_tokens.inc(timing.num_prompt_tokens)
                 else:
                     self.itl.observe(step_time - timing.last)
                 self.generation_tokens.inc(new_tokens)
                 timing.last = step_time
-                timing.num_tokens = num_tokens
-            if output.finished:
+            if delta.finished:
                 self.e2e.observe(step_time - timing.arrival)
 
     def render(self, report: dict[str, Any]) -> bytes:

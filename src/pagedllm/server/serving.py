@@ -4,8 +4,8 @@ Everything that can be checked before the engine is checked here (types, ranges,
 name, prompt length against ``max_model_len`` and the cache size, the queue bound), so a
 bad request never reaches the engine or disturbs the others.
 
-Engine outputs are cumulative; a stream keeps, per choice (``ChoiceState``), how much
-text and how many logprobs it has sent and emits only what is new.
+The engine core sends token ids; each ``RequestStream`` detokenizes them and hands out
+what is new (``StreamDelta``); non-streaming answers read ``stream.output()`` at the end.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pagedllm.engine.async_engine import (
     AsyncEngine,
     EngineClosedError,
     QueueFullError,
-    RequestFailedError,
     RequestSpec,
     RequestStream,
+    StreamDelta,
 )
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
@@ -88,16 +89,6 @@ class ServerContext:
 class Prompt:
     token_ids: list[int]
     text: str | None  # None: token ids given, decoded only if echo needs it
-
-
-@dataclass(slots=True)
-class ChoiceState:
-    text_len: int = 0
-    num_tokens: int = 0
-    num_logprobs: int = 0
-    text_offset: int = 0
-    started: bool = False
-    finished: bool = False
 
 
 # ---------------------------------------------------------------- shared steps
@@ -215,7 +206,7 @@ async def add_streams(ctx: ServerContext, specs: Sequence[RequestSpec]) -> list[
     """Hand the requests to the engine, mapping its refusals to HTTP errors."""
     now = time.monotonic()
     for spec in specs:  # before adding: the first output may arrive before add returns
-        ctx.metrics.request_started(spec.request_id, now)
+        ctx.metrics.request_started(spec.request_id, now, len(spec.prompt))
     try:
         return await ctx.engine.add_requests(specs)
     except BaseException as exc:
@@ -236,24 +227,20 @@ def _refusal(exc: BaseException) -> BaseException:
     return exc
 
 
-async def outputs_of(ctx: ServerContext, stream: RequestStream) -> AsyncIterator[Any]:
-    """A stream's outputs; engine failures become ``APIError``; leaving aborts the request."""
+async def outputs_of(ctx: ServerContext, stream: RequestStream) -> AsyncIterator[StreamDelta]:
+    """A stream's deltas; engine failures become ``APIError``; leaving aborts the request."""
     reason = "abort"
     try:
-        async for output in stream:
-            failed = [c for c in output.outputs if c.finish_reason == "error"]
-            if failed:
+        async for delta in stream:
+            if delta.error is not None or any(c.finish_reason == "error" for c in delta.choices):
                 reason = "error"
-                detail = getattr(output, "error", None) or "internal error"
+                detail = delta.error or "internal error"
                 raise APIError(
                     500, f"request {stream.request_id} failed: {detail}", code="engine_error"
                 )
-            if output.finished:
-                reason = _finish_reason(output)
-            yield output
-    except RequestFailedError as exc:
-        reason = "error"
-        raise APIError(500, str(exc), code="engine_error") from None
+            if delta.finished:
+                reason = _finish_reason(stream.output())
+            yield delta
     except EngineClosedError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
     finally:
@@ -261,14 +248,14 @@ async def outputs_of(ctx: ServerContext, stream: RequestStream) -> AsyncIterator
         ctx.metrics.request_ended(stream.request_id, reason)
 
 
-async def final_output(ctx: ServerContext, stream: RequestStream) -> Any:
-    last = None
-    async with aclosing(outputs_of(ctx, stream)) as outputs:
-        async for output in outputs:
-            last = output
-    if last is None or not last.finished:
+async def final_output(ctx: ServerContext, stream: RequestStream) -> RequestOutput:
+    async with aclosing(outputs_of(ctx, stream)) as deltas:
+        async for _ in deltas:
+            pass
+    output = stream.output()
+    if not output.finished:
         raise APIError(503, f"request {stream.request_id} ended unfinished", code="aborted")
-    return last
+    return output
 
 
 async def final_outputs(ctx: ServerContext, streams: Sequence[RequestStream]) -> list[Any]:

@@ -1,0 +1,175 @@
+"""Reports built inside the engine core from one consistent snapshot, sent to the
+server as plain data: the ``/v1/cache`` report and the per-block dashboard report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.core.accounting import WasteReport
+from pagedllm.core.block_pool import BLOCK_STATE_NAMES
+from pagedllm.core.request import RequestStatus
+from pagedllm.engine.llm_engine import EngineStats
+
+_WASTES = ("internal", "external", "duplication")
+
+
+def _waste_entry(waste: Any, kind: str) -> dict[str, Any]:
+    """``{"tokens": ..., "fraction": ...}`` for one kind of waste of a ``WasteReport``
+    (``EngineStats.waste``); None values when the engine could not measure it."""
+    if waste is None:
+        return {"tokens": None, "fraction": None}
+    tokens = getattr(waste, f"{kind}_tokens")
+    if tokens is None:  # duplication needs every live request's token ids
+        return {"tokens": None, "fraction": None}
+    return {"tokens": tokens, "fraction": float(getattr(waste, f"{kind}_fraction"))}
+
+
+def cache_report(stats: EngineStats) -> dict[str, Any]:
+    """The ``/v1/cache`` JSON built from one ``LLMEngine.get_stats()`` snapshot (its
+    ``waste`` is computed by the engine, on the step thread)."""
+    cache, waste = stats.cache, stats.waste
+    queries, hits = cache.prefix_queries_tokens, cache.prefix_hits_tokens
+    return {
+        "block_size": cache.block_size,
+        "blocks_total": cache.blocks_total,
+        "blocks_used": cache.blocks_used,
+        "blocks_cached_free": cache.blocks_cached_free,
+        "blocks_free": cache.blocks_free,
+        "usage": cache.blocks_used / cache.blocks_total if cache.blocks_total else 0.0,
+        "host_blocks_total": cache.host_blocks_total,
+        "host_blocks_used": cache.host_blocks_used,
+        "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
+        "headroom_tokens": None if waste is None else waste.headroom_tokens,
+        "disk": _disk_entry(stats),
+        "prefix_cache": {
+            "queries_tokens": queries,
+            "hits_tokens": hits,
+            "hit_rate": hits / queries if queries else 0.0,
+            "inflight_shared_tokens": stats.num_inflight_shared_tokens,
+            "inflight_waits": stats.num_inflight_waits,
+        },
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "swapped": stats.num_swapped,
+        "preemptions": {
+            "recompute": stats.num_preemptions_recompute,
+            "swap": stats.num_preemptions_swap,
+        },
+    }
+
+
+def _disk_entry(stats: EngineStats) -> dict[str, Any] | None:
+    """The disk tier's part of the report (None without one)."""
+    cache, disk = stats.cache, stats.disk
+    if disk is None:
+        return None
+    return {
+        "path": disk.path,
+        "blocks_total": cache.disk_blocks_total,
+        "blocks_used": cache.disk_blocks_used,
+        "bytes_total": cache.disk_blocks_total * disk.file_nbytes,
+        "bytes_used": cache.disk_blocks_used * disk.file_nbytes,
+        "hits_tokens_ram": cache.prefix_hits_tokens - cache.prefix_disk_hits_tokens,
+        "hits_tokens_disk": cache.prefix_disk_hits_tokens,
+        "blocks_read": disk.blocks_read,
+        "blocks_written": disk.blocks_written,
+        "bytes_read": disk.bytes_read,
+        "bytes_written": disk.bytes_written,
+        "loads": disk.loads,
+        "load_seconds": disk.load_seconds,
+        "misses_corrupt": disk.misses_corrupt,
+        "write_errors": disk.write_errors,
+        "writes_queued": disk.writes_queued,
+    }
+
+
+_STATUS_ORDER = {RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 1, RequestStatus.WAITING: 2}
+
+
+def blocks_report(engine: Any) -> dict[str, Any]:
+    """Per-block state and ref count of both tiers plus every live request's tables.
+
+    ``engine`` is an ``LLMEngine``; call this between two steps (``EngineCore``).
+    ``state[i]`` is an index into ``state_names`` for block ``i``.
+    """
+    kv = engine.kv
+    tables = kv.live_block_tables()
+    host_tables = kv.live_host_block_tables()
+    requests = sorted(
+        engine.scheduler.requests.values(),
+        key=lambda r: (_STATUS_ORDER.get(r.status, 3), r.arrival_time, r.request_id),
+    )
+    rows = [_request_row(r, tables.pop(r.request_id, []), host_tables.pop(r.request_id, []))
+            for r in requests]  # fmt: skip
+    # Tables of requests the scheduler no longer lists (should be none): still show them.
+    for request_id in sorted(tables.keys() | host_tables.keys()):
+        rows.append(
+            {
+                "request_id": request_id,
+                "status": "unknown",
+                "block_table": tables.get(request_id, []),
+                "host_block_table": host_tables.get(request_id, []),
+            }
+        )
+    return {
+        "block_size": kv.block_size,
+        "blocks_total": kv.num_blocks,
+        "host_blocks_total": kv.num_host_blocks,
+        "state_names": list(BLOCK_STATE_NAMES),
+        "state": kv.block_states(),
+        "ref_count": kv.block_ref_counts(),
+        "host_state": kv.block_states(host=True),
+        "host_ref_count": kv.block_ref_counts(host=True),
+        "requests": rows,
+    }
+
+
+def _request_row(request: Any, table: list[int], host_table: list[int]) -> dict[str, Any]:
+    return {
+        "request_id": request.request_id,
+        "status": request.status.value,
+        "block_table": table,
+        "host_block_table": host_table,
+        "num_tokens": request.num_tokens,
+        "num_prompt_tokens": request.num_prompt_tokens,
+        "num_computed_tokens": request.num_computed_tokens,
+        "num_cached_tokens": request.num_cached_tokens,
+        "num_preemptions": request.num_preemptions,
+        "priority": request.priority,
+    }
+
+
+def stats_from_wire(data: dict[str, Any]) -> EngineStats:
+    """The ``EngineStats`` that ``to_wire`` turned into ``data`` (the server's copy)."""
+    from pagedllm.core.kv_cache_manager import CacheStats
+
+    fields = dict(data)
+    fields["cache"] = CacheStats(**data["cache"])
+    if data.get("waste") is not None:
+        waste = dict(data["waste"])
+        waste["free_extents"] = tuple(waste["free_extents"])
+        fields["waste"] = WasteReport(**waste)
+    return EngineStats(**fields)
+
+
+def events_report(engine: Any, epoch: str | None, since: int) -> dict[str, Any]:
+    """A replica's ``GET /v1/cache/events`` reply (``server/cache_events.py``) for an
+    ``LLMEngine``; call it between two steps (``EngineCore``)."""
+    kv = engine.kv
+    log = kv.events
+    batch = log.since(since) if epoch == log.epoch else None
+    stats = engine.scheduler.stats()
+    body: dict[str, Any] = {
+        "epoch": log.epoch,
+        "block_size": kv.block_size,
+        "next_seq": log.next_seq,
+        "kv_usage": kv.usage,
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+    }
+    if batch is None:
+        body["snapshot"] = [h.hex() for h in kv.pool.hashed_blocks().values()]
+    else:
+        body["first_seq"] = batch.first_seq
+        body["events"] = [[kind, h.hex()] for kind, h in batch.events]
+    return body
