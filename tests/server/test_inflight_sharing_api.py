@@ -8,7 +8,7 @@ from pagedllm.sampling_params import SamplingParams
 
 def test_cache_report_and_metrics_count_the_prefix_shared_in_flight(make_harness):
     h = make_harness(num_blocks=64, block_size=4)
-    engine = h.engine.engine  # no request went through the API yet: drive it directly
+    engine = h.llm  # the core thread idles (nothing sent to it yet): drive it directly
     prefix = "abcdefghijklmnopqrstuvwxyzabcdefghijklmn"  # 40 tokens: ten full blocks
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     for i, tail in enumerate("xyz."):  # a burst: all four added before the first step

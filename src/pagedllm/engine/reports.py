@@ -149,6 +149,10 @@ def stats_from_wire(data: dict[str, Any]) -> EngineStats:
         waste = dict(data["waste"])
         waste["free_extents"] = tuple(waste["free_extents"])
         fields["waste"] = WasteReport(**waste)
+    if data.get("disk") is not None:
+        from pagedllm.worker.disk_store import DiskStoreStats
+
+        fields["disk"] = DiskStoreStats(**data["disk"])
     return EngineStats(**fields)
 
 
