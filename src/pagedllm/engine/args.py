@@ -154,6 +154,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load no tokenizer: requests give token ids and get token ids back",
     )
+    dist = parser.add_argument_group("tensor parallelism (torch.distributed)")
+    dist.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="ranks sharing every layer (gloo on CPU, NCCL on CUDA); float32 "
+                      "outputs are bit-identical to one rank")  # fmt: skip
+    dist.add_argument("--nnodes", type=int, default=1, help="machines the ranks span")
+    dist.add_argument("--node-rank", type=int, default=0,
+                      help="this machine's index; > 0 only starts its ranks (no server)")  # fmt: skip
+    dist.add_argument("--master-addr", default="127.0.0.1", help="machine 0's address")
+    dist.add_argument("--master-port", type=int, default=None,
+                      help="rendezvous port on machine 0 (default on one machine: any free)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -181,6 +191,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         watermark=args.watermark,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         device=args.device,
         num_threads=getattr(args, "num_threads", None),
         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),

@@ -65,6 +65,14 @@ class EngineConfig:
     elastic_idle_s: float = 30.0
     # A shrink's compaction takes at most this share of a step's time, per step.
     compaction_step_fraction: float = 0.2
+    # Tensor parallelism (worker/distributed.py): ranks, and torchrun-style rendezvous
+    # across machines (master_port None on one machine: a free port is picked).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
@@ -120,8 +128,26 @@ class EngineConfig:
             )
         if self.num_threads is not None:
             self._check_positive("num_threads", self.num_threads)
+        self._check_distributed()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_distributed(self) -> None:
+        self._check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        self._check_positive("nnodes", self.nnodes)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                f"nnodes {self.nnodes} (the same number of ranks on every machine)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several machines need --master-addr and --master-port")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be positive")
 
     @staticmethod
     def _check_positive(name: str, value: object) -> None:

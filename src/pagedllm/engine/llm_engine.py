@@ -225,10 +225,8 @@ class LLMEngine:
         """Load the model, size the cache, build a ``TorchModelRunner``."""
         import torch
 
-        from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
         from pagedllm.model.loader import load_model
         from pagedllm.worker.kv_cache import KVCacheSpec, available_memory_bytes
-        from pagedllm.worker.model_runner import TorchModelRunner
 
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
@@ -240,23 +238,14 @@ class LLMEngine:
             device=config.device,
             load_tokenizer=not config.skip_tokenizer_init,
         )
-        spec = KVCacheSpec.from_model_config(loaded.config, config.block_size, loaded.dtype)
-        num_host_blocks = config.num_host_blocks
-        if num_host_blocks is None:
-            num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
-        common = dict(block_size=config.block_size, num_host_blocks=num_host_blocks)
-        if config.num_blocks is not None:
-            runner = TorchModelRunner(loaded.model, num_blocks=config.num_blocks, **common)
+        if config.tensor_parallel_size > 1:
+            from pagedllm.worker.distributed import start_tensor_parallel
+
+            loaded, runner = start_tensor_parallel(config, loaded, build_runner)
         else:
-            budget = config.kv_cache_memory
-            if budget is None and config.memory_fraction is None:
-                budget = DEFAULT_KV_CACHE_MEMORY
-            runner = TorchModelRunner.from_budget(
-                loaded.model,
-                kv_cache_memory=budget,
-                memory_fraction=config.memory_fraction,
-                **common,
-            )
+            runner = build_runner(config, loaded.model)
+        # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
+        spec = KVCacheSpec.from_model_config(loaded.model.config, config.block_size, loaded.dtype)
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
         engine = cls(
             config, runner, loaded.tokenizer, model_config=loaded.config, memory_bytes=memory
@@ -826,6 +815,7 @@ class LLMEngine:
             self.max_model_len,
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
+            tp=self.config.tensor_parallel_size,
         )
 
 
@@ -863,3 +853,27 @@ def _attention_backend(config: EngineConfig) -> Any:
 
     name = config.attention_backend
     return get_backend("auto" if name is None else name)
+
+
+def build_runner(config: EngineConfig, model: Any) -> Any:
+    """A ``TorchModelRunner`` for ``model``, its device tier sized by ``num_blocks`` or the
+    memory budget (per rank under tensor parallelism: the model's config has the rank's
+    KV heads), its host tier by ``num_host_blocks`` or ``swap_space``."""
+    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
+    from pagedllm.worker.kv_cache import KVCacheSpec
+    from pagedllm.worker.model_runner import TorchModelRunner
+
+    dtype = next(model.parameters()).dtype
+    spec = KVCacheSpec.from_model_config(model.config, config.block_size, dtype)
+    num_host_blocks = config.num_host_blocks
+    if num_host_blocks is None:
+        num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
+    common = dict(block_size=config.block_size, num_host_blocks=num_host_blocks)
+    if config.num_blocks is not None:
+        return TorchModelRunner(model, num_blocks=config.num_blocks, **common)
+    budget = config.kv_cache_memory
+    if budget is None and config.memory_fraction is None:
+        budget = DEFAULT_KV_CACHE_MEMORY
+    return TorchModelRunner.from_budget(
+        model, kv_cache_memory=budget, memory_fraction=config.memory_fraction, **common
+    )

@@ -1,0 +1,300 @@
+"""Tensor parallelism for the Llama-family decoder, bit-identical to one rank.
+
+Each of N ranks holds 1/N of every weight and its KV heads' share of every KV block (the
+same block ids on every rank). No reduction is ever split across ranks: every output
+element is computed whole by one rank, as one rank computes it, and the pieces are only
+*gathered* (concatenated in rank order), so TP=N gives TP=1's float32 logits exactly::
+
+    x (replicated) --qkv cols--> my q/k/v heads --attention--> my heads' out
+        --all-gather--> all heads' out --o cols--> my hidden cols --all-gather--> hidden
+    norm --gate/up cols--> my intermediate slice --all-gather--> intermediate
+        --down cols--> my hidden cols --all-gather--> hidden
+    embedding: my vocabulary rows, zeros elsewhere; gathered and added in rank order
+    LM head: my vocabulary's logits --all-gather--> every logit
+
+Megatron's row-parallel o/down layers would all-reduce partial sums instead (less data
+moved: one all-reduce of ``[T, hidden]`` a layer against gathers of ``[T, heads x dim]``,
+``[T, intermediate]`` and twice ``[T, hidden]``), but a sum split in two rounds differently
+from the single matmul. The column split relies on a linear kernel computing each output
+column the same whatever the others: true of ``small_gemm`` and of MKL's sgemm for shards
+in whole 16-column tiles (``tests/model/test_tensor_parallel.py`` checks it on every
+family): the vocabulary is cut on 16-column boundaries, the other sizes in equal parts.
+
+Steps run through the same fused C++ ops as the single-rank fast path where this CPU has
+them (``TensorParallelFastPath``), else through the modules (``GatheredLinear``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.kernels.linear import LinearTensors, linear
+from pagedllm.model.llama import Heads, KVCaches, Linear, LlamaForCausalLM, RotaryTable, split_heads
+
+SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
+
+
+class Collective(Protocol):
+    """What tensor parallelism needs from the ranks' process group."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on all ranks), in rank order."""
+        ...
+
+
+def check_divisible(config: Any, world_size: int) -> None:
+    """``ValueError`` naming the model's sizes when they cannot be split ``world_size`` ways."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    for name, size in (
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("num_attention_heads", config.num_attention_heads),
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if size % world_size:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} does not divide the model's {name} "
+                f"({size}); choose a size that divides it"
+            )
+
+
+def shard_range(size: int, world_size: int, rank: int, align: int = 1) -> tuple[int, int]:
+    """Rank ``rank``'s ``[start, stop)`` of ``size`` rows split ``world_size`` ways, each
+    shard a multiple of ``align`` (the last takes what is left)."""
+    step = -(-size // world_size)
+    step = -(-step // align) * align
+    start = min(size, rank * step)
+    return start, min(size, start + step)
+
+
+def gather_cat(comm: Collective, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dimension, in rank order."""
+    if comm.world_size == 1:
+        return x
+    return torch.cat(comm.all_gather(x.contiguous()), dim=-1)
+
+
+def gather_padded(comm: Collective, x: torch.Tensor, width: int, total: int) -> torch.Tensor:
+    """``gather_cat`` for shards of unequal width: each padded to ``width`` columns, the
+    result cut back to each rank's own columns (``total`` in all)."""
+    if comm.world_size == 1:
+        return x
+    pad = width - x.shape[-1]
+    parts = comm.all_gather(F.pad(x, (0, pad)) if pad else x.contiguous())
+    sizes = [shard_range(total, comm.world_size, r, SHARD_ALIGN) for r in range(comm.world_size)]
+    return torch.cat([p[..., : stop - start] for p, (start, stop) in zip(parts, sizes)], dim=-1)
+
+
+class GatheredLinear(nn.Module):
+    """A linear whose input arrives split by ranks and whose output columns are split by
+    ranks: gather the input, compute my columns with the whole reduction, gather them."""
+
+    def __init__(self, shard: Linear, comm: Collective) -> None:
+        super().__init__()
+        self.shard = shard
+        self.comm = comm
+
+    @property
+    def tensors(self) -> LinearTensors:
+        return self.shard.tensors
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_cat(self.comm, self.shard(gather_cat(self.comm, x)))
+
+
+class VocabEmbedding(nn.Module):
+    """My vocabulary rows of the embedding; other tokens embed to zeros, and the ranks'
+    rows are added in rank order (one of them is the token's, the others exact zeros)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, comm: Collective) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.comm = comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+        if self.comm.world_size == 1:
+            return rows
+        parts = self.comm.all_gather(rows)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+
+class TensorParallelModel(nn.Module):
+    """A ``LlamaForCausalLM`` cut to one rank's share, with the model contract the runner
+    expects (``forward``, ``compute_logits``, ``optimize_for_cpu``, ``config``: the
+    per-rank heads, so the KV cache holds this rank's heads)."""
+
+    def __init__(self, model: LlamaForCausalLM, comm: Collective) -> None:
+        super().__init__()
+        config = model.config
+        check_divisible(config, comm.world_size)
+        self.comm = comm
+        self.full_config = config
+        self.inner = model
+        n, r = comm.world_size, comm.rank
+        self.vocab_range = shard_range(config.vocab_size, n, r, SHARD_ALIGN)
+        first = shard_range(config.vocab_size, n, 0, SHARD_ALIGN)
+        self.vocab_width = first[1] - first[0]  # the widest shard (every one but the last)
+        with torch.no_grad():
+            for layer in model.layers:
+                _shard_attention(layer.self_attn, comm)
+                _shard_mlp(layer.mlp, comm)
+            _shard_vocab(model, self.vocab_range, comm)
+        self.config = dataclasses.replace(
+            config,
+            num_attention_heads=config.num_attention_heads // n,
+            num_key_value_heads=config.num_key_value_heads // n,
+        )
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.inner.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.inner(input_ids, positions, kv_caches, meta, output_rows)
+
+    def optimize_for_cpu(self) -> None:
+        """The single-rank packing, then the fast path with its gathers (where the CPU
+        has the fused ops)."""
+        self.inner.optimize_for_cpu()
+        fast = self.inner.fast_path
+        if fast is not None:
+            self.inner.fast_path = TensorParallelFastPath(fast.ops, self.inner, self.comm)
+
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """My vocabulary's logits, then everyone's (the runner samples from all)."""
+        inner = self.inner
+        head = inner.lm_head.tensors if inner.lm_head is not None else inner.tied_head
+        logits = linear(hidden, *head, inner.head_ops)
+        logits = gather_padded(self.comm, logits, self.vocab_width, self.full_config.vocab_size)
+        return logits.float() if float32 else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None: the argmax is taken of the gathered logits (``compute_logits``)."""
+        return None
+
+
+def _shard_rows(linear_module: Linear, ranges: list[tuple[int, int]]) -> None:
+    """Keep only these output rows (of weight and bias), in this order."""
+    weight = torch.cat([linear_module.weight[a:b] for a, b in ranges]).clone()
+    linear_module.weight = nn.Parameter(weight, requires_grad=False)
+    linear_module.out_features = weight.shape[0]
+    if linear_module.bias is not None:
+        bias = torch.cat([linear_module.bias[a:b] for a, b in ranges]).clone()
+        linear_module.bias = nn.Parameter(bias, requires_grad=False)
+
+
+def _shard_attention(attn: nn.Module, comm: Collective) -> None:
+    n, r = comm.world_size, comm.rank
+    d = attn.head_dim
+    heads, kv_heads = attn.num_heads // n, attn.num_kv_heads // n
+    q0, kv0 = r * heads * d, r * kv_heads * d
+    q_size, kv_size = attn.q_size, attn.kv_size
+    _shard_rows(
+        attn.qkv_proj,
+        [
+            (q0, q0 + heads * d),
+            (q_size + kv0, q_size + kv0 + kv_heads * d),
+            (q_size + kv_size + kv0, q_size + kv_size + kv0 + kv_heads * d),
+        ],
+    )
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    attn.q_size, attn.kv_size = heads * d, kv_heads * d
+    hidden = attn.o_proj.out_features
+    _shard_rows(attn.o_proj, [shard_range(hidden, n, r)])
+    attn.o_proj = GatheredLinear(attn.o_proj, comm)
+
+
+def _shard_mlp(mlp: nn.Module, comm: Collective) -> None:
+    n, r = comm.world_size, comm.rank
+    inter = mlp.intermediate_size
+    a, b = shard_range(inter, n, r)
+    _shard_rows(mlp.gate_up_proj, [(a, b), (inter + a, inter + b)])
+    mlp.intermediate_size = b - a
+    hidden = mlp.down_proj.out_features
+    _shard_rows(mlp.down_proj, [shard_range(hidden, n, r)])
+    mlp.down_proj = GatheredLinear(mlp.down_proj, comm)
+
+
+def _shard_vocab(model: LlamaForCausalLM, vocab: tuple[int, int], comm: Collective) -> None:
+    start, stop = vocab
+    weight = model.embed_tokens.weight[start:stop].clone()
+    model.embed_tokens = VocabEmbedding(weight, start, comm)
+    if model.lm_head is not None:
+        _shard_rows(model.lm_head, [vocab])
+    model.tied_head = LinearTensors(model.embed_tokens.weight, None, None, None)
+
+
+class TensorParallelFastPath:
+    """``fast_path.fused_layer``'s ops in its order, with the gathers between them."""
+
+    def __init__(self, ops: Any, model: LlamaForCausalLM, comm: Collective) -> None:
+        from pagedllm.model.fast_path import fused_layer_of
+
+        self.ops = ops
+        self.comm = comm
+        self.layers = [fused_layer_of(layer) for layer in model.layers]
+        self.final_norm = model.norm
+        self.rotary_table = RotaryTable(model.inv_freq)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ops, comm = self.ops, self.comm
+        cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
+        residual = None
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
+            else:
+                x = ops.add_rms_norm(hidden, residual, layer.norm1, layer.norm1_eps)
+            q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
+            ops.rope_(q, k, cos, sin)
+            out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+            if i == last and output_rows is not None:
+                out, residual = (
+                    out.index_select(0, output_rows),
+                    residual.index_select(0, output_rows),
+                )
+            out = gather_cat(comm, out.reshape(out.shape[0], _width(layer.heads)))
+            attn = gather_cat(comm, linear(out, *layer.o, ops))
+            x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
+            mid = gather_cat(comm, ops.silu_mul(linear(x, *layer.gate_up, ops)))
+            hidden = gather_cat(comm, linear(mid, *layer.down, ops))
+        norm = self.final_norm
+        return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+
+
+def _width(heads: Heads) -> int:
+    return heads.counts[0] * heads.head_dim

@@ -1,0 +1,259 @@
+"""Tensor-parallel ranks over ``torch.distributed``: one scheduler, N model shards.
+
+Rank 0 is the engine: it schedules, and before each step broadcasts the step's
+``SchedulerOutput`` (batch, block tables, copies, swaps: plain records) to every rank; all
+ranks then run the same ``TorchModelRunner.execute`` on their shard
+(``model/tensor_parallel.py``), gathering activations between layers, and rank 0's
+sampled tokens go back to the scheduler. Every rank holds its KV heads' share of every
+block under the same block ids, so the scheduler's block tables mean the same everywhere.
+
+Collectives: gloo on CPU, NCCL on CUDA (the step records always travel over a gloo group).
+Processes: ``torch.multiprocessing`` (spawn) for this machine's ranks; across machines the
+torchrun-style rendezvous (``nnodes``, ``node_rank``, ``master_addr``, ``master_port``):
+machine 0 runs the engine and its local ranks, every other machine runs
+``pagedllm serve --node-rank K ...`` which only starts its ranks and waits.
+
+A worker rank exits when rank 0 sends ``None`` (``TensorParallelRunner.close``), when its
+parent process is gone, or when a collective times out (``distributed_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class TorchCollective:
+    """The ``model.tensor_parallel.Collective`` of a ``torch.distributed`` group."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return parts
+
+
+class LocalCollective:
+    """One rank alone (TP=1 through the tensor-parallel code, for tests)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[TorchCollective, Any]:
+    """Join the process group; (the tensor group, the gloo group for step records)."""
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{config.master_addr}:{master_port}",
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=timedelta(seconds=config.distributed_timeout_s),
+    )
+    control = None if backend == "gloo" else dist.new_group(backend="gloo")
+    return TorchCollective(), control
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    if config.device.startswith("cuda"):
+        local = rank % (config.tensor_parallel_size // config.nnodes)
+        return f"cuda:{local}"
+    return config.device
+
+
+def load_shard(config: EngineConfig, comm: Any) -> Any:
+    """A worker rank's ``LoadedModel``, its model cut to the rank's share."""
+    from pagedllm.attention.select import get_backend
+    from pagedllm.model.loader import load_model
+
+    loaded = load_model(
+        config.model,
+        config.dtype,
+        get_backend(config.attention_backend),
+        device=rank_device(config, comm.rank),
+        load_tokenizer=False,
+    )
+    return shard_loaded(loaded, comm)
+
+
+def shard_loaded(loaded: Any, comm: Any) -> Any:
+    import dataclasses
+
+    from pagedllm.model.tensor_parallel import TensorParallelModel
+
+    return dataclasses.replace(loaded, model=TensorParallelModel(loaded.model, comm))
+
+
+def start_tensor_parallel(
+    config: EngineConfig, loaded: Any, build_runner: Callable[[EngineConfig, Any], Any]
+) -> tuple[Any, TensorParallelRunner]:
+    """Rank 0 of ``config.tensor_parallel_size``: refuse a model that does not split,
+    start this machine's other ranks, join the group, shard ``loaded`` (rank 0's full
+    model), size the cache and tell the ranks. Returns (the sharded model, the runner)."""
+    from pagedllm.model.tensor_parallel import check_divisible
+
+    if config.node_rank != 0:
+        raise ValueError("only machine 0 (--node-rank 0) runs the engine")
+    check_divisible(loaded.config, config.tensor_parallel_size)
+    port = config.master_port or free_port()
+    processes = start_rank_processes(config, port, skip_rank0=True)
+    try:
+        comm, control = init_rank(config, 0, port)
+        loaded = shard_loaded(loaded, comm)
+        runner = TensorParallelRunner(build_runner(config, loaded.model), processes, control)
+        runner.send_sizes()
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    atexit.register(runner.close)
+    return loaded, runner
+
+
+class TensorParallelRunner:
+    """The ``ModelRunner`` of rank 0: broadcasts each step, then runs its own shard."""
+
+    supports_multi_step = True
+
+    def __init__(self, runner: Any, processes: list[Any], control: Any) -> None:
+        self.runner = runner
+        self.processes = processes
+        self.control = control
+        self.vocab_size = runner.vocab_size
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks
+        self.num_host_blocks = runner.num_host_blocks
+        self.step_broadcast_s = 0.0  # time spent sending step records (for benchmarks)
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        # kv_cache, model, spec, ... of the local runner (benchmarks and tests read them)
+        return getattr(self.__dict__["runner"], name)
+
+    def send_sizes(self) -> None:
+        broadcast_object((self.num_blocks, self.num_host_blocks), self.control)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        broadcast_object(scheduler_output, self.control)
+        self.step_broadcast_s += time.perf_counter() - start
+        return self.runner.execute(scheduler_output)
+
+    def close(self) -> None:
+        """Stop the worker ranks and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            broadcast_object(None, self.control)
+        except RuntimeError as exc:  # a rank already gone
+            logger.warning("tensor-parallel shutdown: %s", exc)
+        for process in self.processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def broadcast_object(obj: Any, group: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled over the gloo group)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def start_rank_processes(config: EngineConfig, master_port: int, *, skip_rank0: bool) -> list:
+    """This machine's ranks as spawned processes (rank 0 stays in the caller)."""
+    local = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * local
+    ctx = mp.get_context("spawn")
+    processes = []
+    for rank in range(first, first + local):
+        if rank == 0 and skip_rank0:
+            continue
+        process = ctx.Process(
+            target=worker_main, args=(config, rank, master_port, os.getpid()), daemon=True
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: int) -> None:
+    """A worker rank: load the shard, size the cache as rank 0 says, run steps."""
+    from pagedllm.worker.model_runner import TorchModelRunner
+
+    _exit_with_parent(parent_pid)
+    torch.manual_seed(config.seed)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    comm, control = init_rank(config, rank, master_port)
+    loaded = load_shard(config, comm)
+    num_blocks, num_host_blocks = broadcast_object(None, control)
+    runner = TorchModelRunner(
+        loaded.model,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+    )
+    while True:
+        step = broadcast_object(None, control)
+        if step is None:
+            break
+        try:
+            runner.execute(step)
+        except Exception:  # noqa: BLE001 - rank 0 meets the same error and reports it
+            logger.exception("rank %d: step failed", rank)
+    dist.destroy_process_group()
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """``--node-rank K`` (K > 0): run this machine's ranks until rank 0 stops them."""
+    if config.node_rank == 0 or config.master_port is None:
+        raise ValueError("a worker machine needs --node-rank > 0 and --master-port")
+    processes = start_rank_processes(config, config.master_port, skip_rank0=False)
+    for process in processes:
+        process.join()
+    return max((p.exitcode or 0) for p in processes) if processes else 0
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose parent died must not wait forever in a collective."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

@@ -1,0 +1,67 @@
+"""Run one workload through ``LLM(tensor_parallel_size=N)`` and print what it produced.
+
+``python tp_parity.py CHECKPOINT N`` prints one JSON line: every request's tokens, the
+sha256 of every logits tensor the runner computed (in order, float32 bytes), their count,
+and the engine's prefix hits and preemptions. ``test_tensor_parallel.py`` runs it for N=1
+and N=2 in fresh processes (with a timeout) and compares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+
+def main(path: str, tp: int) -> None:
+    import torch
+
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        num_blocks=24,  # 96 token slots: the batch below does not fit, preemption follows
+        block_size=4,
+        max_num_batched_tokens=16,  # the 40-token prompt is prefilled in chunks
+        num_scheduler_steps=1,
+        tensor_parallel_size=tp,
+        num_threads=1,
+        distributed_timeout_s=60,
+    )
+    runner = llm.engine.runner
+    model = runner.model
+    digests: list[str] = []
+    compute = model.compute_logits
+
+    def recording(hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        logits = compute(hidden, float32=float32)
+        digests.append(hashlib.sha256(logits.float().numpy().tobytes()).hexdigest())
+        return logits
+
+    model.compute_logits = recording
+    prefix = list(range(30, 42))
+    prompts = [prefix + [50 + i, 60 + i] for i in range(3)] + [list(range(100, 140))]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=7, ignore_eos=True)
+    first = llm.generate(prompts[:1], greedy, use_tqdm=False)  # warms the prefix cache
+    rest = llm.generate(prompts[1:] + [prefix + [70]], [greedy] * 3 + [sampled], use_tqdm=False)
+    stats = llm.engine.get_stats()
+    outputs = first + rest
+    print(
+        json.dumps(
+            {
+                "tokens": [[list(c.token_ids) for c in o.outputs] for o in outputs],
+                "logits": digests,
+                "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+                "preemptions": stats.num_preemptions,
+            }
+        )
+    )
+    if tp > 1:
+        runner.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
