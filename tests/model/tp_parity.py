@@ -59,8 +59,7 @@ def main(path: str, tp: int) -> None:
             }
         )
     )
-    if tp > 1:
-        runner.close()
+    llm.engine.close()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
+from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsClose, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
 # Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
@@ -485,9 +485,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the disk tier's writes and stop its writer (idempotent). The engine's
-        requests are untouched; nothing else needs closing."""
+        requests are untouched. A tensor-parallel runner stops its ranks."""
         if self.disk_store is not None:
             self.disk_store.close()
+        if isinstance(self.runner, SupportsClose):
+            self.runner.close()
 
     # ------------------------------------------------------------------ internals
 

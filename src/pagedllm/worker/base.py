@@ -54,3 +54,11 @@ class ResizableRunner(Protocol):
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Keep device blocks ``0 .. num_blocks - 1``; new ones may hold anything."""
         ...
+
+
+@runtime_checkable
+class SupportsClose(Protocol):
+    """A runner holding processes or connections (tensor-parallel ranks) that
+    ``LLMEngine.close`` must release."""
+
+    def close(self) -> None: ...

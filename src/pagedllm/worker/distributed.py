@@ -155,9 +155,15 @@ class TensorParallelRunner:
         self.step_broadcast_s = 0.0  # time spent sending step records (for benchmarks)
         self._closed = False
 
-    def __getattr__(self, name: str) -> Any:
-        # kv_cache, model, spec, ... of the local runner (benchmarks and tests read them)
-        return getattr(self.__dict__["runner"], name)
+    @property
+    def model(self) -> Any:
+        """Rank 0's shard (``TensorParallelModel``)."""
+        return self.runner.model
+
+    @property
+    def spec(self) -> Any:
+        """Rank 0's KV layout (every rank's is the same)."""
+        return self.runner.spec
 
     def send_sizes(self) -> None:
         broadcast_object((self.num_blocks, self.num_host_blocks), self.control)
