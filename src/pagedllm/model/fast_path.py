@@ -14,6 +14,7 @@ whether this CPU has one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -29,6 +30,9 @@ from pagedllm.model.llama import (
     RotaryTable,
     split_heads,
 )
+
+# Every rank's column shard of a tensor, side by side in rank order (tensor parallelism).
+Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 class FastPath(Protocol):
@@ -56,13 +60,17 @@ class CpuFastPath:
         layers: list[FusedLayer],
         final_norm: RMSNorm,
         rotary_table: RotaryTable,
+        gather: Gather | None = None,
     ) -> None:
         self.ops = ops
         self.layers = layers
         self.final_norm = final_norm
         self.rotary_table = rotary_table
+        # Tensor parallelism (model/tensor_parallel.py): the ranks' pieces put together
+        # between the ops; the one-call plan has no place for it.
+        self.gather = gather
         # None keeps the per-layer loop (tests set it to None to compare the two).
-        self.plan: DecoderPlan | None = decoder_plan(layers, final_norm)
+        self.plan: DecoderPlan | None = None if gather else decoder_plan(layers, final_norm)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, ops: Any) -> CpuFastPath | None:
@@ -98,7 +106,7 @@ class CpuFastPath:
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             rows = output_rows if i == last else None
             hidden, residual = fused_layer(
-                self.ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows
+                self.ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows, self.gather
             )
         norm = self.final_norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
@@ -151,6 +159,7 @@ def fused_layer(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     rows: torch.Tensor | None = None,
+    gather: Gather | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DecoderLayer.forward`` with the fused C++ ops (cos, sin: [T, head_dim]; the rotary
     embedding applied in place by one op). The residual stream is carried separately and
@@ -160,7 +169,8 @@ def fused_layer(
 
     Returns (this layer's MLP output, residual) for the next layer to add. ``rows``: only
     these rows go on after attention (the last layer, where only the rows that sample are
-    read; every row's K/V is still written)."""
+    read; every row's K/V is still written). ``gather``: under tensor parallelism, puts
+    the ranks' column shards together after attention, o, SiLU-and-multiply and down."""
     if residual is None:
         residual = hidden
         x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
@@ -172,9 +182,15 @@ def fused_layer(
     if rows is not None:
         out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     q_width = layer.heads.counts[0] * layer.heads.head_dim
-    attn = linear(out.view(out.shape[0], q_width), *layer.o, ops)
+    out = out.view(out.shape[0], q_width)
+    if gather is None:
+        attn = linear(out, *layer.o, ops)
+        x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
+        return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
+    attn = gather(linear(gather(out), *layer.o, ops))
     x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
-    return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
+    mid = gather(ops.silu_mul(linear(x, *layer.gate_up, ops)))
+    return gather(linear(mid, *layer.down, ops)), residual
 
 
 class DecoderPlan(NamedTuple):

@@ -21,12 +21,14 @@ in whole 16-column tiles (``tests/model/test_tensor_parallel.py`` checks it on e
 family): the vocabulary is cut on 16-column boundaries, the other sizes in equal parts.
 
 Steps run through the same fused C++ ops as the single-rank fast path where this CPU has
-them (``TensorParallelFastPath``), else through the modules (``GatheredLinear``).
+them (``fast_path.CpuFastPath`` with a ``gather``), else through the modules
+(``GatheredLinear``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +37,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
-from pagedllm.model.llama import Heads, KVCaches, Linear, LlamaForCausalLM, RotaryTable, split_heads
+from pagedllm.model.llama import KVCaches, Linear, LlamaForCausalLM
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
 
@@ -66,6 +68,18 @@ def check_divisible(config: Any, world_size: int) -> None:
                 f"tensor_parallel_size {world_size} does not divide the model's {name} "
                 f"({size}); choose a size that divides it"
             )
+
+
+def check_supported(model: nn.Module, world_size: int) -> None:
+    """``ValueError`` unless ``model`` can run split ``world_size`` ways: the Llama-family
+    decoder (Llama, Mistral, Qwen2, Qwen3) with sizes that divide."""
+    if not isinstance(model, LlamaForCausalLM):
+        arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
+        raise ValueError(
+            f"tensor parallelism covers the Llama-family decoder (Llama, Mistral, Qwen2, "
+            f"Qwen3), not {arch}"
+        )
+    check_divisible(model.config, world_size)
 
 
 def shard_range(size: int, world_size: int, rank: int, align: int = 1) -> tuple[int, int]:
@@ -143,8 +157,8 @@ class TensorParallelModel(nn.Module):
 
     def __init__(self, model: LlamaForCausalLM, comm: Collective) -> None:
         super().__init__()
+        check_supported(model, comm.world_size)
         config = model.config
-        check_divisible(config, comm.world_size)
         self.comm = comm
         self.full_config = config
         self.inner = model
@@ -180,10 +194,15 @@ class TensorParallelModel(nn.Module):
     def optimize_for_cpu(self) -> None:
         """The single-rank packing, then the fast path with its gathers (where the CPU
         has the fused ops)."""
+        from pagedllm.model.fast_path import CpuFastPath
+
         self.inner.optimize_for_cpu()
         fast = self.inner.fast_path
-        if fast is not None:
-            self.inner.fast_path = TensorParallelFastPath(fast.ops, self.inner, self.comm)
+        if isinstance(fast, CpuFastPath):
+            gather = functools.partial(gather_cat, self.comm)
+            self.inner.fast_path = CpuFastPath(
+                fast.ops, fast.layers, fast.final_norm, fast.rotary_table, gather
+            )
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """My vocabulary's logits, then everyone's (the runner samples from all)."""
@@ -247,54 +266,3 @@ def _shard_vocab(model: LlamaForCausalLM, vocab: tuple[int, int], comm: Collecti
     if model.lm_head is not None:
         _shard_rows(model.lm_head, [vocab])
     model.tied_head = LinearTensors(model.embed_tokens.weight, None, None, None)
-
-
-class TensorParallelFastPath:
-    """``fast_path.fused_layer``'s ops in its order, with the gathers between them."""
-
-    def __init__(self, ops: Any, model: LlamaForCausalLM, comm: Collective) -> None:
-        from pagedllm.model.fast_path import fused_layer_of
-
-        self.ops = ops
-        self.comm = comm
-        self.layers = [fused_layer_of(layer) for layer in model.layers]
-        self.final_norm = model.norm
-        self.rotary_table = RotaryTable(model.inv_freq)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        ops, comm = self.ops, self.comm
-        cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
-        residual = None
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if residual is None:
-                residual = hidden
-                x = ops.rms_norm(hidden, layer.norm1, layer.norm1_eps)
-            else:
-                x = ops.add_rms_norm(hidden, residual, layer.norm1, layer.norm1_eps)
-            q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
-            ops.rope_(q, k, cos, sin)
-            out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
-            if i == last and output_rows is not None:
-                out, residual = (
-                    out.index_select(0, output_rows),
-                    residual.index_select(0, output_rows),
-                )
-            out = gather_cat(comm, out.reshape(out.shape[0], _width(layer.heads)))
-            attn = gather_cat(comm, linear(out, *layer.o, ops))
-            x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
-            mid = gather_cat(comm, ops.silu_mul(linear(x, *layer.gate_up, ops)))
-            hidden = gather_cat(comm, linear(mid, *layer.down, ops))
-        norm = self.final_norm
-        return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-
-
-def _width(heads: Heads) -> int:
-    return heads.counts[0] * heads.head_dim

@@ -119,11 +119,11 @@ def start_tensor_parallel(
     """Rank 0 of ``config.tensor_parallel_size``: refuse a model that does not split,
     start this machine's other ranks, join the group, shard ``loaded`` (rank 0's full
     model), size the cache and tell the ranks. Returns (the sharded model, the runner)."""
-    from pagedllm.model.tensor_parallel import check_divisible
+    from pagedllm.model.tensor_parallel import check_supported
 
     if config.node_rank != 0:
         raise ValueError("only machine 0 (--node-rank 0) runs the engine")
-    check_divisible(loaded.config, config.tensor_parallel_size)
+    check_supported(loaded.model, config.tensor_parallel_size)
     port = config.master_port or free_port()
     processes = start_rank_processes(config, port, skip_rank0=True)
     try:
