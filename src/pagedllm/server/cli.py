@@ -120,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return run_data_parallel(args)
     config = config_from_args(args)
+    if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
+        from pagedllm.worker.distributed import run_worker_node
+
+        return run_worker_node(config)
     if args.engine_core == "process":
         engine: Any = AsyncEngine.launch(
             ConfigEngineFactory(config), max_queued_requests=args.max_queued_requests
@@ -160,6 +164,8 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     """``--data-parallel-size N``: N ``pagedllm serve`` processes on the next N ports,
     the router in this process on ``--port``; the replicas stop when it does."""
     urls, procs = [], []
+    # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         for i in range(args.data_parallel_size):
             port = args.port + 1 + i
@@ -170,7 +176,11 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         from pagedllm.server.router_cli import serve_router
 
         serve_router(args, urls, args.model)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in procs:
             proc.terminate()
         for proc in procs:

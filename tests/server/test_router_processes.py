@@ -1,0 +1,146 @@
+"""The router across real process boundaries: two ``pagedllm serve`` replicas and
+``pagedllm router`` in their own processes; a replica killed mid-stream fails only its
+stream, and the router sends it nothing more. ``serve --data-parallel-size 2`` comes up
+as a router over two replicas and takes them down with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import sse_events
+
+ENGINE_FLAGS = ["--num-blocks", "64", "--block-size", "4", "--max-model-len", "256",
+                "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "pagedllm.cli", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not come up"
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _complete(base: str, tenant: int, i: int) -> dict[str, Any]:
+    prompt = f"tenant {tenant} system prompt, long enough for blocks. question {i}"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.slow
+def test_replica_killed_mid_stream(tiny_checkpoint: Path):
+    ports = [_free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    replicas = [
+        _start(["serve", "--model", str(tiny_checkpoint), "--port", str(p), *ENGINE_FLAGS])
+        for p in ports[1:]
+    ]
+    router = _start(["router", "--tokenizer", str(tiny_checkpoint), "--port", str(ports[0]),
+                     "--replica", urls[1], "--replica", urls[2], "--log-level", "warning"])  # fmt: skip
+    procs = [*replicas, router]
+    try:
+        for url, proc in zip(urls, [router, *replicas], strict=True):
+            _wait_healthy(url, proc)
+        base = urls[0]
+        for i in range(2):
+            for tenant in range(2):
+                _complete(base, tenant, i)
+        report = httpx.get(f"{base}/v1/router").json()
+        served = [r["requests"] for r in report["replicas"]]
+        assert sum(served) == 4
+        assert [r["predicted_cached_tokens"] for r in report["replicas"]] == [
+            r["reported_cached_tokens"] for r in report["replicas"]
+        ]
+        assert sum(r["reported_cached_tokens"] for r in report["replicas"]) > 0
+
+        body = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        chunks: list[bytes] = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            victim = None
+            for chunk in r.iter_raw():
+                chunks.append(chunk)
+                if victim is None:
+                    loads = [
+                        x["in_flight"] for x in httpx.get(f"{base}/v1/router").json()["replicas"]
+                    ]
+                    victim = loads.index(1)
+                    replicas[victim].kill()
+        events = sse_events(b"".join(chunks))
+        assert events[-1]["error"]["code"] == "replica_failed"
+        survivor = 1 - victim
+        for i in range(3):
+            _complete(base, 0, 10 + i)
+        report = httpx.get(f"{base}/v1/router").json()["replicas"]
+        assert report[victim]["healthy"] is False and report[survivor]["healthy"] is True
+        assert report[survivor]["requests"] == served[survivor] + 3
+        metrics = httpx.get(f"{base}/metrics").text
+        assert f'pagedllm_router_replica_healthy{{replica="{urls[1 + victim]}"}} 0.0' in metrics
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.slow
+def test_serve_data_parallel_starts_a_router_over_replicas(tiny_checkpoint: Path):
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start(["serve", "--model", str(tiny_checkpoint), "--port", str(port),
+                   "--data-parallel-size", "2", *ENGINE_FLAGS])  # fmt: skip
+    try:
+        _wait_healthy(base, proc, timeout=180)
+        out = _complete(base, 0, 0)
+        assert out["choices"][0]["text"]
+        report = httpx.get(f"{base}/v1/router").json()
+        assert [r["url"] for r in report["replicas"]] == [
+            f"http://127.0.0.1:{port + 1}",
+            f"http://127.0.0.1:{port + 2}",
+        ]
+        assert all(r["healthy"] for r in report["replicas"])
+        replica_metrics = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
+        assert "pagedllm" in replica_metrics
+    finally:
+        _stop([proc])
+    with pytest.raises(httpx.HTTPError):  # the replicas went down with the router
+        httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=2)
+    assert json.dumps(report)
