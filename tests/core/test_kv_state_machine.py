@@ -62,10 +62,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
         num_disk_blocks=st.sampled_from([0, 0, 2, 8, 64]),
+        window=st.sampled_from([None, None, 1, 3, 6]),
     )
     def setup(
-        self, num_blocks, block_size, num_host_blocks, caching, watermark, num_disk_blocks
+        self, num_blocks, block_size, num_host_blocks, caching, watermark, num_disk_blocks, window
     ) -> None:
+        self.window = window
         self.kv = KVCacheManager(
             num_blocks,
             block_size,
@@ -73,6 +75,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             num_host_blocks=num_host_blocks,
             watermark=watermark,
             disk=DiskTier(num_disk_blocks) if num_disk_blocks else None,
+            sliding_window=window,
         )
         self.disk: dict[bytes, dict[int, int]] = {}  # block hash -> slot offset -> token
         self.bs = block_size
@@ -144,6 +147,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.write(request, start, start + num_new)
         request.num_computed_tokens += num_new
         self.kv.cache_full_blocks(request)
+        if self.kv.release_out_of_window(request):
+            event("released out of the window")
         self.disk_io()
 
     # ---- rules ------------------------------------------------------------------
@@ -325,7 +330,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         ):
             for request in requests.values():
                 table = table_of(request.request_id)
-                for pos in range(request.num_computed_tokens):
+                for pos in range(self.first_visible(request), request.num_computed_tokens):
                     slot = (table[pos // self.bs], pos % self.bs)
                     assert tier.get(slot) == request.all_token_ids[pos], (
                         f"{request.request_id} lost token {pos}"
@@ -337,7 +342,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         tokens = {rid: r.all_token_ids for rid, r in self.running.items()}
         report = waste(self.kv, tokens, next_request_len=5)
-        assert report.allocated_slots == self.kv.pool.num_used_blocks * self.bs
+        placeholder = self.kv.null_block is not None
+        assert report.allocated_slots == (self.kv.pool.num_used_blocks - placeholder) * self.bs
         assert 0 <= report.internal_tokens <= report.allocated_slots
         assert 0 <= report.duplication_tokens <= report.filled_slots
         assert report.external_tokens == 0
@@ -350,10 +356,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         for request_id, request in self.running.items():
             table = self.kv.block_table(request_id)
             for pos in range(self.kv.num_slots(request_id)):
+                if table[pos // self.bs] == self.kv.null_block:
+                    continue
                 slots.add((table[pos // self.bs], pos % self.bs))
                 prefixes.add(tuple(request.all_token_ids[: pos + 1]))
         assert report.filled_slots == len(slots)
         assert report.duplication_tokens == len(slots) - len(prefixes)
+
+    def first_visible(self, request: Request) -> int:
+        """The first position a later query can read: 0 without a window; with one, the
+        start of the first block the window has not passed."""
+        if self.window is None:
+            return 0
+        dead = max(0, request.num_computed_tokens - self.window + 1) // self.bs
+        return dead * self.bs
 
     def kv_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)

@@ -157,6 +157,8 @@ def _paged_view(kv: KVCacheManager) -> AllocatorView:
         num_tokens = kv.num_slots(request_id)
         layout = []
         for i, block_id in enumerate(table):
+            if block_id == kv.null_block:
+                continue  # released out of the sliding window: holds nothing
             units[block_id] = bs
             layout.append((block_id, i * bs, max(0, min(bs, num_tokens - i * bs))))
         layouts[request_id] = tuple(layout)
@@ -209,7 +211,10 @@ def _external(view: AllocatorView, next_request_len: int | None) -> int:
 def _distinct_prefixes(view: AllocatorView, token_ids: Mapping[str, Sequence[int]]) -> int:
     """Distinct (position, prefix) pairs among the stored tokens: the size of a trie
     over the stored sequences, i.e. total length minus the common prefixes of
-    neighbours in sorted order."""
+    neighbours in sorted order. Where a sequence no longer holds its first positions (a
+    sliding window released them) the pairs are counted by a chain of prefix hashes."""
+    if any(first for layout in view.layouts.values() for _, first, n in layout[:1] if n):
+        return _distinct_window_prefixes(view, token_ids)
     stored = []
     for request_id, layout in view.layouts.items():
         num_stored = max((first + n for _, first, n in layout if n), default=0)
@@ -227,3 +232,23 @@ def _distinct_prefixes(view: AllocatorView, token_ids: Mapping[str, Sequence[int
             common += 1
         distinct -= common
     return distinct
+
+
+def _distinct_window_prefixes(view: AllocatorView, token_ids: Mapping[str, Sequence[int]]) -> int:
+    """Distinct (position, prefix) pairs among the stored positions, each prefix named by
+    a chained hash (one pass per sequence instead of comparing whole prefixes)."""
+    seen: set[tuple[int, int]] = set()
+    for request_id, layout in view.layouts.items():
+        filled = [(first, n) for _, first, n in layout if n]
+        if not filled:
+            continue
+        start, end = filled[0][0], max(first + n for first, n in filled)
+        tokens = token_ids[request_id]
+        if len(tokens) < end:
+            raise ValueError(f"token_ids[{request_id!r}] has fewer tokens than it holds")
+        chain = 0
+        for position, token in enumerate(tokens[:end]):
+            chain = hash((chain, token))
+            if position >= start:
+                seen.add((position, chain))
+    return len(seen)

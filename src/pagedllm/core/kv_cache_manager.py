@@ -87,6 +87,10 @@ class CacheStats:
     disk_blocks_total: int = 0  # the disk tier's capacity (0: no disk tier)
     disk_blocks_used: int = 0
     prefix_disk_hits_tokens: int = 0  # the share of prefix_hits_tokens loaded from disk
+    # Sliding-window models: the window, and the blocks released so far because they fell
+    # out of it (see ``KVCacheManager.release_out_of_window``).
+    sliding_window: int | None = None
+    window_freed_blocks: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -115,6 +119,7 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         watermark: float = 0.01,
         disk: DiskTier | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -152,6 +157,7 @@ class KVCacheManager:
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
         self._prefix_disk_hits_tokens = 0
+        self._init_window(sliding_window)
 
     # ---- prefix lookup and allocation ----------------------------------------------
 
@@ -323,6 +329,60 @@ class KVCacheManager:
                 disk.block_registered(table[i], hashes[i], block_tokens)
         self._num_registered[request_id] = num_full
 
+    # ---- sliding windows ------------------------------------------------------------
+
+    def _init_window(self, sliding_window: int | None) -> None:
+        """With a window (every layer of the model slides), one block is held by the
+        manager for good: the placeholder every table points at in place of a block
+        released out of the window (the worker never reads it, and slots stay
+        ``table[p // block_size]``)."""
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.null_block: int | None = None
+        self._window_freed = 0
+        if sliding_window is not None:
+            self.null_block = self.pool.allocate(1)[0]
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Release the request's blocks that no later query can read: every position up
+        to ``num_computed_tokens - sliding_window`` (the next query, at
+        ``num_computed_tokens``, sees the ``sliding_window`` positions ending at itself).
+        Their table entries become the placeholder; full hashed blocks stay findable
+        as cached-free. Returns how many blocks were released (0 without a window)."""
+        window = self.sliding_window
+        if window is None:
+            return 0
+        table = self._tables.get(request.request_id)
+        dead = max(0, request.num_computed_tokens - window + 1) // self.block_size
+        null = self.null_block
+        if not table or dead == 0 or table[min(dead, len(table)) - 1] == null:
+            return 0
+        released = [b for b in table[:dead] if b != null]
+        for i in range(min(dead, len(table))):
+            table[i] = null
+        self.pool.incref([null] * len(released))
+        self.pool.decref(released)
+        self._table_changed(request.request_id)
+        self._window_freed += len(released)
+        return len(released)
+
+    def _holds_placeholder(self, request: Request) -> bool:
+        null = self.null_block
+        return null is not None and null in self._tables.get(request.request_id, ())
+
+    def blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` cached tokens holds at its peak when each
+        step computes at most ``max_step_tokens``: all of them without a window; with
+        one, those a step's queries can see (the window before the step's first query,
+        the step's own tokens) plus one for a window that does not start on a block, and
+        the placeholder the manager holds."""
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        seen = self.sliding_window - 1 + max_step_tokens
+        return min(full, -(-seen // self.block_size) + 1) + 1
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's table; every block gains one reference."""
         child_id, parent_id = child.request_id, parent.request_id
@@ -393,6 +453,10 @@ class KVCacheManager:
     # ---- swapping -----------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
+        """Room on the host for the request's blocks; False for a table holding the
+        window placeholder (such a request is preempted by recompute)."""
+        if self._holds_placeholder(request):
+            return False
         _, num_new = self._plan_swap_out(request)
         return num_new <= self.swap.num_free_blocks
 
@@ -403,6 +467,8 @@ class KVCacheManager:
         change) when the host tier lacks room.
         """
         request_id = request.request_id
+        if self._holds_placeholder(request):
+            return None
         plan, _ = self._plan_swap_out(request)
         moves = self.swap.move_out(request_id, plan)
         if moves is None:
@@ -474,6 +540,8 @@ class KVCacheManager:
             if remap_table(table, mapping):
                 self._table_changed(request_id)
         self.swap.device_blocks_relocated(mapping)
+        if self.null_block is not None:
+            self.null_block = mapping.get(self.null_block, self.null_block)
 
     @property
     def shrink_pending(self) -> bool:
@@ -566,6 +634,8 @@ class KVCacheManager:
             disk_blocks_total=self.disk.capacity if self.disk is not None else 0,
             disk_blocks_used=len(self.disk) if self.disk is not None else 0,
             prefix_disk_hits_tokens=self._prefix_disk_hits_tokens,
+            sliding_window=self.sliding_window,
+            window_freed_blocks=self._window_freed,
         )
 
     def live_block_tables(self) -> dict[str, list[int]]:
@@ -594,8 +664,11 @@ class KVCacheManager:
             self.disk.check_invariants()
         assert not any(self.swap.holds(rid) for rid in self._tables), "request on both tiers"
         held: Counter[int] = Counter()
+        if self.null_block is not None:
+            held[self.null_block] = 1  # the manager's own reference
         for request_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"{request_id}: block twice in a table"
+            blocks = [b for b in table if b != self.null_block]
+            assert len(set(blocks)) == len(blocks), f"{request_id}: block twice in a table"
             assert len(table) * bs >= self._num_slots.get(request_id, 0), (
                 f"{request_id}: table too short for its slots"
             )

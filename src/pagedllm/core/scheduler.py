@@ -193,7 +193,7 @@ class Scheduler:
         # The last sampled token is never written to the cache.
         num_tokens = num_prompt_tokens + max_tokens - 1
         block_size = self._block_size
-        needed = -(-num_tokens // block_size)
+        needed = self.kv.blocks_needed(num_tokens, self.config.max_num_batched_tokens)
         # The pool may be resized at run time; an elastic pool may grow to max_num_blocks.
         total = max(self.kv.usable_blocks, self.max_num_blocks or 0)
         if needed > total:
@@ -338,6 +338,7 @@ class Scheduler:
                 if kept:  # the token before is this step's input
                     request.num_computed_tokens += 1
                     cache_full_blocks(request)
+                    self.kv.release_out_of_window(request)
                 request.append_output_token_ids(token_id)
                 kept += 1
                 self._check_stop(request, token_id)
@@ -366,6 +367,7 @@ class Scheduler:
             return None
         request.num_computed_tokens += len(seq.token_ids)
         self.kv.cache_full_blocks(request)
+        self.kv.release_out_of_window(request)
         return request
 
     def fork(self, parent: Request, child_id: str) -> Request:
@@ -421,10 +423,10 @@ class Scheduler:
     def max_blocks_needed(self) -> int:
         """Blocks the largest unfinished request holds at its longest: a pool smaller
         than this could never finish it."""
-        size = self._block_size
+        step = self.config.max_num_batched_tokens
         return max(
             (
-                -(-(r.num_prompt_tokens + self._max_tokens(r) - 1) // size)
+                self.kv.blocks_needed(r.num_prompt_tokens + self._max_tokens(r) - 1, step)
                 for r in self.requests.values()
             ),
             default=0,

@@ -179,6 +179,7 @@ class LLMEngine:
             num_host_blocks=runner.num_host_blocks,
             watermark=config.watermark,
             disk=disk,
+            sliding_window=None if model_config is None else model_config.uniform_sliding_window,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -771,14 +772,18 @@ class LLMEngine:
     def _resolve_max_model_len(self, model_config: Any) -> int:
         cache_tokens = _max_num_blocks(self.config, self.runner) * self.runner.block_size
         model_limit = getattr(model_config, "max_position_embeddings", None)
+        window = None if model_config is None else model_config.uniform_sliding_window
         requested = self.config.max_model_len
+        if requested is None and window is not None:
+            # Blocks out of the window are released: the cache does not bound the length.
+            return model_limit
         if requested is None:
             return min(model_limit or cache_tokens, cache_tokens)
         if model_limit is not None and requested > model_limit:
             raise ValueError(
                 f"max_model_len ({requested}) exceeds the model's limit ({model_limit})"
             )
-        if requested > cache_tokens:
+        if window is None and requested > cache_tokens:
             raise ValueError(
                 f"max_model_len ({requested} tokens) exceeds the whole KV cache "
                 f"({cache_tokens} tokens): raise --kv-cache-memory or lower --max-model-len"

@@ -41,6 +41,11 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         "waste": {kind: _waste_entry(waste, kind) for kind in _WASTES},
         "headroom_tokens": None if waste is None else waste.headroom_tokens,
         "disk": _disk_entry(stats),
+        # Sliding-window models: blocks released because every layer's window passed them.
+        "sliding_window": {
+            "window": cache.sliding_window,
+            "freed_blocks": cache.window_freed_blocks,
+        },
         "prefix_cache": {
             "queries_tokens": queries,
             "hits_tokens": hits,

@@ -130,6 +130,13 @@ class ModelConfig:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer slides (the KV manager can then release blocks
+        that fell out of it), else None."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def uses_llama_decoder(self) -> bool:
         """The plain Llama-family decoder (``model/llama.py``) runs this model."""
         return self.model_type in ("llama", "mistral", "qwen2", "qwen3")
