@@ -227,3 +227,81 @@ def test_torch_runner_restores_kv_bit_identical(
     with pytest.raises(ValueError, match="another model or KV layout.*kv_dtype"):
         model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "dtype": "float32"})
     assert os.listdir(tmp_path / "kv")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_bytes_fast_path_matches_the_reference(dtype: str) -> None:
+    import numpy as np
+    import torch
+
+    from pagedllm.worker.kv_cache import (
+        KVCache,
+        KVCacheSpec,
+        read_blocks_reference,
+        write_blocks_reference,
+    )
+
+    spec = KVCacheSpec(3, 2, 8, 4, getattr(torch, dtype))
+    kv, twin = KVCache(spec, 10), KVCache(spec, 10)
+    for k, v in kv.device_caches:
+        k.normal_()
+        v.normal_()
+    ids = [7, 2, 9]
+    data = kv.read_blocks(ids)
+    assert data.shape == (3, spec.bytes_per_block) and data.dtype == np.uint8
+    assert np.array_equal(data, read_blocks_reference(kv.device_caches, ids))
+    kv.write_blocks([0, 1, 4], data)
+    write_blocks_reference(twin.device_caches, [0, 1, 4], data)
+    for (k, v), (tk, tv) in zip(kv.device_caches, twin.device_caches, strict=True):
+        assert torch.equal(k[[0, 1, 4]], k[ids]) and torch.equal(v[[0, 1, 4]], v[ids])
+        assert torch.equal(tk[[0, 1, 4]], k[ids]) and torch.equal(tv[[0, 1, 4]], v[ids])
+
+
+def _benchmark():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_turn.py"
+    spec = importlib.util.spec_from_file_location("bench_multi_turn", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _last_json(capsys) -> dict:
+    import json
+
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_benchmark_trace_mode_on_the_fixture(capsys) -> None:
+    trace = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_head.jsonl"
+    args = ["--trace", str(trace), "--trace-pool-blocks", "64", "--trace-disk-blocks", "0,64,4096"]
+    assert _benchmark().main(args) == 0
+    rows = _last_json(capsys)["rows"]
+    for row in rows:
+        assert row["ram_hit"] + row["disk_hit"] + row["miss"] == pytest.approx(1.0)
+    assert rows[0]["disk_hit"] == 0.0
+    assert rows[0]["ram_hit"] == rows[1]["ram_hit"] == rows[2]["ram_hit"]
+    assert rows[0]["miss"] >= rows[1]["miss"] > rows[2]["miss"]
+    assert rows[2]["disk_hit"] > 0.05  # a big disk tier keeps what the pool lost
+
+
+def test_benchmark_multi_turn_smoke(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    args = [
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--block-size", "4",
+        "--users", "3", "--rounds", "3", "--system-len", "12", "--message-len", "4:12",
+        "--max-tokens", "4", "--pool-conversations", "1", "--restart-after-round", "2",
+        "--offload-dir", str(tmp_path), "--num-threads", "1",
+    ]  # fmt: skip
+    assert _benchmark().main(args) == 0
+    result = _last_json(capsys)
+    assert result["on"]["same_outputs_as_off"] and result["big"]["same_outputs_as_off"]
+    for name in ("off", "on", "big"):
+        shares = result[name]["shares"]
+        assert shares["ram"] + shares["disk"] + shares["recomputed"] == pytest.approx(1.0)
+    assert result["on"]["shares"]["disk"] > 0
+    assert result["on"]["shares"]["recomputed"] == 0.0
+    restart = result["on"]["restart"]
+    assert restart["cached_tokens"] == restart["history_tokens"] > 0

@@ -34,7 +34,10 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 import xxhash
+
+from pagedllm.worker.allocator import zeros_on_huge_pages
 
 FORMAT_VERSION = 1
 _MAGIC = b"PGLMKV\x00\x01"
@@ -46,6 +49,7 @@ _STORE_FILE = "store.json"
 _HASH_HEX = 64
 # Stores queued for the writer before ``save`` waits (bounds the memory they hold).
 _MAX_QUEUED = 1024
+_SNAPSHOT_BLOCKS = 64  # blocks per snapshot allocation
 
 DiskBlock = tuple[int, bytes, tuple[int, ...]]  # (device block, block hash, token ids)
 
@@ -101,6 +105,7 @@ class DiskKVStore:
         canonical = json.dumps(self.fingerprint, sort_keys=True, default=str).encode()
         self.digest = hashlib.sha256(canonical).digest()
         self._open_directory()
+        self._blocks_dir = str(self.path / "blocks")
         self.file_nbytes = _PREFIX_NBYTES + 8 * block_size + payload_nbytes
         self._pending: dict[bytes, tuple[bytes, np.ndarray]] = {}  # hash -> (tokens, payload)
         self._lock = threading.Lock()
@@ -108,6 +113,7 @@ class DiskKVStore:
         self._counts = dict.fromkeys(("written", "read", "loads", "corrupt", "write_errors"), 0)
         self._load_seconds = 0.0
         self._made_dirs: set[str] = set()
+        self._staging = np.empty((0, payload_nbytes), np.uint8)
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-disk")
         self._writer.daemon = True
         self._writer.start()
@@ -132,15 +138,17 @@ class DiskKVStore:
         return [block_hash for _, block_hash in found]
 
     def save_blocks(self, stores: Sequence[DiskBlock], blocks: BlockBytes) -> None:
-        """Snapshot the stores' device blocks now, write them in the background."""
-        if not stores:
-            return
-        data = blocks.read_blocks([block_id for block_id, _, _ in stores])
-        for row, (_, block_hash, token_ids) in zip(data, stores, strict=True):
-            tokens = _token_bytes(token_ids, self.block_size)
-            with self._lock:
-                self._pending[block_hash] = (tokens, row)
-            self._queue.put(("store", block_hash))
+        """Snapshot the stores' device blocks now, write them in the background. The
+        snapshot is taken in chunks small enough for malloc's heap (see
+        ``allocator.keep_step_buffers``), whose pages are reused, not faulted in anew."""
+        for start in range(0, len(stores), _SNAPSHOT_BLOCKS):
+            chunk = stores[start : start + _SNAPSHOT_BLOCKS]
+            data = blocks.read_blocks([block_id for block_id, _, _ in chunk])
+            for row, (_, block_hash, token_ids) in zip(data, chunk, strict=True):
+                tokens = _token_bytes(token_ids, self.block_size)
+                with self._lock:
+                    self._pending[block_hash] = (tokens, row)
+                self._queue.put(("store", block_hash))
 
     def load_blocks(self, loads: Sequence[DiskBlock], blocks: BlockBytes) -> tuple[int, ...]:
         """Read the loads into their device blocks; the device blocks that could not be
@@ -148,7 +156,7 @@ class DiskKVStore:
         if not loads:
             return ()
         start = time.perf_counter()
-        data = np.empty((len(loads), self.payload_nbytes), dtype=np.uint8)
+        data = self._staging_rows(len(loads))
         good, failed = [], []
         for i, (block_id, block_hash, token_ids) in enumerate(loads):
             if self._read(block_hash, _token_bytes(token_ids, self.block_size), data[i]):
@@ -161,6 +169,15 @@ class DiskKVStore:
         self._counts["loads"] += 1
         self._load_seconds += time.perf_counter() - start
         return tuple(failed)
+
+    def _staging_rows(self, n: int) -> np.ndarray:
+        """``n`` rows of the load buffer, kept from load to load and on transparent huge
+        pages: fresh memory would pay a page fault every 4 KiB of every load."""
+        if self._staging.shape[0] < n:
+            rows = max(n, 2 * self._staging.shape[0])
+            shape = (rows, self.payload_nbytes)
+            self._staging = zeros_on_huge_pages(shape, torch.uint8).numpy()
+        return self._staging[:n]
 
     def drop(self, hashes: Sequence[bytes]) -> None:
         """Delete these blocks (after any store of them queued before)."""
@@ -193,9 +210,9 @@ class DiskKVStore:
             writes_queued=self._queue.qsize(),
         )
 
-    def block_path(self, block_hash: bytes) -> Path:
+    def block_path(self, block_hash: bytes) -> str:
         name = block_hash.hex()
-        return self.path / "blocks" / name[:2] / f"{name}.kv"
+        return f"{self._blocks_dir}/{name[:2]}/{name}.kv"
 
     # ---- internal -------------------------------------------------------------------
 
@@ -308,9 +325,9 @@ class DiskKVStore:
         checksum = _CHECKSUM.pack(_checksum(header, tokens, payload))
         path = self.block_path(block_hash)
         try:
-            parent = str(path.parent)
+            parent = os.path.dirname(path)
             if parent not in self._made_dirs:
-                path.parent.mkdir(mode=0o700, exist_ok=True)
+                os.makedirs(parent, mode=0o700, exist_ok=True)
                 self._made_dirs.add(parent)
             _write_atomically(path, header, checksum, tokens, payload)
             self._counts["written"] += 1
@@ -340,9 +357,10 @@ def _token_bytes(token_ids: Sequence[int], block_size: int) -> bytes:
     return struct.pack(f"<{block_size}q", *token_ids)
 
 
-def _write_atomically(path: Path, *parts: bytes | np.ndarray) -> None:
+def _write_atomically(path: str | Path, *parts: bytes | np.ndarray) -> None:
     """Write to a temporary file beside ``path`` (0600), then rename it into place."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".tmp-{name}-{os.getpid()}-{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=0) as handle:
