@@ -249,9 +249,9 @@ def test_block_bytes_fast_path_matches_the_reference(dtype: str) -> None:
     ids = [7, 2, 9]
     data = kv.read_blocks(ids)
     assert data.shape == (3, spec.bytes_per_block) and data.dtype == np.uint8
-    assert np.array_equal(data, read_blocks_reference(kv.device_caches, ids))
+    assert np.array_equal(data, read_blocks_reference(kv.device_tensors, ids))
     kv.write_blocks([0, 1, 4], data)
-    write_blocks_reference(twin.device_caches, [0, 1, 4], data)
+    write_blocks_reference(twin.device_tensors, [0, 1, 4], data)
     for (k, v), (tk, tv) in zip(kv.device_caches, twin.device_caches, strict=True):
         assert torch.equal(k[[0, 1, 4]], k[ids]) and torch.equal(v[[0, 1, 4]], v[ids])
         assert torch.equal(tk[[0, 1, 4]], k[ids]) and torch.equal(tv[[0, 1, 4]], v[ids])

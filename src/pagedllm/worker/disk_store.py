@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pagedllm.worker.allocator import zeros_on_huge_pages
+from pagedllm.worker.allocator import BlockArena
 
 FORMAT_VERSION = 1
 _MAGIC = b"PGLMKV\x00\x01"
@@ -175,8 +175,8 @@ class DiskKVStore:
         pages: fresh memory would pay a page fault every 4 KiB of every load."""
         if self._staging.shape[0] < n:
             rows = max(n, 2 * self._staging.shape[0])
-            shape = (rows, self.payload_nbytes)
-            self._staging = zeros_on_huge_pages(shape, torch.uint8).numpy()
+            self._staging_arena = BlockArena([((self.payload_nbytes,), torch.uint8)], rows, rows)
+            self._staging = self._staging_arena.tensors[0].numpy()
         return self._staging[:n]
 
     def drop(self, hashes: Sequence[bytes]) -> None:

@@ -160,25 +160,30 @@ class KVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """Device blocks as flat bytes, one row a block (every per-block tensor's block in
-        turn: layer 0's K then V, ...): a copy ``[n, bytes per block]`` uint8, for the
-        disk tier."""
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        parts = [
-            t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8)
-            for t in self.device_tensors
-        ]
-        return torch.cat(parts, dim=1).cpu().numpy()
+        turn: layer 0's K then V, ..., then any scales): a copy ``[n, bytes per block]``
+        uint8, for the disk tier. On the CPU the gathers run in numpy (several times
+        torch's byte copies here); ``read_blocks_reference`` is the ground truth."""
+        if self.device.type != "cpu":
+            return read_blocks_reference(self.device_tensors, block_ids)
+        views = _byte_rows(self.device_tensors)
+        rows = np.empty((len(block_ids), sum(v.shape[1] for v in views)), np.uint8)
+        ids = np.asarray(block_ids, dtype=np.intp)
+        start = 0
+        for view in views:
+            np.take(view, ids, axis=0, out=rows[:, start : start + view.shape[1]])
+            start += view.shape[1]
+        return rows
 
     def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
         """Overwrite device blocks with rows of ``read_blocks``' layout."""
-        rows = torch.from_numpy(np.ascontiguousarray(data)).to(self.device)
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if self.device.type != "cpu":
+            write_blocks_reference(self.device_tensors, block_ids, data)
+            return
+        ids = np.asarray(block_ids, dtype=np.intp)
         start = 0
-        for t in self.device_tensors:
-            size = t[0].numel() * t.element_size()
-            part = rows[:, start : start + size].contiguous().view(t.dtype)
-            t.index_copy_(0, ids, part.view(len(block_ids), *t.shape[1:]))
-            start += size
+        for view in _byte_rows(self.device_tensors):
+            view[ids] = data[:, start : start + view.shape[1]]
+            start += view.shape[1]
 
     def resize(self, num_blocks: int) -> None:
         """Keep device blocks ``0 .. num_blocks - 1`` (those past a smaller size must hold
@@ -215,71 +220,33 @@ def allocate_block_tensors(
         for shape, dtype in spec.block_layouts()
     ]
 
-    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Device blocks as flat bytes, one row a block (every layer's K then V): a copy
-        ``[n, spec.bytes_per_block]`` uint8, for the disk tier. On the CPU the gathers
-        run in numpy (several times torch's byte copies here); ``read_blocks_reference``
-        is the ground truth."""
-        if self.device.type != "cpu":
-            return read_blocks_reference(self.device_caches, block_ids)
-        rows = np.empty((len(block_ids), self.spec.num_layers, 2, self._block_nbytes), np.uint8)
-        ids = np.asarray(block_ids, dtype=np.intp)
-        for layer, (k_rows, v_rows) in enumerate(_byte_rows(self.device_caches)):
-            np.take(k_rows, ids, axis=0, out=rows[:, layer, 0])
-            np.take(v_rows, ids, axis=0, out=rows[:, layer, 1])
-        return rows.reshape(len(block_ids), -1)
 
-    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
-        """Overwrite device blocks with rows of ``read_blocks``' layout."""
-        if self.device.type != "cpu":
-            write_blocks_reference(self.device_caches, block_ids, data)
-            return
-        rows = data.reshape(len(block_ids), self.spec.num_layers, 2, self._block_nbytes)
-        ids = np.asarray(block_ids, dtype=np.intp)
-        for layer, (k_rows, v_rows) in enumerate(_byte_rows(self.device_caches)):
-            k_rows[ids] = rows[:, layer, 0]
-            v_rows[ids] = rows[:, layer, 1]
-
-    @property
-    def _block_nbytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        return self.spec.bytes_per_block // (2 * self.spec.num_layers)
+def _byte_rows(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each per-block tensor as a numpy ``[num_blocks, bytes per block]`` uint8 view
+    (shared memory; made per call, so a resized cache is always seen as it is)."""
+    return [t.view(t.shape[0], -1).view(torch.uint8).numpy() for t in tensors]
 
 
-def _byte_rows(caches: KVPairs) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each layer's K and V as numpy ``[num_blocks, block bytes]`` uint8 views (shared
-    memory; made per call, so a resized cache is always seen as it is)."""
-    return [
-        (
-            k.view(k.shape[0], -1).view(torch.uint8).numpy(),
-            v.view(v.shape[0], -1).view(torch.uint8).numpy(),
-        )
-        for k, v in caches
-    ]
-
-
-def read_blocks_reference(caches: KVPairs, block_ids: Sequence[int]) -> np.ndarray:
+def read_blocks_reference(tensors: Sequence[torch.Tensor], block_ids: Sequence[int]) -> np.ndarray:
     """``KVCache.read_blocks`` in plain torch, on any device (the ground truth)."""
-    k0 = caches[0][0]
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=k0.device)
-    rows = torch.empty(
-        (len(block_ids), len(caches), 2, *k0.shape[1:]), dtype=k0.dtype, device=k0.device
-    )
-    for layer, (k_cache, v_cache) in enumerate(caches):
-        rows[:, layer, 0] = k_cache.index_select(0, ids)
-        rows[:, layer, 1] = v_cache.index_select(0, ids)
-    return rows.reshape(len(block_ids), -1).view(torch.uint8).cpu().numpy()
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
+    parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts, dim=1).cpu().numpy()
 
 
-def write_blocks_reference(caches: KVPairs, block_ids: Sequence[int], data: np.ndarray) -> None:
+def write_blocks_reference(
+    tensors: Sequence[torch.Tensor], block_ids: Sequence[int], data: np.ndarray
+) -> None:
     """``KVCache.write_blocks`` in plain torch, on any device (the ground truth)."""
-    k0 = caches[0][0]
-    rows = torch.from_numpy(np.ascontiguousarray(data)).view(k0.dtype)
-    rows = rows.view(len(block_ids), len(caches), 2, *k0.shape[1:]).to(k0.device)
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=k0.device)
-    for layer, (k_cache, v_cache) in enumerate(caches):
-        k_cache.index_copy_(0, ids, rows[:, layer, 0])
-        v_cache.index_copy_(0, ids, rows[:, layer, 1])
+    device = tensors[0].device
+    rows = torch.from_numpy(np.ascontiguousarray(data)).to(device)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    start = 0
+    for t in tensors:
+        size = t[0].numel() * t.element_size()
+        part = rows[:, start : start + size].contiguous().view(t.dtype)
+        t.index_copy_(0, ids, part.view(len(block_ids), *t.shape[1:]))
+        start += size
 
 
 def allocate_caches(
