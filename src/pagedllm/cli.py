@@ -1,5 +1,5 @@
-"""`pagedllm serve | generate | plan | router | cache-report` — one dispatcher; each command lives
-with its layer."""
+"""`pagedllm serve | generate | plan | router | cache-report | env` — one dispatcher; each
+command lives with its layer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ COMMANDS = {
         "pagedllm.planner.cache_report",
         "why prompts of a request log are not cached, and what it costs",
     ),
+    "env": ("pagedllm.engine.cli_env", "this machine's CPU, threads, kernels and each route"),
 }
 
 

@@ -100,13 +100,15 @@ def run_all(engine: LLMEngine, limit: int = 10_000) -> dict[str, Any]:
 
 @pytest.fixture
 def model_engine(tiny_model_dir: Path, engines: list[LLMEngine]) -> Callable[..., LLMEngine]:
-    """``model_engine(**EngineConfig fields)``: an engine on the tiny random Llama."""
+    """``model_engine(**EngineConfig fields)``: an engine on the tiny random Llama, in float32
+    unless asked (the references it is compared with are float32)."""
     import torch
 
     # Two cores shared by many processes: more threads only oversubscribe them.
     torch.set_num_threads(1)
 
     def build(**config: Any) -> LLMEngine:
+        config = {"dtype": "float32", **config}
         engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), **config))
         engines.append(engine)
         return engine

@@ -251,7 +251,7 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 def test_default_model_chat_logits_match_transformers(default_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model("default")
+    loaded = load_model("default", "float32")
     assert loaded.name == "SmolLM2-135M-Instruct"
     assert loaded.config.tie_word_embeddings and loaded.config.num_key_value_heads == 3
     assert "<|im_start|>" in loaded.tokenizer.chat_template
@@ -275,7 +275,7 @@ def test_default_model_greedy_tokens_match_transformers_gguf(default_model_dir) 
 
     from pagedllm.model.default_model import GGUF_NAME
 
-    loaded = load_model(default_model_dir)
+    loaded = load_model(default_model_dir, "float32")
     hf = AutoModelForCausalLM.from_pretrained(
         str(default_model_dir), gguf_file=GGUF_NAME, dtype=torch.float32
     ).eval()

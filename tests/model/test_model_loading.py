@@ -9,6 +9,7 @@ import pytest
 import torch
 from parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
+from pagedllm.kernels.probe import cpu_info
 from pagedllm.model import ModelConfig, load_model
 from pagedllm.model.config import parse_config
 from pagedllm.testing import tiny_config
@@ -157,7 +158,9 @@ def test_load_hf_directory_with_tokenizer(tiny_llama) -> None:
     loaded = load_model(tiny_llama)
     assert loaded.name == tiny_llama.name
     assert isinstance(loaded.config, ModelConfig)
-    assert loaded.dtype == torch.float32  # "auto" follows the config
+    # "auto": the float32 checkpoint runs in bf16 where the CPU has bf16 dot products.
+    expected = torch.bfloat16 if cpu_info().bf16_dot else torch.float32
+    assert loaded.dtype == expected and loaded.dtype_reason.startswith("auto: float32 checkpoint")
     assert loaded.tokenizer.encode("hi", add_special_tokens=False) == [ord("h"), ord("i")]
     assert loaded.tokenizer.chat_template
 
@@ -172,6 +175,30 @@ def test_dtype_auto_follows_config(tmp_path, tiny_llama) -> None:
     assert load_model(path, dtype="float32", load_tokenizer=False).dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         load_model(path, dtype="int8", load_tokenizer=False)
+
+
+def test_dtype_auto_is_bf16_for_float32_checkpoints_where_the_cpu_has_bf16_dots() -> None:
+    from pagedllm.kernels.probe import CpuInfo
+    from pagedllm.model.loader import choose_dtype
+
+    cpu = torch.device("cpu")
+    epyc = CpuInfo("AMD EPYC", frozenset({"avx512f", "avx512_bf16"}), 2)
+    xeon = CpuInfo("Xeon", frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}), 2)
+    old = CpuInfo("old", frozenset({"avx2", "fma"}), 2)
+    f32, bf16 = (
+        parse_config({**config_dict(), "torch_dtype": name, "dtype": name})
+        for name in ("float32", "bfloat16")
+    )
+    dtype, why = choose_dtype("auto", f32, cpu, epyc)
+    assert dtype == torch.bfloat16 and "avx512_bf16" in why and "--dtype float32" in why
+    assert choose_dtype("auto", f32, cpu, xeon)[1].count("amx_bf16") == 1
+    assert choose_dtype("auto", f32, cpu, old) == (
+        torch.float32,
+        "auto: float32 checkpoint, and this CPU has no bf16 dot products",
+    )
+    assert choose_dtype("float32", f32, cpu, epyc) == (torch.float32, "asked for (--dtype float32)")
+    assert choose_dtype("auto", f32, torch.device("meta"), epyc)[0] == torch.float32
+    assert choose_dtype("auto", bf16, cpu, old)[0] == torch.bfloat16
 
 
 def test_sharded_checkpoint_matches_single(tmp_path, tiny_llama) -> None:
@@ -212,7 +239,7 @@ def test_not_a_model_path(tmp_path) -> None:
 
 
 def test_runner_from_memory_budget(tiny_llama) -> None:
-    loaded = load_model(tiny_llama, load_tokenizer=False)
+    loaded = load_model(tiny_llama, "float32", load_tokenizer=False)
     runner = TorchModelRunner.from_budget(loaded.model, block_size=4, kv_cache_memory=100_000)
     assert runner.num_blocks == 100_000 // runner.spec.bytes_per_block
     assert runner.vocab_size == loaded.config.vocab_size

@@ -113,6 +113,7 @@ def test_tiny_checkpoint_engine_admits_the_predicted_concurrency(tmp_path, capsy
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=prompt_len * (predicted + 4),
         max_num_seqs=512,
+        dtype="float32",  # the checkpoint's dtype, which the plan sizes the cache for
     )
     engine = LLMEngine.from_config(config)
     assert plan["kv_bytes_per_token"] == TOKEN_BYTES

@@ -89,6 +89,11 @@ class AttentionBackend(Protocol):
         kind: AttentionKind = FULL_ATTENTION,
     ) -> torch.Tensor: ...
 
+    def route(self, dtype: torch.dtype) -> str:
+        """Which implementation attends for a model in ``dtype`` on this machine (for the
+        start-up log, ``pagedllm env`` and ``/v1/cache``)."""
+        ...
+
     def kernel_step(
         self,
         dtype: torch.dtype,

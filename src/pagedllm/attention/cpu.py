@@ -31,6 +31,7 @@ from pagedllm.attention.base import (
 )
 from pagedllm.attention.reference import causal_mask, gather_context, paged_attention
 from pagedllm.kernels.build import load_library
+from pagedllm.kernels.probe import cpu_info
 
 # Query chunks up to this length go to the kernel; longer ones to SDPA (matrix units win there).
 MAX_KERNEL_QUERY_LEN = 16
@@ -148,6 +149,23 @@ class CpuAttention:
         if rest:
             _prefill_sdpa(out, q, key, value, k_cache, v_cache, meta, scale, rest, self._merge)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def route(self, dtype: torch.dtype) -> str:
+        if self._op is None:
+            return "torch: batched SDPA for decode, SDPA per prompt (C++ kernels unavailable)"
+        tiles = self.amx and self.bf16_dot and dtype == torch.bfloat16
+        if tiles:
+            isa = "AMX tiles"
+        elif dtype == torch.bfloat16 and self.bf16_dot and cpu_info().bf16_dot:
+            isa = "AVX-512-bf16"
+        else:
+            isa = "AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32"
+        kernel = (
+            f"C++ paged_attention ({isa}) for queries of up to {self.max_kernel_query_len} tokens"
+        )
+        if tiles:
+            kernel += f" and any query over a context of up to {LONG_QUERY_MAX_SEQ_LEN} tokens"
+        return kernel + "; longer prompts: SDPA"
 
     def kernel_step(
         self,

@@ -117,6 +117,9 @@ class ReferenceAttention:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(query, k_cache, v_cache, meta, scale, kind)
 
+    def route(self, dtype: torch.dtype) -> str:
+        return "reference (gather through the block tables + SDPA, one sequence at a time)"
+
     def kernel_step(
         self,
         dtype: torch.dtype,

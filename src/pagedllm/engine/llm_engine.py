@@ -38,6 +38,7 @@ from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
+from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsClose, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
@@ -86,6 +87,8 @@ class EngineStats:
     disk: DiskStoreStats | None = None
     # The elastic pool (sizes, policy, last resize); None for a runner that cannot resize.
     elastic: ElasticStats | None = None
+    # Which implementation runs each capability of a step, and the dtype (None: no model).
+    routes: Routes | None = None
 
 
 @dataclass(slots=True)
@@ -161,6 +164,7 @@ class LLMEngine:
         *,
         model_config: Any = None,
         memory_bytes: int | None = None,
+        dtype_reason: str = "",
     ) -> None:
         if config.block_size != runner.block_size:
             raise ValueError(
@@ -204,6 +208,7 @@ class LLMEngine:
         self._counters = dict.fromkeys(
             ("steps", "prompt", "generation", "computed", "finished", "failed", "aborted"), 0
         )
+        self.routes = _with_dtype(runner.routes(), dtype_reason)
         self.startup_report = self._make_startup_report(memory_bytes)
         self.model_name: str | None = None  # set by from_config
         self.elastic = ElasticPool(
@@ -249,7 +254,12 @@ class LLMEngine:
         spec = KVCacheSpec.from_model_config(loaded.model.config, config.block_size, loaded.dtype)
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
         engine = cls(
-            config, runner, loaded.tokenizer, model_config=loaded.config, memory_bytes=memory
+            config,
+            runner,
+            loaded.tokenizer,
+            model_config=loaded.config,
+            memory_bytes=memory,
+            dtype_reason=loaded.dtype_reason,
         )
         engine.model_name = loaded.name
         if engine.startup_report:
@@ -477,6 +487,7 @@ class LLMEngine:
             waste=self._waste(),
             disk=self.disk_store.stats() if self.disk_store is not None else None,
             elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
+            routes=self.routes,
         )
 
     def flush_disk_tier(self) -> None:
@@ -805,7 +816,7 @@ class LLMEngine:
 
         cfg = self.model_config
         bytes_per_element = _kv_dtype_bytes(self.runner)
-        return startup_report(
+        report = startup_report(
             {
                 "num_hidden_layers": cfg.num_hidden_layers,
                 "num_attention_heads": cfg.num_attention_heads,
@@ -824,6 +835,16 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             tp=self.config.tensor_parallel_size,
         )
+        if self.routes is None:
+            return report
+        return "\n".join([report, "routes:", *(f"  {line}" for line in self.routes.lines())])
+
+
+def _with_dtype(routes: Routes | None, dtype_reason: str) -> Routes | None:
+    """The runner's routes with the model's dtype and why it runs in it."""
+    if routes is None or not dtype_reason:
+        return routes
+    return replace(routes, dtype_reason=dtype_reason)
 
 
 def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy | None:

@@ -9,6 +9,7 @@ from pagedllm.core.accounting import WasteReport
 from pagedllm.core.block_pool import BLOCK_STATE_NAMES
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.routes import Routes
 
 _WASTES = ("internal", "external", "duplication")
 
@@ -60,6 +61,8 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
             "recompute": stats.num_preemptions_recompute,
             "swap": stats.num_preemptions_swap,
         },
+        # Which implementation runs each capability (None on the fake runner).
+        "routes": None if stats.routes is None else stats.routes.as_dict(),
     }
 
 
@@ -158,6 +161,8 @@ def stats_from_wire(data: dict[str, Any]) -> EngineStats:
         from pagedllm.worker.disk_store import DiskStoreStats
 
         fields["disk"] = DiskStoreStats(**data["disk"])
+    if data.get("routes") is not None:
+        fields["routes"] = Routes(**data["routes"])
     return EngineStats(**fields)
 
 

@@ -62,6 +62,19 @@ def load_library() -> bool:
         return False
 
 
+def build_status() -> str:
+    """The kernel library in words: where it is and how many compiler warnings its build
+    gave, or why there is none."""
+    if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
+        return "disabled (PAGEDLLM_NO_EXTENSION): torch paths"
+    if not load_library():
+        return "unavailable (the build failed; see the log): torch paths"
+    path = build_extension()
+    log = path.with_suffix(".log")
+    warnings = log.read_text().count("warning:") if log.exists() else 0
+    return f"{path} ({warnings} compiler warnings)"
+
+
 def build_extension(directory: Path | None = None) -> Path:
     """Compile the ``csrc/*.cpp`` kernels into one shared library; returns its path.
 

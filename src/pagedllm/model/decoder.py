@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
-from pagedllm.kernels.linear import linear, pack_for_cpu
+from pagedllm.kernels.linear import LinearTensors, linear, pack_for_cpu
 from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
     MLP,
@@ -34,9 +34,11 @@ from pagedllm.model.llama import (
     Linear,
     RMSNorm,
     activation,
+    describe_routes,
     rope_inv_freq,
     rotary,
 )
+from pagedllm.routes import Routes
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -218,6 +220,17 @@ class DecoderForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if float32 else logits
+
+    def routes(self) -> Routes:
+        """Which implementation runs each capability of this model's steps."""
+        head = (
+            self.lm_head.tensors
+            if self.lm_head is not None
+            else LinearTensors(self.embed_tokens.weight, None, self.packed_head, self.small_head)
+        )
+        ops = self.ops if self.lm_head is None else self.lm_head.ops
+        decode = "module by module (torch ops)"
+        return describe_routes(self, self.backend, head, ops, decode, greedy_in_head=False)
 
     def optimize_for_cpu(self) -> None:
         """Pack the linears (and a tied head) for the CPU kernels; a no-op elsewhere."""

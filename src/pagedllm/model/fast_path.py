@@ -50,6 +50,10 @@ class FastPath(Protocol):
         ``LlamaForCausalLM.forward`` (only ``output_rows`` when given)."""
         ...
 
+    def route(self) -> str:
+        """How a decode step's layers run (for ``Routes.decode_loop``)."""
+        ...
+
 
 class CpuFastPath:
     """The fused C++ ops, layer by layer or all layers in one call (``decoder_layers``)."""
@@ -80,6 +84,16 @@ class CpuFastPath:
             return None
         layers = [fused_layer_of(layer) for layer in model.layers]
         return cls(ops, layers, model.norm, RotaryTable(model.inv_freq))
+
+    def route(self) -> str:
+        if self.gather is not None:
+            return "fused C++ ops layer by layer, gathers between the ranks' ops"
+        if self.plan is None:
+            return "fused C++ ops, layer by layer from Python (not every linear on small_gemm)"
+        return (
+            "fused C++: every layer in one call (decoder_layers) when the attention kernel "
+            "takes the step whole, else fused ops layer by layer"
+        )
 
     def forward(
         self,

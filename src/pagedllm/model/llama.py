@@ -30,7 +30,9 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
+from pagedllm.kernels.routes import linear_route, sampler_route
 from pagedllm.model.config import ModelConfig, RopeConfig
+from pagedllm.routes import Routes
 
 if TYPE_CHECKING:
     from pagedllm.model.fast_path import FastPath
@@ -57,6 +59,30 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
+
+
+def describe_routes(
+    model: nn.Module,
+    backend: AttentionBackend,
+    head: LinearTensors,
+    ops: Any,
+    decode_loop: str,
+    *,
+    greedy_in_head: bool = True,
+) -> Routes:
+    """A model's ``Routes``: its attention backend's, its ``Linear`` modules' (and a tied
+    head's), its decode loop and its greedy sampler (``greedy_in_head``: the model offers
+    ``greedy_tokens``)."""
+    dtype = head.weight.dtype
+    linears = [m.tensors for m in model.modules() if isinstance(m, Linear)]
+    if not any(t.weight is head.weight for t in linears):
+        linears.append(head)
+    return Routes(
+        attention=backend.route(dtype),
+        linears=linear_route(linears, ops),
+        decode_loop=decode_loop,
+        sampler=sampler_route(head, ops, in_head=greedy_in_head),
+    )
 
 
 class RMSNorm(nn.Module):
@@ -350,6 +376,13 @@ class LlamaForCausalLM(nn.Module):
         ):
             return None
         return self.head_ops.small_gemm_argmax(hidden, packed, bias)
+
+    def routes(self) -> Routes:
+        """Which implementation runs each capability of this model's steps."""
+        decode = (
+            "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
+        )
+        return describe_routes(self, self.backend, self._head(), self.head_ops, decode)
 
     def _head(self) -> LinearTensors:
         """The LM head's weight, bias and packed copies: the embedding's when the two are

@@ -38,6 +38,7 @@ from torch import nn
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
 from pagedllm.model.llama import KVCaches, Linear, LlamaForCausalLM
+from pagedllm.routes import Routes
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
 
@@ -215,6 +216,16 @@ class TensorParallelModel(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """None: the argmax is taken of the gathered logits (``compute_logits``)."""
         return None
+
+    def routes(self) -> Routes:
+        """The single rank's routes, under tensor parallelism."""
+        inner = self.inner.routes()
+        ranks = f"tensor parallel over {self.comm.world_size} ranks"
+        return dataclasses.replace(
+            inner,
+            decode_loop=f"{inner.decode_loop} ({ranks})",
+            sampler="greedy: C++ argmax_rows over the gathered logits; others: torch",
+        )
 
 
 def _shard_rows(linear_module: Linear, ranges: list[tuple[int, int]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.routes import Routes
 
 if TYPE_CHECKING:
     from pagedllm.worker.disk_store import DiskKVStore
@@ -25,6 +26,10 @@ class ModelRunner(Protocol):
     num_host_blocks: int  # host-tier (swap) KV blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def routes(self) -> Routes | None:
+        """Which implementation runs each capability of a step (None: no real model)."""
+        ...
 
 
 @runtime_checkable

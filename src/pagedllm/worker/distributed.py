@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.config import EngineConfig
+from pagedllm.routes import Routes
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,9 @@ class TensorParallelRunner:
 
     def send_sizes(self) -> None:
         broadcast_object((self.num_blocks, self.num_host_blocks), self.control)
+
+    def routes(self) -> Routes:
+        return self.runner.routes()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()

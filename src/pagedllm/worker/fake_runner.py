@@ -21,6 +21,7 @@ from pagedllm.core.outputs import (
     SchedulerOutput,
     TokenLogprob,
 )
+from pagedllm.routes import Routes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,6 +135,10 @@ class FakeModelRunner:
             self.device_slots[block_id * bs : (block_id + 1) * bs] = [
                 None if t == -1 else t for t in row
             ]
+
+    def routes(self) -> Routes | None:
+        """None: no model runs here."""
+        return None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failing = {s.request_id for s in scheduler_output.scheduled} & self.fail_request_ids

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagedllm.kernels.ops import argmax_rows
+from pagedllm.routes import Routes
 from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
@@ -136,6 +137,12 @@ class TorchModelRunner:
         """Keep device blocks ``0 .. num_blocks - 1`` (``ResizableRunner``)."""
         self.kv_cache.resize(num_blocks)
         self.num_blocks = num_blocks
+
+    def routes(self) -> Routes:
+        """The model's routes (attention, linears, decode loop, sampler) and its dtype."""
+        routes = self.model.routes()
+        dtype = next(self.model.parameters()).dtype
+        return replace(routes, dtype=str(dtype).removeprefix("torch."))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps, copies, forward, sampling; releases finished requests' sampler state."""

@@ -1,0 +1,105 @@
+"""``pagedllm env``: what this machine runs and how.
+
+    pagedllm env                      # the default model, --dtype auto
+    pagedllm env --model ./m --dtype float32 --json
+
+The CPU (model, the feature flags the kernels use, the CPUs this process may use), the
+threads (torch's intra-op threads and the OpenMP settings), the kernel library (where it was
+built, with how many compiler warnings), and for the given model each capability's route:
+attention (the kernel's ISA), linears (pagedllm's own kernel or oneDNN), the decode loop
+(one fused C++ call or layer by layer), the sampler, and the dtype with the reason for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from pagedllm.engine.config import DTYPES
+
+# OpenMP settings that change how the kernels' threads run beside other processes.
+OMP_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "OMP_PROC_BIND",
+    "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="HF directory, .gguf file or 'default'")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "reference"))
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def environment(model: str, dtype: str, attention_backend: str) -> dict[str, Any]:
+    """The report as plain data: cpu, threads, kernels and the model's routes."""
+    import torch
+
+    from pagedllm.attention.select import get_backend
+    from pagedllm.kernels.build import build_status
+    from pagedllm.kernels.ops import layer_ops
+    from pagedllm.kernels.probe import cpu_info
+    from pagedllm.model.loader import load_model
+    from pagedllm.worker.model_runner import TorchModelRunner
+
+    cpu = cpu_info()
+    ops = layer_ops()
+    loaded = load_model(model, dtype, get_backend(attention_backend), load_tokenizer=False)
+    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=4)
+    routes = runner.routes()
+    return {
+        "cpu": {
+            "model": cpu.model,
+            "cpus": cpu.num_cpus,
+            "isa": cpu.isa,
+            "flags": cpu.kernel_flags(),
+            "bf16_dot_products": cpu.bf16_dot,
+        },
+        "threads": {
+            "torch": torch.get_num_threads(),
+            **{name: os.environ.get(name) for name in OMP_VARIABLES},
+        },
+        "torch": torch.__version__,
+        "kernels": {
+            "library": build_status(),
+            "small_gemm_bf16": ops.small_gemm_isa() if ops is not None else "none",
+        },
+        "model": loaded.name,
+        "routes": {**routes.as_dict(), "dtype_reason": loaded.dtype_reason},
+    }
+
+
+def format_environment(env: dict[str, Any]) -> str:
+    cpu, threads, kernels = env["cpu"], env["threads"], env["kernels"]
+    omp = ", ".join(f"{k}={v}" for k, v in threads.items() if k != "torch" and v is not None)
+    lines = [
+        f"cpu: {cpu['model']} ({cpu['cpus']} CPUs usable)",
+        f"cpu flags: {' '.join(cpu['flags']) or '-'}; best ISA for the kernels: {cpu['isa']}",
+        f"bf16 dot products: {'yes' if cpu['bf16_dot_products'] else 'no'}",
+        f"threads: torch {threads['torch']}" + (f" ({omp})" if omp else ""),
+        f"torch: {env['torch']}",
+        f"kernels: {kernels['library']}",
+        f"small_gemm bf16 route: {kernels['small_gemm_bf16']}",
+        f"model: {env['model']}",
+        "routes:",
+    ]
+    lines += [
+        f"  {name.replace('_', ' ')}: {value}" for name, value in env["routes"].items() if value
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    env = environment(args.model, args.dtype, args.attention_backend)
+    print(json.dumps(env) if args.json else format_environment(env))
+    return 0

@@ -1,0 +1,51 @@
+"""How a model's linears and sampler run on pagedllm's kernels, in words for ``Routes``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows
+
+
+def small_gemm_route(dtype: torch.dtype, ops: Any) -> str:
+    """The ISA ``small_gemm`` runs ``dtype`` on."""
+    return ops.small_gemm_isa() if dtype == torch.bfloat16 else "avx512"
+
+
+def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
+    """How a model's linears run: how many on pagedllm's own kernel (and up to how many
+    rows), on oneDNN's packed layout, or on plain torch."""
+    small = onednn = plain = 0
+    example = None
+    for t in linears:
+        if t.small is not None:
+            small, example = small + 1, t.small
+        elif t.packed is not None:
+            onednn += 1
+        else:
+            plain += 1
+    parts = []
+    if example is not None:
+        beyond = "oneDNN" if example.dtype == torch.bfloat16 else "torch"
+        isa = small_gemm_route(example.dtype, ops)
+        rows = small_gemm_max_rows(example)
+        parts.append(f"{small} on own kernel small_gemm ({isa}) up to {rows} rows, {beyond} beyond")
+    if onednn:
+        parts.append(f"{onednn} on oneDNN (packed bf16)")
+    if plain:
+        parts.append(f"{plain} on torch F.linear")
+    return "; ".join(parts)
+
+
+def sampler_route(head: LinearTensors, ops: Any, *, in_head: bool = True) -> str:
+    """How greedy tokens are picked (other sampling runs on torch over float32 logits);
+    ``in_head``: the model picks them inside its LM head where the kernel allows."""
+    if in_head and head.small is not None and head.small.dtype == torch.bfloat16:
+        isa = small_gemm_route(head.small.dtype, ops)
+        return f"greedy: argmax inside the LM head (small_gemm_argmax, {isa}); others: torch"
+    if ops is not None:
+        return "greedy: C++ argmax_rows over the logits; others: torch"
+    return "greedy: torch argmax; others: torch"

@@ -1,0 +1,30 @@
+"""Which implementation runs each capability of a model step: the start-up log,
+``pagedllm env`` and ``/v1/cache`` report it, so that a slower route is never silent.
+Plain data (no torch), so that it crosses process boundaries with the engine's stats."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """One line per capability: attention (the kernel's ISA), linears (own kernel or
+    oneDNN), the decode loop (one fused C++ call or per layer), the sampler, and the
+    dtype the model runs in with the reason for it."""
+
+    attention: str
+    linears: str
+    decode_loop: str
+    sampler: str
+    dtype: str = ""
+    dtype_reason: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """``name: route`` lines for logs and reports."""
+        return [
+            f"{name.replace('_', ' ')}: {value}" for name, value in asdict(self).items() if value
+        ]

@@ -1,0 +1,99 @@
+"""Which route runs is said, never silent: `pagedllm env`, the start-up report, /v1/cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.cli import main
+from pagedllm.engine.core import to_wire
+from pagedllm.engine.reports import cache_report, stats_from_wire
+from pagedllm.kernels.ops import layer_ops
+from pagedllm.kernels.probe import cpu_info
+from pagedllm.routes import Routes
+
+ROUTE_NAMES = ["attention", "linears", "decode_loop", "sampler", "dtype", "dtype_reason"]
+
+
+def test_env_reports_cpu_threads_kernels_and_every_route(tiny_model_dir, capsys):
+    assert main(["env", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    cpu = cpu_info()
+    assert env["cpu"]["model"] == cpu.model and env["cpu"]["isa"] == cpu.isa
+    assert set(env["cpu"]["flags"]) <= cpu.flags
+    assert env["threads"]["torch"] >= 1
+    routes = env["routes"]
+    assert list(routes) == ROUTE_NAMES
+    assert (
+        routes["dtype"] == "bfloat16" and routes["dtype_reason"] == "asked for (--dtype bfloat16)"
+    )
+    ops = layer_ops()
+    isa = "none" if ops is None else ops.small_gemm_isa()
+    assert env["kernels"]["small_gemm_bf16"] == isa
+    if ops is None:
+        assert routes["decode_loop"] == "module by module (torch ops)"
+        assert routes["attention"].startswith("torch")
+    elif isa == "none":
+        assert "oneDNN" in routes["linears"] and "small_gemm" not in routes["linears"]
+    else:  # the tiny model's linears are all in 16s and 32s: every one on the own kernel
+        assert routes["linears"].startswith(f"{num_linears(tiny_model_dir)} on own kernel")
+        assert f"small_gemm ({isa})" in routes["linears"] and "oneDNN" in routes["linears"]
+        assert routes["decode_loop"].startswith("fused C++: every layer in one call")
+        assert f"small_gemm_argmax, {isa}" in routes["sampler"]
+        assert "paged_attention" in routes["attention"]
+
+
+def num_linears(model_dir) -> int:
+    """qkv, o, gate_up and down per layer, and the LM head (tied or not)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return 4 * config["num_hidden_layers"] + 1
+
+
+def test_env_text_names_each_route(tiny_model_dir, capsys):
+    assert main(["env", "--model", str(tiny_model_dir), "--dtype", "float32"]) == 0
+    text = capsys.readouterr().out
+    for label in ("cpu:", "threads:", "kernels:", "attention:", "linears:", "decode loop:"):
+        assert label in text
+    assert "dtype: float32" in text
+
+
+def test_reference_backend_is_named(tiny_model_dir, capsys):
+    args = ["env", "--model", str(tiny_model_dir), "--attention-backend", "reference", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["routes"]["attention"].startswith("reference")
+
+
+def test_engine_reports_routes_at_start_up_and_in_its_stats(model_engine):
+    engine = model_engine(block_size=4, num_blocks=32, max_model_len=64, dtype="auto")
+    routes = engine.get_stats().routes
+    assert isinstance(routes, Routes)
+    assert routes.dtype == ("bfloat16" if cpu_info().bf16_dot else "float32")
+    assert routes.dtype_reason.startswith("auto: float32 checkpoint")
+    assert "routes:" in engine.startup_report
+    assert f"  attention: {routes.attention}" in engine.startup_report
+    assert cache_report(engine.get_stats())["routes"] == routes.as_dict()
+    assert stats_from_wire(to_wire(engine.get_stats())).routes == routes  # to the server
+
+
+def test_fake_runner_has_no_routes(fake_engine):
+    engine = fake_engine()
+    assert engine.get_stats().routes is None
+    assert cache_report(engine.get_stats())["routes"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "isa", "bf16_dot"),
+    [
+        ({"sse2"}, "none", False),
+        ({"avx2", "fma"}, "avx2", False),
+        ({"avx2", "avx512f"}, "avx512", False),
+        ({"avx512f", "avx512_bf16"}, "avx512_bf16", True),
+        ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx", True),
+    ],
+)
+def test_cpu_isa_names_the_best_route(flags, isa, bf16_dot):
+    from pagedllm.kernels.probe import CpuInfo
+
+    cpu = CpuInfo("x", frozenset(flags), 1)
+    assert (cpu.isa, cpu.bf16_dot) == (isa, bf16_dot)
