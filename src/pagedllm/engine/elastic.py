@@ -50,6 +50,7 @@ class ResizeReport:
     why the pool stopped above ``blocks_requested``, or is None.
     """
 
+    resize_id: int
     blocks_before: int
     blocks_after: int
     blocks_requested: int
@@ -77,6 +78,7 @@ class ResizeReport:
 class ResizeTally:
     """A resize under way (the engine's running count, internal)."""
 
+    resize_id: int
     blocks_before: int
     blocks_requested: int
     cached_blocks_before: int
@@ -99,6 +101,7 @@ class ResizeTally:
         resident_bytes_after: int | None,
     ) -> ResizeReport:
         return ResizeReport(
+            resize_id=self.resize_id,
             blocks_before=self.blocks_before,
             blocks_after=blocks_after,
             blocks_requested=self.blocks_requested,
@@ -231,7 +234,7 @@ class ElasticPool:
         scheduler: Scheduler,
         runner: ModelRunner,
         *,
-        step_fraction: float = 0.2,
+        step_fraction: float = 0.15,
         policy: ElasticPolicy | None = None,
     ) -> None:
         self.kv = kv
@@ -240,6 +243,9 @@ class ElasticPool:
         self.step_fraction = step_fraction
         self.policy = policy
         self.last_report: ResizeReport | None = None
+        # Reports of the last few resizes by id (``start``'s answer), for callers that poll.
+        self._reports: dict[int, ResizeReport] = {}
+        self._num_started = 0
         self._tally: ResizeTally | None = None
         self._callbacks: list[Callable[[ResizeReport], None]] = []
         # Running estimates for slice sizes: seconds per step and per block moved.
@@ -271,10 +277,11 @@ class ElasticPool:
         preempt: bool = False,
         on_done: Callable[[ResizeReport], None] | None = None,
         reason: str = "manual",
-    ) -> None:
+    ) -> int:
         """Begin a resize; a grow (or a shrink with nothing running) completes at once,
         a shrink under load goes on in slices before the next steps. ``on_done`` gets the
-        report. A resize still under way ends where it got to first."""
+        report. A resize still under way ends where it got to first. Returns the resize's
+        id (``report_for``)."""
         runner = self._resizable()
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
             raise TypeError(f"kv cache size must be an integer number of bytes, got {num_bytes!r}")
@@ -288,7 +295,9 @@ class ElasticPool:
             self._tally.limited_by = "superseded by another resize"
             self._complete(settle=True)
         pool = self.kv.pool
+        self._num_started += 1
         self._tally = ResizeTally(
+            resize_id=self._num_started,
             blocks_before=self.kv.num_blocks,
             blocks_requested=requested,
             cached_blocks_before=pool.num_cached_free_blocks,
@@ -301,10 +310,21 @@ class ElasticPool:
             runner.resize_kv_cache(requested)
             self.kv.grow(requested)
             self._complete(settle=True)
-            return
-        self.kv.begin_shrink(self._shrink_target(requested, preempt))
-        if not self.scheduler.has_unfinished_requests():
-            self.finish_now()
+        else:
+            self.kv.begin_shrink(self._shrink_target(requested, preempt))
+            if not self.scheduler.has_unfinished_requests():
+                self.finish_now()
+        return self._num_started
+
+    def report_for(self, resize_id: int) -> ResizeReport | None:
+        """The report of resize ``resize_id`` once it is done (None while under way);
+        ValueError for an id never started or long forgotten."""
+        report = self._reports.get(resize_id)
+        if report is None and not (self._tally and self._tally.resize_id == resize_id):
+            raise ValueError(
+                f"no resize {resize_id!r} (the last one started is {self._num_started})"
+            )
+        return report
 
     def finish_now(self) -> None:
         """Run the rest of a shrink under way at once."""
@@ -322,8 +342,10 @@ class ElasticPool:
         self._slice(max(1, int(budget / self._move_seconds)))
 
     def after_step(self, step_seconds: float, now: float) -> None:
-        """Learn the step's length; let the automatic policy act."""
-        self._step_seconds = 0.8 * self._step_seconds + 0.2 * step_seconds
+        """Learn the step's length (the next slice's budget follows the last step: a
+        prompt-heavy step is no guide to the decode steps after it); let the automatic
+        policy act."""
+        self._step_seconds = step_seconds
         self.tick(now)
 
     def tick(self, now: float) -> None:
@@ -428,6 +450,9 @@ class ElasticPool:
             process_resident_bytes(),
         )
         self.last_report = report
+        self._reports[tally.resize_id] = report
+        for old in [i for i in self._reports if i <= tally.resize_id - MAX_EVENTS]:
+            del self._reports[old]
         logger.info(
             "KV cache resized %d -> %d blocks (%s): %d moved, %.1f ms%s",
             report.blocks_before,

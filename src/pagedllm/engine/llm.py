@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -62,6 +63,15 @@ class LLM:
         """``LLMEngine.reset_prefix_cache``: drop the cached prompt blocks; False while
         requests are unfinished."""
         return self.engine.reset_prefix_cache()
+
+    def resize_kv_cache(self, size: int | str, *, preempt: bool = False) -> ResizeReport:
+        """Resize the KV cache to ``size`` bytes (or ``"2GiB"``) now: compaction packs the
+        blocks worth keeping low and the tail goes back to the operating system, or the
+        pool grows in place; cached prompts survive where they fit. See
+        ``LLMEngine.resize_kv_cache``."""
+        from pagedllm.engine.args import parse_size
+
+        return self.engine.resize_kv_cache(parse_size(size), preempt=preempt)
 
     def generate(
         self,

@@ -371,10 +371,16 @@ class LLMEngine:
         *,
         preempt: bool = False,
         on_done: Callable[[ResizeReport], None] | None = None,
-    ) -> None:
+    ) -> int:
         """Begin a resize carried out between the next steps in bounded slices, so running
-        requests keep generating; ``on_done`` gets the report."""
-        self.elastic.start(num_bytes, preempt=preempt, on_done=on_done)
+        requests keep generating; ``on_done`` gets the report. Returns the resize's id."""
+        return self.elastic.start(num_bytes, preempt=preempt, on_done=on_done)
+
+    def resize_report(self, resize_id: int) -> dict[str, Any] | None:
+        """The report of a resize ``start_resize`` began, as a dict, once it is done
+        (None while under way): for a server that polls across a process boundary."""
+        report = self.elastic.report_for(resize_id)
+        return None if report is None else report.to_dict()
 
     def elastic_tick(self) -> None:
         """Let the automatic elastic policy act while no step runs (an idle server's
