@@ -248,7 +248,7 @@ class EngineCore:
             "max_model_len": int(engine.max_model_len),
             "vocab_size": int(engine.runner.vocab_size),
             "block_size": int(engine.runner.block_size),
-            "num_blocks": int(engine.runner.num_blocks),
+            "num_blocks": engine.cache_capacity_blocks(),
             "pid": os.getpid(),
         }
 
@@ -323,6 +323,7 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("the server process is gone; the engine core stops")
                 return
+            core.engine.elastic_tick()  # the automatic elastic pool shrinks when idle
         while True:  # every waiting message, before the next step
             try:
                 frame = inbox.recv(zmq.NOBLOCK)

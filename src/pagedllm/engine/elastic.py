@@ -11,6 +11,7 @@ module holds the plain parts: the report, one resize's running tally, the policy
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -249,6 +250,7 @@ class ElasticPool:
         self._tally: ResizeTally | None = None
         self._callbacks: list[Callable[[ResizeReport], None]] = []
         # Running estimates for slice sizes: seconds per step and per block moved.
+        self._recent_steps: deque[float] = deque(maxlen=5)
         self._step_seconds = 0.02
         self._move_seconds = 1e-4
 
@@ -342,10 +344,11 @@ class ElasticPool:
         self._slice(max(1, int(budget / self._move_seconds)))
 
     def after_step(self, step_seconds: float, now: float) -> None:
-        """Learn the step's length (the next slice's budget follows the last step: a
-        prompt-heavy step is no guide to the decode steps after it); let the automatic
-        policy act."""
-        self._step_seconds = step_seconds
+        """Learn the step's length (the next slice's budget follows the median of the last
+        few steps: a prompt-heavy step long ago is no guide to the decode steps now, nor is
+        one slow step); let the automatic policy act."""
+        self._recent_steps.append(step_seconds)
+        self._step_seconds = statistics.median(self._recent_steps)
         self.tick(now)
 
     def tick(self, now: float) -> None:

@@ -368,8 +368,8 @@ class LLMEngine:
     def start_resize(
         self,
         num_bytes: int,
-        *,
         preempt: bool = False,
+        *,
         on_done: Callable[[ResizeReport], None] | None = None,
     ) -> int:
         """Begin a resize carried out between the next steps in bounded slices, so running
@@ -381,6 +381,11 @@ class LLMEngine:
         (None while under way): for a server that polls across a process boundary."""
         report = self.elastic.report_for(resize_id)
         return None if report is None else report.to_dict()
+
+    def cache_capacity_blocks(self) -> int:
+        """The most device blocks one request may count on: the pool's size (the target
+        of a shrink under way), or the automatic elastic pool's MAX."""
+        return max(self.kv.usable_blocks, self.scheduler.max_num_blocks or 0)
 
     def elastic_tick(self) -> None:
         """Let the automatic elastic policy act while no step runs (an idle server's

@@ -3,11 +3,13 @@ server as plain data: the ``/v1/cache`` report and the per-block dashboard repor
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from pagedllm.core.accounting import WasteReport
 from pagedllm.core.block_pool import BLOCK_STATE_NAMES
 from pagedllm.core.request import RequestStatus
+from pagedllm.engine.elastic import ElasticEvent, ElasticStats, ResizeReport
 from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.routes import Routes
 
@@ -47,6 +49,7 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
             "window": cache.sliding_window,
             "freed_blocks": cache.window_freed_blocks,
         },
+        "elastic": _elastic_entry(stats),
         "prefix_cache": {
             "queries_tokens": queries,
             "hits_tokens": hits,
@@ -63,6 +66,28 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         },
         # Which implementation runs each capability (None on the fake runner).
         "routes": None if stats.routes is None else stats.routes.as_dict(),
+    }
+
+
+def _elastic_entry(stats: EngineStats) -> dict[str, Any] | None:
+    """The elastic pool's part of the report (None for a runner that cannot resize):
+    sizes in blocks and bytes, the automatic range, the last resize, recent events."""
+    elastic = stats.elastic
+    if elastic is None:
+        return None
+    block = elastic.bytes_per_block
+    last = elastic.last_resize
+    return {
+        "bytes_per_block": block,
+        "bytes_total": stats.cache.blocks_total * block,
+        "automatic": elastic.min_blocks is not None,
+        "min_blocks": elastic.min_blocks,
+        "max_blocks": elastic.max_blocks,
+        "resizing": elastic.resizing,
+        "grows": elastic.num_grows,
+        "shrinks": elastic.num_shrinks,
+        "last_resize": None if last is None else last.to_dict(),
+        "events": [asdict(event) for event in elastic.events],
     }
 
 
@@ -163,7 +188,17 @@ def stats_from_wire(data: dict[str, Any]) -> EngineStats:
         fields["disk"] = DiskStoreStats(**data["disk"])
     if data.get("routes") is not None:
         fields["routes"] = Routes(**data["routes"])
+    if data.get("elastic") is not None:
+        fields["elastic"] = elastic_stats_from_wire(data["elastic"])
     return EngineStats(**fields)
+
+
+def elastic_stats_from_wire(data: dict[str, Any]) -> ElasticStats:
+    fields = dict(data)
+    if data.get("last_resize") is not None:
+        fields["last_resize"] = ResizeReport(**data["last_resize"])
+    fields["events"] = tuple(ElasticEvent(**event) for event in data.get("events", ()))
+    return ElasticStats(**fields)
 
 
 def events_report(engine: Any, epoch: str | None, since: int) -> dict[str, Any]:

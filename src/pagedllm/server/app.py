@@ -1,4 +1,5 @@
-"""The FastAPI app factory: OpenAI routes, /health, /metrics, /v1/cache, /dashboard.
+"""The FastAPI app factory: OpenAI routes, /health, /metrics, /v1/cache, /dashboard,
+/v1/cache/resize (``server/elastic.py``).
 
 ``create_app`` builds everything one app needs (async engine, metrics registry, routes)
 and keeps it on ``app.state``; nothing lives at module level, so tests build as many
@@ -32,6 +33,7 @@ from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
+from pagedllm.server.elastic import add_elastic_routes
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ModelCard, ModelList
@@ -166,6 +168,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     add_dashboard_routes(app, ctx)
+    add_elastic_routes(app, ctx)
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:

@@ -55,7 +55,7 @@ DASHBOARD_HTML = r"""<!doctype html>
 <style>
 :root {
   --bg: #f6f7f9; --card: #fff; --ink: #1f2430; --muted: #6b7280; --line: #e3e6eb;
-  --free: #e8ebf0; --cached: #8ec5e8; --u1: #fdc38a; --u2: #f78c3b; --u3: #d1541a; --u4: #8a2c0c;
+  --free: #e8ebf0; --retired: #b9bec7; --cached: #8ec5e8; --u1: #fdc38a; --u2: #f78c3b; --u3: #d1541a; --u4: #8a2c0c;
   --host: #b9a4e0; --host2: #6a45b0; --bad: #c62828; --ok: #2e7d32;
 }
 * { box-sizing: border-box; }
@@ -174,6 +174,14 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
         <span>hit tokens RAM / disk</span><span id="d-hits">–</span>
         <span>read / written</span><span id="d-io">–</span>
         <span>mean load</span><span id="d-load">–</span>
+      </div>
+      <h2 style="margin-top:10px">Elastic pool</h2>
+      <div class="kv">
+        <span>size</span><span id="e-size">–</span>
+        <span>automatic range</span><span id="e-range">–</span>
+        <span>grows / shrinks</span><span id="e-count">–</span>
+        <span>last resize</span><span id="e-last">–</span>
+        <span>events</span><span id="e-events">–</span>
       </div></div>
   </div>
   <div class="card">
@@ -182,6 +190,7 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
     <div class="legend">
       <span><i class="sw" style="background:var(--free)"></i>free</span>
       <span><i class="sw" style="background:var(--cached)"></i>cached-free (prefix index)</span>
+      <span><i class="sw" style="background:var(--retired)"></i>retired (a shrink under way)</span>
       <span><i class="sw" style="background:var(--u1)"></i>used by 1 request</span>
       <span><i class="sw" style="background:var(--u2)"></i>shared by 2</span>
       <span><i class="sw" style="background:var(--u3)"></i>3</span>
@@ -212,7 +221,7 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
   const css = getComputedStyle(document.documentElement);
   const color = (name) => css.getPropertyValue(name).trim();
   const COLORS = {
-    free: color("--free"), cached: color("--cached"), host: [color("--host"), color("--host2")],
+    free: color("--free"), retired: color("--retired"), cached: color("--cached"), host: [color("--host"), color("--host2")],
     used: [color("--u1"), color("--u2"), color("--u3"), color("--u4")],
   };
   let key = "";
@@ -281,6 +290,18 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
     set("d-hits", d ? fmt(d.hits_tokens_ram) + " / " + fmt(d.hits_tokens_disk) : "off");
     set("d-io", d ? mib(d.bytes_read) + " / " + mib(d.bytes_written) : "off");
     set("d-load", d && d.loads ? (1000 * d.load_seconds / d.loads).toFixed(1) + " ms" : "–");
+    const e = r.elastic;
+    set("e-size", e ? mib(e.bytes_total) + (e.resizing ? " (shrinking)" : "") : "fixed");
+    set("e-range", e && e.automatic
+      ? mib(e.min_blocks * e.bytes_per_block) + " – " + mib(e.max_blocks * e.bytes_per_block)
+      : "manual");
+    set("e-count", e ? fmt(e.grows) + " / " + fmt(e.shrinks) : "–");
+    const last = e && e.last_resize;
+    set("e-last", last ? fmt(last.blocks_before) + " → " + fmt(last.blocks_after) + " blocks, " +
+      fmt(last.blocks_moved) + " moved, " + last.duration_ms.toFixed(0) + " ms" : "–");
+    set("e-events", e && e.events.length ? e.events.slice(-3).map(
+      (v) => v.kind + " " + fmt(v.blocks_before) + "→" + fmt(v.blocks_after) + " (" + v.reason + ")"
+    ).join("; ") : "–");
   }
 
   function mib(bytes) {
@@ -303,6 +324,7 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
       return COLORS.used[Math.min(ref, 4) - 1] || COLORS.used[0];
     }
     if (state === 1) return COLORS.cached;
+    if (state === 3) return COLORS.retired;
     return COLORS.free;
   }
 

@@ -73,12 +73,45 @@ class _StatsCollector(Collector):
         disk = r.get("disk")
         if disk is not None:
             yield from _disk_metrics(disk)
+        elastic = r.get("elastic")
+        if elastic is not None:
+            yield from _elastic_metrics(elastic)
         preempt = CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Preemptions, by mode.", labels=["mode"]
         )
         for mode, count in r["preemptions"].items():
             preempt.add_metric([mode], count)
         yield preempt
+
+
+def _elastic_metrics(elastic: dict[str, Any]) -> Iterator[Metric]:
+    yield _gauge(
+        "kv_cache_bytes", "Bytes of the KV cache's device tier now.", elastic["bytes_total"]
+    )
+    if elastic["automatic"]:
+        block = elastic["bytes_per_block"]
+        yield _gauge("kv_cache_min_bytes", "The elastic pool's MIN.", elastic["min_blocks"] * block)
+        yield _gauge("kv_cache_max_bytes", "The elastic pool's MAX.", elastic["max_blocks"] * block)
+    yield _gauge("kv_cache_resizing", "1 while a shrink is under way.", int(elastic["resizing"]))
+    resizes = CounterMetricFamily(
+        f"{PREFIX}_kv_cache_resizes", "Resizes by the automatic policy, by kind.", labels=["kind"]
+    )
+    resizes.add_metric(["grow"], elastic["grows"])
+    resizes.add_metric(["shrink"], elastic["shrinks"])
+    yield resizes
+    last = elastic["last_resize"]
+    if last is not None:
+        yield _gauge("kv_cache_last_resize_ms", "Duration of the last resize.", last["duration_ms"])
+        yield _gauge(
+            "kv_cache_last_resize_blocks_moved",
+            "Blocks compaction moved in the last resize.",
+            last["blocks_moved"],
+        )
+        yield _gauge(
+            "kv_cache_last_resize_bytes_returned",
+            "Bytes the last resize gave back (negative: grew).",
+            last["bytes_returned"],
+        )
 
 
 def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:

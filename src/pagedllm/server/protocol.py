@@ -220,3 +220,10 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class CacheResizeRequest(_Request):
+    """``POST /v1/cache/resize``: the KV cache's new size, ``"2GiB"`` or bytes."""
+
+    kv_cache_memory: str | int
+    preempt: bool = False

@@ -1,0 +1,40 @@
+"""``POST /v1/cache/resize``: the elastic KV pool over HTTP.
+
+``{"kv_cache_memory": "2GiB", "preempt": false}`` starts a resize in the engine core
+(``LLMEngine.start_resize``: a shrink compacts in slices between steps, so running
+requests keep generating) and answers with its report once it is done, polled through
+the generic utility call (``LLMEngine.resize_report``). Behind ``--api-key`` like every
+route but /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.engine.args import parse_size
+from pagedllm.server.errors import bad_request
+from pagedllm.server.protocol import CacheResizeRequest
+from pagedllm.server.serving import ServerContext, parse_body
+
+# How often the route asks the core whether the resize is done.
+POLL_S = 0.01
+
+
+def add_elastic_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/cache/resize")
+    async def resize(request: Request) -> Response:
+        body = parse_body(CacheResizeRequest, await request.body())
+        try:
+            num_bytes = parse_size(body.kv_cache_memory)
+            resize_id = await ctx.engine.call_utility("start_resize", num_bytes, body.preempt)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param="kv_cache_memory") from None
+        while (report := await ctx.engine.call_utility("resize_report", resize_id)) is None:
+            await asyncio.sleep(POLL_S)
+        # Requests are checked against the cache's size before they reach the engine.
+        ctx.num_blocks = await ctx.engine.call_utility("cache_capacity_blocks")
+        return JSONResponse(report)
