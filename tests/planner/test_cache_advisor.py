@@ -388,3 +388,20 @@ def test_cache_report_command_json_and_plot(tmp_path, tokenizer, capsys):
     assert "divergence points" in text and "deepseek-chat" in text and "openai" not in text
     assert main(["cache-report", str(tmp_path / "missing.jsonl"), "--num-blocks", "8"]) == 2
     assert "no such file" in capsys.readouterr().out
+
+
+def test_common_prefix_len_against_a_loop():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 400))]
+        b = a[: rng.randrange(len(a) + 1)] + [
+            rng.randrange(3) for _ in range(rng.randrange(0, 300))
+        ]
+        i, j = rng.randrange(len(a) + 1), rng.randrange(len(b) + 1)
+        n = 0
+        while i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
+            n += 1
+        assert dv.common_prefix_len(a, b, i, j) == n
+        assert dv.common_prefix_len(a, b) == dv.common_prefix_len(b, a)

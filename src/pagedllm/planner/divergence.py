@@ -33,19 +33,26 @@ from dataclasses import dataclass
 KINDS = ("timestamp", "date", "uuid", "hex_id", "number", "name", "text")
 
 ANCHOR_WIDTH = 8
+ANCHOR_EVERY = 4  # one position in four (by its token) may begin a window
 DEFAULT_MIN_RUN = 32  # tokens in step after the field for it to count
 DEFAULT_MAX_GAP = 96  # longest differing span (tokens) taken for a field
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (slice compares in C, halving)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+def common_prefix_len(a: Sequence[int], b: Sequence[int], i: int = 0, j: int = 0) -> int:
+    """Length of the longest common prefix of ``a[i:]`` and ``b[j:]``: slices compared in
+    C, in doubling steps (the work follows the answer, not the lengths), then halving."""
+    n = min(len(a) - i, len(b) - j)
+    lo, step = 0, 64
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[i + lo : i + hi] != b[j + lo : j + hi]:
+            break
+        lo, step = hi, step * 2
+    else:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+    while hi - lo > 1:  # a[i:i+lo] == b[j:j+lo], and they differ before hi
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
+        if a[i + lo : i + mid] == b[j + lo : j + mid]:
             lo = mid
         else:
             hi = mid
@@ -133,29 +140,36 @@ class PrefixIndex:
         owners[piece] = index
 
 
+def anchor_positions(tokens: Sequence[int], start: int, stop: int) -> list[int]:
+    """Positions in [start, stop] where a window may begin: chosen by the token there
+    (one in ``ANCHOR_EVERY``), so equal text is chosen alike in every request."""
+    stop = min(stop, len(tokens) - ANCHOR_WIDTH)
+    return [q for q in range(max(0, start), stop + 1) if tokens[q] % ANCHOR_EVERY == 0]
+
+
+def _window(tokens: Sequence[int], q: int) -> tuple[int, ...]:
+    return tuple(tokens[q : q + ANCHOR_WIDTH])
+
+
 class AnchorIndex:
     """Windows of ``ANCHOR_WIDTH`` tokens just after each request's divergence, so that a
     later request differing at the same place finds an earlier one of its own shape."""
 
     def __init__(self, max_gap: int = DEFAULT_MAX_GAP) -> None:
         self.max_gap = max_gap
-        self._windows: dict[int, int] = {}
+        self._windows: dict[tuple, int] = {}
 
     def add(self, index: int, tokens: Sequence[int], start: int, salt: str | None) -> None:
-        end = min(len(tokens) - ANCHOR_WIDTH, start + self.max_gap + ANCHOR_WIDTH)
-        for q in range(max(0, start - ANCHOR_WIDTH), end + 1):
-            if tokens[q] % 4 == 0:
-                self._windows[hash((salt, tuple(tokens[q : q + ANCHOR_WIDTH])))] = index
+        stop = start + self.max_gap + ANCHOR_WIDTH
+        for q in anchor_positions(tokens, start - ANCHOR_WIDTH, stop):
+            self._windows[(salt, _window(tokens, q))] = index
 
     def candidates(
-        self, tokens: Sequence[int], start: int, salt: str | None, limit: int = 6
+        self, tokens: Sequence[int], start: int, salt: str | None, limit: int = 4
     ) -> list[int]:
         found: list[int] = []
-        end = min(len(tokens) - ANCHOR_WIDTH, start + self.max_gap)
-        for q in range(start + 1, end + 1):
-            if tokens[q] % 4:
-                continue
-            other = self._windows.get(hash((salt, tuple(tokens[q : q + ANCHOR_WIDTH]))))
+        for q in anchor_positions(tokens, start + 1, start + self.max_gap):
+            other = self._windows.get((salt, _window(tokens, q)))
             if other is not None and other not in found:
                 found.append(other)
                 if len(found) == limit:
@@ -190,21 +204,20 @@ def find_resync(
     prompt of the log ends with, e.g. the chat template's generation prompt): two user
     turns that merely end alike share no head."""
     start = common_prefix_len(tokens, other_tokens)
-    width = ANCHOR_WIDTH
     windows: dict[tuple[int, ...], int] = {}
-    stop = min(len(other_tokens) - width, start + max_gap)
-    for q in range(start, stop + 1):
-        windows.setdefault(tuple(other_tokens[q : q + width]), q)
-    for q in range(start, min(len(tokens) - width, start + max_gap) + 1):
-        q_other = windows.get(tuple(tokens[q : q + width]))
+    for q in anchor_positions(other_tokens, start, start + max_gap):
+        windows.setdefault(_window(other_tokens, q), q)
+    for q in anchor_positions(tokens, start, start + max_gap):
+        q_other = windows.get(_window(tokens, q))
         if q_other is None:
             continue
+        # The windows matched on chosen positions: walk back to where the field ends.
         end, other_end = q, q_other
         while end > start and other_end > start and tokens[end - 1] == other_tokens[other_end - 1]:
             end, other_end = end - 1, other_end - 1
         if end == start and other_end == start:
             continue  # an insertion of nothing: not a field
-        run = common_prefix_len(tokens[end:], other_tokens[other_end:])
+        run = common_prefix_len(tokens, other_tokens, end, other_end)
         counted = run - closing if end + run == len(tokens) else run
         if counted >= min_run:
             return Resync(other, start, end, other_end, run)
