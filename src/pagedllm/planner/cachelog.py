@@ -7,7 +7,8 @@ One JSON object a line, one of:
     {"prompt_token_ids": [...]}    (or "token_ids": a token-id trace)
     {"timestamp", "input_length", "output_length", "hash_ids"}   Mooncake block-hash trace
 
-each with an optional ``cache_salt`` and ``timestamp``. A line may also carry what a
+each with an optional ``cache_salt`` and ``timestamp`` (when every line has one, requests
+are replayed in timestamp order, else in file order). A line may also carry what a
 server reported (``cached_tokens``, or ``usage.prompt_tokens_details.cached_tokens``) and
 the tokens it generated (``output_token_ids``), which the engine caches too.
 Text is tokenized in batches by a ``Tokenizer`` (``load_tokenizer`` wraps Hugging Face's);
@@ -110,6 +111,9 @@ def parse_records(
     records = list(records)
     if not records:
         raise ValueError(f"{source}: no requests")
+    if all(isinstance(r.get("timestamp"), int | float) for _, r in records):
+        # Replayed in time order (a server's log is written as requests finish).
+        records.sort(key=lambda item: item[1]["timestamp"])
     if any("hash_ids" in r for _, r in records):
         return CacheLog(
             hash_requests=tuple(_hash_request(i, n, r, source) for i, (n, r) in enumerate(records))

@@ -16,6 +16,7 @@ stops the core.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -30,13 +31,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
+from pagedllm.planner.cache_report import advice_for_log
+from pagedllm.planner.cachelog import CacheLog, HFTokenizer
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.elastic import add_elastic_routes
-from pagedllm.server.errors import APIError
+from pagedllm.server.errors import APIError, bad_request
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ModelCard, ModelList
+from pagedllm.server.request_log import DEFAULT_MAX_RECORDS, RecentRequests
 from pagedllm.server.serving import ServerContext
 
 logger = logging.getLogger(__name__)
@@ -77,6 +81,8 @@ def create_app(
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
     served_model_name: str | None = None,
     shutdown_drain_timeout: float = 0.0,
+    request_log: str | None = None,
+    max_logged_requests: int = DEFAULT_MAX_RECORDS,
 ) -> FastAPI:
     """Build the OpenAI-compatible app around an ``AsyncEngine`` or an ``LLMEngine``.
 
@@ -84,13 +90,15 @@ def create_app(
     ``max_queued_requests``; an ``AsyncEngine`` is used as given (with its own bound).
     ``served_model_name`` is the name clients send as ``model`` (default: the engine's
     model name). With ``api_key``, every route but /health and the /dashboard page
-    requires it.
+    requires it. The last ``max_logged_requests`` finished requests feed
+    ``/v1/cache/advice``; ``request_log`` (a path) also appends each to a JSONL file.
     """
     if isinstance(engine, AsyncEngine):
         async_engine = engine
     else:
         async_engine = AsyncEngine.in_thread(engine, max_queued_requests=max_queued_requests)
     ctx = _build_context(async_engine, served_model_name)
+    ctx.requests = RecentRequests(max_logged_requests, request_log)
     async_engine.add_listener(ctx.metrics.on_outputs)
 
     @asynccontextmanager
@@ -98,6 +106,7 @@ def create_app(
         async_engine.start()
         yield
         await async_engine.shutdown(drain_timeout=shutdown_drain_timeout)
+        ctx.requests.close()
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -162,6 +171,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         body = await ctx.engine.call_utility("events_report", epoch, since)
         return JSONResponse(body)
 
+    @app.get("/v1/cache/advice")
+    async def cache_advice(limit: int | None = None) -> Response:
+        if limit is not None and limit < 1:
+            raise bad_request("limit must be a positive integer", param="limit")
+        log = ctx.requests.to_log(limit)
+        if not len(log):
+            raise bad_request("no finished requests yet: send some, then ask again")
+        # The advisor replays the log through a KVCacheManager: off the event loop.
+        body = await asyncio.to_thread(_advice, ctx, log)
+        return JSONResponse(body)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = ctx.metrics.render(await report())
@@ -169,6 +189,20 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     add_dashboard_routes(app, ctx)
     add_elastic_routes(app, ctx)
+
+
+def _advice(ctx: ServerContext, log: CacheLog) -> dict[str, Any]:
+    """``pagedllm cache-report`` over the server's recent requests, with its own block size,
+    number of blocks and tokenizer (no tokenizer: no divergence text)."""
+    tokenizer = HFTokenizer(ctx.tokenizer) if ctx.tokenizer is not None else None
+    return advice_for_log(
+        log,
+        tokenizer,
+        block_size=ctx.block_size,
+        num_blocks=ctx.num_blocks,
+        model=ctx.model_name,
+        source="recent requests",
+    )
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:

@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the engine core runs: its own process (default), or a thread of the "
         "server's (shares the interpreter lock with HTTP; for comparison)",
     )
+    group.add_argument(
+        "--request-log",
+        metavar="FILE.jsonl",
+        help="append every finished request (prompt token ids, cache_salt, cached_tokens "
+        "reported, generated ids) to FILE, for `pagedllm cache-report FILE`",
+    )
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
     group.add_argument("--data-parallel-size", type=int, default=1,
@@ -135,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
+        request_log=args.request_log,
     )
     server = server_for(
         app, host=args.host, port=args.port, drain_timeout=args.shutdown_timeout,

@@ -43,6 +43,7 @@ from pagedllm.server.protocol import (
     TopLogprob,
     Usage,
 )
+from pagedllm.server.request_log import RecentRequests
 from pagedllm.server.sse import DONE, EventStreamResponse, until_disconnect
 
 M = TypeVar("M", bound=BaseModel)
@@ -63,6 +64,7 @@ class ServerContext:
     vocab_size: int
     block_size: int
     num_blocks: int
+    requests: RecentRequests = field(default_factory=RecentRequests)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -207,11 +209,13 @@ async def add_streams(ctx: ServerContext, specs: Sequence[RequestSpec]) -> list[
     now = time.monotonic()
     for spec in specs:  # before adding: the first output may arrive before add returns
         ctx.metrics.request_started(spec.request_id, now, len(spec.prompt))
+        ctx.requests.started(spec.request_id, spec.cache_salt)
     try:
         return await ctx.engine.add_requests(specs)
     except BaseException as exc:
         for spec in specs:
             ctx.metrics.request_discarded(spec.request_id)
+            ctx.requests.discard(spec.request_id)
         raise _refusal(exc) from None
 
 
@@ -239,13 +243,28 @@ async def outputs_of(ctx: ServerContext, stream: RequestStream) -> AsyncIterator
                     500, f"request {stream.request_id} failed: {detail}", code="engine_error"
                 )
             if delta.finished:
-                reason = _finish_reason(stream.output())
+                output = stream.output()
+                reason = _finish_reason(output)
+                _record(ctx, stream.request_id, output)
             yield delta
     except EngineClosedError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
     finally:
         stream.abort()
         ctx.metrics.request_ended(stream.request_id, reason)
+        ctx.requests.discard(stream.request_id)
+
+
+def _record(ctx: ServerContext, request_id: str, output: RequestOutput) -> None:
+    """Note a finished request for ``/v1/cache/advice`` (the generated tokens too when
+    there is one sample: the engine caches their blocks)."""
+    outputs = output.outputs
+    ctx.requests.finished(
+        request_id,
+        output.prompt_token_ids,
+        output.num_cached_tokens or 0,
+        outputs[0].token_ids if len(outputs) == 1 else (),
+    )
 
 
 async def final_output(ctx: ServerContext, stream: RequestStream) -> RequestOutput:
