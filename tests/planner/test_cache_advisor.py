@@ -388,6 +388,10 @@ def test_cache_report_command_json_and_plot(tmp_path, tokenizer, capsys):
     assert "divergence points" in text and "deepseek-chat" in text and "openai" not in text
     assert main(["cache-report", str(tmp_path / "missing.jsonl"), "--num-blocks", "8"]) == 2
     assert "no such file" in capsys.readouterr().out
+    for bad in (["--num-blocks", "0"], ["--block-size", "0"], ["--min-run", "0"]):
+        bad = ["--num-blocks", "8", *bad] if bad[0] != "--num-blocks" else bad
+        assert main([*argv[:2], "--model", str(model_dir), *bad]) == 2
+        assert "must be" in capsys.readouterr().out
 
 
 def test_common_prefix_len_against_a_loop():

@@ -92,6 +92,8 @@ def analyze(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if num_blocks is not None and num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if min_run < 1 or max_gap < 1:
+        raise ValueError(f"min_run and max_gap must be >= 1, got {min_run} and {max_gap}")
     if log.is_hash_trace:
         return _analyze_hash_trace(log, num_blocks)
     requests = log.requests
@@ -243,6 +245,11 @@ def _label(tokenizer: Tokenizer | None, token_ids: Sequence[int]) -> str:
     return text[:60] + ("..." if len(text) > 60 else "")
 
 
+def _hash_label(hash_ids: Sequence[int]) -> str:
+    shown = ", ".join(map(str, hash_ids[:4]))
+    return f"hash ids {shown}" + (", ..." if len(hash_ids) > 4 else "")
+
+
 def _analyze_hash_trace(log: CacheLog, num_blocks: int | None) -> Analysis:
     requests = log.hash_requests
     unbounded = unbounded_hash_hits(requests)
@@ -255,7 +262,7 @@ def _analyze_hash_trace(log: CacheLog, num_blocks: int | None) -> Analysis:
     for r in requests:
         by_head.setdefault(r.hash_ids[0] if r.hash_ids else None, []).append(r.index)
     groups = tuple(tuple(m) for m in by_head.values())
-    labels = tuple(f"first block hash {requests[g[0]].hash_ids[:1]}" for g in groups)
+    labels = tuple(_hash_label(requests[g[0]].hash_ids) for g in groups)
     notes = (
         "block-hash trace: 512-token blocks; no text, so no divergence kinds; provider "
         "costs count the shared prefix in whole 512-token blocks",
@@ -461,7 +468,9 @@ def render_report(report: Mapping[str, Any], *, top: int = 10) -> str:
             f"{g['recomputed_tokens']:>11,}  {g['label']}"
         )
     lines += ["", "divergence points (largest loss first):"]
-    if not report["divergences"]:
+    if report["format"] == "hash_ids":
+        lines.append("  none: a block-hash trace has no tokens to compare or text to read")
+    elif not report["divergences"]:
         lines.append("  none found: requests that share a head keep sharing it")
     for d in report["divergences"][:top]:
         lines.append(

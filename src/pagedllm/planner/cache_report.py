@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", type=int, help="blocks of the configured cache")
     size.add_argument(
         "--kv-cache-memory",
-        help="KV budget of the configured cache, e.g. 4GiB (default: the engine's 1GiB)",
+        help="KV budget of the configured cache, e.g. 4GiB (default: the engine's 1GiB; "
+        "hash traces: no replay unless given)",
     )
     parser.add_argument("--kv-dtype", default="auto", help="cache dtype for --kv-cache-memory")
     parser.add_argument(
@@ -88,12 +89,16 @@ def report_for_file(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = _tokenizer(args.model)
     log = read_log(args.log, tokenizer)
     profiles = _profiles(args.prices, args.profile)
-    block_size = args.block_size or (
-        MOONCAKE_BLOCK_SIZE if log.is_hash_trace else ENGINE_BLOCK_SIZE
-    )
-    num_blocks = args.num_blocks or configured_num_blocks(
-        args.model, block_size, args.kv_cache_memory, args.kv_dtype
-    )
+    block_size = args.block_size
+    if block_size is None:
+        block_size = MOONCAKE_BLOCK_SIZE if log.is_hash_trace else ENGINE_BLOCK_SIZE
+    num_blocks = args.num_blocks
+    if num_blocks is None and (args.kv_cache_memory or not log.is_hash_trace):
+        # A block-hash trace comes from another deployment: replayed only through a cache
+        # sized on purpose; by default its unbounded hits are the answer.
+        num_blocks = configured_num_blocks(
+            args.model, block_size, args.kv_cache_memory, args.kv_dtype
+        )
     analysis = analyze(
         log,
         tokenizer,
