@@ -46,15 +46,19 @@ def test_view_follows_the_log_and_asks_for_a_snapshot_when_behind():
     view = ReplicaCacheView()
     view.reset(log.epoch, 0, ())
     log.stored(b"x")
-    view.apply(log.since(0))
-    assert view.hashes == {b"x"}
+    first = log.since(0)
+    view.apply(first)
     log.stored(b"y")
+    view.apply(log.since(0))  # overlaps the first read: only the new event counts
+    view.apply(first)  # a stale read changes nothing
+    assert view.hashes == {b"x", b"y"} and view.next_seq == 2
     log.removed(b"x")
     log.stored(b"z")
-    assert log.since(1) is None  # the log holds only the last two events
+    log.stored(b"w")
+    assert log.since(2) is None  # the log holds only the last two events
     with pytest.raises(ValueError, match="snapshot"):
-        view.apply(log.since(2))
-    view.reset(log.epoch, log.next_seq, [b"y", b"z"])
+        view.apply(log.since(3))  # a gap: event 2 was never seen
+    view.reset(log.epoch, log.next_seq, [b"y", b"z", b"w"])
     assert view.matched_blocks([b"y", b"z", b"q"], with_pending=False) == 2
 
 

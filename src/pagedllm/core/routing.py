@@ -10,9 +10,10 @@ leading hashes found in its set, capped as the engine caps it (``num_tokens - 1`
     replica A   {h0, h1, h7}             -> 2 blocks expected cached
     replica B   {h5}                     -> 0
 
-Blocks just routed to a replica but not yet confirmed by its events count as ``pending``
-for routing (the next request of the same tenant follows the first), never for the
-prediction that is compared with what the replica reports.
+Blocks just routed to a replica but not yet confirmed by its events count as ``pending``:
+the next request of the same tenant follows the first, and expects those blocks cached
+(the engine's in-flight sharing makes it wait a step for them rather than compute them
+again). A pending hash the events never confirm is forgotten after a while.
 
 Pure Python: the server's router and the planner's multi-replica simulator share it.
 """
@@ -49,13 +50,17 @@ class ReplicaCacheView:
         self.next_seq = 0
 
     def apply(self, batch: CacheEvents) -> None:
-        """Replay a batch of the replica's events (it must continue from ``next_seq``)."""
-        if batch.epoch != self.epoch or batch.first_seq != self.next_seq:
+        """Replay a batch of the replica's events. It may overlap what was applied (two
+        reads in flight): only events from ``next_seq`` on count. A gap or another epoch
+        raises ``ValueError``: take a snapshot."""
+        if batch.epoch != self.epoch or batch.first_seq > self.next_seq:
             raise ValueError(
                 f"events {batch.epoch}:{batch.first_seq} do not continue "
                 f"{self.epoch}:{self.next_seq}; take a snapshot"
             )
-        for kind, block_hash in batch.events:
+        if batch.next_seq <= self.next_seq:
+            return  # nothing new
+        for kind, block_hash in batch.events[self.next_seq - batch.first_seq :]:
             if kind == STORED:
                 self.hashes.add(block_hash)
                 self.pending.pop(block_hash, None)

@@ -213,24 +213,18 @@ def _route(
     hashes: list[bytes],
     now: float,
 ) -> tuple[int, int]:
-    """(replica index, matched blocks the router's confirmed view predicted there)."""
-    states = []
-    confirmed = []
+    """(replica index, matched blocks the router's view predicted there)."""
+    states, predicted = [], []
     for replica in replicas:
         replica.sync_view(now - config.event_delay_s)
-        if config.policy == "oracle":
-            tokens = request.prompt_token_ids
-            truth = replica.true_matched_blocks(hashes, tokens)
-            pending = replica.view.matched_blocks(hashes, with_pending=True)
-            matched, seen = max(truth, pending), truth
-        else:
-            matched = replica.view.matched_blocks(hashes, with_pending=True)
-            seen = replica.view.matched_blocks(hashes, with_pending=False)
-        confirmed.append(seen)
-        usage = replica.kv.usage
-        states.append(ReplicaState(True, replica.load, usage, matched))
+        matched = replica.view.matched_blocks(hashes, with_pending=True)
+        predicted.append(matched)
+        if config.policy == "oracle":  # routes on the truth (and what is in flight)
+            truth = replica.true_matched_blocks(hashes, request.prompt_token_ids)
+            matched = max(matched, truth)
+        states.append(ReplicaState(True, replica.load, replica.kv.usage, matched))
     choice = policy.choose(states)
-    return choice, confirmed[choice]
+    return choice, predicted[choice]
 
 
 def _request(index: int, item: SimRequest) -> Request:

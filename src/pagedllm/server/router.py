@@ -77,7 +77,7 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class Route:
     replica: Replica
-    predicted_cached_tokens: int  # from events confirmed when routed
+    predicted_cached_tokens: int  # from the view when routed (pending blocks included)
     block_hashes: tuple[bytes, ...]
 
 
@@ -172,10 +172,14 @@ class Router:
                 logger.warning("replica %s stopped answering: %s", replica.url, exc)
             replica.healthy = False
             return
-        if reply.snapshot is not None:
-            replica.view.reset(reply.epoch, reply.next_seq, reply.snapshot)
-        elif reply.batch is not None:
-            replica.view.apply(reply.batch)
+        try:
+            if reply.snapshot is not None:
+                replica.view.reset(reply.epoch, reply.next_seq, reply.snapshot)
+            elif reply.batch is not None:
+                replica.view.apply(reply.batch)
+        except ValueError:
+            replica.view.epoch = None  # out of step: the next read asks for a snapshot
+            return
         replica.block_size = reply.block_size
         replica.kv_usage = reply.kv_usage
         replica.healthy = True
@@ -218,7 +222,7 @@ class Router:
         replica = self.replicas[self.policy.choose(states)]
         predicted = 0
         if token_ids and block_size:
-            matched = replica.view.matched_blocks(hashes, with_pending=False)
+            matched = replica.view.matched_blocks(hashes, with_pending=True)
             predicted = predicted_cached_tokens(matched, block_size, len(token_ids))
         return Route(replica, predicted, hashes)
 

@@ -1,0 +1,312 @@
+"""Prefix-aware routing vs round robin (and least loaded, and an oracle in simulation).
+
+Two parts, each printing a table; one JSON line at the end carries every figure.
+
+**Real replicas** (``--replicas N``, 2-4): N ``pagedllm serve`` processes (one thread each)
+and ``pagedllm router`` in front, one router per policy over the same replicas. Workload
+(seeded): ``--tenants`` T system prompts of ``--prefix-len`` token ids, each followed by a
+private question of 16-48 ids, ``--requests-per-tenant`` per tenant in shuffled order, sent
+``--concurrency`` at a time, ``--max-tokens`` greedy tokens each. Every round of every
+policy uses fresh prefixes (another seed), so the caches the previous run left are no help.
+Per run: prefix hit rate (cached / prompt tokens, from the replicas' ``usage``), TTFT
+(mean, p90), output tok/s over the run's wall time, and how far the router's predicted
+cached tokens were from what the replicas reported. Medians over ``--rounds``, policies
+alternated.
+
+**Simulation** (``planner/replicas.py``): the real scheduler and block manager per replica,
+fabricated tokens, the same routing code; the shared-prefix workload and, with
+``--trace PATH``, a JSONL trace (Mooncake's ``hash_ids``: each id becomes
+``--tokens-per-hash`` ids) through 2 and 4 replicas, with the oracle that routes on every
+replica's true cache.
+
+    .venv/bin/python benchmarks/router.py --replicas 4 --rounds 3 \\
+        --trace ../shared/data/mooncake_synthetic_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+
+from pagedllm.planner.replicas import (  # noqa: E402
+    SIM_POLICIES,
+    RouterSimConfig,
+    SimRequest,
+    read_routed_trace,
+    simulate_router,
+)
+from pagedllm.planner.simulate import CostModel  # noqa: E402
+
+REAL_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    policy: str
+    hit_rate: float
+    ttft_mean_s: float
+    ttft_p90_s: float
+    output_tok_s: float
+    predicted_error: float  # |predicted - reported| / reported cached tokens
+    requests_per_replica: list[int]
+
+
+def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randint(100, 20000) for _ in range(args.prefix_len)] for _ in range(args.tenants)
+    ]
+    order = [t for t in range(args.tenants) for _ in range(args.requests_per_tenant)]
+    rng.shuffle(order)
+    return [
+        prefixes[t] + [rng.randint(100, 20000) for _ in range(rng.randint(16, 48))] for t in order
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pagedllm.cli", *argv, "--log-level", "warning"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} did not come up")
+
+
+async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    start_t = time.perf_counter()
+    first = None
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and first is None:
+                first = time.perf_counter() - start_t
+            if event.get("usage"):
+                usage = event["usage"]
+    return first, usage
+
+
+async def drive(base: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    queue = list(prompts)
+    ttfts: list[float] = []
+    prompt_tokens = cached = output = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def worker() -> None:
+            nonlocal prompt_tokens, cached, output
+            while queue:
+                ttft, usage = await one_request(client, base, queue.pop(0), args.max_tokens)
+                ttfts.append(ttft)
+                prompt_tokens += usage["prompt_tokens"]
+                output += usage["completion_tokens"]
+                cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+        start_t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - start_t
+        report = (await client.get(f"{base}/v1/router")).json()
+    ttfts.sort()
+    return {
+        "hit_rate": cached / prompt_tokens,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+        "output_tok_s": output / wall,
+        "report": report,
+    }
+
+
+def run_real(args: argparse.Namespace) -> dict[str, list[RunResult]]:
+    ports = [free_port() for _ in range(args.replicas)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    engine = ["--model", args.model, "--dtype", args.dtype, "--num-threads", "1",
+              "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks)]  # fmt: skip
+    replicas = [start(["serve", *engine, "--port", str(p)]) for p in ports]
+    results: dict[str, list[RunResult]] = {p: [] for p in REAL_POLICIES}
+    try:
+        for url, proc in zip(urls, replicas, strict=True):
+            wait_healthy(url, proc)
+        seed = 1000
+        for _ in range(args.rounds):
+            for policy in REAL_POLICIES:
+                seed += 1
+                results[policy].append(real_run(args, urls, policy, workload(args, seed)))
+                print(f"  {policy}: {asdict(results[policy][-1])}", file=sys.stderr)
+    finally:
+        for proc in replicas:
+            proc.terminate()
+        for proc in replicas:
+            proc.wait(60)
+    return results
+
+
+def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: list) -> RunResult:
+    port = free_port()
+    replica_flags = [flag for url in urls for flag in ("--replica", url)]
+    router = start(["router", "--port", str(port), "--routing-policy", policy,
+                    "--tokenizer", args.model, *replica_flags])  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, router)
+        out = asyncio.run(drive(base, prompts, args))
+    finally:
+        router.terminate()
+        router.wait(60)
+    replicas = out["report"]["replicas"]
+    predicted = sum(r["predicted_cached_tokens"] for r in replicas)
+    reported = sum(r["reported_cached_tokens"] for r in replicas)
+    return RunResult(
+        policy=policy,
+        hit_rate=out["hit_rate"],
+        ttft_mean_s=out["ttft_mean_s"],
+        ttft_p90_s=out["ttft_p90_s"],
+        output_tok_s=out["output_tok_s"],
+        predicted_error=abs(predicted - reported) / reported if reported else 0.0,
+        requests_per_replica=[r["requests"] for r in replicas],
+    )
+
+
+def run_simulation(
+    name: str, requests: list[SimRequest], num_blocks: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    rows = []
+    for num_replicas in (2, 4):
+        for policy in SIM_POLICIES:
+            config = RouterSimConfig(
+                num_replicas, policy, num_blocks=num_blocks, block_size=args.block_size,
+                max_model_len=1 << 20, cost=CostModel(args.step_ms, args.token_ms),
+            )  # fmt: skip
+            result = simulate_router(requests, config)
+            rows.append({"workload": name, **asdict(result)})
+    return rows
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) -> dict[str, Any]:
+    print(f"\nreal replicas: {args.replicas} x pagedllm serve ({args.model}, {args.dtype}, 1 thread "
+          f"each; AMD EPYC 2 cores, avx512_bf16, no AMX), {args.tenants} tenants x "
+          f"{args.requests_per_tenant} requests, prefix {args.prefix_len} tokens, "
+          f"concurrency {args.concurrency}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
+    print(f"{'policy':<14} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "
+          f"{'out tok/s':>16} {'pred. err':>9}")  # fmt: skip
+    summary = {}
+    for policy, runs in results.items():
+        hits = [r.hit_rate for r in runs]
+        ttft = [r.ttft_mean_s for r in runs]
+        tput = [r.output_tok_s for r in runs]
+        print(f"{policy:<14} {med(hits):>7.1%} ({min(hits):.0%}-{max(hits):.0%}) "
+              f"{med(ttft):>8.3f} ({min(ttft):.2f}-{max(ttft):.2f}) "
+              f"{med([r.ttft_p90_s for r in runs]):>11.3f} "
+              f"{med(tput):>7.1f} ({min(tput):.0f}-{max(tput):.0f}) "
+              f"{max(r.predicted_error for r in runs):>9.2%}")  # fmt: skip
+        summary[policy] = {"runs": [asdict(r) for r in runs]}
+    aware, rr = results["prefix_aware"], results["round_robin"]
+    ratio = med([a.hit_rate / max(b.hit_rate, 1e-9) for a, b in zip(aware, rr, strict=True)])
+    ttft_ratio = med([a.ttft_mean_s / b.ttft_mean_s for a, b in zip(aware, rr, strict=True)])
+    tput_ratio = med([a.output_tok_s / b.output_tok_s for a, b in zip(aware, rr, strict=True)])
+    print(f"prefix_aware / round_robin per round (median): hit rate x{ratio:.2f}, "
+          f"TTFT x{ttft_ratio:.2f}, output tok/s x{tput_ratio:.2f}")  # fmt: skip
+    summary["ratios"] = {"hit_rate": ratio, "ttft": ttft_ratio, "output_tok_s": tput_ratio}
+    return summary
+
+
+def print_simulation(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'workload':<14} {'N':>2} {'policy':<13} {'hit rate':>9} {'pred/real':>9} "
+          f"{'TTFT mean s':>11} {'TTFT p99 s':>10} {'out tok/s':>10}  requests per replica")  # fmt: skip
+    for row in rows:
+        pred = row["predicted_cached_tokens"] / max(1, row["cached_tokens"])
+        print(f"{row['workload']:<14} {row['num_replicas']:>2} {row['policy']:<13} "
+              f"{row['hit_rate']:>9.1%} {pred:>9.3f} {row['ttft_mean_s']:>11.3f} "
+              f"{row['ttft_p99_s']:>10.3f} {row['output_tokens_per_s']:>10.0f}  "
+              f"{row['requests_per_replica']}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--replicas", type=int, default=4, help="real replicas (0: simulation only)"
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica")
+    parser.add_argument("--tenants", type=int, default=12)
+    parser.add_argument("--requests-per-tenant", type=int, default=4)
+    parser.add_argument("--prefix-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trace", default=None, help="JSONL trace for the simulation")
+    parser.add_argument("--trace-requests", type=int, default=None)
+    parser.add_argument("--skip-simulation", action="store_true")
+    parser.add_argument("--tokens-per-hash", type=int, default=16)
+    parser.add_argument("--trace-blocks", type=int, default=4000,
+                        help="KV blocks per simulated replica for the trace")  # fmt: skip
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--token-ms", type=float, default=0.05)
+    args = parser.parse_args()
+    if args.replicas and not 2 <= args.replicas <= 4:
+        raise SystemExit("--replicas takes 2 to 4 (or 0)")
+    out: dict[str, Any] = {"bench": "router", "args": vars(args)}
+    shared = [
+        SimRequest(0.02 * i, tuple(p), args.max_tokens)
+        for i, p in enumerate(workload(args, seed=7) * 3)
+    ]
+    rows = (
+        []
+        if args.skip_simulation
+        else run_simulation("shared-prefix", shared, args.num_blocks, args)
+    )
+    if args.trace and not args.skip_simulation:
+        trace = read_routed_trace(
+            args.trace, tokens_per_hash=args.tokens_per_hash, limit=args.trace_requests
+        )
+        rows += run_simulation(Path(args.trace).stem[:14], trace, args.trace_blocks, args)
+    if rows:
+        print_simulation(rows)
+        out["simulation"] = rows
+    if args.replicas:
+        out["real"] = print_real(run_real(args), args)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
