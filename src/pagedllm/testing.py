@@ -30,6 +30,20 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+# Multi-head latent attention small enough for tests (latent 32 + rope 8 per token).
+_TINY_MLA = {
+    "kv_lora_rank": 32,
+    "num_key_value_heads": 4,  # transformers expands K/V to every head
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
 }
 # Family settings of the tiny checkpoints (before the caller's overrides): head sizes
 # transformers has no default for, and experts small enough for tests.
@@ -44,6 +58,14 @@ _FAMILY_VALUES: dict[str, dict[str, Any]] = {
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
+    },
+    "deepseek_v2": {**_TINY_MLA, "q_lora_rank": None, "n_routed_experts": 4},
+    "deepseek_v3": {
+        **_TINY_MLA,
+        "q_lora_rank": 24,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
     },
 }
 
@@ -152,6 +174,9 @@ def _randomise_norms(model: Any, seed: int) -> None:
 
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias
+                buffer.copy_(torch.rand(buffer.shape, generator=generator) * 0.2)
         for name, param in model.named_parameters():
             if "norm" in name:
                 noise = torch.rand(param.shape, generator=generator) * 0.5 + 0.75

@@ -95,6 +95,24 @@ VARIANTS = {
         {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True},
     ),
 }
+# Multi-head latent attention with mixtures of experts and YaRN.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+VARIANTS["deepseek_v2"] = ("deepseek_v2", {})
+VARIANTS["deepseek_v2_groups"] = (
+    "deepseek_v2",
+    {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1, "rope_parameters": YARN},
+)
+VARIANTS["deepseek_v3"] = ("deepseek_v3", {"num_hidden_layers": 3, "rope_parameters": YARN})
+MLA = ("deepseek_v2", "deepseek_v2_groups", "deepseek_v3")
 # Variants whose tiny checkpoints have sliding-window layers (window 4 or 5).
 WINDOWED = ("mistral_window", "qwen2_window", "gemma2", "gemma3")
 

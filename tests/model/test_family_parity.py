@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from parity_helpers import (
+    MLA,
     PROMPTS,
     WINDOWED,
     HandDriver,
@@ -25,7 +26,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
-FAMILIES = (*WINDOWED, "mixtral", "qwen3_moe")
+FAMILIES = (*WINDOWED, "mixtral", "qwen3_moe", *MLA)
 LONG = PROMPTS[2] + PROMPTS[1]  # 28 tokens
 
 
@@ -169,3 +170,58 @@ def test_long_generation_holds_a_window_of_blocks(tmp_path) -> None:
         engine.kv.check_invariants()
     assert most == 16 // 4 + 1
     assert engine.get_stats().cache.window_freed_blocks >= 300 // 4 - 5
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("variant", MLA)
+def test_latent_attention_on_each_backend(checkpoints, references, variant, backend) -> None:
+    """The latent cache through the reference (the ground truth) and through the CPU
+    backend's C++ kernel (multi-query over the latent rows)."""
+    from pagedllm.attention.select import get_backend
+    from pagedllm.model import load_model
+    from pagedllm.worker.model_runner import TorchModelRunner
+
+    attention = get_backend(backend)
+    if backend == "cpu" and not attention.uses_extension:
+        pytest.skip("the C++ attention kernel did not build here")
+    loaded = load_model(checkpoints(variant), "float32", attention, load_tokenizer=False)
+    runner = TorchModelRunner(loaded.model, block_size=4, num_blocks=64)
+    assert runner.kv_caches[0][0] is runner.kv_caches[0][1]  # one latent tensor a layer
+    assert runner.kv_caches[0][0].shape[2:] == (1, 32 + 8)
+    greedy_batch(runner, references(variant), PROMPTS, 4)
+
+
+def test_latent_cache_bytes_match_the_planner_and_hold_more_tokens(checkpoints) -> None:
+    """An MLA checkpoint's cache takes layers x (kv_lora_rank + rope) elements a token, as
+    the planner's formula says (and the start-up report checks), so a budget holds
+    (2 x heads x head_dim) / (kv_lora_rank + rope) times the tokens of per-head K/V."""
+    from pagedllm.planner.capacity import kv_bytes_per_token
+    from pagedllm.worker.kv_cache import KVCacheSpec, num_blocks_from_budget
+
+    budget = 4 << 20
+    config = EngineConfig(
+        model=str(checkpoints("deepseek_v3")), dtype="float32", block_size=4, kv_cache_memory=budget
+    )
+    engine = LLMEngine.from_config(config)
+    mla, layers = engine.model_config.mla, engine.model_config.num_hidden_layers
+    spec = engine.runner.spec
+    assert spec.bytes_per_token == layers * (32 + 8) * 4
+    planner = kv_bytes_per_token(
+        {
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "hidden_size": 64,
+            "vocab_size": 320,
+            "kv_lora_rank": mla.kv_lora_rank,
+            "qk_rope_head_dim": mla.qk_rope_head_dim,
+        },
+        4,
+    )
+    assert spec.bytes_per_token == planner
+    assert "= the formula" in engine.startup_report
+    # The same model caching per-head K and V (head_dim: the key's nope + rope width).
+    heads, head_dim = 4, mla.qk_head_dim
+    mha = KVCacheSpec(layers, heads, head_dim, 4, torch.float32)
+    mha_blocks = num_blocks_from_budget(mha, kv_cache_memory=budget)
+    expected = (2 * heads * head_dim) / mla.latent_dim
+    assert engine.runner.num_blocks / mha_blocks == pytest.approx(expected, rel=0.01)

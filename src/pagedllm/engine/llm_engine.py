@@ -827,6 +827,13 @@ class LLMEngine:
 
         cfg = self.model_config
         bytes_per_element = _kv_dtype_bytes(self.runner)
+        mla = cfg.mla
+        latent = {} if mla is None else {
+            "kv_lora_rank": mla.kv_lora_rank,
+            "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "qk_nope_head_dim": mla.qk_nope_head_dim,
+            "v_head_dim": mla.v_head_dim,
+        }  # fmt: skip
         report = startup_report(
             {
                 "num_hidden_layers": cfg.num_hidden_layers,
@@ -837,6 +844,7 @@ class LLMEngine:
                 "vocab_size": cfg.vocab_size,
                 "intermediate_size": cfg.intermediate_size,
                 "max_position_embeddings": cfg.max_position_embeddings,
+                **latent,
             },
             bytes_per_element,
             self.runner.block_size,
@@ -845,6 +853,7 @@ class LLMEngine:
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
             tp=self.config.tensor_parallel_size,
+            engine_bytes_per_token=_engine_bytes_per_token(self.runner),
         )
         if self.routes is None:
             return report
@@ -879,11 +888,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _engine_bytes_per_token(runner: Any) -> int | None:
+    """Bytes a token takes in the runner's cache tensors (None for a runner without any)."""
+    spec = getattr(runner, "spec", None)
+    return None if spec is None else spec.bytes_per_token
+
+
 def _kv_dtype_bytes(runner: Any) -> int:
     spec = getattr(runner, "spec", None)
     if spec is not None:
-        return spec.bytes_per_token // (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim)
+        return torch_element_size(spec.dtype)
     return 4
+
+
+def torch_element_size(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _attention_backend(config: EngineConfig) -> Any:

@@ -26,10 +26,20 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Families whose config goes through transformers' config class (see the module docstring).
-NORMALISED_FAMILIES = ("gemma2", "gemma3_text", "mixtral", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+NORMALISED_FAMILIES = (
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROUTER_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -54,6 +64,37 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (DeepSeek): the ramp between interpolated and extrapolated frequencies, and
+    # the magnitude scales (cos/sin times attention_factor; softmax scale times
+    # mscale(factor, mscale_all_dim) squared).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the cache holds, per token
+    and layer, the ``kv_lora_rank`` latent and the ``qk_rope_head_dim`` rope key."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope on interleaved pairs (as DeepSeek's weights are)
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements a token takes per layer in the cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +107,15 @@ class MoeConfig:
     intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
-    scoring: str = "softmax"  # softmax over all experts, then top-k
+    scoring: str = "softmax"  # "softmax" over all experts, or "sigmoid" (DeepSeek-V3)
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
+    # "greedy": top-k of all experts; "group_limited_greedy" (DeepSeek-V2): only from the
+    # topk_groups groups with the best expert; "noaux_tc" (V3): groups ranked by their two
+    # best scores + correction bias, experts chosen on the biased scores, weighted unbiased.
+    method: str = "greedy"
+    num_groups: int = 1
+    topk_groups: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +164,7 @@ class ModelConfig:
     final_softcap: float | None = None
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``, or None for full attention."""
@@ -270,6 +318,7 @@ def _parse_normalised(raw: dict[str, Any], architecture: str, family: str) -> Mo
         final_softcap=_optional_float(values.get("final_logit_softcapping")),
         local_rope=local_rope,
         moe=_moe(values, family),
+        mla=_mla(values, family),
         **_window_fields(values, family),
     )
 
@@ -339,6 +388,8 @@ def _moe(values: dict[str, Any], family: str) -> MoeConfig | None:
             norm_topk_prob=True,
             sparse_layers=(True,) * num_layers,
         )
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(values, family)
     if family == "qwen3_moe":
         num_layers = int(values["num_hidden_layers"])
         step = int(values.get("decoder_sparse_step") or 1)
@@ -356,6 +407,51 @@ def _moe(values: dict[str, Any], family: str) -> MoeConfig | None:
             sparse_layers=sparse,
         )
     return None
+
+
+def _deepseek_moe(values: dict[str, Any], family: str) -> MoeConfig:
+    num_layers = int(values["num_hidden_layers"])
+    first_dense = int(values.get("first_k_dense_replace") or 0)
+    v3 = family == "deepseek_v3"
+    method = "noaux_tc" if v3 else (values.get("topk_method") or "greedy")
+    if method not in ROUTER_METHODS:
+        raise ValueError(f"unsupported topk_method {method!r}; supported: {ROUTER_METHODS}")
+    num_experts = _positive_int(
+        {"n_routed_experts": values.get("n_routed_experts") or values.get("num_local_experts")},
+        "n_routed_experts",
+    )
+    groups = int(values.get("n_group") or 1)
+    if num_experts % groups:
+        raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts})")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=_positive_int(values, "num_experts_per_tok"),
+        intermediate_size=_positive_int(values, "moe_intermediate_size"),
+        # transformers' DeepSeek-V2 never renormalises the top-k weights.
+        norm_topk_prob=v3 and bool(values.get("norm_topk_prob", True)),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        scoring="sigmoid" if v3 else "softmax",
+        routed_scaling_factor=float(values.get("routed_scaling_factor") or 1.0),
+        num_shared_experts=int(values.get("n_shared_experts") or 0),
+        method=method,
+        num_groups=groups,
+        topk_groups=int(values.get("topk_group") or 1),
+    )
+
+
+def _mla(values: dict[str, Any], family: str) -> MlaConfig | None:
+    if family not in ("deepseek_v2", "deepseek_v3"):
+        return None
+    q_lora = values.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=_positive_int(values, "kv_lora_rank"),
+        qk_nope_head_dim=_positive_int(values, "qk_nope_head_dim"),
+        qk_rope_head_dim=_positive_int(values, "qk_rope_head_dim"),
+        v_head_dim=_positive_int(values, "v_head_dim"),
+        # DeepSeek-V2's rope always pairs interleaved dimensions; V3 says so in its config.
+        rope_interleave=family == "deepseek_v2" or bool(values.get("rope_interleave", True)),
+    )
 
 
 def _optional_float(value: Any) -> float | None:
@@ -409,6 +505,8 @@ def _rope(values: dict[str, Any], max_positions: int) -> RopeConfig:
         if "factor" not in params:
             raise ValueError("rope type 'linear' needs rope_scaling.factor")
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return _yarn(params, theta, max_positions)
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key not in params:
             raise ValueError(f"rope type 'llama3' needs rope_scaling.{key}")
@@ -421,6 +519,26 @@ def _rope(values: dict[str, Any], max_positions: int) -> RopeConfig:
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings", max_positions)
         ),
+    )
+
+
+def _yarn(params: dict[str, Any], theta: float, max_positions: int) -> RopeConfig:
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope type 'yarn' needs rope_scaling.original_max_position_embeddings")
+    factor = params.get("factor") or max_positions / int(original)
+    attention_factor = params.get("attention_factor")
+    return RopeConfig(
+        theta=theta,
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

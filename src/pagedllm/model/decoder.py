@@ -36,8 +36,8 @@ from pagedllm.model.llama import (
     activation,
     describe_routes,
     rope_inv_freq,
-    rotary,
 )
+from pagedllm.model.mla import LatentAttention, rope_frequencies
 from pagedllm.routes import Routes
 
 
@@ -56,15 +56,48 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     return RMSNorm(size, config.rms_norm_eps)
 
 
-def route_softmax(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids) [T, top_k]: softmax over all experts in float32, the top_k
-    kept, renormalised to sum 1 where ``norm_topk_prob`` (Mixtral always, Qwen3-MoE by
-    config), times ``routed_scaling_factor``."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+def route(
+    logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [T, top_k] as each model routes: scores by softmax (or
+    sigmoid, DeepSeek-V3) over all experts in float32; the top_k chosen among all experts
+    ("greedy"), among the ``topk_groups`` groups holding the best expert
+    ("group_limited_greedy", DeepSeek-V2), or on scores + the correction ``bias`` among
+    the groups with the best two-expert sums ("noaux_tc", V3) and weighted by the unbiased
+    scores; renormalised to sum 1 where ``norm_topk_prob``; times
+    ``routed_scaling_factor``."""
+    logits = logits.float()
+    scores = logits.sigmoid() if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    if moe.method == "greedy":
+        weights, ids = torch.topk(scores, moe.top_k, dim=-1)
+    elif moe.method == "group_limited_greedy":
+        kept = _keep_groups(scores, scores, moe, lambda g: g.max(dim=-1).values)
+        weights, ids = torch.topk(kept.masked_fill(kept.isinf(), 0.0), moe.top_k, dim=-1)
+    else:
+        choice = scores if bias is None else scores + bias.float()
+        kept = _keep_groups(choice, choice, moe, lambda g: g.topk(2, dim=-1).values.sum(-1))
+        ids = torch.topk(kept, moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
     if moe.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * moe.routed_scaling_factor, ids
+
+
+def _keep_groups(
+    values: torch.Tensor,
+    ranked: torch.Tensor,
+    moe: MoeConfig,
+    group_score: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``values`` [T, E] with the experts outside each token's ``topk_groups`` best groups
+    (by ``group_score`` of ``ranked`` per group) set to -inf."""
+    num_tokens, num_experts = values.shape
+    groups = ranked.view(num_tokens, moe.num_groups, num_experts // moe.num_groups)
+    best = torch.topk(group_score(groups), moe.topk_groups, dim=-1).indices
+    mask = torch.zeros(num_tokens, moe.num_groups, dtype=torch.bool, device=values.device)
+    mask.scatter_(1, best, True)
+    mask = mask[:, :, None].expand_as(groups).reshape(num_tokens, num_experts)
+    return values.masked_fill(~mask, float("-inf"))
 
 
 def grouped_experts(
@@ -99,6 +132,17 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
+class Router(nn.Module):
+    """The router's weight [E, hidden] and DeepSeek-V3's per-expert correction bias."""
+
+    def __init__(self, hidden: int, num_experts: int, *, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts)) if correction_bias else None
+        )
+
+
 class SparseMoe(nn.Module):
     """Router + experts (weights stacked per expert: ``experts_gate_up`` [E, 2I, H],
     ``experts_down`` [E, H, I]) + shared experts where the model has them."""
@@ -108,7 +152,7 @@ class SparseMoe(nn.Module):
         self.moe = moe
         self.act = activation(config.hidden_act)
         hidden, inter, num = config.hidden_size, moe.intermediate_size, moe.num_experts
-        self.gate = nn.Linear(hidden, num, bias=False)
+        self.gate = Router(hidden, num, correction_bias=moe.method == "noaux_tc")
         self.experts_gate_up = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num, hidden, inter))
         self.shared_experts = (
@@ -116,7 +160,13 @@ class SparseMoe(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax(F.linear(x, self.gate.weight), self.moe)
+        gate = self.gate
+        # DeepSeek's routers take float32 products; Mixtral's and Qwen's the model dtype's.
+        if self.moe.scoring == "sigmoid" or self.moe.method != "greedy":
+            logits = F.linear(x.float(), gate.weight.float())
+        else:
+            logits = F.linear(x, gate.weight)
+        weights, ids = route(logits, self.moe, gate.e_score_correction_bias)
         out = grouped_experts(x, weights, ids, self.experts_gate_up, self.experts_down, self.act)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -130,7 +180,11 @@ class GeneralDecoderLayer(nn.Module):
         self.input_layernorm = make_norm(config, size)
         kind = AttentionKind(config.layer_window(layer), config.attn_softcap)
         norm = OffsetRMSNorm if config.norm_offset else RMSNorm
-        self.self_attn = Attention(config, backend, kind, norm)
+        self.self_attn: nn.Module = (
+            Attention(config, backend, kind, norm)
+            if config.mla is None
+            else LatentAttention(config, backend)
+        )
         moe = config.moe
         sparse = moe is not None and moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoe(config, moe) if sparse else MLP(config)
@@ -177,7 +231,7 @@ class DecoderForCausalLM(nn.Module):
         )
         # Plain attributes (float32 frequencies, untouched by .to(dtype)): the full layers'
         # rope and the sliding layers' where it differs (Gemma 3's local base).
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.inv_freq, self.rope_scale = rope_frequencies(config.rope, config.head_dim)
         local = config.local_rope
         self.local_inv_freq = None if local is None else rope_inv_freq(local, config.head_dim)
         self.ops = None
@@ -249,8 +303,11 @@ class DecoderForCausalLM(nn.Module):
     def _rotary(
         self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rotary(positions, inv_freq.to(positions.device), dtype)
-        return cos[:, None, :], sin[:, None, :]
+        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # YaRN scales cos and sin (in float32, before the cast, as transformers does).
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (q/k/v, gate/up and the experts fused).

@@ -43,12 +43,17 @@ class Target(NamedTuple):
     part: str = ""
 
 
-def map_name(hf_name: str, tied: bool) -> Target | None:
-    """A checkpoint name -> its ``Target``; None for tensors to skip."""
+def map_name(hf_name: str, tied: bool, num_layers: int | None = None) -> Target | None:
+    """A checkpoint name -> its ``Target``; None for tensors to skip (rotary buffers, a
+    tied head's copy, layers past ``num_layers``: DeepSeek-V3's multi-token-prediction
+    layer, which generation does not run)."""
     if "rotary_emb" in hf_name:
         return None
     name = hf_name.removeprefix("model.")
     if name == "lm_head.weight" and tied:
+        return None
+    layer = name.split(".")[1] if name.startswith("layers.") else ""
+    if num_layers is not None and layer.isdigit() and int(layer) >= num_layers:
         return None
     parts = name.replace("block_sparse_moe.", "mlp.").split(".")
     if "experts" in parts:
@@ -80,12 +85,15 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     """Copy every checkpoint tensor into its slice; ``ValueError`` for an unknown name, a
     shape mismatch, or a parameter slice left unset."""
     params = dict(model.named_parameters())
-    tied = bool(model.config.tie_word_embeddings)  # type: ignore[attr-defined]
+    config = model.config  # type: ignore[attr-defined]
     loaded: set[Target] = set()
     for hf_name, tensor in weights:
-        target = map_name(hf_name, tied)
+        target = map_name(hf_name, bool(config.tie_word_embeddings), config.num_hidden_layers)
         if target is None:
             continue
+        plain = hf_name.removeprefix("model.")
+        if target.part and target.param not in params and plain in params:
+            target = Target(plain)  # a model that keeps this projection unfused (MLA's q_proj)
         if target.param not in params:
             raise ValueError(f"unexpected weight {hf_name!r} for {type(model).__name__}")
         param = params[target.param].data

@@ -101,6 +101,7 @@ def startup_report(
     tp: int = 1,
     memory_bytes: int | None = None,
     max_num_seqs: int | None = None,
+    engine_bytes_per_token: int | None = None,
 ) -> str:
     """The KV-cache lines the engine prints at start-up.
 
@@ -109,7 +110,8 @@ def startup_report(
     engine allocated; ``typical_len`` a representative prompt + output length (default
     1,024 tokens); ``memory_bytes`` the memory the cache was carved from (device memory,
     or host RAM on CPU) and ``max_num_seqs`` the batch limit, both optional, used only
-    to say whether the cache is too large.
+    to say whether the cache is too large. ``engine_bytes_per_token``: what the engine's
+    cache tensors take per token, checked against the formula in one more line.
     """
     f = startup_figures(
         model_config,
@@ -136,8 +138,24 @@ def startup_report(
             f"({_size(f.cache_bytes)})",
             f"Maximum concurrency (whole blocks per sequence): {at}",
             f"KV cache: {f.advice}",
+            *_engine_check(f.kv_bytes_per_token, engine_bytes_per_token, tp),
         ]
     )
+
+
+def _engine_check(formula_bytes: int, engine_bytes: int | None, tp: int) -> list[str]:
+    """One line saying whether the engine's tensors take what the formula says (a rank's
+    share of it with tensor parallelism)."""
+    if engine_bytes is None:
+        return []
+    if engine_bytes == formula_bytes:
+        return [
+            f"KV cache: the engine's tensors take {engine_bytes:,} bytes per token = the formula"
+        ]
+    return [
+        f"KV cache: the engine's tensors take {engine_bytes:,} bytes per token "
+        f"(the formula says {formula_bytes:,}{' per rank' if tp > 1 else ''})"
+    ]
 
 
 def _size(num_bytes: float) -> str:

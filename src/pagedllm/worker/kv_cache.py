@@ -35,6 +35,10 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype = torch.float32
+    # Multi-head latent attention: one tensor per layer holding each token's latent and
+    # rope key (``head_dim`` = kv_lora_rank + qk_rope_head_dim, one "head"), read as both K
+    # and V; no per-head K/V.
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -46,6 +50,16 @@ class KVCacheSpec:
         cls, config: object, block_size: int, dtype: torch.dtype = torch.float32
     ) -> KVCacheSpec:
         """From a ``ModelConfig`` (HF field names)."""
+        mla = config.mla  # type: ignore[attr-defined]
+        if mla is not None:
+            return cls(
+                num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
+                num_kv_heads=1,
+                head_dim=mla.latent_dim,
+                block_size=block_size,
+                dtype=dtype,
+                latent=True,
+            )
         return cls(
             num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
             num_kv_heads=config.num_key_value_heads,  # type: ignore[attr-defined]
@@ -60,14 +74,19 @@ class KVCacheSpec:
 
     def block_layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape past the block dimension and dtype of every per-block tensor, in
-        order: K and V of layer 0, K and V of layer 1, ..."""
-        return [(self.block_shape, self.dtype)] * (2 * self.num_layers)
+        order: K and V of layer 0, K and V of layer 1, ... (a latent cache: one per layer)."""
+        return [(self.block_shape, self.dtype)] * (self.tensors_per_layer * self.num_layers)
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 1 if self.latent else 2
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
+        """K and V (or the latent) of one token across all layers."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        per_layer = self.tensors_per_layer * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * element
 
     @property
     def bytes_per_block(self) -> int:
@@ -143,8 +162,8 @@ class KVCache:
         self.host_tensors = allocate_block_tensors(
             spec, num_host_blocks, torch.device("cpu"), pin=pin
         )
-        self.device_caches = _pairs(self.device_tensors)
-        self.host_caches = _pairs(self.host_tensors)
+        self.device_caches = _pairs(self.device_tensors, spec.latent)
+        self.host_caches = _pairs(self.host_tensors, spec.latent)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device blocks src -> dst (copy-on-write, compaction), every per-block tensor."""
@@ -206,7 +225,7 @@ class KVCache:
             if self.arena is not None:
                 self.arena = arena
         self.device_tensors = tensors
-        self.device_caches = _pairs(tensors)
+        self.device_caches = _pairs(tensors, self.spec.latent)
         self.num_blocks = num_blocks
 
 
@@ -254,12 +273,16 @@ def allocate_caches(
 ) -> KVPairs:
     """Zeroed K and V per layer: on the CPU in a ``BlockArena`` (transparent huge pages)."""
     if device.type == "cpu" and not pin:
-        return _pairs(BlockArena(spec.block_layouts(), num_blocks, num_blocks).tensors)
-    return _pairs(allocate_block_tensors(spec, num_blocks, device, pin=pin))
+        tensors = BlockArena(spec.block_layouts(), num_blocks, num_blocks).tensors
+        return _pairs(tensors, spec.latent)
+    return _pairs(allocate_block_tensors(spec, num_blocks, device, pin=pin), spec.latent)
 
 
-def _pairs(tensors: list[torch.Tensor]) -> KVPairs:
-    """(K, V) per layer from the per-block tensors (K and V lead each layer's entries)."""
+def _pairs(tensors: list[torch.Tensor], latent: bool = False) -> KVPairs:
+    """(K, V) per layer from the per-block tensors (K and V lead each layer's entries); a
+    latent layer's one tensor stands as both."""
+    if latent:
+        return [(t, t) for t in tensors]
     return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
 
 
