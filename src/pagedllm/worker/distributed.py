@@ -47,10 +47,19 @@ class TorchCollective:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # What the gathers cost this rank (waiting for the slowest rank included):
+        # benchmarks/tensor_parallel.py reads and resets them.
+        self.num_calls = 0
+        self.num_bytes = 0
+        self.seconds = 0.0
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.group)
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        self.num_bytes += x.numel() * x.element_size()
         return parts
 
 
