@@ -43,13 +43,15 @@ phase: where a ratio comes from (matrix work on prompts, memory-bound decode ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -374,12 +376,14 @@ def run_rounds(
     wait: Callable[[], object] = settle,
     *,
     phases: bool = False,
+    neighbours: int = 0,
 ) -> dict[str, list[float]]:
     """Seconds of each engine's timed generate, `rounds` times, the engines taking turns
     (in reverse order every other round), so that every engine meets the machine's slow
     and fast minutes alike; before each turn, `wait` for the last engine to go quiet.
     With `phases`, each turn first times the prompt phase alone (``run_prompts``), under
-    the name ``phase_name(engine)``."""
+    the name ``phase_name(engine)``. With ``neighbours``, each turn then times the workload
+    again beside that many busy-looping processes, under ``noisy_name(engine, n)``."""
     times: dict[str, list[float]] = {e.name: [] for e in engines}
     for r in range(rounds):
         for engine in engines if r % 2 == 0 else engines[::-1]:
@@ -388,7 +392,30 @@ def run_rounds(
                 times.setdefault(phase_name(engine.name), []).append(engine.run_prompts())
             wait()
             times[engine.name].append(engine.run())
+            if neighbours:
+                with busy_neighbours(neighbours):
+                    noisy = times.setdefault(noisy_name(engine.name, neighbours), [])
+                    noisy.append(engine.run())
     return times
+
+
+def noisy_name(name: str, neighbours: int) -> str:
+    return f"{name} beside {neighbours} busy"
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int) -> Iterator[None]:
+    """``count`` processes spinning on the CPU (as a noisy neighbour on a shared host)
+    while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.5)  # let them reach the run queue
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def phase_name(name: str) -> str:
@@ -563,6 +590,26 @@ def report_phases(times: dict[str, list[float]], results: dict[str, dict]) -> No
         print(f"pagedllm / {other} by phase: prompts {ratios[0]:.2f}x, the rest {ratios[1]:.2f}x")
 
 
+def report_neighbours(
+    times: dict[str, list[float]], results: dict[str, dict], neighbours: int
+) -> None:
+    """Print and record the share of its quiet throughput each engine keeps beside the
+    busy neighbours: the median over rounds of quiet time / noisy time."""
+    for engine, res in results.items():
+        name = res.get("name", engine)
+        noisy = times.get(noisy_name(name, neighbours))
+        if not noisy or name not in times:
+            continue
+        kept = round_ratios(noisy, times[name])
+        median = statistics.median(kept)
+        res["beside_busy"] = {"neighbours": neighbours, "kept": round(median, 3)}
+        each = ", ".join(f"{x:.0%}" for x in kept)
+        print(
+            f"{engine} beside {neighbours} busy neighbour(s): {median:.0%} of its quiet "
+            f"throughput (rounds: {each})"
+        )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -595,6 +642,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="timed generates per engine, the engines taking turns; figures are medians",
+    )
+    parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="also time every turn beside N busy-looping processes and report the share of "
+        "the quiet throughput each engine keeps",
     )
     args = parser.parse_args(argv)
 
@@ -634,7 +688,11 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as exc:
                 results["vllm"] = {"error": str(exc)}
         times = run_rounds(
-            engines, args.rounds, partial(settle_and_sample, rates), phases=args.phases
+            engines,
+            args.rounds,
+            partial(settle_and_sample, rates),
+            phases=args.phases,
+            neighbours=args.neighbours,
         )
     finally:
         for engine in engines:
@@ -705,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pagedllm / {name} output tok/s: {median:.2f}x{rounds}")
     if args.phases:
         report_phases(times, results)
+    if args.neighbours:
+        report_neighbours(times, results, args.neighbours)
     print(json.dumps(results))
     return 0
 

@@ -183,7 +183,8 @@ def test_long_context_decode_bf16(make_backend):
 
 # Forces each route of a long chunk after a cached prefix: (kernel context limit, least work
 # for the two-call SDPA). (0, 0): two SDPA calls merged by log-sum-exp for every chunk;
-# (0, huge): one masked SDPA call; (huge, 0): the kernel wherever it has the tile unit.
+# (0, huge): one masked SDPA call; (huge, 0): the kernel wherever it has the tile unit or
+# (bf16) AVX-512-bf16 dot products.
 PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
 
 
@@ -193,6 +194,7 @@ PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
 @pytest.mark.parametrize("route", PREFIX_ROUTES, ids=["split-sdpa", "masked-sdpa", "kernel"])
 def test_prefix_routes(make_backend, dtype, block_size, route, monkeypatch):
     monkeypatch.setattr(cpu, "LONG_QUERY_MAX_SEQ_LEN", route[0])
+    monkeypatch.setattr(cpu, "DOT_LONG_QUERY_MAX_SEQ_LEN", route[0])
     monkeypatch.setattr(cpu, "SPLIT_MIN_WORK", route[1])
     # Prefixes ending mid-block and on a block edge, one-token prefixes, whole prompts and
     # decodes in the same step; tables padded past the last block.
@@ -209,6 +211,20 @@ def test_long_context_after_cached_prefix_bf16(make_backend, block_size):
     shapes = [(64, 2100), (200, 1500), (17, 2049), (1, 2100), (130, 1030)]
     step = make_step(shapes, block_size=block_size, dtype=torch.bfloat16, seed=8)
     check_against_reference(make_backend(), step)
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+def test_long_prompts_are_one_batched_kernel_call_with_bf16_dot_products(monkeypatch):
+    backend = CpuAttention(use_extension=True)
+    if backend.amx or not backend.dot_products:
+        pytest.skip("this CPU has the tile unit or no bf16 dot products: another route")
+    calls = []
+    monkeypatch.setattr(cpu, "_prefill_sdpa", lambda *a, **k: calls.append("sdpa"))
+    # Whole prompts and chunks after a prefix, over 1024 tokens: every one in the kernel.
+    shapes = [(1100, 1100), (300, 1500), (1, 1200)]
+    check_against_reference(backend, make_step(shapes, block_size=16, dtype=torch.bfloat16))
+    assert calls == []
+    assert "every query over a context of up to" in backend.route(torch.bfloat16)
 
 
 @pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")

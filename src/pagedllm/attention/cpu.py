@@ -44,6 +44,11 @@ ROW_TILES_PER_TASK = 8
 # With the tile unit (bf16, head_dim 64), longer queries go to the kernel too while their
 # context is at most this long: it beats SDPA there (measured by benchmarks/attention.py).
 LONG_QUERY_MAX_SEQ_LEN = 2048
+# With AVX-512-bf16 dot products but no tile unit, every bf16 query goes to the kernel while
+# its context is at most this long (measured faster than SDPA up to 4k-token contexts; the
+# kernel's scratch grows with the context), in tasks of this many query rows.
+DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
+DOT_ROWS_PER_TASK = 32
 # A chunk after a cached prefix goes to SDPA as two calls (prefix, chunk) merged by their
 # log-sum-exp once it has at least this many (query, key) pairs; below, the second call and
 # the merge cost more than the masked work they save (benchmarks/attention.py shapes).
@@ -97,6 +102,8 @@ class CpuAttention:
         self.rows_per_task = rows_per_task
         self.bf16_dot = bf16_dot
         self.amx = amx and self._op is not None and bool(torch.ops.pagedllm.amx_available())
+        # The kernel's bf16 dot products (vdpbf16ps) without the tile unit.
+        self.dot_products = self._op is not None and cpu_info().bf16_dot
         # (meta, long_max, route) of the step in progress: see _route.
         self._routes: tuple[AttentionMetadata, int, _Route] | None = None
 
@@ -153,19 +160,17 @@ class CpuAttention:
     def route(self, dtype: torch.dtype) -> str:
         if self._op is None:
             return "torch: batched SDPA for decode, SDPA per prompt (C++ kernels unavailable)"
-        tiles = self.amx and self.bf16_dot and dtype == torch.bfloat16
-        if tiles:
-            isa = "AMX tiles"
-        elif dtype == torch.bfloat16 and self.bf16_dot and cpu_info().bf16_dot:
-            isa = "AVX-512-bf16"
+        bf16_dots = self.bf16_dot and dtype == torch.bfloat16
+        if bf16_dots and self.amx:
+            isa, long_max = "AMX tiles", LONG_QUERY_MAX_SEQ_LEN  # head_dim 64
+        elif bf16_dots and self.dot_products:
+            isa, long_max = "AVX-512-bf16", DOT_LONG_QUERY_MAX_SEQ_LEN
         else:
-            isa = "AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32"
-        kernel = (
-            f"C++ paged_attention ({isa}) for queries of up to {self.max_kernel_query_len} tokens"
-        )
-        if tiles:
-            kernel += f" and any query over a context of up to {LONG_QUERY_MAX_SEQ_LEN} tokens"
-        return kernel + "; longer prompts: SDPA"
+            isa, long_max = "AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32", 0
+        kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
+        if long_max:
+            kernel += f" and every query over a context of up to {long_max} tokens, batched"
+        return kernel + "; longer prompts: SDPA per sequence"
 
     def kernel_step(
         self,
@@ -217,11 +222,16 @@ class CpuAttention:
     ) -> tuple[_Route, int]:
         """The step's route and the kernel's query rows per task."""
         group = num_heads // num_kv_heads
-        tiles = self.amx and self.bf16_dot and dtype == torch.bfloat16 and head_dim == 64
-        long_max = LONG_QUERY_MAX_SEQ_LEN if tiles and group <= 16 else 0
-        tile_rows = max(1, 16 // group) * ROW_TILES_PER_TASK
-        rows = self.rows_per_task or (tile_rows if tiles else ROWS_PER_TASK)
-        return self._route(meta, long_max), rows
+        bf16_dots = self.bf16_dot and dtype == torch.bfloat16
+        tiles = self.amx and bf16_dots and head_dim == 64
+        if tiles:
+            long_max = LONG_QUERY_MAX_SEQ_LEN if group <= 16 else 0
+            rows = max(1, 16 // group) * ROW_TILES_PER_TASK
+        elif bf16_dots and self.dot_products:
+            long_max, rows = DOT_LONG_QUERY_MAX_SEQ_LEN, DOT_ROWS_PER_TASK
+        else:
+            long_max, rows = 0, ROWS_PER_TASK
+        return self._route(meta, long_max), self.rows_per_task or rows
 
     def _write_kv(
         self,
