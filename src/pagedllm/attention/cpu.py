@@ -38,15 +38,14 @@ MAX_KERNEL_QUERY_LEN = 16
 # Query rows per kernel task: each task reads its context once for rows x group query vectors.
 ROWS_PER_TASK = 4
 # With the tile unit a task takes this many tiles of rows (16 query vectors each): the V rows
-# it re-lays out for the tile unit serve them all. 8 against 4: 4-8% less CPU time on whole
-# prompts of 4 x 512, 8 x 256 and on 4 x 2048/256 chunks (one thread), still 128+ tasks there.
+# it re-lays out for the tile unit serve them all.
 ROW_TILES_PER_TASK = 8
 # With the tile unit (bf16, head_dim 64), longer queries go to the kernel too while their
-# context is at most this long: it beats SDPA there (measured by benchmarks/attention.py).
+# context is at most this long, where it beats SDPA.
 LONG_QUERY_MAX_SEQ_LEN = 2048
 # With AVX-512-bf16 dot products but no tile unit, every bf16 query goes to the kernel while
-# its context is at most this long (measured faster than SDPA up to 4k-token contexts; the
-# kernel's scratch grows with the context), in tasks of this many query rows.
+# its context is at most this long (the kernel's scratch grows with the context), in tasks of
+# this many query rows. The measurements behind these limits: docs/performance.md.
 DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
 # A chunk after a cached prefix goes to SDPA as two calls (prefix, chunk) merged by their

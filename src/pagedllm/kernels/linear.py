@@ -12,18 +12,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows (the default max_num_seqs: every decode batch), linears run on
-# pagedllm's small-batch kernel (``small_gemm``: AMX for bf16, AVX-512 for float32), which
-# streams decode-step weights faster than oneDNN and MKL (all 33 bf16 linears of the
-# benchmark model, 2 threads, before its 2 x 2 tile blocks: 5.2 vs 6.4 ms oneDNN-packed vs
-# 9.8 ms plain at 64 rows, 30.9 vs 39.1 vs 43.3 ms at 256; the blocks took 256 rows from
-# 20.9 to 14.4 ms); more rows go to torch (MKL's sgemm for float32).
+# Up to this many rows (the default max_num_seqs: every decode batch), float32 linears run on
+# pagedllm's small-batch kernel, which streams decode-step weights faster than MKL; more rows
+# go to torch. bf16 goes on with the kernel up to its own limit (prompt chunks), beyond which
+# oneDNN is as fast or faster. The measurements: docs/performance.md (small_gemm).
 SMALL_GEMM_MAX_ROWS = 256
-# bf16 goes on with the tile kernel up to this many rows (prompt chunks of a few hundred
-# tokens): against F.linear on all the linears of model (a) / (b), 2 threads, median of 7,
-# alternated: 384 rows 12.5 vs 18.4 / 51 vs 69 ms, 512 rows 15.5 vs 24.2 / 71 vs 95 ms,
-# 768 rows 45 vs 45 / 99 vs 155 ms, 1024 rows 34 vs 40 / 199 vs 204 ms; from 1536 rows on
-# oneDNN is 5-28% faster.
 SMALL_GEMM_MAX_ROWS_BF16 = 1024
 
 
