@@ -10,9 +10,12 @@ Parts (``--part``, default all), each printed as a table; one JSON line at the e
   requests, the shrink's report (blocks moved, ms), resident memory (``VmRSS``) against
   the bytes released within 2 s of the request, and output tokens per second during the
   shrink's steps against the steady steps before it. ``--long`` adds the same at 4k-token
-  contexts (``--long-requests`` requests of 4096 - max_tokens prompt tokens).
-- ``grow``: the pool grown by ``--grow`` (2GiB) at once: the call's ms, then the ms of
-  the background fault-in of the new pages.
+  contexts (``--long-requests`` requests of 4096 - max_tokens prompt tokens). One engine
+  runs the requests once without the shrink, then ``--rounds`` times with it (grown back,
+  prompt cache reset, free list shuffled again); figures are medians of those rounds, with
+  the range.
+- ``grow``: the pool grown by ``--grow`` (2GiB) and shrunk back, ``--rounds`` times: the
+  call's ms, then the ms of the background fault-in of the new pages.
 - ``idle``: automatic mode ``--auto-range`` (``MIN:MAX``): a peak of requests that share
   prefixes grows the pool; after the idle period the pool holds ``blocks_total`` against
   the packed minimum (blocks used + cached).
@@ -121,21 +124,46 @@ def generate(
 
 
 def shrink_case(args: argparse.Namespace, num: int, prompt_len: int, max_tokens: int) -> dict:
+    """One engine: a run without the shrink, then ``--rounds`` runs with it (the pool grown
+    back, the prompt cache reset and the free list shuffled again before each)."""
     prompts = prompts_of(num, prompt_len, args.seed)
     pool, target = parse_size(args.pool), parse_size(args.target)
-    runs = {}
-    for name in ("plain", "shrink"):
-        engine = build(args, kv_cache_memory=pool)
-        shuffle_free_list(engine, args.seed)
-        runs[name] = generate(
+    engine = build(args, kv_cache_memory=pool)
+    rounds = []
+    plain = None
+    for i in range(args.rounds + 1):
+        engine.reset_prefix_cache()
+        if engine.kv.num_blocks * engine.runner.kv_block_bytes < pool:
+            engine.resize_kv_cache(pool)
+            engine.runner.kv_cache.arena.wait_populated()
+        shuffle_free_list(engine, args.seed + i)
+        run = generate(
             engine,
             prompts,
             max_tokens,
-            shrink_to=target if name == "shrink" else None,
+            shrink_to=target if i else None,
             warm_steps=args.warm_steps,
         )
-        del engine
-    run = runs["shrink"]
+        if i == 0:
+            plain = run
+        else:
+            rounds.append(_shrink_round(args, run, plain))
+    del engine
+    result = {"requests": num, "context": prompt_len + max_tokens}
+    result["identical"] = all(r["identical"] for r in rounds)
+    result["failed"] = sum(r["failed"] for r in rounds)
+    for key in rounds[0]:
+        if key in ("identical", "failed", "blocks", "limited_by"):
+            result.setdefault(key, rounds[0][key])
+            continue
+        values = [r[key] for r in rounds]
+        result[key] = statistics.median(values)
+        if key in ("shrink_ms", "throughput_ratio", "rss_drop_fraction", "blocks_moved"):
+            result[f"{key}_range"] = f"{_fmt(min(values))}..{_fmt(max(values))}"
+    return result
+
+
+def _shrink_round(args: argparse.Namespace, run: dict, plain: dict) -> dict:
     (report,) = run["reports"]
     released = report.bytes_returned
     before = run["rss"][0][1]
@@ -146,9 +174,7 @@ def shrink_case(args: argparse.Namespace, num: int, prompt_len: int, max_tokens:
     steady = [n / w for w, n, r in decode if not r]
     during = [n / w for w, n, r in decode if r]
     return {
-        "requests": num,
-        "context": prompt_len + max_tokens,
-        "identical": run["tokens"] == runs["plain"]["tokens"],
+        "identical": run["tokens"] == plain["tokens"],
         "failed": run["failed"],
         "blocks": f"{report.blocks_before} -> {report.blocks_after}",
         "blocks_moved": report.blocks_moved,
@@ -172,10 +198,12 @@ def part_shrink(args: argparse.Namespace) -> list[dict]:
     cases = [shrink_case(args, args.num_requests, args.prompt_len, args.max_tokens)]
     if args.long:
         cases.append(shrink_case(args, args.long_requests, 4096 - args.max_tokens, args.max_tokens))
-    print(f"\nshrink {args.pool} -> {args.target} while requests generate")
+    print(
+        f"\nshrink {args.pool} -> {args.target} while requests generate, medians of {args.rounds}"
+    )
     keys = list(cases[0])
     for key in keys:
-        print(f"  {key:20s}" + "".join(f"{_fmt(c[key]):>22s}" for c in cases))
+        print(f"  {key:24s}" + "".join(f"{_fmt(c[key]):>22s}" for c in cases))
     return cases
 
 
@@ -183,23 +211,29 @@ def part_shrink(args: argparse.Namespace) -> list[dict]:
 
 
 def part_grow(args: argparse.Namespace) -> dict:
+    """Grow by ``--grow`` and shrink back, ``--rounds`` times on one engine."""
     pool, extra = parse_size(args.target), parse_size(args.grow)
     engine = build(args, kv_cache_memory=pool)
-    before = rss()
-    begin = time.perf_counter()
-    report = engine.resize_kv_cache(pool + extra)
-    call_ms = (time.perf_counter() - begin) * 1e3
-    engine.runner.kv_cache.arena.wait_populated()
-    commit_ms = (time.perf_counter() - begin) * 1e3
+    calls, faults, growth = [], [], []
+    for _ in range(args.rounds):
+        before = rss()
+        begin = time.perf_counter()
+        report = engine.resize_kv_cache(pool + extra)
+        calls.append((time.perf_counter() - begin) * 1e3)
+        engine.runner.kv_cache.arena.wait_populated()
+        faults.append((time.perf_counter() - begin) * 1e3)
+        growth.append((rss() - before) / MIB)
+        engine.resize_kv_cache(pool)
     result = {
         "grow_mib": extra / MIB,
         "blocks": f"{report.blocks_before} -> {report.blocks_after}",
-        "call_ms": call_ms,
-        "report_ms": report.duration_ms,
-        "faulted_in_ms": commit_ms,
-        "rss_growth_mib": (rss() - before) / MIB,
+        "call_ms": statistics.median(calls),
+        "call_ms_range": f"{min(calls):.1f}..{max(calls):.1f}",
+        "faulted_in_ms": statistics.median(faults),
+        "faulted_in_ms_range": f"{min(faults):.0f}..{max(faults):.0f}",
+        "rss_growth_mib": statistics.median(growth),
     }
-    print(f"\ngrow {args.target} by {args.grow}")
+    print(f"\ngrow {args.target} by {args.grow}, medians of {args.rounds}")
     for key, value in result.items():
         print(f"  {key:20s}{_fmt(value):>16s}")
     return result
@@ -333,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-steps", type=int, default=24)
     parser.add_argument("--long", action="store_true", help="also at 4k-token contexts")
     parser.add_argument("--long-requests", type=int, default=4)
-    parser.add_argument("--peak-requests", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--peak-requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     part = args.part or "all"
