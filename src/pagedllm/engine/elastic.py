@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 # How many policy events /metrics and the dashboard can show.
 MAX_EVENTS = 64
+# Blocks the first slice of a shrink under load moves: its time sets the next ones' size.
+FIRST_SLICE_MOVES = 8
 
 
 def process_resident_bytes() -> int | None:
@@ -252,7 +254,7 @@ class ElasticPool:
         # Running estimates for slice sizes: seconds per step and per block moved.
         self._recent_steps: deque[float] = deque(maxlen=5)
         self._step_seconds = 0.02
-        self._move_seconds = 1e-4
+        self._move_seconds: float | None = None
 
     # ---- public ------------------------------------------------------------------------
 
@@ -340,6 +342,9 @@ class ElasticPool:
         if not self.scheduler.has_unfinished_requests():
             self.finish_now()
             return
+        if self._move_seconds is None:
+            self._slice(FIRST_SLICE_MOVES)  # measure before trusting a budget
+            return
         budget = self.step_fraction * self._step_seconds
         self._slice(max(1, int(budget / self._move_seconds)))
 
@@ -402,6 +407,7 @@ class ElasticPool:
         tally = self._tally
         assert tally is not None
         kv = self.kv
+        started = time.perf_counter()
         # Disk stores planned by the last step read their device blocks first, before
         # any of them moves or is released.
         disk_ops = kv.take_disk_ops()
@@ -411,7 +417,6 @@ class ElasticPool:
             1 for b in plan.drops if kv.disk is not None and kv.pool.block_hash(b) in kv.disk
         )
         if plan.moves or disk_ops:
-            started = time.perf_counter()
             try:
                 self.runner.execute(SchedulerOutput(block_copies=plan.moves, disk=disk_ops))
             except Exception as exc:  # the books are unchanged: stop the shrink here
@@ -420,10 +425,13 @@ class ElasticPool:
                 self.kv.grow(self.kv.num_blocks)
                 self._complete(settle=True)
                 return
-            if plan.moves:
-                per_move = (time.perf_counter() - started) / len(plan.moves)
-                self._move_seconds = 0.8 * self._move_seconds + 0.2 * per_move
         kv.apply_compaction(plan)
+        if plan.moves:
+            # The whole slice (planning and books too) per block moved: the budget then
+            # covers a slice's fixed costs as well as its copies.
+            per_move = (time.perf_counter() - started) / len(plan.moves)
+            last = self._move_seconds
+            self._move_seconds = per_move if last is None else 0.7 * last + 0.3 * per_move
         tally.num_slices += 1
         tally.blocks_moved += len(plan.moves)
         tally.cached_blocks_moved += num_cached
