@@ -43,6 +43,8 @@ def test_tp2_tokens_and_logits_equal_tp1(tmp_path: Path, arch: str):
     assert len(two["logits"]) == len(one["logits"]) > 10
     assert two["logits"] == one["logits"]  # sha256 of every logits tensor, in order
     assert (two["cached_tokens"], two["preemptions"]) == (one["cached_tokens"], one["preemptions"])
+    assert one["resized"][:2] == [48, 24] and one["resized"][2] > 0  # compaction moved blocks
+    assert two["resized"] == one["resized"]
 
 
 def test_kv_heads_that_do_not_divide_are_refused_naming_both(tmp_path: Path):

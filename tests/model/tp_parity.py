@@ -46,9 +46,14 @@ def main(path: str, tp: int) -> None:
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=7, ignore_eos=True)
     first = llm.generate(prompts[:1], greedy, use_tqdm=False)  # warms the prefix cache
+    # The elastic pool on every rank: grow, fill the new blocks, compact back down.
+    block = runner.kv_block_bytes
+    grown = llm.resize_kv_cache(48 * block)
+    filler = llm.generate([list(range(150, 190)), list(range(250, 290))], greedy, use_tqdm=False)
+    shrunk = llm.resize_kv_cache(24 * block)
     rest = llm.generate(prompts[1:] + [prefix + [70]], [greedy] * 3 + [sampled], use_tqdm=False)
     stats = llm.engine.get_stats()
-    outputs = first + rest
+    outputs = first + filler + rest
     print(
         json.dumps(
             {
@@ -56,6 +61,7 @@ def main(path: str, tp: int) -> None:
                 "logits": digests,
                 "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
                 "preemptions": stats.num_preemptions,
+                "resized": [grown.blocks_after, shrunk.blocks_after, shrunk.blocks_moved],
             }
         )
     )

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -149,6 +150,13 @@ def start_tensor_parallel(
     return loaded, runner
 
 
+@dataclass(frozen=True, slots=True)
+class ResizeKVCache:
+    """Rank 0 to the others, between steps: resize the device tier (the elastic pool)."""
+
+    num_blocks: int
+
+
 class TensorParallelRunner:
     """The ``ModelRunner`` of rank 0: broadcasts each step, then runs its own shard."""
 
@@ -177,6 +185,17 @@ class TensorParallelRunner:
 
     def send_sizes(self) -> None:
         broadcast_object((self.num_blocks, self.num_host_blocks), self.control)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One block of this rank's shard (every rank's is the same size)."""
+        return self.runner.kv_block_bytes
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Every rank keeps device blocks ``0 .. num_blocks - 1`` (``ResizableRunner``)."""
+        broadcast_object(ResizeKVCache(num_blocks), self.control)
+        self.runner.resize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
 
     def routes(self) -> Routes:
         return self.runner.routes()
@@ -250,6 +269,9 @@ def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: i
         if step is None:
             break
         try:
+            if isinstance(step, ResizeKVCache):
+                runner.resize_kv_cache(step.num_blocks)
+                continue
             runner.execute(step)
         except Exception:  # noqa: BLE001 - rank 0 meets the same error and reports it
             logger.exception("rank %d: step failed", rank)
