@@ -410,13 +410,13 @@ def resume_at(args: argparse.Namespace) -> dict:
     from pagedllm.sampling_params import SamplingParams
 
     lengths = [int(x) for x in args.resume_at.split(",")]
-    if args.max_model_len is None:
-        args.max_model_len = max(lengths) + args.max_tokens
     blocks = math.ceil((max(lengths) + args.max_tokens) * 3 / args.block_size)
     directory = Path(args.offload_dir or tempfile.mkdtemp(prefix="pagedllm-resume-"))
     engine = build_engine(
         args, num_blocks=blocks, offload_dir=str(directory / f"kv-{time.time_ns()}")
     )
+    # A prompt of the model's whole length leaves room for max_tokens: 8192 -> 8188.
+    lengths = [min(length, engine.max_model_len - args.max_tokens) for length in lengths]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rng = random.Random(args.seed)
     ways = ["resident", "disk", *(["disk_cold"] if args.cold else []), "recompute"]
