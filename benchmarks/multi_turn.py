@@ -221,7 +221,7 @@ def run_multi_turn(
     computed = [0 for _ in range(work.num_users)]  # tokens of the user's context computed
     next_round = [0] * work.num_users
     active: dict[str, Turn] = {}
-    held: list[int] = []
+    held: list[tuple[float, int]] = []  # (planned release, user) waiting for the restart
     system_seen = False
     while releases or active or held:
         if held and not active and not releases:  # everyone finished round K: restart
@@ -232,8 +232,8 @@ def run_multi_turn(
             engine = make_engine()
             disk_base = engine.get_stats().cache.prefix_disk_hits_tokens
             result.restart = {"after_round": restart_after, "first_turns": []}
-            for u in held:
-                heapq.heappush(releases, (clock, u))
+            for item in held:  # each user still comes back after its own think time
+                heapq.heappush(releases, item)
             held = []
             restart_after = None
         while releases and (releases[0][0] <= clock or not active):
@@ -272,10 +272,11 @@ def run_multi_turn(
             next_round[u] += 1
             if next_round[u] >= work.num_rounds:
                 continue
+            release = (clock + work.think[u][turn.round], u)
             if restart_after is not None and next_round[u] == restart_after:
-                held.append(u)
+                held.append(release)
             else:
-                heapq.heappush(releases, (clock + work.think[u][turn.round], u))
+                heapq.heappush(releases, release)
     result.disk_hit_tokens += engine.get_stats().cache.prefix_disk_hits_tokens - disk_base
     engine.close()
     return result
