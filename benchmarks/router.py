@@ -210,6 +210,7 @@ def run_simulation(
             config = RouterSimConfig(
                 num_replicas, policy, num_blocks=num_blocks, block_size=args.block_size,
                 max_model_len=1 << 20, cost=CostModel(args.step_ms, args.token_ms),
+                event_delay_s=args.event_delay,
             )  # fmt: skip
             result = simulate_router(requests, config)
             rows.append({"workload": name, **asdict(result)})
@@ -280,6 +281,8 @@ def main() -> None:
     parser.add_argument("--tokens-per-hash", type=int, default=16)
     parser.add_argument("--trace-blocks", type=int, default=4000,
                         help="KV blocks per simulated replica for the trace")  # fmt: skip
+    parser.add_argument("--event-delay", type=float, default=0.1,
+                        help="simulated router's view of the caches lags by this (s)")  # fmt: skip
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--token-ms", type=float, default=0.05)
     args = parser.parse_args()

@@ -32,6 +32,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 from pagedllm.engine.llm import LLM  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.testing import make_tiny_checkpoint  # noqa: E402
@@ -55,6 +57,8 @@ def build_engines(path: Path, args: argparse.Namespace) -> dict[str, LLM]:
 
 def one_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     engine = llm.engine
+    # torch's thread count is per process, and every engine here shares rank 0's process
+    torch.set_num_threads(engine.config.num_threads)
     comm = getattr(engine.runner.model, "comm", None)
     if comm is not None and hasattr(comm, "seconds"):
         comm.seconds, comm.num_calls, comm.num_bytes = 0.0, 0, 0

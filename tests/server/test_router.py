@@ -218,3 +218,28 @@ def test_no_healthy_replica_is_503(make_harness):
     response = _run(app, harnesses, body)
     assert response.status_code == 503
     assert json.loads(response.text)["error"]["code"] == "no_replica"
+
+
+def test_chat_prompts_are_routed_by_their_rendered_tokens(make_harness):
+    harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]
+    app, _ = _router(harnesses)
+    system = {"role": "system", "content": "You are a terse assistant for tenant one."}
+
+    async def body(client: httpx.AsyncClient) -> list[int]:
+        cached = []
+        for question in ("hi", "why", "how"):
+            messages = [system, {"role": "user", "content": question}]
+            response = await client.post(
+                "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}
+            )
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        report = (await client.get("/v1/router")).json()["replicas"]
+        assert [r["predicted_cached_tokens"] for r in report] == [
+            r["reported_cached_tokens"] for r in report
+        ]
+        assert sorted(r["requests"] for r in report) == [0, 3]  # one tenant, one replica
+        return cached
+
+    cached = _run(app, harnesses, body)
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == cached[1]
