@@ -111,6 +111,17 @@ def standard_workload(num_requests: int = 64) -> Workload:
     return Workload(prompts, max_tokens)
 
 
+def long_workload(num_requests: int = 16) -> Workload:
+    """Contexts of about 4k tokens: prompts of ``randint(3584, 3968)`` token ids and
+    ``randint(32, 128)`` output tokens each (model (a) holds 4096 positions)."""
+    random.seed(0)
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        prompts.append([random.randint(0, 10000) for _ in range(random.randint(3584, 3968))])
+        max_tokens.append(random.randint(32, 128))
+    return Workload(prompts, max_tokens)
+
+
 def warmup_workload() -> Workload:
     rng = random.Random(1)
     return Workload([[rng.randint(0, 10000) for _ in range(32)] for _ in range(2)], [8, 8])
@@ -644,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
         help="timed generates per engine, the engines taking turns; figures are medians",
     )
     parser.add_argument(
+        "--long-contexts",
+        action="store_true",
+        help="contexts of about 4k tokens instead of the standard workload (16 requests)",
+    )
+    parser.add_argument(
         "--neighbours",
         type=int,
         default=0,
@@ -652,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    num_requests = args.num_requests or (16 if args.quick else 64)
+    num_requests = args.num_requests or (16 if args.quick or args.long_contexts else 64)
     if num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
     if args.rounds < 1:
@@ -662,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_sizes = "8" if args.quick else "8,32"
     hf_batches = [int(x) for x in hf_sizes.split(",") if x.strip()]
     model = resolve_model(args.model)
-    work = standard_workload(num_requests)
+    work = long_workload(num_requests) if args.long_contexts else standard_workload(num_requests)
     dtype = getattr(torch, args.dtype)
     print(
         f"model={model} dtype={args.dtype} requests={num_requests} "

@@ -27,6 +27,7 @@ from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
 from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
 from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.threads import ThreadGovernor
 
 
 class TorchModelRunner:
@@ -65,8 +66,12 @@ class TorchModelRunner:
         self.num_host_blocks = num_host_blocks
         self.disk_store: DiskKVStore | None = None
         self._weights_digest = _weights_digest(model)  # before any repacking of weights
+        # Fewer threads while other processes contend for the cores (worker/threads.py).
+        self.threads: ThreadGovernor | None = None
         if optimize and self.device.type == "cpu":
             keep_step_buffers()
+            if torch.get_num_threads() > 1:
+                self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
             if hasattr(model, "optimize_for_cpu"):
                 model.optimize_for_cpu()
 
@@ -146,6 +151,14 @@ class TorchModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps, copies, forward, sampling; releases finished requests' sampler state."""
+        if self.threads is None:
+            return self._execute(scheduler_output)
+        self.threads.step_started()
+        output = self._execute(scheduler_output)
+        self.threads.step_finished()
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failed_loads: tuple[int, ...] = ()
         if scheduler_output.has_block_moves:
             failed_loads = self.apply_block_moves(scheduler_output)
