@@ -8,13 +8,21 @@ import pytest
 from pagedllm.worker.threads import ThreadGovernor
 
 
-def governor(calls: list[int]) -> ThreadGovernor:
-    return ThreadGovernor(2, calls.append, window=2, min_share=0.75, probe_every=3)
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def governor(calls: list[int], clock: Clock) -> ThreadGovernor:
+    return ThreadGovernor(2, calls.append, window=2, min_share=0.75, probe_after_s=1.0, clock=clock)
 
 
 def test_quiet_cores_keep_every_thread():
     calls: list[int] = []
-    g = governor(calls)
+    g = governor(calls, Clock())
     for _ in range(20):
         g.record(0.010, 0.019)  # 0.95 of two threads
     assert g.threads == 2 and calls == []
@@ -22,15 +30,19 @@ def test_quiet_cores_keep_every_thread():
 
 def test_contended_cores_drop_to_one_thread_and_probe_back():
     calls: list[int] = []
-    g = governor(calls)
+    clock = Clock()
+    g = governor(calls, clock)
     g.record(0.030, 0.040)  # a busy neighbour: 0.67 of two threads
     assert calls == []  # the window is not full yet
     g.record(0.030, 0.040)
     assert g.threads == 1 and calls == [1]
-    for _ in range(2 * 3 - 1):  # windows at one thread, the last one short of the probe
+    clock.now = 0.9
+    for _ in range(4):  # windows at one thread before the probe is due
         g.record(0.015, 0.015)
     assert calls == [1]
-    g.record(0.015, 0.015)  # the third window ends: probe the full count
+    clock.now = 1.0
+    g.record(0.015, 0.015)
+    g.record(0.015, 0.015)  # a window ends with the probe due: try both threads
     assert g.threads == 2 and calls == [1, 2]
     for _ in range(2):  # the neighbour is gone
         g.record(0.010, 0.019)

@@ -6,14 +6,15 @@ the scheduler deschedules one of our threads for whole time slices while the oth
 the barrier, and the step slows far more than the core it lost. The governor measures, over a
 window of steps, the CPU time the process got per wall second per thread (``share``): near 1
 when every thread runs, well below when the cores are contended. Below ``min_share`` it drops
-to one thread (which a single busy neighbour leaves a core of its own); every ``probe_every``
-windows at one thread it tries the full count again for one window and keeps it if the share
-has recovered. The measurements behind the thresholds: docs/performance.md.
+to one thread (which a single busy neighbour leaves a core of its own); once ``probe_after_s``
+seconds have passed at one thread it tries the full count again for one window and keeps it if
+the share has recovered. The measurements behind the thresholds: docs/performance.md.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,19 +31,20 @@ class ThreadGovernor:
 
     max_threads: int
     set_threads: ThreadControl
-    window: int = 8  # steps per decision
+    window: int = 4  # steps per decision
     min_share: float = 0.75  # CPU seconds per wall second per thread, below: contended
-    probe_every: int = 16  # windows at one thread before trying max_threads again
+    probe_after_s: float = 2.0  # wall seconds at one thread before trying max_threads again
+    clock: Callable[[], float] = time.perf_counter
     threads: int = field(init=False)
     _wall: float = field(default=0.0, init=False)
     _cpu: float = field(default=0.0, init=False)
     _steps: int = field(default=0, init=False)
-    _windows_low: int = field(default=0, init=False)
+    _low_since: float = field(default=0.0, init=False)
     _started: tuple[float, float] = field(default=(0.0, 0.0), init=False)
 
     def __post_init__(self) -> None:
-        if self.max_threads < 1 or self.window < 1 or self.probe_every < 1:
-            raise ValueError("max_threads, window and probe_every must be >= 1")
+        if self.max_threads < 1 or self.window < 1 or self.probe_after_s < 0:
+            raise ValueError("max_threads and window must be >= 1, probe_after_s >= 0")
         self.threads = self.max_threads
 
     def step_started(self) -> None:
@@ -69,13 +71,13 @@ class ThreadGovernor:
             if share < self.min_share and self.max_threads > 1:
                 self._use(1)
             return
-        # At one thread: its share says nothing about the other cores; probe now and then.
-        self._windows_low += 1
-        if self._windows_low >= self.probe_every:
+        # At one thread its share says nothing about the other cores: probe now and then
+        # (idle time counts: after a quiet pause the first window tries every thread).
+        if self.clock() - self._low_since >= self.probe_after_s:
             self._use(self.max_threads)
 
     def _use(self, threads: int) -> None:
-        self._windows_low = 0
+        self._low_since = self.clock()
         if threads != self.threads:
             self.threads = threads
             self.set_threads(threads)
