@@ -103,22 +103,25 @@ class Workload:
 
 def standard_workload(num_requests: int = 64) -> Workload:
     """The standard workload; the first `num_requests` draws of it (16 for --quick)."""
-    random.seed(0)
-    prompts, max_tokens = [], []
-    for _ in range(num_requests):
-        prompts.append([random.randint(0, 10000) for _ in range(random.randint(64, 512))])
-        max_tokens.append(random.randint(32, 256))
-    return Workload(prompts, max_tokens)
+    return random_workload(num_requests, (64, 512), (32, 256))
 
 
 def long_workload(num_requests: int = 16) -> Workload:
     """Contexts of about 4k tokens: prompts of ``randint(3584, 3968)`` token ids and
     ``randint(32, 128)`` output tokens each (model (a) holds 4096 positions)."""
+    return random_workload(num_requests, (3584, 3968), (32, 128))
+
+
+def random_workload(
+    num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int]
+) -> Workload:
+    """``random.seed(0)``; per request a prompt of ``randint(*prompt_lens)`` token ids drawn
+    with ``randint(0, 10000)``, then ``max_tokens = randint(*output_lens)``."""
     random.seed(0)
     prompts, max_tokens = [], []
     for _ in range(num_requests):
-        prompts.append([random.randint(0, 10000) for _ in range(random.randint(3584, 3968))])
-        max_tokens.append(random.randint(32, 128))
+        prompts.append([random.randint(0, 10000) for _ in range(random.randint(*prompt_lens))])
+        max_tokens.append(random.randint(*output_lens))
     return Workload(prompts, max_tokens)
 
 
