@@ -292,6 +292,26 @@ class HFTokenizer:
         return self.tokenizer.decode(list(token_ids))
 
 
+class DecodeOnlyTokenizer:
+    """Decoding from a private copy of a fast tokenizer's ``tokenizers`` backend: a thread
+    that decodes beside a server's own tokenizer must not share its Rust object (an encode
+    there borrows it mutably)."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        self._decoder = RawTokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+
+    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        raise ValueError("this tokenizer only decodes")
+
+    def encode_chats(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
+        raise ValueError("this tokenizer only decodes")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._decoder.decode(list(token_ids), skip_special_tokens=False)
+
+
 class ModelTokenizer:
     """The tokenizer of a model directory, loaded when first needed: decoding reads
     ``tokenizer.json`` with ``tokenizers`` alone; encoding loads the Hugging Face

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
 from pagedllm.planner.cache_report import advice_for_log
-from pagedllm.planner.cachelog import CacheLog, HFTokenizer
+from pagedllm.planner.cachelog import CacheLog, DecodeOnlyTokenizer
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
@@ -193,8 +193,12 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def _advice(ctx: ServerContext, log: CacheLog) -> dict[str, Any]:
     """``pagedllm cache-report`` over the server's recent requests, with its own block size,
-    number of blocks and tokenizer (no tokenizer: no divergence text)."""
-    tokenizer = HFTokenizer(ctx.tokenizer) if ctx.tokenizer is not None else None
+    number of blocks and tokenizer's vocabulary (no fast tokenizer: no divergence text)."""
+    tokenizer = None
+    if ctx.tokenizer is not None:
+        # Not the server's own object: its encodes borrow it mutably on the event loop.
+        fast = getattr(ctx.tokenizer, "is_fast", False)
+        tokenizer = DecodeOnlyTokenizer(ctx.tokenizer) if fast else None
     return advice_for_log(
         log,
         tokenizer,
