@@ -39,7 +39,7 @@ MAX_DIVERGENCES = 50
 class Divergence:
     """Where one request stopped sharing a head with an earlier request of its shape."""
 
-    token_index: int  # first token not shared with any earlier request
+    token_index: int  # first token where it differs from the request of its shape
     kind: str
     reference: int  # the earlier request it runs in step with after the field
     shared_after_fix: int  # prefix it would share with the field moved out of the head
@@ -109,7 +109,7 @@ def analyze(
     ):
         divergence = None
         if resync is not None and tokenizer is not None:
-            divergence = _describe(tokenizer, r, requests[resync.other], shared, resync)
+            divergence = _describe(tokenizer, r, requests[resync.other], resync)
         analyses.append(
             RequestAnalysis(
                 r.index,
@@ -168,7 +168,6 @@ def _describe(
     tokenizer: Tokenizer,
     request: LoggedRequest,
     other: LoggedRequest,
-    shared: int,
     resync: dv.Resync,
 ) -> Divergence:
     tokens, other_tokens = request.token_ids, other.token_ids
@@ -187,7 +186,7 @@ def _describe(
     text = dv.field_text(before, differing, other_differing, after, other_after)
     kind, start, end, other_end = dv.classify_span(text)
     return Divergence(
-        token_index=shared,
+        token_index=resync.start,
         kind=kind,
         reference=resync.other,
         shared_after_fix=resync.start + resync.run,

@@ -165,16 +165,17 @@ class AnchorIndex:
             self._windows[(salt, _window(tokens, q))] = index
 
     def candidates(
-        self, tokens: Sequence[int], start: int, salt: str | None, limit: int = 4
+        self, tokens: Sequence[int], start: int, salt: str | None, limit: int = 3
     ) -> list[int]:
-        found: list[int] = []
+        """Earlier requests sharing windows with the ``max_gap`` tokens after ``start``,
+        most windows first: one of the same shape matches all along the text after the
+        field, a chance match (a common word inside a free-text field) only once."""
+        votes: dict[int, int] = {}
         for q in anchor_positions(tokens, start + 1, start + self.max_gap):
             other = self._windows.get((salt, _window(tokens, q)))
-            if other is not None and other not in found:
-                found.append(other)
-                if len(found) == limit:
-                    break
-        return found
+            if other is not None:
+                votes[other] = votes.get(other, 0) + 1
+        return sorted(votes, key=lambda other: -votes[other])[:limit]
 
 
 @dataclass(frozen=True, slots=True)
