@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.sampler import Sampler, inverse_cdf
 
 
 def seq(
@@ -70,6 +70,18 @@ def test_sampling_follows_the_softmax() -> None:
     freq = [tokens.count(i) / n for i in range(3)]
     for got, want in zip(freq, [0.1, 0.2, 0.7], strict=True):
         assert abs(got - want) < 0.03
+
+
+def test_inverse_cdf_edges_and_zero_probabilities() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    for u, want in ((0.0, [1, 4]), (0.2499, [1, 4]), (0.25, [3, 4]), (1 - 2**-24, [3, 4])):
+        assert inverse_cdf(probs, torch.tensor([u, u])).tolist() == want
+    # A token of tiny probability keeps its share (float64 sums).
+    tiny = torch.full((1, 49152), 1e-9, dtype=torch.float32)
+    tiny[0, 0] = 1.0
+    share = 1.0 / (1.0 + 1e-9 * 49151)  # token 0 of the row
+    assert inverse_cdf(tiny, torch.tensor([share * 0.999999])).item() == 0
+    assert inverse_cdf(tiny, torch.tensor([min(share * 1.000001, 1 - 2**-24)])).item() > 0
 
 
 def test_penalties() -> None:

@@ -7,8 +7,10 @@ is repeated n times and each copy drawn independently. The pipeline, per row::
     raw logits --(logit_bias, penalties, min_tokens mask)--> processed
         greedy rows: argmax(processed)
         others:      processed / temperature -> top_k, top_p, min_p masks
-                     -> draw (exponential race; a seeded request uses its own
-                        torch.Generator, so its tokens do not depend on the batch)
+                     -> draw (inverse CDF: one uniform number per row, found in the
+                        row's cumulative probabilities; a seeded request draws its
+                        number from its own torch.Generator, so its tokens do not
+                        depend on the batch)
     logprobs (when asked): log_softmax of the raw logits, top-k and the rank
 """
 
@@ -183,24 +185,22 @@ class Sampler:
         temperature = _column([p.temperature for p in params], logits.device)
         scaled = _filter(logits[index] / temperature, params)
         probs = torch.softmax(scaled, dim=-1)
-        noise = self._exponential_noise(probs, [rows.seqs[i] for i in random_rows], params)
-        tokens[index] = (probs / noise).argmax(dim=-1)
+        uniform = self._uniform([rows.seqs[i] for i in random_rows], params, logits.device)
+        tokens[index] = inverse_cdf(probs, uniform)
         return tokens
 
-    def _exponential_noise(
-        self,
-        probs: torch.Tensor,
-        seqs: list[ScheduledSequence],
-        params: list[SamplingParams],
+    def _uniform(
+        self, seqs: list[ScheduledSequence], params: list[SamplingParams], device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) noise; argmax(probs / noise) is a draw from probs. Seeded
-        requests draw their rows from their own generator, in sample order."""
-        noise = torch.empty_like(probs).exponential_()
+        """One U[0, 1) number per row; seeded requests draw theirs from their own
+        generator, in sample order. Float32 draws: strictly below 1 after scaling (see
+        ``inverse_cdf``)."""
+        uniform = torch.rand(len(seqs), device=device)
         for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
             if p.seed is not None:
-                generator = self._generator(seq.request_id, p.seed, probs.device)
-                noise[i].exponential_(generator=generator)
-        return noise.clamp_min_(1e-20)
+                generator = self._generator(seq.request_id, p.seed, device)
+                uniform[i] = torch.rand(1, generator=generator, device=device)[0]
+        return uniform
 
     def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
         generator = self._generators.get(request_id)
@@ -290,6 +290,17 @@ def _token_counts(
         ids = ids.to(device)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``uniform`` times
+    the row's total: a draw from ``probs``. Float64 sums, so that a token of tiny
+    probability keeps its share of [0, 1); a zero-probability token is never chosen
+    (its cumulative value equals its predecessor's). One random number per row, where an
+    exponential race (argmax of probs / Exp(1) noise) needs one per vocabulary entry."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = uniform.to(torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,0 +1,412 @@
+"""`pagedllm serve` against vLLM's OpenAI server, driven by vLLM's own benchmark client.
+
+Starts ``pagedllm serve`` (and, with ``--vllm PYTHON``, vLLM's OpenAI server from that
+interpreter) on the same model and dtype, then runs rounds: in each, every server in turn
+(the order alternates) gets the same workload from vLLM's benchmark client
+(``vllm.benchmarks.serve``, called as a library in the given interpreter: random dataset,
+``--input-len`` in / ``--output-len`` out, ``--num-prompts``, ``--max-concurrency``,
+``--ignore-eos``; round r uses seed ``--seed`` + r for every server, so the prompts of a
+round are the same and no round finds the previous one's prompts in a prefix cache).
+Without ``--vllm`` pagedllm alone is driven by a client of ours (httpx) with the same
+request pattern (random token-id prompts, streamed completions, the same concurrency).
+
+Each round also times the offline ``LLM.generate`` on the same kind of requests (random
+prompts of the same lengths, ``max_num_seqs`` = the concurrency, same sampling), so that
+the server can be checked against the engine alone. Prints a table of medians (with the
+spread over rounds) and the ratios, then one JSON line.
+
+    .venv/bin/python benchmarks/serve_vs_vllm.py --vllm /work/vllm/python-wrapped --rounds 3
+    .venv/bin/python benchmarks/serve_vs_vllm.py --input-len 4096 --num-prompts 16 --rounds 2
+
+vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-<last core>``) unless set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx  # noqa: E402
+
+METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
+READY_TIMEOUT_S = 600.0
+
+# Run by the --vllm interpreter: vLLM's benchmark client on one server, one JSON line out.
+VLLM_CLIENT = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(json.loads(sys.argv[1])))
+keys = ("completed", "failed", "duration", "total_output_tokens", "output_throughput",
+        "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
+print("BENCH_RESULT " + json.dumps({k: result.get(k) for k in keys}), flush=True)
+"""
+
+# Run by this interpreter: the offline LLM on the workload, one JSON line out.
+OFFLINE = """
+import json, sys, time
+from pagedllm import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_concurrency"])
+params = SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, seed=None)
+llm.generate(spec["warmup"], params, use_tqdm=False)
+start = time.perf_counter()
+outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+print("BENCH_RESULT " + json.dumps({"output_throughput": tokens / elapsed, "duration": elapsed,
+      "total_output_tokens": tokens, "completed": len(outputs), "failed": 0}), flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    num_prompts: int
+    max_concurrency: int
+
+
+# ---------------------------------------------------------------- servers
+
+
+class Server:
+    """A server process on 127.0.0.1:port, its log in a file; stopped with SIGTERM."""
+
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path, env: dict):
+        self.name, self.port = name, port
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; log tail:\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self._tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def _tail(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-3000:]
+
+
+def start_pagedllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
+               "--dtype", args.dtype, "--port", str(args.port), "--log-level", "warning",
+               "--max-queued-requests", "4096", *args.pagedllm_arg]  # fmt: skip
+    return Server("pagedllm", command, args.port, log_dir, dict(os.environ))
+
+
+def start_vllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    command = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--dtype", args.dtype, "--port", str(args.port + 1), "--seed", "0",
+               *args.vllm_arg]  # fmt: skip
+    return Server("vllm", command, args.port + 1, log_dir, env)
+
+
+# ---------------------------------------------------------------- clients
+
+
+def vllm_client(args: argparse.Namespace, server: Server, model: str, work: Workload,
+                seed: int) -> dict[str, Any]:  # fmt: skip
+    """vLLM's benchmark client (the --vllm interpreter) on ``server``."""
+    argv = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", model, "--dataset-name", "random",
+            "--random-input-len", str(work.input_len), "--random-output-len", str(work.output_len),
+            "--num-prompts", str(work.num_prompts), "--max-concurrency", str(work.max_concurrency),
+            "--ignore-eos", "--seed", str(seed), "--disable-tqdm"]  # fmt: skip
+    return _child_result([args.vllm, "-c", VLLM_CLIENT, json.dumps(argv)])
+
+
+def _child_result(command: list[str]) -> dict[str, Any]:
+    run = subprocess.run(command, capture_output=True, text=True)
+    for line in run.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return json.loads(line.removeprefix("BENCH_RESULT "))
+    raise RuntimeError(f"{command[0]} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+
+
+def random_prompts(tokenizer: Any, work: Workload, seed: int, count: int) -> list[list[int]]:
+    """Random token-id prompts of ``work.input_len`` tokens (no special tokens)."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    return [[rng.choice(vocab) for _ in range(work.input_len)] for _ in range(count)]
+
+
+async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed completion: TTFT, the gaps between content chunks, output tokens."""
+    start = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"ok": False}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if event.get("choices"):
+                times.append(time.perf_counter())
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if "error" in event:
+                return {"ok": False}
+    if not times:
+        return {"ok": False}
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return {"ok": True, "ttft": times[0] - start, "itls": gaps, "tokens": tokens}
+
+
+async def httpx_client(
+    server: Server, model: str, prompts: list[list[int]], work: Workload
+) -> dict[str, Any]:
+    """Our client with vLLM's request pattern: streamed completions, bounded concurrency."""
+    limit = asyncio.Semaphore(work.max_concurrency)
+    timeout = httpx.Timeout(None)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=timeout) as client:
+
+        async def one(prompt: list[int]) -> dict[str, Any]:
+            body = {"model": model, "prompt": prompt, "max_tokens": work.output_len,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            async with limit:
+                return await _stream_one(client, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        duration = time.perf_counter() - start
+    done = [r for r in results if r["ok"]]
+    ttfts = [r["ttft"] * 1000 for r in done]
+    itls = [g * 1000 for r in done for g in r["itls"]]
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "completed": len(done), "failed": len(results) - len(done), "duration": duration,
+        "total_output_tokens": tokens, "output_throughput": tokens / duration,
+        "mean_ttft_ms": _mean(ttfts), "p99_ttft_ms": _p99(ttfts),
+        "mean_itl_ms": _mean(itls), "p99_itl_ms": _p99(itls),
+    }  # fmt: skip
+
+
+def offline(args: argparse.Namespace, model: str, work: Workload, prompts: list[list[int]],
+            warmup: list[list[int]]) -> dict[str, Any]:  # fmt: skip
+    spec = {"model": model, "dtype": args.dtype, "max_concurrency": work.max_concurrency,
+            "output_len": work.output_len, "prompts": prompts, "warmup": warmup}  # fmt: skip
+    return _child_result([sys.executable, "-c", OFFLINE, json.dumps(spec)])
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+# ---------------------------------------------------------------- rounds and the report
+
+
+def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    results: dict[str, list[dict[str, Any]]] = {"pagedllm": [], "vllm": [], "offline": []}
+    with ExitStack() as stack:
+        servers = [start_pagedllm(args, model, log_dir)]
+        if args.vllm:
+            servers.append(start_vllm(args, model, log_dir))
+        for server in servers:
+            stack.callback(server.stop)
+        for server in servers:
+            server.wait_ready()
+        warm = Workload(work.input_len, 16, min(8, work.num_prompts), work.max_concurrency)
+        for server in servers:  # first requests pay one-time costs
+            drive(args, server, model, tokenizer, warm, seed=10_000)
+        for r in range(args.rounds):
+            seed = args.seed + r
+            order = servers if r % 2 == 0 else servers[::-1]
+            for server in order:
+                result = drive(args, server, model, tokenizer, work, seed)
+                results[server.name].append(result)
+                _log_round(r, server.name, result)
+            if not args.no_offline:
+                prompts = random_prompts(tokenizer, work, seed, work.num_prompts)
+                warmup = random_prompts(tokenizer, warm, 10_000, warm.num_prompts)
+                result = offline(args, model, work, prompts, warmup)
+                results["offline"].append(result)
+                _log_round(r, "offline", result)
+    return {k: v for k, v in results.items() if v}
+
+
+def drive(args: argparse.Namespace, server: Server, model: str, tokenizer: Any, work: Workload,
+          seed: int) -> dict[str, Any]:  # fmt: skip
+    if args.vllm:
+        return vllm_client(args, server, model, work, seed)
+    prompts = random_prompts(tokenizer, work, seed, work.num_prompts)
+    return asyncio.run(httpx_client(server, model, prompts, work))
+
+
+def _log_round(r: int, name: str, result: dict[str, Any]) -> None:
+    print(f"  round {r} {name:9s} {result['output_throughput']:8.1f} tok/s  "
+          f"ttft {result.get('mean_ttft_ms') or 0:8.1f} ms  itl {result.get('mean_itl_ms') or 0:6.1f}"
+          f" ms  failed {result.get('failed')}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians with (min, max) per engine and metric; ratios as medians of per-round ratios."""
+    summary: dict[str, Any] = {}
+    for name, rounds in results.items():
+        entry: dict[str, Any] = {"rounds": len(rounds)}
+        for metric in (*METRICS, "failed"):
+            values = [r[metric] for r in rounds if r.get(metric) is not None]
+            if values:
+                entry[metric] = {"median": statistics.median(values), "min": min(values),
+                                 "max": max(values)}  # fmt: skip
+        summary[name] = entry
+    ratios: dict[str, Any] = {}
+    if "vllm" in results:
+        for metric in METRICS:
+            ratios[f"{metric}_vs_vllm"] = _ratio(results["pagedllm"], results["vllm"], metric)
+    if "offline" in results:
+        ratios["output_throughput_vs_offline"] = _ratio(
+            results["pagedllm"], results["offline"], "output_throughput"
+        )
+    summary["ratios"] = ratios
+    return summary
+
+
+def _ratio(ours: list[dict], theirs: list[dict], metric: str) -> dict[str, float] | None:
+    values = [a[metric] / b[metric] for a, b in zip(ours, theirs, strict=False)
+              if a.get(metric) and b.get(metric)]  # fmt: skip
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespace) -> None:
+    print(f"serve_vs_vllm: {args.model} {args.dtype}, random {work.input_len} in / "
+          f"{work.output_len} out, {work.num_prompts} prompts, concurrency "
+          f"{work.max_concurrency}, {args.rounds} rounds; CPU: {_cpu_name()}, "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    header = ("engine", "output tok/s", "mean TTFT ms", "p99 TTFT ms", "mean ITL ms",
+              "p99 ITL ms", "failed")  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for name in ("pagedllm", "vllm", "offline"):
+        entry = summary.get(name)
+        if entry is None:
+            continue
+        cells = [name] + [_cell(entry.get(m)) for m in (*METRICS, "failed")]
+        print("| " + " | ".join(cells) + " |")
+    for key, value in summary["ratios"].items():
+        if value is not None:
+            print(f"  pagedllm {key}: {value['median']:.2f} "
+                  f"(rounds {value['min']:.2f}-{value['max']:.2f})")  # fmt: skip
+
+
+def _cell(entry: dict[str, float] | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{entry['median']:.1f} ({entry['min']:.1f}-{entry['max']:.1f})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def resolve_model(name: str) -> str:
+    if name == "default":
+        from pagedllm.model.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return str(Path(name).expanduser().resolve())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="HF directory or 'default'")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--vllm", metavar="PYTHON", help="interpreter with vLLM installed")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="round r uses seed + r")
+    parser.add_argument("--port", type=int, default=8710, help="pagedllm's; vLLM's is +1")
+    parser.add_argument("--no-offline", action="store_true", help="skip LLM.generate")
+    parser.add_argument("--pagedllm-arg", action="append", default=[],
+                        help="an extra flag for pagedllm serve (repeat)")  # fmt: skip
+    parser.add_argument("--vllm-arg", action="append", default=[],
+                        help="an extra flag for vLLM's server (repeat)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.num_prompts < 1 or args.max_concurrency < 1:
+        parser.error("--rounds, --num-prompts and --max-concurrency must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Workload(args.input_len, args.output_len, args.num_prompts, args.max_concurrency)
+    model = resolve_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="serve-vs-vllm-") as log_dir:
+        results = run_rounds(args, model, work, Path(log_dir))
+    summary = summarize(results)
+    print_table(summary, work, args)
+    failed = sum(r.get("failed") or 0 for rounds in results.values() for r in rounds)
+    print(json.dumps({"workload": asdict(work), "model": args.model, "dtype": args.dtype,
+                      "cpu": _cpu_name(), "summary": summary, "rounds": results}))  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
