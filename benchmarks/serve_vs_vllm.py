@@ -182,16 +182,23 @@ async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[s
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return {"ok": False}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            if event.get("choices"):
-                times.append(time.perf_counter())
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if "error" in event:
-                return {"ok": False}
+        buffer = ""
+        # Events end with a blank line; split on "\n" only (generated text may hold
+        # U+2028 and the like, which str.splitlines would also split on).
+        async for text in response.aiter_text():
+            buffer += text
+            *events, buffer = buffer.split("\n\n")
+            for event in events:
+                payload = event.removeprefix("data: ")
+                if payload == "[DONE]" or not event.startswith("data: "):
+                    continue
+                data = json.loads(payload)
+                if "error" in data:
+                    return {"ok": False}
+                if data.get("choices"):
+                    times.append(time.perf_counter())
+                if data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
     if not times:
         return {"ok": False}
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]

@@ -88,7 +88,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="most tokens in one step (default 2048)",
+        help="most tokens in one step (default 2048; pagedllm serve: 512)",
     )
     group.add_argument(
         "--enable-prefix-caching",

@@ -31,6 +31,12 @@ from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.core import ConfigEngineFactory
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
 
+# Tokens a server step takes when --max-num-batched-tokens is not given (the offline LLM
+# keeps 2048): prompts prefill in small slices between decode steps, so a new request's
+# first token does not wait behind other whole prompts; chosen by measurement
+# (docs/performance.md).
+SERVER_MAX_NUM_BATCHED_TOKENS = 512
+
 # uvicorn's own deadline comes this long after ours, so that streams we end have time
 # to send their last event before uvicorn would cancel them mid-stream.
 _UVICORN_GRACE_S = 5.0
@@ -125,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data-parallel-size must be at least 1")
     if args.data_parallel_size > 1:
         return run_data_parallel(args)
+    if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
+        args.max_num_batched_tokens = SERVER_MAX_NUM_BATCHED_TOKENS
     config = config_from_args(args)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
         from pagedllm.worker.distributed import run_worker_node
