@@ -60,6 +60,9 @@ class SamplingParams:
     ``stop`` strings are matched across token boundaries by the detokenizer and
     left out of the text unless ``include_stop_str_in_output``.
     ``logprobs=k`` returns, per generated token, its log-probability and the top k.
+    ``prompt_logprobs=k`` returns the same for every prompt token after the first
+    (``RequestOutput.prompt_logprobs``); such a request computes its whole prompt (no
+    prefix-cache hit), as in vLLM.
     """
 
     n: int = 1
@@ -77,6 +80,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -115,6 +119,8 @@ class SamplingParams:
         self._check_penalties()
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self._check_logit_bias()
 
     def _check_penalties(self) -> None:

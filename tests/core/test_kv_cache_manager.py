@@ -407,3 +407,31 @@ def test_block_table_tuple_is_the_same_object_until_the_table_changes():
     kv.free(child)
     assert kv.block_table_tuple("a") == () and kv.block_table_tuple("c") == ()
     kv.check_invariants()
+
+
+def test_released_block_ids_in_release_order():
+    """The worker learns which device blocks were freed (a quantized cache drops their
+    staged rows): exactly the blocks whose ref count reached zero, in order, once."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.take_released_block_ids() == ()
+    a = make_request("a", range(100, 110))  # blocks 0, 1, 2 (2 partial)
+    run_prompt(kv, a)
+    parent, child = fork_after_prompt(kv, 6)  # blocks 3, 4 shared by p and c1
+    kv.free(parent)
+    assert kv.take_released_block_ids() == ()  # c1 still holds them
+    kv.free(a)
+    assert kv.take_released_block_ids() == (2, 1, 0)
+    assert kv.take_released_block_ids() == ()
+    kv.free(child)
+    assert kv.take_released_block_ids() == (4, 3)
+
+
+def test_prompt_logprob_requests_take_no_prefix_hit():
+    from pagedllm.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    run_prompt(kv, make_request("a", range(9)))
+    plain = make_request("b", range(9))
+    wants = make_request("c", range(9), sampling_params=SamplingParams(prompt_logprobs=0))
+    assert kv.get_computed_blocks(plain).num_tokens == 8
+    assert kv.get_computed_blocks(wants) == ComputedBlocks()

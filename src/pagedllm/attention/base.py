@@ -19,9 +19,12 @@ never read, so a manager may have freed them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm.attention.quant import QuantizedCache, QuantStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    # A quantized cache's write plan for this step (``attention/quant.py``); None for a
+    # full-precision cache. With it, the layers' caches are ``QuantizedCache`` pairs.
+    quant: QuantStep | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +79,9 @@ class AttentionBackend(Protocol):
     [num_blocks, block_size, num_kv_heads, head_dim]. Returns
     [num_tokens, num_heads, head_dim] in the dtype of ``query``. ``kind``: the layer's
     window and soft-capping (every backend honours both).
+    With ``meta.quant`` set, ``k_cache``/``v_cache`` are ``QuantizedCache`` objects (sealed
+    blocks dequantized, each query's own block in full precision: ``attention/quant.py``;
+    full attention only).
     """
 
     name: str
@@ -82,8 +91,8 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | QuantizedCache,
+        v_cache: torch.Tensor | QuantizedCache,
         meta: AttentionMetadata,
         scale: float,
         kind: AttentionKind = FULL_ATTENTION,

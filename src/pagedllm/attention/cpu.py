@@ -29,6 +29,12 @@ from pagedllm.attention.base import (
     KernelStep,
     write_kv,
 )
+from pagedllm.attention.quant import (
+    QuantizedCache,
+    check_full_attention,
+    forward_reference,
+    write_step,
+)
 from pagedllm.attention.reference import causal_mask, gather_context, paged_attention
 from pagedllm.kernels.build import load_library
 from pagedllm.kernels.probe import cpu_info
@@ -95,6 +101,7 @@ class CpuAttention:
         self._op = None if use_extension is False else load_extension()
         self._merge = torch.ops.pagedllm.merge_attention if self._op is not None else None
         self._write = torch.ops.pagedllm.write_kv_ if self._op is not None else None
+        self._quant = torch.ops.pagedllm.quant_attention if self._op is not None else None
         if use_extension is True and self._op is None:
             raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
         self.max_kernel_query_len = max_kernel_query_len
@@ -115,12 +122,14 @@ class CpuAttention:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | QuantizedCache,
+        v_cache: torch.Tensor | QuantizedCache,
         meta: AttentionMetadata,
         scale: float,
         kind: AttentionKind = FULL_ATTENTION,
     ) -> torch.Tensor:
+        if meta.quant is not None:
+            return self._forward_quantized(query, key, value, k_cache, v_cache, meta, scale, kind)
         self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         if not kind.is_full:
             # Windows and soft-capping: the reference computation over the visible blocks
@@ -171,6 +180,47 @@ class CpuAttention:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
         return kernel + "; longer prompts: SDPA per sequence"
 
+    def _forward_quantized(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: QuantizedCache,
+        v_cache: QuantizedCache,
+        meta: AttentionMetadata,
+        scale: float,
+        kind: AttentionKind,
+    ) -> torch.Tensor:
+        """A quantized cache: the step's windows, seals and staging, then attention over
+        sealed blocks (dequantized) and each query's own block from the window."""
+        check_full_attention(kind)
+        q = query if query.dtype == k_cache.dtype else query.to(k_cache.dtype)
+        if self._quant is None or not _quant_kernel_applies(q):
+            return forward_reference(query, key, value, k_cache, v_cache, meta, scale)
+        step = meta.quant
+        k_window, v_window = write_step(key, value, k_cache, v_cache, step)
+        out = torch.empty_like(q)
+        self._quant(
+            out,
+            q,
+            k_cache.data,
+            k_cache.scale,
+            k_cache.minimum,
+            k_cache.codec.code,
+            v_cache.data,
+            v_cache.scale,
+            v_cache.minimum,
+            v_cache.codec.code,
+            k_window,
+            v_window,
+            _int32(meta.block_tables),
+            _int32(meta.seq_lens),
+            _int32(meta.query_start_loc),
+            step.window_start,
+            scale,
+        )
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
     def kernel_step(
         self,
         dtype: torch.dtype,
@@ -186,7 +236,8 @@ class CpuAttention:
         # The kernel's conditions, then write_kv_'s for K/V rows cut from the qkv product
         # (rows contiguous, in the model's dtype): it refuses other caches and slot tensors.
         if (
-            not self._kernel_applies(dtype, k_cache)
+            meta.quant is not None
+            or not self._kernel_applies(dtype, k_cache)
             or k_cache.dtype != dtype
             or v_cache.dtype != dtype
             or k_cache.dim() != 4
@@ -290,6 +341,16 @@ class CpuAttention:
             and dtype in (torch.float32, torch.bfloat16)
             and k_cache.is_contiguous()
         )
+
+
+def _quant_kernel_applies(query: torch.Tensor) -> bool:
+    """``quant_attention``'s conditions (else the plain dequantize-then-attend path)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and query.stride(2) == 1
+        and query.shape[2] <= 512
+    )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pagedllm.attention.base import (
     KernelStep,
     write_kv,
 )
+from pagedllm.attention.quant import QuantizedCache, forward_reference
 
 
 def gather_context(
@@ -108,12 +109,15 @@ class ReferenceAttention:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | QuantizedCache,
+        v_cache: torch.Tensor | QuantizedCache,
         meta: AttentionMetadata,
         scale: float,
         kind: AttentionKind = FULL_ATTENTION,
     ) -> torch.Tensor:
+        if meta.quant is not None:
+            # Quantized: dequantize the sealed blocks, then attend (the ground truth).
+            return forward_reference(query, key, value, k_cache, v_cache, meta, scale, kind)
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(query, k_cache, v_cache, meta, scale, kind)
 

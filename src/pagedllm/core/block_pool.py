@@ -34,15 +34,24 @@ class BlockPool:
     """``num_blocks`` KV blocks with ref counts and a hash -> block prefix index.
 
     ``events``: where registrations and removals from the index are logged (a router's
-    feed, ``core/cache_events.py``); None logs nothing."""
+    feed, ``core/cache_events.py``); None logs nothing. ``track_released``: keep the ids of
+    blocks released since the last ``take_released`` (the worker drops per-block state it
+    keeps outside the pool, such as a quantized cache's staged open blocks)."""
 
-    def __init__(self, num_blocks: int, *, events: CacheEventLog | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        events: CacheEventLog | None = None,
+        track_released: bool = False,
+    ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         # Blocks at or above the limit are on their way out (a shrink in progress): once
         # free they are retired instead of handed out again.
         self.limit = num_blocks
+        self._released: list[int] | None = [] if track_released else None
         self._ref_counts = [0] * num_blocks
         # OrderedDicts as ordered sets: O(1) pop from the front and removal from the
         # middle (a plain dict degrades to O(n) when popped from the front).
@@ -151,6 +160,8 @@ class BlockPool:
                 raise ValueError(f"decref of unreferenced block {block_id}")
             self._ref_counts[block_id] = count - 1
             if count == 1:
+                if self._released is not None:
+                    self._released.append(block_id)
                 if block_id in self._block_hash:
                     self._cached_free[block_id] = None
                 elif block_id < self.limit:
@@ -160,6 +171,15 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def take_released(self) -> tuple[int, ...]:
+        """Blocks released (ref count to zero) since the last call, in order; () when the
+        pool does not track them."""
+        if not self._released:
+            return ()
+        released = tuple(self._released)
+        self._released.clear()
+        return released
 
     def block_hash(self, block_id: int) -> bytes | None:
         return self._block_hash.get(block_id)

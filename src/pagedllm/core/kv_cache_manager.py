@@ -135,7 +135,7 @@ class KVCacheManager:
         self._watermark_blocks = int(watermark * num_blocks)
         # The device pool's prefix index changes, for routers (core/cache_events.py).
         self.events = CacheEventLog()
-        self.pool = BlockPool(num_blocks, events=self.events)
+        self.pool = BlockPool(num_blocks, events=self.events, track_released=True)
         # Read-only alias of the pool's ref counts (the list is never replaced): the
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts
@@ -163,8 +163,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of full blocks, capped at ``num_tokens - 1`` tokens
-        so that at least one token is computed (its logits are needed)."""
-        if not self.enable_prefix_caching:
+        so that at least one token is computed (its logits are needed); none for a
+        request that wants every prompt position's logprobs."""
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return _NO_HIT
         bs = self.block_size
         hashes = self._ensure_hashes(request)
@@ -421,6 +422,12 @@ class KVCacheManager:
         if self._pending_hashes is not None and self._pending_hashes[0] is request:
             self._pending_hashes = None
         self._num_registered.pop(request_id, None)
+
+    def take_released_block_ids(self) -> tuple[int, ...]:
+        """Device blocks released since the last call (their ref count reached zero): the
+        worker drops per-block state it keeps outside the pool (a quantized cache's
+        staged open blocks)."""
+        return self.pool.take_released()
 
     def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
         """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix

@@ -54,7 +54,9 @@ class SchedulerOutput:
     3. ``disk.loads`` (disk -> fresh device blocks), then ``disk.drops``,
     4. ``block_copies`` (src -> dst device blocks, copy-on-write),
     5. the forward pass over ``scheduled``, then sampling.
-    ``finished_request_ids`` lets the worker drop per-request state (generators).
+    ``finished_request_ids`` lets the worker drop per-request state (generators);
+    ``released_block_ids`` (device blocks freed since the last output) per-block state kept
+    outside the pool, after the moves and except for blocks the moves just wrote.
 
     ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
     scheduled sequence is a greedy decode of one token whose block table already holds
@@ -71,6 +73,7 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)
     num_steps: int = 1
     disk: DiskOps = NO_DISK_OPS
+    released_block_ids: tuple[int, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,8 +108,14 @@ class ModelRunnerOutput:
     one ``TokenLogprob`` per sampled token. ``failed_loads``: device blocks of
     ``SchedulerOutput.disk.loads`` that could not be read (missing, truncated or corrupt
     on disk); their holders must be recomputed (``Scheduler.reject_loads``).
+    ``prompt_logprobs`` is empty when no
+    scheduled sequence asked for them, else aligned too: for a sequence whose chunk
+    covers prompt positions ``s .. e-1``, one ``TokenLogprob`` for each prompt token
+    ``s+1 .. min(e, num_prompt_tokens - 1)`` (predicted from the position before it);
+    None for the others.
     """
 
     sampled_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
     failed_loads: tuple[int, ...] = ()
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()

@@ -79,6 +79,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position's logits are needed: no prefix-cache hit may skip them."""
+        params = self.sampling_params
+        return params is not None and params.prompt_logprobs is not None
+
+    @property
     def extra_keys(self) -> tuple[str, ...]:
         """Extra inputs to every block hash (tenant isolation)."""
         return () if self.cache_salt is None else (self.cache_salt,)

@@ -232,6 +232,7 @@ class Scheduler:
             finished_request_ids=frozenset(self._finished_ids),
             num_steps=num_steps,
             disk=self.kv.take_disk_ops(),
+            released_block_ids=self.kv.take_released_block_ids(),
         )
         self._finished_ids.clear()
         return output
@@ -615,6 +616,8 @@ class Scheduler:
         Never starves: the block's owner runs every step until it is registered, and a
         request that is preempted or finishes no longer counts."""
         index = computed.num_tokens // self._block_size
+        if request.wants_prompt_logprobs:
+            return False  # it takes no prefix hit, so waiting gains nothing
         if index >= (request.num_tokens - 1) // self._block_size:
             return False  # beyond the cap of a prefix hit: it computes that block anyway
         if self.kv.block_hashes(request)[index] not in in_flight:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
+from pagedllm.kv_dtypes import check_kv_cache_dtype
 
 GIB = 1 << 30
 # Without --kv-cache-memory or --memory-fraction: enough for a few long sessions of
@@ -32,6 +33,9 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "auto"
+    # The KV cache's storage format (pagedllm.kv_dtypes): "auto" (the model's dtype),
+    # "float32", "bfloat16", "float16", "int8", "int4", "fp8_e4m3", "fp8_e5m2".
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
     memory_fraction: float | None = None
@@ -131,6 +135,7 @@ class EngineConfig:
         self._check_distributed()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     def _check_distributed(self) -> None:
         self._check_positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -89,6 +89,10 @@ class EngineStats:
     elastic: ElasticStats | None = None
     # Which implementation runs each capability of a step, and the dtype (None: no model).
     routes: Routes | None = None
+    # The cache's format ("bfloat16", "int8", ...) and bytes per token with its scales;
+    # None for a runner without a KV spec (the fake runner).
+    kv_cache_dtype: str | None = None
+    kv_bytes_per_token: float | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +140,9 @@ class _Group:
     seqs: dict[int, _Sequence] = field(default_factory=dict)
     error: str | None = None
     num_finished: int = 0  # sequences with a finish_reason (kept by `finish`)
+    # prompt_logprobs by prompt position (1 ..), when asked for; a recomputed prompt
+    # (after preemption) writes the same positions again.
+    prompt_logprobs: dict[int, TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -232,7 +239,8 @@ class LLMEngine:
         import torch
 
         from pagedllm.model.loader import load_model
-        from pagedllm.worker.kv_cache import KVCacheSpec, available_memory_bytes
+        from pagedllm.worker.kv_cache import available_memory_bytes
+        from pagedllm.worker.model_runner import kv_cache_spec
 
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
@@ -251,7 +259,7 @@ class LLMEngine:
         else:
             runner = build_runner(config, loaded.model)
         # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
-        spec = KVCacheSpec.from_model_config(loaded.model.config, config.block_size, loaded.dtype)
+        spec = kv_cache_spec(loaded.model, config.block_size, config.kv_cache_dtype)
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
         engine = cls(
             config,
@@ -316,6 +324,8 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         group = _Group(request_id, text, tuple(token_ids), params, seq_ids)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = {}
         self._groups[request_id] = group
         for j, seq_id in enumerate(seq_ids):
             self._seq_owner[seq_id] = (group, j)
@@ -459,6 +469,8 @@ class LLMEngine:
                 len(s.token_ids) for s in forward.scheduled if s.request_id in culprits
             )
         self._counters["computed"] += num_computed * forward.num_steps
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(forward, result)
         touched = {g.request_id: g for g in failed}
         for update in self.scheduler.update(forward, result):
             group = self._apply(update, lazy_text=lazy_text, final_text=final_text)
@@ -499,6 +511,8 @@ class LLMEngine:
             disk=self.disk_store.stats() if self.disk_store is not None else None,
             elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
             routes=self.routes,
+            kv_cache_dtype=_kv_cache_dtype_name(self.runner),
+            kv_bytes_per_token=_kv_bytes_per_token(self.runner),
         )
 
     def flush_disk_tier(self) -> None:
@@ -558,6 +572,14 @@ class LLMEngine:
             max_tokens = (params.max_tokens or 0) if params is not None else 0
             next_len = len(first.prompt_token_ids) + max_tokens
         return waste(self.kv, token_ids, next_request_len=next_len)
+
+    def _record_prompt_logprobs(self, forward: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        for seq, logprobs in zip(forward.scheduled, result.prompt_logprobs, strict=True):
+            owner = self._seq_owner.get(seq.request_id)
+            if logprobs and owner is not None and owner[0].prompt_logprobs is not None:
+                by_position = owner[0].prompt_logprobs
+                for j, logprob in enumerate(logprobs):
+                    by_position[seq.start_position + 1 + j] = logprob
 
     def _apply(
         self, update: SequenceUpdate, *, lazy_text: bool = False, final_text: bool = True
@@ -657,6 +679,12 @@ class LLMEngine:
         if group.error is not None and not completions:
             completions = [CompletionOutput(0, "", (), finish_reason="error")]
         first = group.seqs.get(0)
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None:
+            # vLLM's shape: one entry per prompt token, None for the first (nothing
+            # predicts it) and for positions not computed yet.
+            found = group.prompt_logprobs.get
+            prompt_logprobs = (None, *(found(p) for p in range(1, len(group.prompt_token_ids))))
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -665,6 +693,7 @@ class LLMEngine:
             finished=group.finished,
             num_cached_tokens=first.request.num_cached_tokens if first else 0,
             error=group.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod
@@ -709,6 +738,7 @@ class LLMEngine:
         n = len(forward.scheduled)
         sampled: list[tuple[int, ...]] = [()] * n
         logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * n
+        prompt_logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * n
         culprits: dict[str, Exception] = {}
         finished_ids = forward.finished_request_ids  # releasing twice is harmless
         for i, seq in enumerate(forward.scheduled):
@@ -723,7 +753,10 @@ class LLMEngine:
                 sampled[i] = tuple(result.sampled_token_ids[0])
             if result.logprobs:
                 logprobs[i] = result.logprobs[0]
-        return ModelRunnerOutput(tuple(sampled), tuple(logprobs)), culprits
+            if result.prompt_logprobs:
+                prompt_logprobs[i] = result.prompt_logprobs[0]
+        output = ModelRunnerOutput(tuple(sampled), tuple(logprobs), tuple(prompt_logprobs))
+        return output, culprits
 
     def _fail_culprits(self, culprits: dict[str, Exception]) -> list[_Group]:
         """Fail the groups of the sequences that raised, each with its own error."""
@@ -854,6 +887,8 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             tp=self.config.tensor_parallel_size,
             engine_bytes_per_token=_engine_bytes_per_token(self.runner),
+            kv_cache_dtype=_kv_cache_dtype_name(self.runner),
+            staging_block_bytes=_staging_block_bytes(self.runner),
         )
         if self.routes is None:
             return report
@@ -894,11 +929,30 @@ def _engine_bytes_per_token(runner: Any) -> int | None:
     return None if spec is None else spec.bytes_per_token
 
 
-def _kv_dtype_bytes(runner: Any) -> int:
+def _kv_dtype_bytes(runner: Any) -> float:
+    """Bytes per cached element, scales included (4 for a runner without a spec)."""
     spec = getattr(runner, "spec", None)
-    if spec is not None:
-        return torch_element_size(spec.dtype)
-    return 4
+    return spec.element_bytes if spec is not None else 4
+
+
+def _kv_cache_dtype_name(runner: Any) -> str | None:
+    """The cache's format for the start-up report: its dtype name, or the quantization."""
+    spec = getattr(runner, "spec", None)
+    if spec is None:
+        return None
+    return spec.quantization or str(spec.dtype).removeprefix("torch.")
+
+
+def _kv_bytes_per_token(runner: Any) -> float | None:
+    spec = getattr(runner, "spec", None)
+    return None if spec is None else spec.bytes_per_token
+
+
+def _staging_block_bytes(runner: Any) -> int | None:
+    spec = getattr(runner, "spec", None)
+    if spec is None or spec.quantization is None:
+        return None
+    return spec.staging_bytes_per_slot
 
 
 def torch_element_size(dtype: Any) -> int:
@@ -920,15 +974,17 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
     memory budget (per rank under tensor parallelism: the model's config has the rank's
     KV heads), its host tier by ``num_host_blocks`` or ``swap_space``."""
     from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
-    from pagedllm.worker.kv_cache import KVCacheSpec
-    from pagedllm.worker.model_runner import TorchModelRunner
+    from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec
 
-    dtype = next(model.parameters()).dtype
-    spec = KVCacheSpec.from_model_config(model.config, config.block_size, dtype)
+    spec = kv_cache_spec(model, config.block_size, config.kv_cache_dtype)
     num_host_blocks = config.num_host_blocks
     if num_host_blocks is None:
         num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
-    common = dict(block_size=config.block_size, num_host_blocks=num_host_blocks)
+    common = dict(
+        block_size=config.block_size,
+        num_host_blocks=num_host_blocks,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
     if config.num_blocks is not None:
         return TorchModelRunner(model, num_blocks=config.num_blocks, **common)
     budget = config.kv_cache_memory

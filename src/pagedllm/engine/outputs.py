@@ -35,6 +35,9 @@ class RequestOutput:
     """A request's state after a step: prompt, its completions, whether all ended.
 
     ``num_cached_tokens``: prompt tokens served from the prefix cache at admission.
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): one entry per
+    prompt token, None for the first (vLLM's shape), else the token's ``TokenLogprob``
+    with the top-k alternatives.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

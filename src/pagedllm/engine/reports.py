@@ -33,6 +33,8 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
     cache, waste = stats.cache, stats.waste
     queries, hits = cache.prefix_queries_tokens, cache.prefix_hits_tokens
     return {
+        "kv_cache_dtype": stats.kv_cache_dtype,
+        "bytes_per_token": stats.kv_bytes_per_token,
         "block_size": cache.block_size,
         "blocks_total": cache.blocks_total,
         "blocks_used": cache.blocks_used,

@@ -32,6 +32,7 @@ SOURCES = tuple(
         "small_gemm_amx.cpp",
         "small_gemm_avx512.cpp",
         "decoder_layers.cpp",
+        "quant_attention.cpp",
     )
 )
 # Included by the sources: part of the build's hash, not compiled on their own.

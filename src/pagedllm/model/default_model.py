@@ -65,6 +65,11 @@ def default_gguf_path() -> Path:
     return ensure_default_model() / GGUF_NAME
 
 
+def is_default_model_cached() -> bool:
+    """The converted default model is on disk (``ensure_default_model`` would not fetch)."""
+    return _is_complete(default_model_dir())
+
+
 def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _COMPLETE_FILES)
 

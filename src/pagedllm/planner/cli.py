@@ -13,6 +13,7 @@ from pagedllm.planner.presets import (
     MIB,
     ModelSpec,
     dtype_bytes,
+    kv_dtype_bytes,
     parse_size,
     resolve_memory,
     resolve_model,
@@ -55,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bf16, fp16, fp32, fp8, int8, int4; auto = the config's dtype",
     )
     m.add_argument(
-        "--kv-dtype", default="auto", help="cache dtype; auto = bf16 (fp32 for fp32 models)"
+        "--kv-dtype",
+        default="auto",
+        help="cache dtype; auto = bf16 (fp32 for fp32 models); the engine's quantized "
+        "formats int8, int4, fp8_e4m3, fp8_e5m2 count their scales",
     )
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     m.add_argument(
@@ -252,6 +256,7 @@ def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]
     if kv_dtype == "auto":
         kv_dtype = "float32" if dtype_bytes(weight_dtype) == 4 else "bfloat16"
     weights = cap.weight_bytes(spec, dtype_bytes(weight_dtype), args.tp)
+    kv_bytes = kv_dtype_bytes(kv_dtype, spec.head_dim, args.block_size)
     reserve = args.reserve
     if reserve is None:
         reserve = cap.reserve_bytes_estimate(spec, args.tp)
@@ -263,8 +268,8 @@ def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]
     return {
         "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
         "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
-        "kv_bytes_per_token": cap.kv_bytes_per_token(spec, dtype_bytes(kv_dtype), args.tp),
-        "kv_formula": cap.kv_formula(spec, dtype_bytes(kv_dtype), args.tp),
+        "kv_bytes_per_token": cap.kv_bytes_per_token(spec, kv_bytes, args.tp),
+        "kv_formula": cap.kv_formula(spec, kv_bytes, args.tp),
         "budget": asdict(budget),
         "budget_given": args.kv_cache_memory is not None,
     }

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, kv_element_bytes
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -317,6 +319,15 @@ def parse_size(text: str | int, bare_unit: int = GIB) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value
+
+
+def kv_dtype_bytes(kv_dtype: str, head_dim: int, block_size: int) -> float:
+    """Bytes per cached K/V element: the engine's quantized formats (``int8``, ``int4``,
+    ``fp8_e4m3``, ``fp8_e5m2``: ``pagedllm.kv_dtypes``) with their scales, else
+    ``dtype_bytes``."""
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        return kv_element_bytes(kv_dtype, head_dim, block_size)
+    return dtype_bytes(kv_dtype)
 
 
 def dtype_bytes(dtype: str) -> float:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES
 from pagedllm.planner.capacity import (
     CacheGeometry,
     blocks_needed,
@@ -102,6 +103,8 @@ def startup_report(
     memory_bytes: int | None = None,
     max_num_seqs: int | None = None,
     engine_bytes_per_token: int | None = None,
+    kv_cache_dtype: str | None = None,
+    staging_block_bytes: int | None = None,
 ) -> str:
     """The KV-cache lines the engine prints at start-up.
 
@@ -112,6 +115,10 @@ def startup_report(
     or host RAM on CPU) and ``max_num_seqs`` the batch limit, both optional, used only
     to say whether the cache is too large. ``engine_bytes_per_token``: what the engine's
     cache tensors take per token, checked against the formula in one more line.
+    to say whether the cache is too large. ``kv_cache_dtype`` names the format (a
+    quantized one counts its scales in ``kv_dtype_bytes``); ``staging_block_bytes``, for a
+    quantized cache, is one open block in the model's dtype: a line says how much staging
+    ``max_num_seqs`` open blocks may take beside the pool.
     """
     f = startup_figures(
         model_config,
@@ -131,16 +138,27 @@ def startup_report(
             f"{f.concurrency_at_max_len:,} at max_model_len {f.max_model_len:,} tokens, "
             f"{f.concurrency_at_typical_len:,} at {f.typical_len:,} tokens"
         )
-    return "\n".join(
-        [
-            f"KV cache: {f.kv_bytes_per_token:,} bytes per token ({f.formula})",
-            f"KV cache: {f.num_blocks:,} blocks x {f.block_size} tokens = {f.num_tokens:,} tokens "
-            f"({_size(f.cache_bytes)})",
-            f"Maximum concurrency (whole blocks per sequence): {at}",
-            f"KV cache: {f.advice}",
-            *_engine_check(f.kv_bytes_per_token, engine_bytes_per_token, tp),
-        ]
-    )
+    kind = ""
+    if kv_cache_dtype:
+        scales = ", scales included" if kv_cache_dtype in QUANTIZED_KV_DTYPES else ""
+        kind = f" ({kv_cache_dtype}{scales})"
+    lines = [
+        f"KV cache{kind}: {f.kv_bytes_per_token:,} bytes per token ({f.formula})",
+        f"KV cache: {f.num_blocks:,} blocks x {f.block_size} tokens = {f.num_tokens:,} tokens "
+        f"({_size(f.cache_bytes)})",
+        f"Maximum concurrency (whole blocks per sequence): {at}",
+        f"KV cache: {f.advice}",
+        *_engine_check(f.kv_bytes_per_token, engine_bytes_per_token, tp),
+    ]
+    if staging_block_bytes:
+        most = f"up to {max_num_seqs:,} x " if max_num_seqs else ""
+        total = f" = {_size(max_num_seqs * staging_block_bytes)}" if max_num_seqs else ""
+        lines.append(
+            "KV cache: each sequence's open block stays in the model's dtype until it fills "
+            f"(staging beside the pool, taken as needed: {most}"
+            f"{staging_block_bytes:,} bytes{total})"
+        )
+    return "\n".join(lines)
 
 
 def _engine_check(formula_bytes: int, engine_bytes: int | None, tp: int) -> list[str]:

@@ -15,20 +15,31 @@ the tensors are re-allocated and the kept blocks copied.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_cache_dtype, kv_bytes_per_block
 from pagedllm.worker.allocator import BlockArena, total_memory_bytes
+
+if TYPE_CHECKING:
+    from pagedllm.worker.kv_quant import QuantizedKVCache
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """Shape and size of the KV cache of one model."""
+    """Shape and size of the KV cache of one model.
+
+    ``dtype`` is the cache's element type, or with ``quantization`` (a quantized
+    ``kv_cache_dtype``: ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``) the full-precision
+    type of open blocks and dequantized reads (the model's).
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -39,18 +50,29 @@ class KVCacheSpec:
     # rope key (``head_dim`` = kv_lora_rank + qk_rope_head_dim, one "head"), read as both K
     # and V; no per-head K/V.
     latent: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.quantization is not None:
+            if self.latent:
+                raise ValueError("a quantized KV cache does not take latent (MLA) layers")
+            kv_bytes_per_block(self.quantization, **self._geometry())  # validates
 
     @classmethod
     def from_model_config(
-        cls, config: object, block_size: int, dtype: torch.dtype = torch.float32
+        cls,
+        config: object,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
     ) -> KVCacheSpec:
         """From a ``ModelConfig`` (HF field names)."""
         mla = config.mla  # type: ignore[attr-defined]
+        if mla is not None and quantization is not None:
+            raise ValueError("kv_cache_dtype: a quantized cache does not take latent (MLA) layers")
         if mla is not None:
             return cls(
                 num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
@@ -66,6 +88,7 @@ class KVCacheSpec:
             head_dim=config.head_dim,  # type: ignore[attr-defined]
             block_size=block_size,
             dtype=dtype,
+            quantization=quantization,
         )
 
     @property
@@ -82,18 +105,97 @@ class KVCacheSpec:
         return 1 if self.latent else 2
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V (or the latent) of one token across all layers."""
+    def bytes_per_token(self) -> float:
+        """K and V (or the latent) of one token across all layers, scales included (a
+        block's share of per-block scales: a fraction when they do not divide evenly)."""
+        if self.quantization is not None:
+            per_block = self.bytes_per_block
+            whole = per_block % self.block_size == 0
+            return per_block // self.block_size if whole else per_block / self.block_size
         element = torch.empty((), dtype=self.dtype).element_size()
         per_layer = self.tensors_per_layer * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * element
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        if self.quantization is not None:
+            return kv_bytes_per_block(self.quantization, **self._geometry())
+        return int(self.bytes_per_token) * self.block_size
+
+    @property
+    def element_bytes(self) -> float:
+        """Average bytes per cached element, scales included."""
+        elements = self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim
+        return self.bytes_per_block / (elements * self.block_size)
+
+    @property
+    def staging_bytes_per_slot(self) -> int:
+        """One open block in full precision (a quantized cache's staging slot), all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = self.tensors_per_layer * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * element * self.block_size
+
+    def _geometry(self) -> dict[str, int]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+        }
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
         return max(0, int(num_bytes) // self.bytes_per_block)
+
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
+    """``KVCacheSpec``'s ``(dtype, quantization)`` for a ``kv_cache_dtype`` name: ``auto``
+    is the model's dtype; a quantized name stages open blocks in the model's dtype."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return model_dtype, None
+    if kv_cache_dtype in FLOAT_DTYPES:
+        return FLOAT_DTYPES[kv_cache_dtype], None
+    assert kv_cache_dtype in QUANTIZED_KV_DTYPES
+    if kv_cache_dtype.startswith("fp8") and not _fp8_supported(kv_cache_dtype):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: this torch cannot convert to it")
+    return model_dtype, kv_cache_dtype
+
+
+def _fp8_supported(name: str) -> bool:
+    dtype = getattr(torch, "float8_e4m3fn" if name == "fp8_e4m3" else "float8_e5m2", None)
+    if dtype is None:
+        return False
+    try:
+        torch.ones(2).to(dtype).float()
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def check_tier_sizes(num_blocks: int, num_host_blocks: int) -> None:
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if num_host_blocks < 0:
+        raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+
+
+def make_kv_cache(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_host_blocks: int = 0,
+    device: torch.device | str = "cpu",
+    **kwargs: object,
+) -> KVCache | QuantizedKVCache:
+    """A ``QuantizedKVCache`` when ``spec.quantization`` is set, else a ``KVCache``
+    (``kwargs``: its keyword options)."""
+    if spec.quantization is None:
+        return KVCache(spec, num_blocks, num_host_blocks, device, **kwargs)
+    from pagedllm.worker.kv_quant import QuantizedKVCache
+
+    return QuantizedKVCache(spec, num_blocks, num_host_blocks, device)
 
 
 def available_memory_bytes(device: torch.device | str = "cpu") -> int:
@@ -141,10 +243,7 @@ class KVCache:
         *,
         max_num_blocks: int | None = None,
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        check_tier_sizes(num_blocks, num_host_blocks)
         self.spec = spec
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
@@ -176,6 +275,18 @@ class KVCache:
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host block, device block) pairs."""
         swap_blocks(self.host_tensors, self.device_tensors, pairs)
+
+    # A full-precision cache writes every token straight into its slot: nothing to plan,
+    # stage or release (``QuantizedKVCache`` does all three).
+
+    def plan_step(self, meta: AttentionMetadata) -> None:
+        return None
+
+    def finish_step(self) -> None:
+        pass
+
+    def release_blocks(self, block_ids: Collection[int], keep: Collection[int] = ()) -> None:
+        pass
 
     def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """Device blocks as flat bytes, one row a block (every per-block tensor's block in

@@ -19,14 +19,25 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.core.outputs import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from pagedllm.kernels.ops import argmax_rows
 from pagedllm.routes import Routes
 from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
-from pagedllm.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_from_budget
-from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.kv_cache import (
+    KVCacheSpec,
+    cache_dtypes,
+    make_kv_cache,
+    num_blocks_from_budget,
+)
+from pagedllm.worker.sampler import Sampler, token_logprobs
 from pagedllm.worker.threads import ThreadGovernor
 
 
@@ -35,7 +46,9 @@ class TorchModelRunner:
 
     ``model`` follows the ``model/`` contract: ``forward(input_ids, positions,
     kv_caches, meta) -> hidden`` and ``compute_logits(hidden, *, float32=True) -> logits``;
-    it must carry a ``config`` (``ModelConfig``).
+    it must carry a ``config`` (``ModelConfig``). ``kv_cache_dtype``: ``"auto"`` (the
+    model's dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, or a quantized format
+    (``"int8"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``worker/kv_quant.py``).
     """
 
     # Runs ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding).
@@ -48,16 +61,16 @@ class TorchModelRunner:
         block_size: int,
         num_blocks: int,
         num_host_blocks: int = 0,
-        kv_dtype: torch.dtype | None = None,
+        kv_cache_dtype: str = "auto",
         sampler: Sampler | None = None,
         optimize: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
-        dtype = kv_dtype or next(model.parameters()).dtype
-        self.spec = KVCacheSpec.from_model_config(self.config, block_size, dtype)
-        self.kv_cache = KVCache(self.spec, num_blocks, num_host_blocks, self.device)
+        self.spec = kv_cache_spec(model, block_size, kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache = make_kv_cache(self.spec, num_blocks, num_host_blocks, self.device)
         self.sampler = sampler or Sampler()
         self.input_buffers = InputBuffers()
         self.vocab_size = self.config.vocab_size
@@ -84,14 +97,14 @@ class TorchModelRunner:
         kv_cache_memory: int | None = None,
         memory_fraction: float | None = None,
         num_host_blocks: int = 0,
-        kv_dtype: torch.dtype | None = None,
+        kv_cache_dtype: str = "auto",
         sampler: Sampler | None = None,
         optimize: bool = True,
     ) -> TorchModelRunner:
-        """Size the device tier from bytes or from a fraction of the free memory."""
+        """Size the device tier from bytes or from a fraction of the free memory (the
+        pool's blocks with their scales; a quantized cache's staging is not counted)."""
         device = next(model.parameters()).device
-        dtype = kv_dtype or next(model.parameters()).dtype
-        spec = KVCacheSpec.from_model_config(model.config, block_size, dtype)
+        spec = kv_cache_spec(model, block_size, kv_cache_dtype)
         num_blocks = num_blocks_from_budget(
             spec, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, device=device
         )
@@ -104,7 +117,7 @@ class TorchModelRunner:
             block_size=block_size,
             num_blocks=num_blocks,
             num_host_blocks=num_host_blocks,
-            kv_dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             sampler=sampler,
             optimize=optimize,
         )
@@ -125,7 +138,7 @@ class TorchModelRunner:
             "runner": "torch",
             "model": asdict(self.config),
             "weights": self._weights_digest,
-            "kv_dtype": str(self.spec.dtype),
+            "kv_dtype": self.spec.quantization or str(self.spec.dtype),
             "block_size": self.block_size,
             "block_shape": [self.spec.num_layers, 2, *self.spec.block_shape],
         }
@@ -162,9 +175,16 @@ class TorchModelRunner:
         failed_loads: tuple[int, ...] = ()
         if scheduler_output.has_block_moves:
             failed_loads = self.apply_block_moves(scheduler_output)
+        if scheduler_output.released_block_ids:
+            # After the moves: blocks they just wrote keep what they hold.
+            written = {d for _, d in scheduler_output.block_copies}
+            written.update(d for _, d in scheduler_output.swap_in)
+            self.kv_cache.release_blocks(scheduler_output.released_block_ids, keep=written)
         scheduled = scheduler_output.scheduled
         if scheduled and scheduler_output.num_steps > 1:
             output = self._execute_steps(scheduled, scheduler_output.num_steps)
+        elif scheduled and any(_prompt_logprob_count(seq) for seq in scheduled):
+            output = self._execute_with_prompt_logprobs(scheduled)
         elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
             # head where the model can (no logits written at all).
@@ -183,6 +203,35 @@ class TorchModelRunner:
         if scheduler_output.finished_request_ids:
             self.sampler.release(scheduler_output.finished_request_ids)
         return output
+
+    def _execute_with_prompt_logprobs(
+        self, scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        """A step in which some sequences want their prompt tokens' logprobs: every row's
+        hidden state is kept; the sampled rows go to the sampler as usual, and each prompt
+        row's logits score the prompt token after it."""
+        batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
+        with torch.inference_mode():
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+            output = self.sampler(
+                self._logits(hidden[batch.logits_indices], float32=True), scheduled, fast_path=False
+            )
+            prompt: list[tuple[TokenLogprob, ...] | None] = []
+            row = 0
+            for seq in scheduled:
+                count = _prompt_logprob_count(seq)
+                if count:
+                    start = seq.start_position
+                    targets = torch.tensor(
+                        seq.prompt_token_ids[start + 1 : start + 1 + count], device=self.device
+                    )
+                    logits = self._logits(hidden[row : row + count], float32=True)
+                    k = seq.sampling_params.prompt_logprobs
+                    prompt.append(tuple(token_logprobs(logits, targets, [k] * count)))
+                else:
+                    prompt.append(None)
+                row += len(seq.token_ids)
+        return replace(output, prompt_logprobs=tuple(prompt))
 
     def _execute_steps(
         self, scheduled: Sequence[ScheduledSequence], num_steps: int
@@ -204,12 +253,10 @@ class TorchModelRunner:
         batch = self.input_buffers.build(scheduled, block_size, self.device, self.num_blocks)
         later = later_decode_steps(batch, num_steps, block_size)
         with torch.inference_mode():
-            best = self._best_tokens(
-                self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            )
+            best = self._best_tokens(self._forward(batch.input_ids, batch.positions, batch.meta))
             steps = [best]
             for positions, meta in later:
-                best = self._best_tokens(self.model(best, positions, self.kv_caches, meta))
+                best = self._best_tokens(self._forward(best, positions, meta))
                 steps.append(best)
             tokens = torch.stack(steps, dim=1).tolist()
         return ModelRunnerOutput(tuple(map(tuple, tokens)), (None,) * len(tokens))
@@ -240,6 +287,14 @@ class TorchModelRunner:
         (``float32=False``: in the model's dtype, for the sampler's greedy fast path)."""
         return self._logits(self.sampled_hidden(scheduled), float32=float32)
 
+    def row_logits(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """Forward pass; float32 logits of every row [T, vocab] (teacher forcing: row r
+        scores the token after it), whatever each sequence's ``num_samples``."""
+        batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
+        with torch.inference_mode():
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+        return self._logits(hidden, float32=True)
+
     def sampled_hidden(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Forward pass; the final hidden states [S, hidden] of the rows that sample."""
         batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
@@ -248,9 +303,21 @@ class TorchModelRunner:
         all_rows = batch.logits_indices.numel() == batch.input_ids.numel()
         rows = None if all_rows else batch.logits_indices
         with torch.inference_mode():
-            return self.model(
-                batch.input_ids, batch.positions, self.kv_caches, batch.meta, output_rows=rows
-            )
+            return self._forward(batch.input_ids, batch.positions, batch.meta, rows)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward pass; a quantized cache plans the step's writes first and frees the
+        staging of the blocks it sealed once the pass succeeded."""
+        meta.quant = self.kv_cache.plan_step(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
+        self.kv_cache.finish_step()
+        return hidden
 
     def _logits(self, hidden: torch.Tensor, *, float32: bool) -> torch.Tensor:
         if hidden.shape[0] == 0:
@@ -285,3 +352,19 @@ def _weights_digest(model: torch.nn.Module) -> str:
             ends = torch.cat([flat[:64], flat[-64:]]).to("cpu", torch.float32)
             digest.update(ends.numpy().tobytes())
     return digest.hexdigest()
+
+
+def kv_cache_spec(model: torch.nn.Module, block_size: int, kv_cache_dtype: str) -> KVCacheSpec:
+    """The cache's spec for ``model`` under ``kv_cache_dtype`` (``"auto"``: the model's dtype)."""
+    dtype, quantization = cache_dtypes(kv_cache_dtype, next(model.parameters()).dtype)
+    return KVCacheSpec.from_model_config(model.config, block_size, dtype, quantization)
+
+
+def _prompt_logprob_count(seq: ScheduledSequence) -> int:
+    """How many prompt tokens this chunk's rows score for ``prompt_logprobs``: rows at
+    prompt positions ``s .. e-1`` predict tokens ``s+1 .. e`` (the last prompt token at most)."""
+    params = seq.sampling_params
+    if params is None or params.prompt_logprobs is None:
+        return 0
+    end = min(seq.start_position + len(seq.token_ids), len(seq.prompt_token_ids) - 1)
+    return max(0, end - seq.start_position)

@@ -218,21 +218,11 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
-        logprobs = torch.log_softmax(raw[index], dim=-1)
-        chosen = tokens[index]
-        chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]
-        ranks = (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1
-        k = max(rows.params[i].logprobs or 0 for i in wanted)
-        top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1) if k else (None, None)
-        for j, i in enumerate(wanted):
-            num = rows.params[i].logprobs or 0
-            result[i] = TokenLogprob(
-                token_id=int(chosen[j]),
-                logprob=float(chosen_lp[j]),
-                rank=int(ranks[j]),
-                top_token_ids=tuple(top_ids[j, :num].tolist()) if num else (),
-                top_logprobs=tuple(top_lp[j, :num].tolist()) if num else (),
-            )
+        found = token_logprobs(
+            raw[index], tokens[index], [rows.params[i].logprobs or 0 for i in wanted]
+        )
+        for i, logprob in zip(wanted, found, strict=True):
+            result[i] = logprob
         return result
 
     @staticmethod
@@ -324,3 +314,28 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         threshold = probs.max(dim=-1, keepdim=True).values * _column(min_p, device)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """Row r's log-probability of ``token_ids[r]`` (log_softmax of the raw ``logits``), its
+    rank (1 = most likely) and the ``num_top[r]`` most likely tokens with theirs."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen_lp = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen_lp[:, None]).sum(dim=-1) + 1
+    k = min(max(num_top, default=0), logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen_list, lp_list, rank_list = token_ids.tolist(), chosen_lp.tolist(), ranks.tolist()
+    top_ids_list = top_ids.tolist() if k else None
+    top_lp_list = top_lp.tolist() if k else None
+    return [
+        TokenLogprob(
+            token_id=chosen_list[r],
+            logprob=lp_list[r],
+            rank=rank_list[r],
+            top_token_ids=tuple(top_ids_list[r][:num]) if num else (),
+            top_logprobs=tuple(top_lp_list[r][:num]) if num else (),
+        )
+        for r, num in enumerate(num_top)
+    ]

@@ -1,0 +1,427 @@
+// Paged attention over a quantized KV cache (pagedllm/attention/quant.py), dequantization fused.
+//
+// A query at position p reads the sealed blocks before its own block through the block table,
+// dequantized as they are read, and its own block's rows up to p in full precision from the
+// step's window. One task = (sequence, kv head, one query block): every query head of the kv
+// head's group for every row of the sequence that falls in that block, so each sealed block is
+// dequantized once per task and used by all of them. Online softmax in fp32, blocks in table
+// order then the own block: a query's result does not depend on which other rows share its
+// step (a prefix-cache hit gives the bits a recomputation gives).
+//
+// Formats (BlockCodec in attention/quant.py): 0 int8 with one fp16 scale per token and head;
+// 1 int4 with fp16 scale and minimum per channel over the block (K); 2 int4 with fp16 scale and
+// minimum per token for each group of channels (V); 3 fp8 e4m3 and 4 fp8 e5m2 without scale. int4 packs two values a
+// byte, the even channel in the low nibble.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "vec.h"
+
+namespace {
+
+using pagedllm_vec::to_float;
+
+enum Kind : int64_t { INT8 = 0, INT4_CHANNEL = 1, INT4_TOKEN = 2, FP8_E4M3 = 3, FP8_E5M2 = 4 };
+
+struct Side {
+  int64_t kind;
+  const uint8_t* data;  // [blocks, B, H, D or D/2] bytes
+  const c10::Half* scale;
+  const c10::Half* minimum;
+  int64_t data_block, data_token, data_head;  // strides in bytes
+  int64_t scale_block, scale_a, scale_b, scale_c;  // [blocks, B, H], [blocks, H, D], [blocks, B, H, G]
+  int64_t group;                                    // int4 V: channels per scale
+};
+
+template <typename T>
+struct Args {
+  const T* query;
+  int64_t q_token, q_head;
+  T* out;
+  int64_t out_token, out_head;
+  Side k, v;
+  const T* k_window;
+  const T* v_window;
+  int64_t win_block, win_token, win_head;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* window_start;
+  int64_t block_size, head_dim, group;
+  float scale;
+};
+
+struct Task {
+  int64_t seq, kv_head, block, cost;
+};
+
+std::array<float, 256> fp8_table(bool e4m3) {
+  std::array<float, 256> table{};
+  for (int i = 0; i < 256; ++i) {
+    const auto bits = static_cast<uint8_t>(i);
+    table[i] = e4m3 ? static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()))
+                    : static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
+  }
+  return table;
+}
+
+const std::array<float, 256>& fp8_lut(int64_t kind) {
+  static const std::array<float, 256> e4m3 = fp8_table(true);
+  static const std::array<float, 256> e5m2 = fp8_table(false);
+  return kind == FP8_E4M3 ? e4m3 : e5m2;
+}
+
+// Rows [0, n) of one head of sealed block `block` as floats, row-major [n][D].
+void dequantize(const Side& s, int64_t block, int64_t head, int64_t n, int64_t dim, float* out) {
+  const uint8_t* base = s.data + block * s.data_block + head * s.data_head;
+  if (s.kind == INT8) {
+    for (int64_t t = 0; t < n; ++t) {
+      const auto* q = reinterpret_cast<const int8_t*>(base + t * s.data_token);
+      const float sc = static_cast<float>(s.scale[block * s.scale_block + t * s.scale_a + head * s.scale_b]);
+      float* row = out + t * dim;
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      const __m512 vs = _mm512_set1_ps(sc);
+      for (; d + 16 <= dim; d += 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d));
+        _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), vs));
+      }
+#endif
+      for (; d < dim; ++d) row[d] = static_cast<float>(q[d]) * sc;
+    }
+  } else if (s.kind == INT4_CHANNEL || s.kind == INT4_TOKEN) {
+    const bool per_channel = s.kind == INT4_CHANNEL;
+    const c10::Half* sc_base = s.scale + block * s.scale_block + head * (per_channel ? s.scale_a : s.scale_b);
+    const c10::Half* mn_base = s.minimum + block * s.scale_block + head * (per_channel ? s.scale_a : s.scale_b);
+    float ch_scale[512], ch_min[512];
+    if (per_channel)
+      for (int64_t d = 0; d < dim; ++d) {
+        ch_scale[d] = static_cast<float>(sc_base[d * s.scale_b]);
+        ch_min[d] = static_cast<float>(mn_base[d * s.scale_b]);
+      }
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* q = base + t * s.data_token;
+      float* row = out + t * dim;
+      if (per_channel) {
+        for (int64_t d = 0; d < dim; d += 2) {
+          row[d] = static_cast<float>(q[d / 2] & 0xF) * ch_scale[d] + ch_min[d];
+          row[d + 1] = static_cast<float>(q[d / 2] >> 4) * ch_scale[d + 1] + ch_min[d + 1];
+        }
+      } else {
+        for (int64_t g0 = 0; g0 < dim; g0 += s.group) {
+          const int64_t at = t * s.scale_a + (g0 / s.group) * s.scale_c;
+          const float sc = static_cast<float>(sc_base[at]);
+          const float mn = static_cast<float>(mn_base[at]);
+          for (int64_t d = g0; d < g0 + s.group; d += 2) {
+            row[d] = static_cast<float>(q[d / 2] & 0xF) * sc + mn;
+            row[d + 1] = static_cast<float>(q[d / 2] >> 4) * sc + mn;
+          }
+        }
+      }
+    }
+  } else {
+    const auto& lut = fp8_lut(s.kind);
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* q = base + t * s.data_token;
+      for (int64_t d = 0; d < dim; ++d) out[t * dim + d] = lut[q[d]];
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  if (d < n) {
+    const __mmask16 m = pagedllm_vec::tail_mask(n - d);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.0f;
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+#endif
+}
+
+// acc = acc * c + sum_t p[t] * v[t]  (v row-major [n][dim]).
+inline void rescale_add(float* acc, float c, const float* p, const float* v, int64_t n, int64_t dim) {
+#if defined(__AVX512F__)
+  const __m512 vc = _mm512_set1_ps(c);
+  int64_t d = 0;
+  for (; d < dim; d += 16) {
+    const __mmask16 m = pagedllm_vec::tail_mask(dim - d);
+    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + d), vc);
+    for (int64_t t = 0; t < n; ++t)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(m, v + t * dim + d), a);
+    _mm512_mask_storeu_ps(acc + d, m, a);
+  }
+#else
+  for (int64_t d = 0; d < dim; ++d) {
+    float a = acc[d] * c;
+    for (int64_t t = 0; t < n; ++t) a += p[t] * v[t * dim + d];
+    acc[d] = a;
+  }
+#endif
+}
+
+// Online softmax state of the task's queries.
+struct State {
+  std::vector<float> q, acc, max, sum, probs;
+};
+
+#if defined(__AVX512F__)
+// Lane i of the result = the sum of v[i]'s 16 lanes (a 16 x 16 transpose-and-add).
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    y[k] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]), _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
+  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  // z lane 4q holds vector q, 4q+1 vector 8+q, 4q+2 vector 4+q, 4q+3 vector 12+q.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// Scores of one query against up to 16 key rows [n][dim] (lanes past n: -inf).
+inline __m512 scores16(const float* q, const float* keys, int64_t n, int64_t dim) {
+  __m512 part[16];
+  for (int64_t t = 0; t < 16; ++t) part[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = pagedllm_vec::tail_mask(dim - d);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+    for (int64_t t = 0; t < n; ++t)
+      part[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, keys + t * dim + d), part[t]);
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  return _mm512_mask_blend_ps(pagedllm_vec::tail_mask(n), neg_inf, reduce16(part));
+}
+#endif
+
+// Every query of the task over keys/values [0, limit[qi]) of one block (floats [n][dim]).
+void attend_block(State& st, const float* keys, const float* values, const int64_t* limit, int64_t nq,
+                  int64_t dim) {
+  float* p = st.probs.data();
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t n = limit[qi];
+    if (n <= 0) continue;
+    const float* q = st.q.data() + qi * dim;
+    const float old = st.max[qi];
+    float mx = old, total = 0.0f, c = 0.0f;
+#if defined(__AVX512F__)
+    if (n <= 16) {
+      const __m512 s = scores16(q, keys, n, dim);
+      mx = std::max(old, _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(pagedllm_vec::tail_mask(n),
+                                           pagedllm_vec::exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+      _mm512_storeu_ps(p, e);
+      total = _mm512_reduce_add_ps(e);
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t) {
+        p[t] = dot(q, keys + t * dim, dim);
+        mx = std::max(mx, p[t]);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        p[t] = std::exp(p[t] - mx);
+        total += p[t];
+      }
+    }
+    c = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - mx);
+    st.sum[qi] = st.sum[qi] * c + total;
+    st.max[qi] = mx;
+    rescale_add(st.acc.data() + qi * dim, c, p, values, n, dim);
+  }
+}
+
+template <typename T>
+void run_task(const Args<T>& a, const Task& task, State& st, std::vector<float>& kf, std::vector<float>& vf) {
+  const int64_t B = a.block_size, D = a.head_dim, G = a.group;
+  const int64_t seq_len = a.seq_lens[task.seq];
+  const int64_t q0 = a.query_start[task.seq];
+  const int64_t first = seq_len - (a.query_start[task.seq + 1] - q0);
+  const int64_t lo = std::max(first, task.block * B), hi = std::min(seq_len, (task.block + 1) * B);
+  const int64_t nq = (hi - lo) * G;
+  st.q.resize(nq * D);
+  st.acc.assign(nq * D, 0.0f);
+  st.max.assign(nq, -std::numeric_limits<float>::infinity());
+  st.sum.assign(nq, 0.0f);
+  st.probs.resize(std::max<int64_t>(B, 16));
+  std::vector<int64_t> limit(nq);
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = (p - lo) * G + g;
+      const T* src = a.query + (q0 + p - first) * a.q_token + (task.kv_head * G + g) * a.q_head;
+      for (int64_t d = 0; d < D; ++d) st.q[qi * D + d] = to_float(src[d]) * a.scale;
+    }
+  const int32_t* table = a.tables + task.seq * a.table_stride;
+  std::fill(limit.begin(), limit.end(), B);
+  for (int64_t j = 0; j < task.block; ++j) {
+    dequantize(a.k, table[j], task.kv_head, B, D, kf.data());
+    dequantize(a.v, table[j], task.kv_head, B, D, vf.data());
+    attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
+  }
+  // The own block, full precision from the window, each query up to its own position.
+  const int64_t w = a.window_start[task.seq] + task.block - first / B;
+  const int64_t own = hi - task.block * B;
+  for (int64_t t = 0; t < own; ++t) {
+    const int64_t off = w * a.win_block + t * a.win_token + task.kv_head * a.win_head;
+    for (int64_t d = 0; d < D; ++d) {
+      kf[t * D + d] = to_float(a.k_window[off + d]);
+      vf[t * D + d] = to_float(a.v_window[off + d]);
+    }
+  }
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t g = 0; g < G; ++g) limit[(p - lo) * G + g] = p - task.block * B + 1;
+  attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = (p - lo) * G + g;
+      T* dst = a.out + (q0 + p - first) * a.out_token + (task.kv_head * G + g) * a.out_head;
+      const float inv = 1.0f / st.sum[qi];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(st.acc[qi * D + d] * inv);
+    }
+}
+
+template <typename T>
+void run(const Args<T>& a, int64_t num_seqs, int64_t num_kv_heads) {
+  std::vector<Task> tasks;
+  const int64_t B = a.block_size;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t seq_len = a.seq_lens[i];
+    const int64_t first = seq_len - (a.query_start[i + 1] - a.query_start[i]);
+    if (seq_len <= first) continue;
+    for (int64_t b = first / B; b <= (seq_len - 1) / B; ++b)
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({i, h, b, b + 1});
+  }
+  // Longest first, handed out dynamically.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    State st;
+    std::vector<float> kf(B * a.head_dim), vf(B * a.head_dim);
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) run_task(a, tasks[t], st, kf, vf);
+  });
+}
+
+Side make_side(const at::Tensor& data, const std::optional<at::Tensor>& scale,
+               const std::optional<at::Tensor>& minimum, int64_t kind) {
+  TORCH_CHECK(data.dim() == 4 && data.element_size() == 1, "quantized data must be 4-D bytes");
+  TORCH_CHECK(kind >= INT8 && kind <= FP8_E5M2, "unknown quantized format ", kind);
+  const bool scaled = kind <= INT4_TOKEN;
+  TORCH_CHECK(!scaled || (scale.has_value() && scale->scalar_type() == at::kHalf &&
+                           scale->dim() == (kind == INT4_TOKEN ? 4 : 3)),
+              "this format needs fp16 scales");
+  TORCH_CHECK(kind != INT4_TOKEN || (data.size(3) * 2) % scale->size(3) == 0, "bad int4 groups");
+  TORCH_CHECK(kind == INT8 || !scaled || (minimum.has_value() && minimum->sizes() == scale->sizes() &&
+                                           minimum->strides() == scale->strides()),
+              "int4 needs fp16 minimums shaped like its scales");
+  TORCH_CHECK(data.stride(3) == 1, "quantized rows must be contiguous");
+  Side s{kind, reinterpret_cast<const uint8_t*>(data.data_ptr()), nullptr, nullptr,
+         data.stride(0), data.stride(1), data.stride(2), 0, 0, 0, 0, 1};
+  if (scaled) {
+    s.scale = scale->data_ptr<c10::Half>();
+    s.scale_block = scale->stride(0);
+    s.scale_a = scale->stride(1);
+    s.scale_b = scale->stride(2);
+    if (kind == INT4_TOKEN) {
+      s.scale_c = scale->stride(3);
+      s.group = data.size(3) * 2 / scale->size(3);
+    }
+    if (kind != INT8) s.minimum = minimum->data_ptr<c10::Half>();
+  }
+  return s;
+}
+
+void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_data,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_min,
+                     int64_t k_kind, const at::Tensor& v_data, const std::optional<at::Tensor>& v_scale,
+                     const std::optional<at::Tensor>& v_min, int64_t v_kind, const at::Tensor& k_window,
+                     const at::Tensor& v_window, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const at::Tensor& window_start, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, H, D] alike");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == k_window.scalar_type() &&
+                  k_window.scalar_type() == v_window.scalar_type(),
+              "query, out and windows must share a dtype");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(k_window.dim() == 4 && k_window.sizes() == v_window.sizes() && k_window.is_contiguous() &&
+                  v_window.is_contiguous(),
+              "windows must be contiguous [W, B, H, D]");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc, &window_start})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "metadata must be int32, unit stride");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = k_window.size(2);
+  TORCH_CHECK(head_dim == k_window.size(3) && head_dim <= 512 && head_dim % 2 == 0, "bad head_dim");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  auto dispatch = [&](auto tag) {
+    using T = decltype(tag);
+    Args<T> a{};
+    a.query = query.data_ptr<T>();
+    a.q_token = query.stride(0);
+    a.q_head = query.stride(1);
+    a.out = out.data_ptr<T>();
+    a.out_token = out.stride(0);
+    a.out_head = out.stride(1);
+    a.k = make_side(k_data, k_scale, k_min, k_kind);
+    a.v = make_side(v_data, v_scale, v_min, v_kind);
+    a.k_window = k_window.data_ptr<T>();
+    a.v_window = v_window.data_ptr<T>();
+    a.win_block = k_window.stride(0);
+    a.win_token = k_window.stride(1);
+    a.win_head = k_window.stride(2);
+    a.tables = block_tables.data_ptr<int32_t>();
+    a.table_stride = block_tables.stride(0);
+    a.seq_lens = seq_lens.data_ptr<int32_t>();
+    a.query_start = query_start_loc.data_ptr<int32_t>();
+    a.window_start = window_start.data_ptr<int32_t>();
+    a.block_size = k_window.size(1);
+    a.head_dim = head_dim;
+    a.group = num_heads / num_kv_heads;
+    a.scale = static_cast<float>(scale);
+    run(a, seq_lens.size(0), num_kv_heads);
+  };
+  if (query.scalar_type() == at::kFloat)
+    dispatch(float{});
+  else
+    dispatch(c10::BFloat16{});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "quant_attention(Tensor(a!) out, Tensor query, Tensor k_data, Tensor? k_scale, Tensor? k_min, "
+      "int k_kind, Tensor v_data, Tensor? v_scale, Tensor? v_min, int v_kind, Tensor k_window, "
+      "Tensor v_window, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor window_start, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_attention", &quant_attention); }

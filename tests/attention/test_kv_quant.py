@@ -1,0 +1,231 @@
+"""Quantized paged K/V: codecs, the cache's bytes, the read semantics, and block moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.quant import BlockCodec, int4_v_group
+from pagedllm.attention.reference import ReferenceAttention
+from pagedllm.core.outputs import ScheduledSequence
+from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, kv_bytes_per_block
+from pagedllm.worker.input_batch import build_input_batch
+from pagedllm.worker.kv_cache import KVCacheSpec, make_kv_cache
+from pagedllm.worker.kv_quant import QuantizedKVCache
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def spec(quantization: str, dtype: torch.dtype = torch.float32) -> KVCacheSpec:
+    return KVCacheSpec(2, KV_HEADS, DIM, BLOCK, dtype, quantization=quantization)
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step() -> None:
+    x = torch.randn(3, BLOCK, KV_HEADS, DIM) * torch.tensor([0.01, 1.0, 30.0])[:, None, None, None]
+    codec = BlockCodec("int8")
+    data, scale, minimum = codec.encode(x)
+    assert data.dtype == torch.int8 and scale.dtype == torch.float16 and minimum is None
+    assert scale.shape == (3, BLOCK, KV_HEADS)
+    error = (codec.decode(data, scale, None, torch.float32) - x).abs()
+    assert (error <= scale.float().unsqueeze(-1) / 2 * 1.001 + 1e-7).all()
+
+
+@pytest.mark.parametrize("kind", ["int4_channel", "int4_token"])
+@pytest.mark.parametrize("dim", [8, 64])
+def test_int4_packs_two_a_byte_and_errs_at_most_half_a_step(kind: str, dim: int) -> None:
+    x = torch.randn(2, BLOCK, KV_HEADS, dim)
+    codec = BlockCodec(kind)
+    data, scale, minimum = codec.encode(x)
+    assert data.shape == (2, BLOCK, KV_HEADS, dim // 2) and data.dtype == torch.uint8
+    groups = dim // int4_v_group(dim)
+    expected = (2, KV_HEADS, dim) if kind == "int4_channel" else (2, BLOCK, KV_HEADS, groups)
+    assert scale.shape == minimum.shape == expected
+    assert (dim, groups) in ((8, 1), (64, 2))
+    decoded = codec.decode(data, scale, minimum, torch.float32)
+    if kind == "int4_channel":
+        step, low = scale.float().unsqueeze(1), minimum.float().unsqueeze(1)
+    else:  # per token and group of channels: broadcast each group's figures over it
+        step = scale.float().repeat_interleave(dim // groups, dim=-1)
+        low = minimum.float().repeat_interleave(dim // groups, dim=-1)
+    # Half a step, plus the minimum's fp16 rounding.
+    assert ((decoded - x).abs() <= step / 2 + low.abs() * 1e-3 + 1e-6).all()
+
+
+def test_int4_low_nibble_is_the_even_channel() -> None:
+    x = torch.zeros(1, BLOCK, 1, 2)
+    x[..., 1] = 1.0  # token-wise: minimum 0, scale 1/15: channel 0 -> 0, channel 1 -> 15
+    data, _, _ = BlockCodec("int4_token").encode(x)
+    assert data.flatten().tolist() == [0xF0] * BLOCK
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_is_a_saturating_cast(kind: str) -> None:
+    x = torch.tensor([0.1, -3.3, 1e6, -1e6]).view(1, 1, 1, 4)
+    codec = BlockCodec(kind)
+    data, scale, _ = codec.encode(x)
+    assert scale is None
+    decoded = codec.decode(data, None, None, torch.float32)
+    fp8 = torch.float8_e4m3fn if kind == "fp8_e4m3" else torch.float8_e5m2
+    limit = torch.finfo(fp8).max
+    assert decoded.flatten().tolist() == x.clamp(-limit, limit).to(fp8).float().flatten().tolist()
+
+
+def test_zero_blocks_stay_zero() -> None:
+    for kind in ("int8", "int4_channel", "int4_token"):
+        codec = BlockCodec(kind)
+        decoded = codec.decode(*codec.encode(torch.zeros(1, BLOCK, 1, DIM)), torch.float32)
+        assert torch.equal(decoded, torch.zeros(1, BLOCK, 1, DIM))
+
+
+@pytest.mark.parametrize("quantization", QUANTIZED_KV_DTYPES)
+def test_allocated_bytes_are_the_table_s_bytes(quantization: str) -> None:
+    cache = QuantizedKVCache(spec(quantization), num_blocks=5)
+    allocated = sum(
+        part.numel() * part.element_size()
+        for layer in cache.device_caches
+        for side in layer
+        for part in side.parts()
+    )
+    expected = kv_bytes_per_block(
+        quantization, num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK
+    )
+    assert allocated == 5 * expected == 5 * cache.spec.bytes_per_block
+
+
+def test_smollm_bytes_per_token() -> None:
+    geometry = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+    per_token = {name: kv_bytes_per_block(name, **geometry) / 16 for name in QUANTIZED_KV_DTYPES}
+    assert per_token == {"int8": 11_880, "int4": 7_920, "fp8_e4m3": 11_520, "fp8_e5m2": 11_520}
+    bf16 = kv_bytes_per_block("bfloat16", **geometry) / 16
+    assert bf16 == 23_040
+    assert bf16 / per_token["int8"] >= 1.9 and bf16 / per_token["int4"] >= 2.8
+
+
+def _step(cache, scheduled, key, value, query):
+    """One step through the reference backend on layer 0: [T, HEADS, DIM] out."""
+    batch = build_input_batch(scheduled, BLOCK)
+    batch.meta.quant = cache.plan_step(batch.meta)
+    k_cache, v_cache = cache.device_caches[0]
+    out = ReferenceAttention().forward(query, key, value, k_cache, v_cache, batch.meta, 0.5)
+    cache.finish_step()
+    return out, batch.meta
+
+
+def _expected(query, keys, values, first: int, codec_k, codec_v) -> torch.Tensor:
+    """Row by row: query at position p sees blocks before its own through the codec and its
+    own block's rows up to p exactly."""
+    rows = []
+    for j in range(query.shape[0]):
+        p = first + j
+        own = p // BLOCK * BLOCK
+        sealed_k = keys[:own].view(-1, BLOCK, KV_HEADS, DIM)
+        sealed_v = values[:own].view(-1, BLOCK, KV_HEADS, DIM)
+        k = torch.cat(
+            (
+                codec_k.decode(*codec_k.encode(sealed_k), torch.float32).flatten(0, 1),
+                keys[own : p + 1],
+            )
+        )
+        v = torch.cat(
+            (
+                codec_v.decode(*codec_v.encode(sealed_v), torch.float32).flatten(0, 1),
+                values[own : p + 1],
+            )
+        )
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
+        q = query[j].unsqueeze(1)  # [H, 1, D]
+        rows.append(F.scaled_dot_product_attention(q, k, v, scale=0.5)[:, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e5m2"])
+@pytest.mark.parametrize("chunks", [(11,), (3, 5, 1, 1, 1), (4, 7)])
+def test_each_query_reads_sealed_blocks_before_its_own_and_its_own_exactly(
+    quantization: str, chunks: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    total = sum(chunks)
+    keys, values = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    queries = torch.randn(total, HEADS, DIM)
+    cache = QuantizedKVCache(spec(quantization), num_blocks=8)
+    table = (5, 2, 7)
+    start = 0
+    for n in chunks:
+        seq = ScheduledSequence("a", tuple(range(n)), start, table)
+        rows = slice(start, start + n)
+        out, _ = _step(cache, [seq], keys[rows], values[rows], queries[rows])
+        expected = _expected(queries[rows], keys, values, start, *cache.codecs)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        start += n
+        cache.check_invariants()
+    # Two full blocks sealed, the third open: one staging slot held.
+    assert cache.num_open_blocks == 1
+
+
+def test_copies_and_swaps_move_scales_and_staged_rows() -> None:
+    torch.manual_seed(1)
+    cache = QuantizedKVCache(spec("int4"), num_blocks=8, num_host_blocks=4)
+    keys, values = torch.randn(6, KV_HEADS, DIM), torch.randn(6, KV_HEADS, DIM)
+    queries = torch.randn(6, HEADS, DIM)
+    seq = ScheduledSequence("a", tuple(range(6)), 0, (1, 3))  # block 1 sealed, 3 open (2 rows)
+    reference, _ = _step(cache, [seq], keys, values, queries)
+    # Copy-on-write of the open block, then read it through the copy: same output.
+    cache.copy_blocks([(3, 6)])
+    cache.swap_out([(1, 0), (6, 2)])
+    cache.release_blocks([1, 3, 6])
+    assert cache.num_open_blocks == 0
+    cache.swap_in([(0, 4), (2, 5)])
+    assert cache.num_open_blocks == 1
+    k_pool = cache.device_caches[1][0]
+    assert torch.equal(k_pool.data[4], cache.device_caches[1][0].data[1])
+    assert torch.equal(k_pool.scale[4], k_pool.scale[1])
+    assert torch.equal(k_pool.minimum[4], k_pool.minimum[1])
+    # The last query again (position 5), now through blocks (4, 5).
+    again = ScheduledSequence("a", (5,), 5, (4, 5))
+    out, _ = _step(cache, [again], keys[5:], values[5:], queries[5:])
+    assert torch.equal(out, reference[5:])
+    cache.check_invariants()
+
+
+def test_a_released_block_written_afresh_gets_no_stale_rows() -> None:
+    cache = QuantizedKVCache(spec("int8"), num_blocks=4)
+    keys = torch.randn(3, KV_HEADS, DIM)
+    q = torch.randn(3, HEADS, DIM)
+    _step(cache, [ScheduledSequence("a", (1, 2, 3), 0, (2,))], keys, keys, q)
+    assert cache.num_open_blocks == 1
+    # Block 2 is reused by another sequence from its first slot (release not yet seen).
+    out, _ = _step(cache, [ScheduledSequence("b", (9,), 0, (2,))], keys[:1] * 2, keys[:1], q[:1])
+    assert cache.num_open_blocks == 1
+    cache.check_invariants()
+
+
+def test_resuming_a_block_without_its_rows_fails_loudly() -> None:
+    cache = QuantizedKVCache(spec("int8"), num_blocks=4)
+    x = torch.randn(1, KV_HEADS, DIM)
+    with pytest.raises(RuntimeError, match="no staged rows"):
+        _step(cache, [ScheduledSequence("a", (1,), 2, (3,))], x, x, torch.randn(1, HEADS, DIM))
+
+
+def test_staging_grows_and_keeps_its_rows() -> None:
+    cache = QuantizedKVCache(spec("int8"), num_blocks=64)
+    start = cache.num_staging_slots
+    seqs = [ScheduledSequence(str(i), (1,), 0, (i,)) for i in range(start + 3)]
+    n = len(seqs)
+    keys = torch.randn(n, KV_HEADS, DIM)
+    _step(cache, seqs, keys, keys, torch.randn(n, HEADS, DIM))
+    assert cache.num_staging_slots == 2 * start and cache.num_open_blocks == n
+    # Each open block's first row is its own key, wherever its slot is.
+    k_cache = cache.device_caches[0][0]
+    for i in range(n):
+        assert torch.equal(k_cache.stage[cache._slot_of[i], 0], keys[i])
+    cache.check_invariants()
+
+
+def test_full_precision_specs_make_plain_caches() -> None:
+    plain = make_kv_cache(KVCacheSpec(2, KV_HEADS, DIM, BLOCK), 4)
+    assert plain.plan_step(AttentionMetadata.__new__(AttentionMetadata)) is None
+    assert isinstance(make_kv_cache(spec("int8"), 4), QuantizedKVCache)

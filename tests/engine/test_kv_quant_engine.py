@@ -1,0 +1,160 @@
+"""A quantized KV cache in the engine: paging never changes tokens, a prefix hit gives the
+logits a recomputation gives, staging does not leak, and prompt_logprobs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tests.engine.conftest import run_all
+from tests.engine.test_engine_model import BASE, VARIANTS, generate, prompts
+
+from pagedllm.core.outputs import ScheduledSequence
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+LOSSY = ("int8", "int4", "fp8_e4m3")
+
+
+@pytest.fixture(scope="module")
+def baselines() -> dict[str, list]:
+    return {}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_tokens_do_not_depend_on_paging(
+    kv_cache_dtype: str, name: str, baselines: dict, model_engine: Callable[..., LLMEngine]
+) -> None:
+    """Each query reads the blocks before its own sealed and its own in full precision,
+    whatever the chunking, preemption, swapping or prefix hits: the same greedy tokens."""
+    if kv_cache_dtype not in baselines:
+        engine = model_engine(
+            num_blocks=256, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, **BASE
+        )
+        baselines[kv_cache_dtype] = generate(engine)
+    engine = model_engine(**VARIANTS[name], kv_cache_dtype=kv_cache_dtype, **BASE)
+    assert generate(engine) == baselines[kv_cache_dtype]
+    if "tiny" in name:
+        assert engine.get_stats().num_preemptions > 0
+    if name in ("prefix-cache", "multi-step-4"):
+        assert generate(engine) == baselines[kv_cache_dtype]
+        assert engine.get_stats().cache.prefix_hits_tokens > 0
+    engine.runner.kv_cache.check_invariants()
+
+
+def test_parallel_samples_share_a_staged_block(model_engine: Callable[..., LLMEngine]) -> None:
+    """n=4 forks share the prompt's open block; copy-on-write copies its staged rows."""
+    prompt = prompts()[4]  # 26 tokens: 6 full blocks of 4 and 2 staged rows
+    params = SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
+    results = []
+    for kv_cache_dtype, extra in (("int8", {}), ("int8", {"enable_prefix_caching": False})):
+        engine = model_engine(num_blocks=64, kv_cache_dtype=kv_cache_dtype, **extra, **BASE)
+        engine.add_request("n4", prompt, params)
+        results.append([c.token_ids for c in run_all(engine)["n4"].outputs])
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e5m2"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_prefix_hit_gives_the_logits_a_recomputation_gives(
+    kv_cache_dtype: str, backend: str, model_engine: Callable[..., LLMEngine]
+) -> None:
+    """Bit for bit: the hit reads the very sealed blocks the recomputation writes and reads
+    (and a prompt in chunks reads them too)."""
+    runner = model_engine(
+        num_blocks=64, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, **BASE
+    ).runner
+    rng = random.Random(1)
+    prompt = tuple(rng.randrange(256) for _ in range(30))
+    whole = runner.compute_logits([ScheduledSequence("a", prompt, 0, tuple(range(8)))])
+    # The first 6 blocks (24 tokens) from the cache, the rest computed into fresh blocks.
+    hit_table = (0, 1, 2, 3, 4, 5, 20, 21)
+    hit = runner.compute_logits([ScheduledSequence("b", prompt[24:], 24, hit_table)])
+    table = tuple(range(30, 38))
+    runner.compute_logits([ScheduledSequence("c", prompt[:10], 0, table, num_samples=0)])
+    chunked = runner.compute_logits([ScheduledSequence("c", prompt[10:], 10, table)])
+    assert torch.equal(whole, hit)
+    assert torch.equal(whole, chunked)
+
+
+def test_staging_slots_are_returned(model_engine: Callable[..., LLMEngine]) -> None:
+    """Released blocks give their staging slots back: many requests in a row, few held."""
+    engine = model_engine(num_blocks=64, kv_cache_dtype="int8", **BASE)
+    cache = engine.runner.kv_cache
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for i in range(40):
+        engine.add_request(str(i), prompts()[i % 5], params)
+        run_all(engine)
+        assert cache.num_open_blocks <= 2
+    assert cache.num_staging_slots == 16
+    cache.check_invariants()
+
+
+def test_prompt_logprobs_score_every_prompt_token(model_engine: Callable[..., LLMEngine]) -> None:
+    prompt = prompts()[4]
+    engine = model_engine(num_blocks=64, max_num_batched_tokens=7, **BASE)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    outputs = []
+    for i in range(2):  # the second would hit the prefix cache, but must not
+        engine.add_request(str(i), prompt, params)
+        outputs.append(run_all(engine)[str(i)])
+    first, second = outputs
+    assert second.num_cached_tokens == 0
+    logprobs = first.prompt_logprobs
+    assert len(logprobs) == len(prompt) and logprobs[0] is None
+    assert [lp.token_id for lp in logprobs[1:]] == list(prompt[1:])
+    assert all(len(lp.top_token_ids) == 3 for lp in logprobs[1:])
+    # The plain construction: log_softmax of the teacher-forced logits of the whole prompt.
+    logits = engine.runner.row_logits([ScheduledSequence("x", tuple(prompt), 0, tuple(range(7)))])
+    expected = torch.log_softmax(logits[:-1], dim=-1)
+    for p, lp in enumerate(logprobs[1:]):
+        assert lp.logprob == pytest.approx(float(expected[p, prompt[p + 1]]), abs=1e-4)
+        assert lp.top_token_ids[0] == int(expected[p].argmax())
+        assert lp.rank == int((expected[p] > expected[p, prompt[p + 1]]).sum()) + 1
+    assert [lp.logprob for lp in second.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in logprobs[1:]], abs=1e-4
+    )
+
+
+def test_prompt_logprobs_survive_preemption(model_engine: Callable[..., LLMEngine]) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    results = []
+    for config in (dict(num_blocks=256), dict(num_blocks=18, preemption_mode="recompute")):
+        engine = model_engine(**config, kv_cache_dtype="int8", **BASE)
+        for i, prompt in enumerate(prompts()):
+            engine.add_request(str(i), prompt, params)
+        final = run_all(engine)
+        results.append([final[str(i)].prompt_logprobs for i in range(len(prompts()))])
+    assert results[0] == results[1]
+
+
+def test_bad_prompt_logprobs_are_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+
+
+def test_unknown_kv_cache_dtype_is_refused() -> None:
+    from pagedllm.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int3")
+
+
+def test_startup_report_counts_scales_and_staging(tiny_model_dir: Path) -> None:
+    from pagedllm.engine.config import EngineConfig
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int8", kv_cache_memory=1 << 20)
+    )
+    spec = engine.runner.spec
+    assert f"KV cache (int8, scales included): {int(spec.bytes_per_token):,} bytes" in (
+        engine.startup_report
+    )
+    assert "open block stays in the model's dtype" in engine.startup_report
+    stats = engine.get_stats()
+    assert stats.kv_cache_dtype == "int8" and stats.kv_bytes_per_token == spec.bytes_per_token
+    assert engine.runner.num_blocks == (1 << 20) // spec.bytes_per_block
