@@ -63,7 +63,7 @@ print("BENCH_RESULT " + json.dumps({k: result.get(k) for k in keys}), flush=True
 OFFLINE = """
 import json, sys, time
 from pagedllm import LLM, SamplingParams
-spec = json.loads(sys.argv[1])
+spec = json.load(open(sys.argv[1]))
 llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_concurrency"])
 params = SamplingParams(max_tokens=spec["output_len"], ignore_eos=True, seed=None)
 llm.generate(spec["warmup"], params, use_tqdm=False)
@@ -239,7 +239,11 @@ def offline(args: argparse.Namespace, model: str, work: Workload, prompts: list[
             warmup: list[list[int]]) -> dict[str, Any]:  # fmt: skip
     spec = {"model": model, "dtype": args.dtype, "max_concurrency": work.max_concurrency,
             "output_len": work.output_len, "prompts": prompts, "warmup": warmup}  # fmt: skip
-    return _child_result([sys.executable, "-c", OFFLINE, json.dumps(spec)])
+    # The prompts go through a file: thousands of token ids overflow a command line.
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(spec, file)
+        file.flush()
+        return _child_result([sys.executable, "-c", OFFLINE, file.name])
 
 
 def _mean(values: list[float]) -> float | None:
