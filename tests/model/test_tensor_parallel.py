@@ -57,10 +57,10 @@ def test_kv_heads_that_do_not_divide_are_refused_naming_both(tmp_path: Path):
 
 
 def test_planner_and_engine_agree_on_kv_bytes_per_rank(tmp_path: Path):
+    from pagedllm.engine.distributed import LocalCollective
     from pagedllm.model.loader import load_model
     from pagedllm.model.tensor_parallel import TensorParallelModel
     from pagedllm.planner.capacity import kv_bytes_per_token
-    from pagedllm.worker.distributed import LocalCollective
     from pagedllm.worker.kv_cache import KVCacheSpec
 
     path = make_tiny_checkpoint(tmp_path / "m")

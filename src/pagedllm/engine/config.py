@@ -69,7 +69,7 @@ class EngineConfig:
     elastic_idle_s: float = 30.0
     # A shrink's compaction takes at most this share of a step's time, per step.
     compaction_step_fraction: float = 0.15
-    # Tensor parallelism (worker/distributed.py): ranks, and torchrun-style rendezvous
+    # Tensor parallelism (engine/distributed.py): ranks, and torchrun-style rendezvous
     # across machines (master_port None on one machine: a free port is picked).
     tensor_parallel_size: int = 1
     nnodes: int = 1

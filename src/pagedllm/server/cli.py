@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens = SERVER_MAX_NUM_BATCHED_TOKENS
     config = config_from_args(args)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
-        from pagedllm.worker.distributed import run_worker_node
+        from pagedllm.engine.distributed import run_worker_node
 
         return run_worker_node(config)
     if args.engine_core == "process":
