@@ -13,6 +13,7 @@ from tests.engine.conftest import run_all
 from tests.engine.test_engine_model import BASE, VARIANTS, generate, prompts
 
 from pagedllm.core.outputs import ScheduledSequence
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -138,8 +139,6 @@ def test_bad_prompt_logprobs_are_refused() -> None:
 
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
-    from pagedllm.engine.config import EngineConfig
-
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int3")
 
@@ -158,3 +157,17 @@ def test_startup_report_counts_scales_and_staging(tiny_model_dir: Path) -> None:
     stats = engine.get_stats()
     assert stats.kv_cache_dtype == "int8" and stats.kv_bytes_per_token == spec.bytes_per_token
     assert engine.runner.num_blocks == (1 << 20) // spec.bytes_per_block
+
+
+def test_a_quantized_cache_refuses_to_resize_with_a_clear_error(
+    model_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = model_engine(num_blocks=32, kv_cache_dtype="int8", **BASE)
+    before = engine.kv.stats()
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        engine.resize_kv_cache(1 << 20)
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        engine.start_resize(1 << 20)
+    assert engine.kv.stats() == before
+    with pytest.raises(ValueError, match="elastic KV pool"):
+        EngineConfig(kv_cache_memory=1 << 20, kv_cache_memory_max=1 << 22, kv_cache_dtype="int4")
