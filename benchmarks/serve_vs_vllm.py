@@ -15,7 +15,7 @@ prompts of the same lengths, ``max_num_seqs`` = the concurrency, same sampling),
 the server can be checked against the engine alone. Prints a table of medians (with the
 spread over rounds) and the ratios, then one JSON line.
 
-    .venv/bin/python benchmarks/serve_vs_vllm.py --vllm /work/vllm/python-wrapped --rounds 3
+    .venv/bin/python benchmarks/serve_vs_vllm.py --vllm VLLM_PY --rounds 3
     .venv/bin/python benchmarks/serve_vs_vllm.py --input-len 4096 --num-prompts 16 --rounds 2
 
 vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-<last core>``) unless set.
