@@ -266,12 +266,8 @@ class RequestStream:
 
     def _new_choice(self, index: int) -> _Choice:
         params = self.params
-        detokenizer = IncrementalDetokenizer(
-            self._tokenizer,
-            self.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
+        detokenizer = IncrementalDetokenizer.for_params(
+            self._tokenizer, self.prompt_token_ids, params
         )
         return _Choice(index, detokenizer, logprobs=[] if params.logprobs is not None else None)
 

@@ -82,6 +82,20 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._max_stop = max((len(s) for s in self.stop), default=0)
 
+    @classmethod
+    def for_params(
+        cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: Any
+    ) -> IncrementalDetokenizer:
+        """A detokenizer with a request's ``SamplingParams`` text options (special tokens,
+        stop strings and whether they stay in the output)."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
     @property
     def visible_text(self) -> str:
         """The text a running sequence may show (see the module docstring)."""

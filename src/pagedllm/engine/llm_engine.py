@@ -632,12 +632,8 @@ class LLMEngine:
 
     def _new_sequence(self, group: _Group, index: int, request: Request) -> _Sequence:
         params = group.params
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            group.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
+        detokenizer = IncrementalDetokenizer.for_params(
+            self.tokenizer, group.prompt_token_ids, params
         )
         wants = params.logprobs is not None
         seq = _Sequence(index, request, detokenizer, [] if wants else None, 0.0 if wants else None)

@@ -35,6 +35,7 @@ from pagedllm.model.llama import (
     RMSNorm,
     activation,
     describe_routes,
+    pack_linears,
     rope_inv_freq,
 )
 from pagedllm.model.mla import LatentAttention, rope_frequencies
@@ -293,9 +294,7 @@ class DecoderForCausalLM(nn.Module):
         from pagedllm.kernels.ops import layer_ops
 
         ops = layer_ops()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(ops)
+        pack_linears(self, ops)
         if self.lm_head is None:
             self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
             self.ops = ops if self.small_head is not None else None

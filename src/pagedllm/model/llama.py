@@ -40,6 +40,13 @@ if TYPE_CHECKING:
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def pack_linears(model: nn.Module, ops: Any) -> None:
+    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack(ops)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
     small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
@@ -342,9 +349,7 @@ class LlamaForCausalLM(nn.Module):
         from pagedllm.model.fast_path import CpuFastPath
 
         ops = layer_ops()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(ops)
+        pack_linears(self, ops)
         if self.lm_head is None:
             weight = self.embed_tokens.weight
             self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
