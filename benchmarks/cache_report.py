@@ -76,9 +76,9 @@ def time_report(path: Path) -> tuple[float, float]:
 
 def time_tokenize_hash(num_requests: int) -> tuple[float, int] | None:
     try:
-        from pagedllm.planner.cachelog import load_tokenizer
+        from pagedllm.model.tokenizer import load_text_tokenizer
 
-        tokenizer = load_tokenizer("default")
+        tokenizer = load_text_tokenizer("default")
         tokenizer.encode_chats([[{"role": "user", "content": "warm up"}]])
     except Exception as exc:  # no default model here: say so, measure the rest
         print(f"tokenize+hash skipped: {exc}", file=sys.stderr)

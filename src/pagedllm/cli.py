@@ -14,7 +14,7 @@ COMMANDS = {
     "router": ("pagedllm.server.router_cli", "route requests to data-parallel replicas by prefix"),
     "plan": ("pagedllm.planner.cli", "how many concurrent sessions fit in given memory"),
     "cache-report": (
-        "pagedllm.planner.cache_report",
+        "pagedllm.engine.cli_cache_report",
         "why prompts of a request log are not cached, and what it costs",
     ),
     "env": ("pagedllm.engine.cli_env", "this machine's CPU, threads, kernels and each route"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.core.hashing import hash_request_blocks
+from pagedllm.model.tokenizer import HFTokenizer
 from pagedllm.planner import divergence as dv
 from pagedllm.planner.cache_advisor import analyze, build_report, cost_rows, render_report
 from pagedllm.planner.cache_replay import (
@@ -17,7 +18,7 @@ from pagedllm.planner.cache_replay import (
     unbounded_hash_hits,
     unbounded_hits,
 )
-from pagedllm.planner.cachelog import HFTokenizer, LoggedRequest, parse_records, read_log
+from pagedllm.planner.cachelog import LoggedRequest, parse_records, read_log
 from pagedllm.planner.prices import PriceProfile, load_profiles, profile_from_dict
 
 from .cache_corpus import make_corpus, messages

@@ -179,7 +179,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
 def test_planner_imports_no_torch():
     code = (
         "import sys, pagedllm.planner.cli, pagedllm.planner.capacity, pagedllm.planner.report, "
-        "pagedllm.planner.simulate; "
+        "pagedllm.planner.simulate, pagedllm.planner.cache_report, pagedllm.planner.cachelog; "
         "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

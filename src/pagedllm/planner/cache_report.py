@@ -69,10 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Read, analyse, print (text or JSON), plot; 2 on bad input."""
+def run(args: argparse.Namespace, tokenizer: Tokenizer | None = None) -> int:
+    """Read, analyse, print (text or JSON), plot; 2 on bad input. ``tokenizer`` encodes
+    text logs (the command line passes the model's; token-id logs need none)."""
     try:
-        report = report_for_file(args)
+        report = report_for_file(args, tokenizer)
     except ValueError as exc:
         print(f"pagedllm cache-report: {exc}")
         return 2
@@ -84,9 +85,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def report_for_file(args: argparse.Namespace) -> dict[str, Any]:
+def report_for_file(args: argparse.Namespace, tokenizer: Tokenizer | None) -> dict[str, Any]:
     """The report ``run`` prints, as plain data."""
-    tokenizer = _tokenizer(args.model)
     log = read_log(args.log, tokenizer)
     profiles = _profiles(args.prices, args.profile)
     block_size = args.block_size
@@ -108,15 +108,6 @@ def report_for_file(args: argparse.Namespace) -> dict[str, Any]:
         max_gap=args.max_gap,
     )
     return build_report(analysis, profiles, source=args.log, model=args.model)
-
-
-def _tokenizer(model: str) -> Tokenizer | None:
-    from pagedllm.planner.cachelog import load_tokenizer
-
-    try:
-        return load_tokenizer(model)
-    except ValueError:
-        return None  # a preset without a tokenizer: token-id logs still work
 
 
 def _profiles(path: str | None, names: list[str] | None) -> dict[str, PriceProfile]:

@@ -11,8 +11,8 @@ each with an optional ``cache_salt`` and ``timestamp`` (when every line has one,
 are replayed in timestamp order, else in file order). A line may also carry what a
 server reported (``cached_tokens``, or ``usage.prompt_tokens_details.cached_tokens``) and
 the tokens it generated (``output_token_ids``), which the engine caches too.
-Text is tokenized in batches by a ``Tokenizer`` (``load_tokenizer`` wraps Hugging Face's);
-this module imports no tokenizer library itself.
+Text is tokenized in batches by a ``Tokenizer`` (``model/tokenizer.py`` wraps Hugging
+Face's, and the command line passes one in); this module imports no tokenizer library.
 """
 
 from __future__ import annotations
@@ -258,105 +258,3 @@ def _hash_request(
         lengths["output_length"],
         tuple(hash_ids),
     )
-
-
-# ---- the Hugging Face tokenizer ---------------------------------------------------------
-
-
-class HFTokenizer:
-    """``Tokenizer`` over a Hugging Face tokenizer, encoding as ``pagedllm serve`` does:
-    a prompt with special tokens added, a chat rendered by the template without them."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(ids) for ids in self.tokenizer(list(texts))["input_ids"]]
-
-    def encode_chats(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
-        texts = [self.render_chat(c) for c in conversations]
-        batch = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [list(ids) for ids in batch]
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the model's tokenizer has no chat template: give prompts instead")
-        try:
-            return self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja templates raise anything (e.g. role order rules)
-            raise ValueError(f"the chat template refused the messages: {exc}") from None
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids))
-
-
-class DecodeOnlyTokenizer:
-    """Decoding from a private copy of a fast tokenizer's ``tokenizers`` backend: a thread
-    that decodes beside a server's own tokenizer must not share its Rust object (an encode
-    there borrows it mutably)."""
-
-    def __init__(self, hf_tokenizer: Any) -> None:
-        from tokenizers import Tokenizer as RawTokenizer
-
-        self._decoder = RawTokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
-
-    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        raise ValueError("this tokenizer only decodes")
-
-    def encode_chats(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
-        raise ValueError("this tokenizer only decodes")
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._decoder.decode(list(token_ids), skip_special_tokens=False)
-
-
-class ModelTokenizer:
-    """The tokenizer of a model directory, loaded when first needed: decoding reads
-    ``tokenizer.json`` with ``tokenizers`` alone; encoding loads the Hugging Face
-    tokenizer (and its chat template), so a token-id log never imports transformers."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._hf: HFTokenizer | None = None
-        self._decoder: Any = None
-
-    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._encoder().encode_prompts(texts)
-
-    def encode_chats(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
-        return self._encoder().encode_chats(conversations)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        if self._hf is not None:
-            return self._hf.decode(token_ids)
-        if self._decoder is None:
-            file = self.path / "tokenizer.json"
-            if not file.is_file():
-                return self._encoder().decode(token_ids)
-            from tokenizers import Tokenizer as RawTokenizer
-
-            self._decoder = RawTokenizer.from_file(str(file))
-        return self._decoder.decode(list(token_ids), skip_special_tokens=False)
-
-    def _encoder(self) -> HFTokenizer:
-        if self._hf is None:
-            import os
-
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            from transformers import AutoTokenizer
-
-            self._hf = HFTokenizer(AutoTokenizer.from_pretrained(str(self.path)))
-        return self._hf
-
-
-def load_tokenizer(model: str) -> ModelTokenizer:
-    """The tokenizer of ``model`` ('default' or a Hugging Face directory); no model hub.
-    ``ValueError`` when ``model`` is neither."""
-    from pagedllm.model.default_model import ensure_default_model
-
-    path = ensure_default_model() if model == "default" else Path(model)
-    if not Path(path).is_dir():
-        raise ValueError(f"--model {model}: not a model directory (or 'default')")
-    return ModelTokenizer(Path(path))

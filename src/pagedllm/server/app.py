@@ -31,8 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
+from pagedllm.model.tokenizer import DecodeOnlyTokenizer
 from pagedllm.planner.cache_report import advice_for_log
-from pagedllm.planner.cachelog import CacheLog, DecodeOnlyTokenizer
+from pagedllm.planner.cachelog import CacheLog
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
