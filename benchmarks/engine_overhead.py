@@ -69,8 +69,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
     runner.input_buffers.build = timers.wrap("inputs", runner.input_buffers.build)
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("logits", model.compute_logits)
-    if hasattr(model, "greedy_tokens"):  # the LM head's fused argmax: logits work
-        model.greedy_tokens = timers.wrap("logits", model.greedy_tokens)
+    # The LM head's fused argmax is logits work too.
+    model.greedy_tokens = timers.wrap("logits", model.greedy_tokens)
     # Patched on the class, so the runner still sees its own Sampler (and may take its
     # greedy shortcut, timed as sampling too).
     sampler_cls = type(runner.sampler)

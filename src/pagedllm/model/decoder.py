@@ -276,6 +276,11 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if float32 else logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None: no argmax inside the head here (Gemma soft-caps its logits first); the
+        runner takes the argmax of ``compute_logits``."""
+        return None
+
     def routes(self) -> Routes:
         """Which implementation runs each capability of this model's steps."""
         head = (

@@ -8,23 +8,23 @@ Steps whose linears all run on ``small_gemm`` and whose attention the backend's 
 whole (``AttentionBackend.kernel_step``) go through one C++ call for every layer
 (``decoder_layers``): the same ops in the same order without Python between them.
 
-The model calls its fast path through the ``FastPath`` Protocol; ``CpuFastPath.build`` says
-whether this CPU has one.
+The model calls its fast path through the ``FastPath`` Protocol (``model/base.py``); the
+loader gives the model ``CpuFastPath.build``, which says whether this CPU has one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata, KernelStep
 from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
+from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
     DecoderLayer,
     Heads,
-    KVCaches,
     LlamaForCausalLM,
     RMSNorm,
     RotaryTable,
@@ -33,26 +33,6 @@ from pagedllm.model.llama import (
 
 # Every rank's column shard of a tensor, side by side in rank order (tensor parallelism).
 Gather = Callable[[torch.Tensor], torch.Tensor]
-
-
-class FastPath(Protocol):
-    """A faster way to run the model's decoder on this machine, with the model's results."""
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The embedded tokens [T, hidden] -> final-normed hidden states, as
-        ``LlamaForCausalLM.forward`` (only ``output_rows`` when given)."""
-        ...
-
-    def route(self) -> str:
-        """How a decode step's layers run (for ``Routes.decode_loop``)."""
-        ...
 
 
 class CpuFastPath:

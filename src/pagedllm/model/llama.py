@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,9 @@ from pagedllm.kernels.linear import (
     small_gemm_max_rows,
 )
 from pagedllm.kernels.routes import linear_route, sampler_route
+from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
 from pagedllm.routes import Routes
-
-if TYPE_CHECKING:
-    from pagedllm.model.fast_path import FastPath
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def pack_linears(model: nn.Module, ops: Any) -> None:
@@ -294,10 +290,18 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` -> final hidden states; ``compute_logits`` -> logits."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fast_path_builder: FastPathBuilder | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        # Builds the CPU fast path in optimize_for_cpu() (the loader gives
+        # ``fast_path.CpuFastPath.build``); None keeps the modules.
+        self.fast_path_builder = fast_path_builder
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
@@ -346,7 +350,6 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens.weight.device.type != "cpu":
             return
         from pagedllm.kernels.ops import layer_ops
-        from pagedllm.model.fast_path import CpuFastPath
 
         ops = layer_ops()
         pack_linears(self, ops)
@@ -356,8 +359,10 @@ class LlamaForCausalLM(nn.Module):
         self.head_ops = ops
         # The fast path's fused layers attend without a window: sliding-window models
         # keep the per-module loop (on the packed weights).
-        if not any(w is not None for w in self.config.sliding_windows):
-            self.fast_path = CpuFastPath.build(self, ops)
+        if self.fast_path_builder is not None and not any(
+            w is not None for w in self.config.sliding_windows
+        ):
+            self.fast_path = self.fast_path_builder(self, ops)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``

@@ -148,20 +148,22 @@ def build_model(
 
         backend = get_backend("auto")
     with torch.device("meta"):
-        model = model_class(config)(config, backend)
+        model = new_model(config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     return model.eval().requires_grad_(False)
 
 
-def model_class(config: ModelConfig) -> type[torch.nn.Module]:
-    """The decoder that runs ``config``: the Llama family's (with the CPU fast paths) or
-    the general one (Gemma, mixtures of experts)."""
+def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module:
+    """The decoder that runs ``config``: the Llama family's (with its CPU fast path) or the
+    general one (Gemma, mixtures of experts, latent attention)."""
     if config.uses_llama_decoder:
-        return LlamaForCausalLM
+        from pagedllm.model.fast_path import CpuFastPath
+
+        return LlamaForCausalLM(config, backend, fast_path_builder=CpuFastPath.build)
     from pagedllm.model.decoder import DecoderForCausalLM
 
-    return DecoderForCausalLM
+    return DecoderForCausalLM(config, backend)
 
 
 def _named_model(model: str) -> tuple[Path, str] | None:

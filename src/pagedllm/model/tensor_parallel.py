@@ -37,7 +37,8 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
-from pagedllm.model.llama import KVCaches, Linear, LlamaForCausalLM
+from pagedllm.model.base import KVCaches
+from pagedllm.model.llama import Linear, LlamaForCausalLM
 from pagedllm.routes import Routes
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one

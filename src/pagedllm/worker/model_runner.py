@@ -4,6 +4,7 @@ One step, in the order the ``SchedulerOutput`` contract fixes::
 
     swap_out -> swap_in -> block copies -> forward -> logits (sampled rows only) -> sample
 
+The model is a ``torch.nn.Module`` with the ``CausalLM`` contract (``model/base.py``).
 On CPU the runner switches on the model's fast paths (``optimize_for_cpu``: packed bf16
 weights, fused C++ layer ops) and keeps step-sized buffers in malloc's heap
 (``allocator.keep_step_buffers``); ``optimize=False`` keeps the plain model code and
@@ -85,8 +86,7 @@ class TorchModelRunner:
             keep_step_buffers()
             if torch.get_num_threads() > 1:
                 self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
-            if hasattr(model, "optimize_for_cpu"):
-                model.optimize_for_cpu()
+            model.optimize_for_cpu()
 
     @classmethod
     def from_budget(
@@ -333,11 +333,10 @@ class TorchModelRunner:
 
     def _greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax straight from the model's LM head, where it offers one."""
-        greedy = getattr(self.model, "greedy_tokens", None)
-        if greedy is None or hidden.shape[0] == 0:
+        if hidden.shape[0] == 0:
             return None
         with torch.inference_mode():
-            return greedy(hidden)
+            return self.model.greedy_tokens(hidden)
 
 
 def _weights_digest(model: torch.nn.Module) -> str:

@@ -1,0 +1,78 @@
+"""What the runner needs of a model (``CausalLM``) and what a model needs of its fast path
+(``FastPath``): the contracts between ``worker/model_runner.py``, the decoders
+(``llama.py``, ``decoder.py``, ``tensor_parallel.py``) and ``fast_path.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.model.config import ModelConfig
+from pagedllm.routes import Routes
+
+# One (key, value) cache tensor pair per layer.
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class FastPath(Protocol):
+    """A faster way to run the model's decoder on this machine, with the model's results."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The embedded tokens [T, hidden] -> final-normed hidden states, as the model's
+        own forward (only ``output_rows`` when given)."""
+        ...
+
+    def route(self) -> str:
+        """How a decode step's layers run (for ``Routes.decode_loop``)."""
+        ...
+
+
+# (the model, its linears already packed; the C++ layer ops or None) -> its fast path, or
+# None where this CPU or the model's dtype has none.
+FastPathBuilder = Callable[[Any, Any], FastPath | None]
+
+
+class CausalLM(Protocol):
+    """A decoder with its LM head, as the model runner drives it."""
+
+    config: ModelConfig
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states (only ``output_rows``
+        when given)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] (float32 unless asked otherwise)."""
+        ...
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax from inside the LM head, or None where the model has no such
+        kernel (then the argmax of ``compute_logits``)."""
+        ...
+
+    def optimize_for_cpu(self) -> None:
+        """Pack the linears for this CPU's kernels and switch on any fast path; a no-op
+        elsewhere."""
+        ...
+
+    def routes(self) -> Routes:
+        """Which implementation runs each capability of this model's steps."""
+        ...
