@@ -19,9 +19,10 @@ Fractions are of allocated slots (``*_fraction``) or of the cache (``*_cache_fra
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.core.contiguous import ContiguousAllocator
+from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 
 
@@ -113,8 +114,32 @@ def view_of(allocator: KVCacheManager | ContiguousAllocator) -> AllocatorView:
     raise TypeError(f"no accounting for {type(allocator).__name__}")
 
 
+def group_wastes(
+    kv: HybridKVCacheManager,
+    token_ids: Mapping[str, Sequence[int]] | None = None,
+    next_request_len: int | None = None,
+) -> list[WasteReport]:
+    """``waste`` of each KV cache group of a grouped manager, in group order (each over
+    the whole shared pool: its total, free extents and headroom are the pool's)."""
+    return [waste(group, token_ids, next_request_len) for group in kv.groups]
+
+
+def _merged(reports: Sequence[WasteReport]) -> WasteReport:
+    """The groups' reports as one: slots held, filled and wasted add up (a block is in
+    one group only); the pool's figures are every group's."""
+    first = reports[0]
+    duplication = [r.duplication_tokens for r in reports]
+    return replace(
+        first,
+        allocated_slots=sum(r.allocated_slots for r in reports),
+        filled_slots=sum(r.filled_slots for r in reports),
+        internal_tokens=sum(r.internal_tokens for r in reports),
+        duplication_tokens=None if None in duplication else sum(duplication),  # type: ignore[arg-type]
+    )
+
+
 def waste(
-    allocator: KVCacheManager | ContiguousAllocator | AllocatorView,
+    allocator: KVCacheManager | HybridKVCacheManager | ContiguousAllocator | AllocatorView,
     token_ids: Mapping[str, Sequence[int]] | None = None,
     next_request_len: int | None = None,
 ) -> WasteReport:
@@ -125,6 +150,8 @@ def waste(
     hold (prompt + max_tokens); without it there is nobody to fail, so no external
     waste.
     """
+    if isinstance(allocator, HybridKVCacheManager):
+        return _merged(group_wastes(allocator, token_ids, next_request_len))
     view = allocator if isinstance(allocator, AllocatorView) else view_of(allocator)
     filled = _filled_per_unit(view)
     allocated = sum(view.units.values())

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.cache_events import CacheEventLog
@@ -51,6 +52,8 @@ class ComputedBlocks:
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     num_disk_blocks: int = 0
+    # A grouped manager's hit (``core/hybrid_kv.py``): the tables of groups 1.. start so.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,16 @@ class Allocation:
 
     new_block_ids: tuple[int, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCacheStats:
+    """One KV cache group of a grouped manager: its window (None: full attention), the
+    distinct blocks its tables hold now, and those its window released so far."""
+
+    sliding_window: int | None
+    blocks_used: int
+    window_freed_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +104,8 @@ class CacheStats:
     # out of it (see ``KVCacheManager.release_out_of_window``).
     sliding_window: int | None = None
     window_freed_blocks: int = 0
+    # Models whose layers are grouped by attention kind: one entry per group.
+    groups: tuple[GroupCacheStats, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -101,11 +116,95 @@ class CacheStats:
         )
 
 
+class _AllocationPlan(NamedTuple):
+    table: list[int] | None
+    start: int  # first token to write (after a prefix hit)
+    total: int  # tokens the table must hold
+    hit_ids: tuple[int, ...]
+    num_loads: int
+    num_new_blocks: int
+    cow_indices: tuple[int, ...]
+    num_blocks: int  # free blocks it takes
+
+
 _NO_HIT = ComputedBlocks()
 _NOTHING_NEW = Allocation()
 
 
-class KVCacheManager:
+def check_held(pool: BlockPool, held: Counter[int]) -> None:
+    """Raise AssertionError unless each block's ref count is how often it is ``held``."""
+    for block_id in range(pool.num_blocks):
+        assert pool.ref_count(block_id) == held[block_id], (
+            f"block {block_id}: ref_count {pool.ref_count(block_id)}, "
+            f"held by {held[block_id]} tables"
+        )
+
+
+class DevicePoolViews:
+    """What a manager does with its device pool alone: the elastic pool's shrink and
+    grow, eviction, counts (shared by ``KVCacheManager`` and the grouped manager)."""
+
+    pool: BlockPool
+    host_pool: BlockPool
+    num_blocks: int
+
+    def take_released_block_ids(self) -> tuple[int, ...]:
+        """Device blocks released since the last call (their ref count reached zero): the
+        worker drops per-block state it keeps outside the pool (a quantized cache's
+        staged open blocks)."""
+        return self.pool.take_released()
+
+    def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
+        """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix
+        index, least recently used first; returns how many were evicted."""
+        return len(self.pool.evict(num_blocks))
+
+    def begin_shrink(self, num_blocks: int) -> None:
+        """Start shrinking the device tier to ``num_blocks``: allocation comes from below
+        it from now on; compaction slices empty the tail; ``finish_shrink`` drops it."""
+        if not 0 < num_blocks <= self.num_blocks:
+            raise ValueError(f"num_blocks must be in [1, {self.num_blocks}], got {num_blocks}")
+        self.pool.set_limit(num_blocks)
+
+    def plan_compaction(self, max_moves: int | None = None) -> CompactionPlan:
+        """The next slice of the shrink in progress (changes nothing)."""
+        return plan_compaction(self.pool, max_moves=max_moves)
+
+    @property
+    def shrink_pending(self) -> bool:
+        """A shrink is under way: blocks at or above the limit still hold data."""
+        return bool(self.pool.occupied_above(self.pool.limit))
+
+    def grow(self, num_blocks: int) -> None:
+        """Add free device blocks up to ``num_blocks`` (ends a shrink in progress)."""
+        self.pool.grow(num_blocks)
+        self._resized()  # type: ignore[attr-defined]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usable_blocks(self) -> int:
+        """Device blocks allocation may use: all of them, or the target of a shrink."""
+        return self.pool.limit
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks held by live requests."""
+        return self.pool.num_used_blocks / self.num_blocks
+
+    def block_states(self, *, host: bool = False) -> list[int]:
+        """Each device (or host) block's state by id: ``block_pool.BLOCK_FREE``,
+        ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (a new list)."""
+        return (self.host_pool if host else self.pool).block_states()
+
+    def block_ref_counts(self, *, host: bool = False) -> list[int]:
+        """Each device (or host) block's ref count by id (a new list)."""
+        return (self.host_pool if host else self.pool).ref_counts()
+
+
+class KVCacheManager(DevicePoolViews):
     """Block tables, prefix lookup, copy-on-write, fork, free; asks the tiers below.
 
     ``disk``: a ``DiskTier`` (None: no disk tier)."""
@@ -120,7 +219,16 @@ class KVCacheManager:
         watermark: float = 0.01,
         disk: DiskTier | None = None,
         sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        null_block: int | None = None,
+        hash_salt: tuple = (),
     ) -> None:
+        """``pool``, ``null_block``, ``hash_salt``: for one group of a model whose layers
+        are grouped (``core/hybrid_kv.py``): the pool every group shares, its window
+        placeholder, and what tells this group's block hashes from the others' (the same
+        tokens hold other layers' K/V in each group)."""
+        if pool is not None:
+            num_blocks = pool.num_blocks
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -134,8 +242,13 @@ class KVCacheManager:
         self.watermark = watermark
         self._watermark_blocks = int(watermark * num_blocks)
         # The device pool's prefix index changes, for routers (core/cache_events.py).
-        self.events = CacheEventLog()
-        self.pool = BlockPool(num_blocks, events=self.events, track_released=True)
+        if pool is None:
+            self.events = CacheEventLog()
+            pool = BlockPool(num_blocks, events=self.events, track_released=True)
+        else:
+            self.events = pool.events if pool.events is not None else CacheEventLog()
+        self.pool = pool
+        self._hash_salt = tuple(hash_salt)
         # Read-only alias of the pool's ref counts (the list is never replaced): the
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts
@@ -157,7 +270,7 @@ class KVCacheManager:
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
         self._prefix_disk_hits_tokens = 0
-        self._init_window(sliding_window)
+        self._init_window(sliding_window, null_block)
 
     # ---- prefix lookup and allocation ----------------------------------------------
 
@@ -228,31 +341,12 @@ class KVCacheManager:
                         if total > self._num_slots.get(request_id, 0):
                             self._num_slots[request_id] = total
                         return _NOTHING_NEW
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if self.swap.holds(request_id):
-            raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
+        plan = self._plan_allocation(request, num_new_tokens, computed_blocks)
+        table, start, total = plan.table, plan.start, plan.total
+        hit_ids, num_loads, num_new_blocks = plan.hit_ids, plan.num_loads, plan.num_new_blocks
+        cow_indices = plan.cow_indices
         bs = self.block_size
-        table = self._tables.get(request_id)
-        start = request.num_computed_tokens
-        hit_ids: tuple[int, ...] = ()
-        num_loads = 0
-        if computed_blocks is not None and computed_blocks.num_tokens:
-            if table:
-                raise ValueError(f"request {request_id!r} already holds blocks")
-            hit_ids, num_loads = computed_blocks.block_ids, computed_blocks.num_disk_blocks
-            if computed_blocks.num_tokens != (len(hit_ids) + num_loads) * bs:
-                raise ValueError(
-                    "computed_blocks.num_tokens must be "
-                    "(len(block_ids) + num_disk_blocks) * block_size"
-                )
-            self._check_hit(request, hit_ids, num_loads)
-            start += computed_blocks.num_tokens
         num_hit = len(hit_ids) + num_loads
-        num_held = num_hit if num_hit else (len(table) if table else 0)
-        total = start + num_new_tokens
-        num_new_blocks = max(0, -(-total // bs) - num_held)
-        cow_indices = self._cow_indices(table, start, total) if table and num_new_tokens else ()
 
         if not num_hit and not num_new_blocks and not cow_indices:
             if table is None:
@@ -264,10 +358,7 @@ class KVCacheManager:
                 self._num_slots[request_id] = total
             return _NOTHING_NEW
 
-        num_revived = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
-        free_after = (
-            self.pool.num_free_blocks - num_revived - num_loads - num_new_blocks - len(cow_indices)
-        )
+        free_after = self.pool.num_free_blocks - plan.num_blocks
         if free_after < 0 or (admission and free_after < self._watermark_blocks):
             return None
 
@@ -298,6 +389,73 @@ class KVCacheManager:
         self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
         return Allocation(tuple(new_ids), tuple(copies))
 
+    def blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+    ) -> int:
+        """Free blocks ``allocate_slots`` with these arguments would take (fresh ones,
+        copy-on-write copies, disk loads, cached-free hits revived); changes nothing."""
+        return self._plan_allocation(request, num_new_tokens, computed_blocks).num_blocks
+
+    def _plan_allocation(
+        self, request: Request, num_new_tokens: int, computed_blocks: ComputedBlocks | None
+    ) -> _AllocationPlan:
+        request_id = request.request_id
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self.swap.holds(request_id):
+            raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
+        bs = self.block_size
+        table = self._tables.get(request_id)
+        start = request.num_computed_tokens
+        hit_ids: tuple[int, ...] = ()
+        num_loads = 0
+        if computed_blocks is not None and computed_blocks.num_tokens:
+            if table:
+                raise ValueError(f"request {request_id!r} already holds blocks")
+            hit_ids, num_loads = computed_blocks.block_ids, computed_blocks.num_disk_blocks
+            if computed_blocks.num_tokens != (len(hit_ids) + num_loads) * bs:
+                raise ValueError(
+                    "computed_blocks.num_tokens must be "
+                    "(len(block_ids) + num_disk_blocks) * block_size"
+                )
+            self._check_hit(request, hit_ids, num_loads)
+            start += computed_blocks.num_tokens
+        num_hit = len(hit_ids) + num_loads
+        num_held = num_hit if num_hit else (len(table) if table else 0)
+        total = start + num_new_tokens
+        num_new_blocks = max(0, -(-total // bs) - num_held)
+        cow_indices = self._cow_indices(table, start, total) if table and num_new_tokens else ()
+        num_revived = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
+        return _AllocationPlan(
+            table,
+            start,
+            total,
+            hit_ids,
+            num_loads,
+            num_new_blocks,
+            cow_indices,
+            num_revived + num_loads + num_new_blocks + len(cow_indices),
+        )
+
+    def lookup_blocks(self, request: Request, num_blocks: int) -> list[int | None]:
+        """For each of the request's first ``num_blocks`` full blocks, the device block
+        holding it in the prefix index, or None (a sliding group needs only the blocks
+        its window reaches, not an unbroken prefix). RAM only; fewer entries when the
+        request has fewer full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hashes = self._ensure_hashes(request)
+        tokens = request.all_token_ids
+        lookup = self.pool.lookup
+        return [
+            lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            for i in range(min(num_blocks, len(hashes)))
+        ]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register in the prefix index the blocks made full by ``num_computed_tokens``."""
         if not self.enable_prefix_caching:
@@ -315,7 +473,7 @@ class KVCacheManager:
             return
         hashes = self._ensure_hashes(request)
         tokens = request.all_token_ids
-        extra_keys = request.extra_keys
+        extra_keys = self._extra_keys(request)
         disk = self.disk
         for i in range(done, num_full):
             block_tokens = tokens[i * bs : (i + 1) * bs]
@@ -332,17 +490,18 @@ class KVCacheManager:
 
     # ---- sliding windows ------------------------------------------------------------
 
-    def _init_window(self, sliding_window: int | None) -> None:
-        """With a window (every layer of the model slides), one block is held by the
-        manager for good: the placeholder every table points at in place of a block
+    def _init_window(self, sliding_window: int | None, null_block: int | None) -> None:
+        """With a window (every layer of the model, or of this group, slides), one block
+        is held by the manager for good (or by the grouped manager above it:
+        ``null_block``): the placeholder every table points at in place of a block
         released out of the window (the worker never reads it, and slots stay
         ``table[p // block_size]``)."""
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
-        self.null_block: int | None = None
+        self.null_block: int | None = null_block
         self._window_freed = 0
-        if sliding_window is not None:
+        if sliding_window is not None and null_block is None:
             self.null_block = self.pool.allocate(1)[0]
 
     def release_out_of_window(self, request: Request) -> int:
@@ -422,17 +581,6 @@ class KVCacheManager:
         if self._pending_hashes is not None and self._pending_hashes[0] is request:
             self._pending_hashes = None
         self._num_registered.pop(request_id, None)
-
-    def take_released_block_ids(self) -> tuple[int, ...]:
-        """Device blocks released since the last call (their ref count reached zero): the
-        worker drops per-block state it keeps outside the pool (a quantized cache's
-        staged open blocks)."""
-        return self.pool.take_released()
-
-    def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
-        """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix
-        index, least recently used first; returns how many were evicted."""
-        return len(self.pool.evict(num_blocks))
 
     # ---- the disk tier ------------------------------------------------------------
 
@@ -523,17 +671,6 @@ class KVCacheManager:
 
     # ---- resizing (the elastic pool; core/compaction.py plans the moves) ------------
 
-    def begin_shrink(self, num_blocks: int) -> None:
-        """Start shrinking the device tier to ``num_blocks``: allocation comes from below
-        it from now on; compaction slices empty the tail; ``finish_shrink`` drops it."""
-        if not 0 < num_blocks <= self.num_blocks:
-            raise ValueError(f"num_blocks must be in [1, {self.num_blocks}], got {num_blocks}")
-        self.pool.set_limit(num_blocks)
-
-    def plan_compaction(self, max_moves: int | None = None) -> CompactionPlan:
-        """The next slice of the shrink in progress (changes nothing)."""
-        return plan_compaction(self.pool, max_moves=max_moves)
-
     def apply_compaction(self, plan: CompactionPlan) -> None:
         """Move the books as ``plan`` says, once the worker has copied its blocks: the
         pool (ref counts, prefix index, LRU order), every block table and the swap
@@ -543,17 +680,20 @@ class KVCacheManager:
             return
         mapping = plan.mapping()
         self.pool.relocate(plan.moves)
+        self.remap_tables(mapping)
+        self.swap.device_blocks_relocated(mapping)
+
+    def remap_tables(self, mapping: dict[int, int]) -> None:
+        """Rename blocks in every table after the pool moved them (compaction)."""
         for request_id, table in self._tables.items():
             if remap_table(table, mapping):
                 self._table_changed(request_id)
-        self.swap.device_blocks_relocated(mapping)
         if self.null_block is not None:
             self.null_block = mapping.get(self.null_block, self.null_block)
 
-    @property
-    def shrink_pending(self) -> bool:
-        """A shrink is under way: blocks at or above the limit still hold data."""
-        return bool(self.pool.occupied_above(self.pool.limit))
+    def pool_resized(self) -> None:
+        """The shared pool grew or shrank (a grouped manager resized it)."""
+        self._resized()
 
     def finish_shrink(self, *, settle: bool = False) -> int:
         """Drop the tail; returns the new number of blocks. With ``settle``, stop where
@@ -566,11 +706,6 @@ class KVCacheManager:
         pool.truncate()
         self._resized()
         return self.num_blocks
-
-    def grow(self, num_blocks: int) -> None:
-        """Add free device blocks up to ``num_blocks`` (ends a shrink in progress)."""
-        self.pool.grow(num_blocks)
-        self._resized()
 
     # ---- views --------------------------------------------------------------------
 
@@ -606,22 +741,8 @@ class KVCacheManager:
         return self._num_slots.get(request_id, 0)
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usable_blocks(self) -> int:
-        """Device blocks allocation may use: all of them, or the target of a shrink."""
-        return self.pool.limit
-
-    @property
     def num_free_host_blocks(self) -> int:
         return self.swap.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of device blocks held by live requests."""
-        return self.pool.num_used_blocks / self.num_blocks
 
     def stats(self) -> CacheStats:
         used = self.pool.num_used_blocks
@@ -645,6 +766,12 @@ class KVCacheManager:
             window_freed_blocks=self._window_freed,
         )
 
+    def num_blocks_held(self) -> int:
+        """Distinct blocks this manager's tables hold, the placeholder aside."""
+        held = {b for table in self._tables.values() for b in table}
+        held.discard(self.null_block)  # type: ignore[arg-type]
+        return len(held)
+
     def live_block_tables(self) -> dict[str, list[int]]:
         """Every device block table, by request id (copies)."""
         return {rid: list(table) for rid, table in self._tables.items()}
@@ -652,15 +779,6 @@ class KVCacheManager:
     def live_host_block_tables(self) -> dict[str, list[int]]:
         """Every host (swap tier) block table, by request id (copies)."""
         return self.swap.tables()
-
-    def block_states(self, *, host: bool = False) -> list[int]:
-        """Each device (or host) block's state by id: ``block_pool.BLOCK_FREE``,
-        ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (a new list)."""
-        return (self.swap.pool if host else self.pool).block_states()
-
-    def block_ref_counts(self, *, host: bool = False) -> list[int]:
-        """Each device (or host) block's ref count by id (a new list)."""
-        return (self.swap.pool if host else self.pool).ref_counts()
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless pools, tables and the prefix index agree."""
@@ -673,6 +791,13 @@ class KVCacheManager:
         held: Counter[int] = Counter()
         if self.null_block is not None:
             held[self.null_block] = 1  # the manager's own reference
+        self.check_tables(held)
+        check_held(self.pool, held)
+
+    def check_tables(self, held: Counter[int]) -> None:
+        """The checks of ``check_invariants`` on this manager's own tables; adds how many
+        times each block is held to ``held`` (a grouped manager sums its groups')."""
+        bs = self.block_size
         for request_id, table in self._tables.items():
             blocks = [b for b in table if b != self.null_block]
             assert len(set(blocks)) == len(blocks), f"{request_id}: block twice in a table"
@@ -680,11 +805,6 @@ class KVCacheManager:
                 f"{request_id}: table too short for its slots"
             )
             held.update(table)
-        for block_id in range(self.num_blocks):
-            assert self.pool.ref_count(block_id) == held[block_id], (
-                f"block {block_id}: ref_count {self.pool.ref_count(block_id)}, "
-                f"held by {held[block_id]} tables"
-            )
         for request_id, view in self._table_tuples.items():
             assert view == tuple(self._tables.get(request_id, ())), (
                 f"{request_id}: stale block table tuple"
@@ -719,12 +839,16 @@ class KVCacheManager:
         bs = self.block_size
         num_full = request.num_tokens // bs
         if len(hashes) < num_full:
-            tokens, extra_keys = request.all_token_ids, request.extra_keys
+            tokens, extra_keys = request.all_token_ids, self._extra_keys(request)
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_full):
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra_keys)
                 hashes.append(parent)
         return hashes
+
+    def _extra_keys(self, request: Request) -> tuple:
+        salt = self._hash_salt
+        return request.extra_keys + salt if salt else request.extra_keys
 
     def _table_changed(self, request_id: str) -> None:
         """Drop the tuple view of a table just created, changed or released."""
@@ -748,7 +872,10 @@ class KVCacheManager:
         hashes = self._ensure_hashes(request)
         if len(hit_ids) + num_loads > len(hashes):
             raise ValueError("computed_blocks cover more than the request's full blocks")
-        stale = any(self.pool.block_hash(b) != hashes[i] for i, b in enumerate(hit_ids))
+        null = self.null_block  # a grouped window's hit starts with placeholders
+        stale = any(
+            self.pool.block_hash(b) != hashes[i] for i, b in enumerate(hit_ids) if b != null
+        )
         if num_loads:
             disk = self.disk
             end = len(hit_ids) + num_loads
@@ -764,7 +891,7 @@ class KVCacheManager:
         assert self.disk is not None
         bs = self.block_size
         hashes = self._ensure_hashes(request)
-        tokens, extra_keys = request.all_token_ids, request.extra_keys
+        tokens, extra_keys = request.all_token_ids, self._extra_keys(request)
         for i, block_id in enumerate(block_ids, start=first):
             block_tokens = tokens[i * bs : (i + 1) * bs]
             self.pool.register(
