@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.attention import AttentionMetadata, ReferenceAttention, cpu
+from pagedllm.attention.base import FULL_ATTENTION, AttentionKind
 from pagedllm.attention.cpu import CpuAttention, load_extension
 from pagedllm.attention.select import get_backend
 
@@ -103,16 +104,17 @@ def make_step(
     return query, key, value, k_cache, v_cache, meta, head_dim**-0.5
 
 
-def check_against_reference(backend, step) -> None:
+def check_against_reference(backend, step, kind: AttentionKind = FULL_ATTENTION) -> None:
     query, key, value, k_cache, v_cache, meta, scale = step
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    expected = ReferenceAttention().forward(query, key, value, k_ref, v_ref, meta, scale)
-    got = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    expected = ReferenceAttention().forward(query, key, value, k_ref, v_ref, meta, scale, kind)
+    got = backend.forward(query, key, value, k_cache, v_cache, meta, scale, kind)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     tol = TOLERANCE[query.dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    # The step's K/V landed in the same slots.
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # The step's K/V landed in the same slots (bit for bit; NaN where a test put NaN).
+    for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        torch.testing.assert_close(cache, ref, rtol=0, atol=0, equal_nan=True)
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -329,3 +331,87 @@ def test_kernel_leaves_matmuls_intact():
     CpuAttention(use_extension=True).forward(*step)
     after = work()
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+# Sliding windows (smaller and larger than the contexts; edges inside a block and on block
+# edges for block size 16) and Gemma 2's soft-capping, alone and together.
+WINDOW_KINDS = [
+    AttentionKind(sliding_window=1),
+    AttentionKind(sliding_window=5),
+    AttentionKind(sliding_window=16),
+    AttentionKind(sliding_window=37),
+    AttentionKind(sliding_window=4096),
+    AttentionKind(softcap=2.0),
+    AttentionKind(sliding_window=20, softcap=3.0),
+]
+WINDOW_IDS = ["w1", "w5", "w16", "w37", "w4096", "cap2", "w20-cap3"]
+# Decodes, whole prompts, chunks after a cached prefix (prefixes ending mid-block and on a
+# block edge), one-token contexts: one chunked-prefill step.
+WINDOW_SHAPES = [(1, 1), (1, 70), (1, 129), (24, 24), (40, 40), (17, 50), (24, 48), (9, 57)]
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("kind", WINDOW_KINDS, ids=WINDOW_IDS)
+def test_windows_and_softcap(make_backend, dtype, block_size, kind):
+    step = make_step(WINDOW_SHAPES, block_size=block_size, dtype=dtype, seed=40 + block_size)
+    check_against_reference(make_backend(), step, kind)
+
+
+@pytest.mark.parametrize("make_backend", backends())
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 1, 256), (8, 1, 64), (6, 2, 128), (4, 2, 32), (4, 2, 24)],
+    ids=["mqa-d256", "mqa", "gqa-d128", "gqa-d32", "gqa-d24-scalar"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_windows_every_head_layout(make_backend, num_heads, num_kv_heads, head_dim, dtype):
+    step = make_step(
+        [(1, 300), (33, 100), (20, 20)],
+        block_size=16,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+    )
+    check_against_reference(make_backend(), step, AttentionKind(sliding_window=40, softcap=5.0))
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_window_reads_no_block_before_it(dtype):
+    # Every table entry before the window's first block points at a block of NaNs: a
+    # read of any of them would poison the output.
+    block_size, window = 16, 40
+    shapes = [(1, 300), (30, 200), (1, 41)]
+    query, key, value, k_cache, v_cache, meta, scale = make_step(
+        shapes, block_size=block_size, dtype=dtype, seed=5
+    )
+    nan_block = 0  # make_step never hands out block 0
+    k_cache[nan_block] = float("nan")
+    v_cache[nan_block] = float("nan")
+    for i, (query_len, seq_len) in enumerate(shapes):
+        first = max(0, seq_len - query_len - window + 1) // block_size
+        meta.block_tables[i, :first] = nan_block
+    kind = AttentionKind(sliding_window=window)
+    step = (query, key, value, k_cache, v_cache, meta, scale)
+    check_against_reference(CpuAttention(use_extension=True), step, kind)
+
+
+@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+def test_windowed_layers_give_every_query_to_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "_prefill_sdpa", lambda *a, **k: calls.append("sdpa"))
+    monkeypatch.setattr(cpu, "paged_attention", lambda *a, **k: calls.append("reference"))
+    backend = CpuAttention(use_extension=True)
+    step = make_step([(600, 600), (300, 900), (1, 50)], block_size=16, seed=9)
+    check_against_reference(backend, step, AttentionKind(sliding_window=64))
+    assert calls == []
+    query, _, _, k_cache, v_cache, meta, _ = step
+    kind = AttentionKind(sliding_window=64)
+    assert backend.kernel_step(torch.float32, 8, 64, k_cache, v_cache, meta, kind) is not None
+    assert backend.kernel_step(torch.float32, 8, 64, k_cache, v_cache, meta) is None
+    assert "blocks before the window are not read" in backend.kind_route(torch.float32, kind)
+    assert backend.kind_route(torch.float32, FULL_ATTENTION) == backend.route(torch.float32)

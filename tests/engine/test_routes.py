@@ -12,8 +12,17 @@ from pagedllm.engine.reports import cache_report, stats_from_wire
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.kernels.probe import cpu_info
 from pagedllm.routes import Routes
+from pagedllm.testing import make_tiny_checkpoint
 
-ROUTE_NAMES = ["attention", "linears", "decode_loop", "sampler", "dtype", "dtype_reason"]
+ROUTE_NAMES = [
+    "attention",
+    "linears",
+    "decode_loop",
+    "sampler",
+    "windowed_attention",
+    "dtype",
+    "dtype_reason",
+]
 
 
 def test_env_reports_cpu_threads_kernels_and_every_route(tiny_model_dir, capsys):
@@ -97,3 +106,21 @@ def test_cpu_isa_names_the_best_route(flags, isa, bf16_dot):
 
     cpu = CpuInfo("x", frozenset(flags), 1)
     assert (cpu.isa, cpu.bf16_dot) == (isa, bf16_dot)
+
+
+def test_windowed_layers_route_is_named(tmp_path, capsys):
+    path = make_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    assert main(["env", "--model", str(path), "--dtype", "float32", "--json"]) == 0
+    routes = json.loads(capsys.readouterr().out)["routes"]
+    prefix = f"sliding window 8 ({layers} of {layers} layers): "
+    assert routes["windowed_attention"].startswith(prefix)
+    if layer_ops() is not None:
+        assert "C++ paged_attention" in routes["windowed_attention"]
+        assert routes["decode_loop"].startswith("fused C++: every layer in one call")
+    assert main(["env", "--model", str(path), "--attention-backend", "reference", "--json"]) == 0
+    routes = json.loads(capsys.readouterr().out)["routes"]
+    assert (
+        routes["windowed_attention"]
+        == prefix + "reference (masked SDPA over the visible blocks only)"
+    )

@@ -21,10 +21,22 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     shape = dict(
         hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1
     )
-    return {
+    # Sliding windows: every layer (Mistral) and the layers from 1 on (Qwen2), windows
+    # edging inside the 16-token blocks.
+    windows = {
+        "mistral_window": ("mistral", {"sliding_window": 9}),
+        "qwen2_window": (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+        ),
+    }
+    paths = {
         arch: make_tiny_checkpoint(root / arch, arch, seed=7, **shape)
         for arch in ("llama", "qwen2")
     }
+    for name, (arch, extra) in windows.items():
+        paths[name] = make_tiny_checkpoint(root / name, arch, seed=7, **shape, **extra)
+    return paths
 
 
 def make_runner(path, dtype: str, whole: bool) -> TorchModelRunner:
@@ -52,7 +64,7 @@ def run_steps(runner: TorchModelRunner) -> list[dict[str, torch.Tensor]]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen2_window"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_call_equals_the_layer_loop(checkpoints, monkeypatch, arch: str, dtype: str):
     calls = []

@@ -46,6 +46,13 @@ class AttentionKind:
     def is_full(self) -> bool:
         return self.sliding_window is None and self.softcap is None
 
+    def describe(self) -> str:
+        """In words, for the routes: "sliding window 512", "soft-cap 50.0", both, or
+        "full"."""
+        parts = [] if self.sliding_window is None else [f"sliding window {self.sliding_window}"]
+        parts += [] if self.softcap is None else [f"soft-cap {self.softcap:g}"]
+        return ", ".join(parts) or "full"
+
 
 FULL_ATTENTION = AttentionKind()
 
@@ -103,6 +110,11 @@ class AttentionBackend(Protocol):
         start-up log, ``pagedllm env`` and ``/v1/cache``)."""
         ...
 
+    def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
+        """``route`` for the layers of ``kind`` (a window or soft-capping may take
+        another implementation than full attention)."""
+        ...
+
     def kernel_step(
         self,
         dtype: torch.dtype,
@@ -111,9 +123,11 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> KernelStep | None:
         """The arguments with which pagedllm's C++ attention kernel (``paged_attention``)
-        takes this whole step, K/V write included, exactly as ``forward`` would route it;
+        takes this whole step, K/V write included, exactly as ``forward`` would route it
+        for layers of ``kind``;
         None when it does not (or the backend has no such kernel). The model's fast path
         then runs every layer of the step in one C++ call (``decoder_layers``)."""
         ...

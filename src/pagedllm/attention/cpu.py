@@ -12,10 +12,15 @@ Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16
 prompt attends to its own fresh K/V directly; a chunk after a cached prefix attends to the
 prefix (read through the block table: one ``index_select`` copy) and to its own fresh K/V
 causally in two mask-free calls, merged by their log-sum-exp.
+
+Layers with a sliding window or soft-capping (``AttentionKind``) go to the kernel for every
+query length: it skips the blocks before each task's window, so a windowed row costs at most
+W keys however long the context; without the kernel they take the reference path.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -131,15 +136,16 @@ class CpuAttention:
         if meta.quant is not None:
             return self._forward_quantized(query, key, value, k_cache, v_cache, meta, scale, kind)
         self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        if not kind.is_full:
-            # Windows and soft-capping: the reference computation over the visible blocks
-            # only (the kernel does not take them yet).
-            return paged_attention(query, k_cache, v_cache, meta, scale, kind)
         cache_dtype = k_cache.dtype
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
+        kernel = q.stride(2) == 1 and self._kernel_applies(q.dtype, k_cache)
+        if not kind.is_full and not kernel:
+            # Windows and soft-capping without the kernel: the reference computation over
+            # the visible blocks only.
+            return paged_attention(query, k_cache, v_cache, meta, scale, kind)
         out = q.new_empty(q.shape)
-        if q.stride(2) == 1 and self._kernel_applies(q.dtype, k_cache):
-            route, rows = self._plan(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2], meta)
+        if kernel:
+            route, rows = self._plan(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2], meta, kind)
             if route.any_kernel:
                 self._op(
                     out,
@@ -154,6 +160,8 @@ class CpuAttention:
                     rows,
                     self.bf16_dot,
                     self.amx,
+                    kind.sliding_window or 0,
+                    kind.softcap or 0.0,
                 )
             rest = route.rest
         else:
@@ -179,6 +187,21 @@ class CpuAttention:
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
         return kernel + "; longer prompts: SDPA per sequence"
+
+    def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
+        if kind.is_full:
+            return self.route(dtype)
+        if self._op is None or dtype not in (torch.float32, torch.bfloat16):
+            return "reference (masked SDPA over the visible blocks only; no C++ kernel)"
+        isa = (
+            "AVX-512-bf16"
+            if self.bf16_dot and dtype == torch.bfloat16 and self.dot_products
+            else ("AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32")
+        )
+        return (
+            f"C++ paged_attention ({isa}), every query length: blocks before the window "
+            "are not read"
+        )
 
     def _forward_quantized(
         self,
@@ -229,10 +252,11 @@ class CpuAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> KernelStep | None:
         """``paged_attention``'s step arguments when the kernel takes every sequence of the
-        step and ``write_kv_`` takes the caches (as ``forward`` would route them), else None
-        (``AttentionBackend.kernel_step``)."""
+        step and ``write_kv_`` takes the caches (as ``forward`` would route them for layers
+        of ``kind``), else None (``AttentionBackend.kernel_step``)."""
         # The kernel's conditions, then write_kv_'s for K/V rows cut from the qkv product
         # (rows contiguous, in the model's dtype): it refuses other caches and slot tensors.
         if (
@@ -249,7 +273,7 @@ class CpuAttention:
             or not meta.slot_mapping.is_contiguous()
         ):
             return None
-        route, rows = self._plan(dtype, num_heads, k_cache.shape[2], head_dim, meta)
+        route, rows = self._plan(dtype, num_heads, k_cache.shape[2], head_dim, meta, kind)
         if route.rest or not route.any_kernel:
             return None
         return KernelStep(
@@ -269,8 +293,10 @@ class CpuAttention:
         num_kv_heads: int,
         head_dim: int,
         meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> tuple[_Route, int]:
-        """The step's route and the kernel's query rows per task."""
+        """The step's route and the kernel's query rows per task: layers of a non-full
+        ``kind`` give the kernel every query (the tile unit takes none of them)."""
         group = num_heads // num_kv_heads
         bf16_dots = self.bf16_dot and dtype == torch.bfloat16
         tiles = self.amx and bf16_dots and head_dim == 64
@@ -281,6 +307,8 @@ class CpuAttention:
             long_max, rows = DOT_LONG_QUERY_MAX_SEQ_LEN, DOT_ROWS_PER_TASK
         else:
             long_max, rows = 0, ROWS_PER_TASK
+        if not kind.is_full:
+            long_max = sys.maxsize
         return self._route(meta, long_max), self.rows_per_task or rows
 
     def _write_kv(

@@ -124,6 +124,11 @@ class ReferenceAttention:
     def route(self, dtype: torch.dtype) -> str:
         return "reference (gather through the block tables + SDPA, one sequence at a time)"
 
+    def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
+        if kind.is_full:
+            return self.route(dtype)
+        return "reference (masked SDPA over the visible blocks only)"
+
     def kernel_step(
         self,
         dtype: torch.dtype,
@@ -132,6 +137,7 @@ class ReferenceAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
     ) -> KernelStep | None:
         """None: the reference has no C++ kernel; every step goes through ``forward``."""
         return None

@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedllm.attention.base import AttentionBackend, AttentionMetadata, KernelStep
+from pagedllm.attention.base import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionKind,
+    AttentionMetadata,
+    KernelStep,
+)
 from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
@@ -89,7 +95,7 @@ class CpuFastPath:
             k_cache, v_cache = kv_caches[0]
             heads = plan.heads
             step = plan.backend.kernel_step(
-                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta
+                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta, plan.kind
             )
             if step is not None:
                 return decoder_layers(
@@ -122,6 +128,7 @@ def fused_layer_of(layer: DecoderLayer) -> FusedLayer:
         attn.heads,
         attn.scale,
         attn.backend,
+        attn.kind,
     )
 
 
@@ -141,6 +148,7 @@ class FusedLayer(NamedTuple):
     heads: Heads
     scale: float
     backend: AttentionBackend
+    kind: AttentionKind = FULL_ATTENTION
 
 
 def fused_layer(
@@ -172,7 +180,7 @@ def fused_layer(
         x = ops.add_rms_norm(hidden, residual, layer.norm1, layer.norm1_eps)
     q, k, v = split_heads(linear(x, *layer.qkv, ops), layer.heads)
     ops.rope_(q, k, cos, sin)
-    out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+    out = layer.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale, layer.kind)
     if rows is not None:
         out, residual = out.index_select(0, rows), residual.index_select(0, rows)
     q_width = layer.heads.counts[0] * layer.heads.head_dim
@@ -208,6 +216,12 @@ class DecoderPlan(NamedTuple):
     scale: float
     backend: AttentionBackend  # every layer's: its kernel_step says which steps it takes whole
     max_rows: int
+    # Each layer's window and soft-cap as paged_attention takes them (0: none), and the kind
+    # whose route decides whether the kernel takes a step whole: full attention when any
+    # layer has it (the kernel takes every query of the others).
+    sliding_windows: list[int]
+    softcaps: list[float]
+    kind: AttentionKind
 
 
 def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan | None:
@@ -244,6 +258,9 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
         scale=first.scale,
         backend=first.backend,
         max_rows=small_gemm_max_rows(first.qkv.small),
+        sliding_windows=[layer.kind.sliding_window or 0 for layer in layers],
+        softcaps=[layer.kind.softcap or 0.0 for layer in layers],
+        kind=next((layer.kind for layer in layers if layer.kind.is_full), first.kind),
     )
 
 
@@ -292,4 +309,6 @@ def decoder_layers(
         step.fast_bf16,
         step.use_amx,
         output_rows,
+        plan.sliding_windows,
+        plan.softcaps,
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -82,9 +83,21 @@ def describe_routes(
         linears.append(head)
     return Routes(
         attention=backend.route(dtype),
+        windowed_attention=kinds_route(model, backend, dtype),
         linears=linear_route(linears, ops),
         decode_loop=decode_loop,
         sampler=sampler_route(head, ops, in_head=greedy_in_head),
+    )
+
+
+def kinds_route(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> str:
+    """How the model's layers with a window or soft-capping attend, one part per kind:
+    "sliding window 512 (15 of 18 layers): <route>"; empty when every layer is full."""
+    kinds = [m.kind for m in model.modules() if isinstance(m, Attention)]
+    counts = Counter(kind for kind in kinds if not kind.is_full)
+    return "; ".join(
+        f"{kind.describe()} ({n} of {len(kinds)} layers): {backend.kind_route(dtype, kind)}"
+        for kind, n in counts.items()
     )
 
 
@@ -357,11 +370,7 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight
             self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
         self.head_ops = ops
-        # The fast path's fused layers attend without a window: sliding-window models
-        # keep the per-module loop (on the packed weights).
-        if self.fast_path_builder is not None and not any(
-            w is not None for w in self.config.sliding_windows
-        ):
+        if self.fast_path_builder is not None:
             self.fast_path = self.fast_path_builder(self, ops)
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

@@ -32,7 +32,8 @@ using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using SiluMul = at::Tensor(const at::Tensor&);
 using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool);
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool,
+                            int64_t, double);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pagedllm::rms_norm");
@@ -60,8 +61,9 @@ void check_layers(size_t n, const List& list, const char* name) {
 // [T, head_dim]. Per layer: the norms' weights, the four linears' small_gemm-packed weights
 // and optional biases, and the layer's K/V caches. The attention arguments are
 // paged_attention's. output_rows: only these rows go on after the last layer's attention
-// (every row's K/V is still written). Returns the final-normed hidden states of the rows that
-// go on.
+// (every row's K/V is still written). sliding_windows, softcaps: each layer's attention kind
+// (paged_attention's arguments; empty: none in any layer). Returns the final-normed hidden
+// states of the rows that go on.
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList norm1, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
                           const OptTensors& o_bias, at::TensorList norm2, at::TensorList gate_up,
@@ -70,7 +72,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& handled, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, double scale, int64_t rows_per_task,
-                          bool fast_bf16, bool use_amx, const OptTensor& output_rows) {
+                          bool fast_bf16, bool use_amx, const OptTensor& output_rows,
+                          at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps) {
   const size_t n = norm1.size();
   TORCH_CHECK(n > 0, "decoder_layers: no layers");
   check_layers(n, qkv, "qkv");
@@ -84,6 +87,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
   check_layers(n, down_bias, "down_bias");
   check_layers(n, k_caches, "k_caches");
   check_layers(n, v_caches, "v_caches");
+  if (!sliding_windows.empty()) check_layers(n, sliding_windows, "sliding_windows");
+  if (!softcaps.empty()) check_layers(n, softcaps, "softcaps");
   TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
@@ -102,7 +107,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
     f.write_kv.call(k_caches[i], v_caches[i], heads[1], heads[2], slot_mapping);
     at::Tensor attn = at::empty(heads[0].sizes(), heads[0].options());
     f.attention.call(attn, heads[0], k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc, handled,
-                     scale, rows_per_task, fast_bf16, use_amx);
+                     scale, rows_per_task, fast_bf16, use_amx, sliding_windows.empty() ? 0 : sliding_windows[i],
+                     softcaps.empty() ? 0.0 : softcaps[i]);
     if (i + 1 == n && output_rows.has_value()) {
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
@@ -124,7 +130,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor?[] down_bias, Tensor final_norm, float eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor handled, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
-      "bool use_amx, Tensor? output_rows) -> Tensor");
+      "bool use_amx, Tensor? output_rows, int[] sliding_windows=[], float[] softcaps=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -8,7 +8,10 @@
 // (longest first) to torch's intra-op threads.
 //
 // The query of sequence i is the last query_len[i] positions of its seq_len[i]-token context;
-// query row r sits at position seq_len - query_len + r and sees keys 0 .. that position.
+// query row r sits at position seq_len - query_len + r and sees keys 0 .. that position, or
+// with a sliding window W only the last W of them (p - W < k <= p, transformers' rule): the
+// blocks before a task's first visible key are never read. Soft-capping (Gemma 2) passes
+// the scaled scores through cap * tanh(s / cap) before the softmax.
 // Only the sequences marked in `handled` are computed; the caller routes the others.
 
 #include <ATen/Parallel.h>
@@ -66,11 +69,34 @@ struct Args {
   int64_t group;  // query heads per kv head
   int64_t head_dim;
   float scale;
+  int64_t window;  // sliding window in keys; 0: none
+  float softcap;   // 0: none
   bool use_bf16_dot;  // query rows contiguous in head_dim, so pairs can be read in place
   bool use_amx;       // scores on the tile unit (bf16, head_dim 64)
 };
 
 using pagedllm_vec::to_float;
+
+// The first key position that query position `pos` sees: 0 without a window.
+inline int64_t first_key(int64_t window, int64_t pos) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// The keys query row `row` of a task sees, as [lo, hi) relative to the task's first key
+// `kmin` (the first key its first row sees).
+struct Visible {
+  int64_t lo;
+  int64_t hi;
+};
+template <typename T>
+inline Visible visible(const Args<T>& a, int64_t first_pos, int64_t row, int64_t kmin) {
+  return {first_key(a.window, first_pos + row) - kmin, first_pos + row + 1 - kmin};
+}
+
+// row[lo:hi] = cap * tanh(row / cap) (scalar: the portable path).
+inline void softcap_row_scalar(float* row, int64_t lo, int64_t hi, float cap) {
+  for (int64_t t = lo; t < hi; ++t) row[t] = cap * std::tanh(row[t] / cap);
+}
 
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
@@ -130,8 +156,31 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// row[0:n] = exp(row - max) in place, zeros in row[n:width]; returns 1 / sum of the row.
-inline float softmax_exp_row(float* row, int64_t n, int64_t width) {
+// row[lo:hi] = cap * tanh(row / cap) in place; tanh(y) = sign(y) (1 - 2 / (e^2|y| + 1)).
+inline void softcap_row(float* row, int64_t lo, int64_t hi, float cap) {
+  const __m512 vcap = _mm512_set1_ps(cap);
+  const __m512 two_over_cap = _mm512_set1_ps(2.0f / cap);
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t t = lo; t < hi; t += 16) {
+    const __mmask16 m = tail_mask(hi - t);
+    const __m512 x = _mm512_maskz_loadu_ps(m, row + t);
+    const __m512 ax = _mm512_abs_ps(x);
+    const __m512 e = exp512(_mm512_mul_ps(ax, two_over_cap));
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+    const __m512i s = _mm512_and_si512(_mm512_castps_si512(x), sign);
+    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), s)), vcap);
+    _mm512_mask_storeu_ps(row + t, m, y);
+  }
+}
+
+// row[lo:hi] = exp(row - max) in place, zeros in row[0:lo] and row[hi:width]; returns 1 /
+// sum of the row.
+inline float softmax_exp_row(float* row, int64_t lo, int64_t n, int64_t width) {
+  for (int64_t z = 0; z < lo; ++z) row[z] = 0.0f;
+  row += lo;
+  n -= lo;
+  width -= lo;
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
@@ -156,10 +205,10 @@ inline float softmax_exp_row(float* row, int64_t n, int64_t width) {
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
-// softmax over row[0:n] in place, zeros in row[n:width].
-inline void softmax_row(float* row, int64_t n, int64_t width) {
-  const __m512 inv = _mm512_set1_ps(softmax_exp_row(row, n, width));
-  int64_t t = 0;
+// softmax over row[lo:n] in place, zeros elsewhere in row[0:width].
+inline void softmax_row(float* row, int64_t lo, int64_t n, int64_t width) {
+  const __m512 inv = _mm512_set1_ps(softmax_exp_row(row, lo, n, width));
+  int64_t t = lo;
   for (; t + 16 <= n; t += 16) _mm512_storeu_ps(row + t, _mm512_mul_ps(_mm512_loadu_ps(row + t), inv));
   if (t < n) {
     const __mmask16 m = tail_mask(n - t);
@@ -180,6 +229,8 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
   const int64_t rows = task.row_end - task.row_begin;
   const int64_t M = rows * a.group;
   const int64_t kmax = first_pos + task.row_end;  // keys the last row of the tile sees
+  const int64_t kmin = first_key(a.window, first_pos + task.row_begin);  // the first row's first
+  const int64_t nk = kmax - kmin;
   const int32_t* table = a.block_tables + s * a.bt_stride;
   const int64_t head0 = task.kv_head * a.group;
 
@@ -191,35 +242,39 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
       for (int64_t d = 0; d < D; ++d) dst[d] = to_float(q[d]) * a.scale;
     }
   }
-  scores.resize(M * kmax);
+  scores.resize(M * nk);
   float* sc = scores.data();
 
-  // Pass 1: scores.
+  // Pass 1: scores, from the block of the first visible key on.
   const int64_t kv_off = task.kv_head * D;
-  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) prefetch_block<T, NC>(a, a.k_cache, table, i, kmax, kv_off);
-  for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
+  const int64_t bfirst = kmin / a.block_size;
+  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i)
+    prefetch_block<T, NC>(a, a.k_cache, table, bfirst + i, kmax, kv_off);
+  for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
     const int64_t block = table[bi];
     const int64_t n_in_block = std::min(a.block_size, kmax - b0);
     const T* kblock = a.k_cache + block * a.cache_stride_block + kv_off;
     prefetch_block<T, NC>(a, a.k_cache, table, bi + PREFETCH_AHEAD, kmax, kv_off);
-    for (int64_t o = 0; o < n_in_block; ++o) {
+    for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n_in_block; ++o) {
       const T* krow = kblock + o * a.cache_stride_token;
       __m512 k[NC];
       for (int c = 0; c < NC; ++c) k[c] = load16(krow + c * 16);
-      const int64_t t = b0 + o;
+      const int64_t t = b0 + o - kmin;
       for (int64_t m = 0; m < M; ++m) {
         const float* q = qbuf.data() + m * D;
         __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
         for (int c = 1; c < NC; ++c) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), k[c], s0);
-        sc[m * kmax + t] = _mm512_reduce_add_ps(s0);
+        sc[m * nk + t] = _mm512_reduce_add_ps(s0);
       }
     }
   }
-  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) prefetch_block<T, NC>(a, a.v_cache, table, i, kmax, kv_off);
+  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i)
+    prefetch_block<T, NC>(a, a.v_cache, table, bfirst + i, kmax, kv_off);
   // Softmax per query vector over the keys its row may see.
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t r = task.row_begin + m / a.group;
-    softmax_row(sc + m * kmax, first_pos + r + 1, kmax);
+    const Visible v = visible(a, first_pos, task.row_begin + m / a.group, kmin);
+    if (a.softcap > 0.0f) softcap_row(sc + m * nk, v.lo, v.hi, a.softcap);
+    softmax_row(sc + m * nk, v.lo, v.hi, nk);
   }
   // Pass 2: weighted sum of V, MB query vectors at a time held in registers.
   constexpr int MB = NC <= 4 ? 4 : (NC <= 8 ? 2 : 1);
@@ -229,19 +284,19 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
     __m512 o_acc[MB][NC];
     for (int i = 0; i < MB; ++i)
       for (int c = 0; c < NC; ++c) o_acc[i][c] = _mm512_setzero_ps();
-    for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
+    for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
       const int64_t block = table[bi];
       const int64_t n_in_block = std::min(a.block_size, kmax - b0);
       const T* vblock = a.v_cache + block * a.cache_stride_block + kv_off;
       if (m0 == 0) prefetch_block<T, NC>(a, a.v_cache, table, bi + PREFETCH_AHEAD, kmax, kv_off);
-      for (int64_t o = 0; o < n_in_block; ++o) {
+      for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n_in_block; ++o) {
         const T* vrow = vblock + o * a.cache_stride_token;
         __m512 v[NC];
         for (int c = 0; c < NC; ++c) v[c] = load16(vrow + c * 16);
-        const int64_t t = b0 + o;
+        const int64_t t = b0 + o - kmin;
         for (int i = 0; i < MB; ++i) {
           if (i < mb) {
-            const __m512 p = _mm512_set1_ps(sc[(m0 + i) * kmax + t]);
+            const __m512 p = _mm512_set1_ps(sc[(m0 + i) * nk + t]);
             for (int c = 0; c < NC; ++c) o_acc[i][c] = _mm512_fmadd_ps(p, v[c], o_acc[i][c]);
           }
         }
@@ -469,15 +524,17 @@ struct Bf16Buffers {
   alignas(64) float amx_out[4 * 16 * 16];
 };
 
-// Element offset of each of the first kmax context rows of one kv head (same for K and V).
+// Element offset of context rows kmin..kmax-1 of one kv head (same for K and V), at
+// [0, kmax - kmin): the table entries before kmin's block are never read.
 template <typename T>
-const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmax,
+const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmin, int64_t kmax,
                            std::vector<int64_t>& offsets) {
-  offsets.resize(kmax);
-  for (int64_t b0 = 0, bi = 0; b0 < kmax; b0 += a.block_size, ++bi) {
+  offsets.resize(kmax - kmin);
+  const int64_t bfirst = kmin / a.block_size;
+  for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
     const int64_t base = table[bi] * a.cache_stride_block + kv_off;
     const int64_t n = std::min(a.block_size, kmax - b0);
-    for (int64_t o = 0; o < n; ++o) offsets[b0 + o] = base + o * a.cache_stride_token;
+    for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n; ++o) offsets[b0 + o - kmin] = base + o * a.cache_stride_token;
   }
   return offsets.data();
 }
@@ -515,7 +572,7 @@ void attend_amx64(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& b
   const int64_t q0 = a.query_start_loc[s];
   const int64_t first_pos = a.seq_lens[s] - (a.query_start_loc[s + 1] - q0);
   const int64_t head0 = task.kv_head * a.group;
-  const int64_t* off = row_offsets(a, a.block_tables + s * a.bt_stride, task.kv_head * D,
+  const int64_t* off = row_offsets(a, a.block_tables + s * a.bt_stride, task.kv_head * D, 0,
                                    first_pos + task.row_end, buf.offsets);
   const int64_t tile_rows = 16 / a.group;
   const int64_t kmax_task = first_pos + task.row_end;
@@ -568,23 +625,26 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   const int64_t rows = task.row_end - task.row_begin;
   const int64_t M = rows * a.group;
   const int64_t kmax = first_pos + task.row_end;
+  const int64_t kmin = first_key(a.window, first_pos + task.row_begin);
   const int32_t* table = a.block_tables + s * a.bt_stride;
   const int64_t head0 = task.kv_head * a.group;
   const int64_t kv_off = task.kv_head * D;
   const uint16_t* kc = reinterpret_cast<const uint16_t*>(a.k_cache);
   const uint16_t* vc = reinterpret_cast<const uint16_t*>(a.v_cache);
 
-  const int64_t* off = row_offsets(a, table, kv_off, kmax, buf.offsets);
+  // Keys from here on are relative to kmin: key t is context position kmin + t.
+  const int64_t* off = row_offsets(a, table, kv_off, kmin, kmax, buf.offsets);
+  const int64_t nk = kmax - kmin;
   constexpr int64_t AHEAD = 64;  // keys; prefetch K/V rows this far ahead
   constexpr int LINES = D * 2 / 64;
 
   // Pass 1: scores.
-  buf.scores.resize(M * kmax);
+  buf.scores.resize(M * nk);
   float* sc = buf.scores.data();
   alignas(64) __m512i kt[PAIRS];
-  for (int64_t t0 = 0; t0 < kmax; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, kmax - t0);
-    for (int64_t i = t0 + AHEAD; i < std::min(kmax, t0 + AHEAD + 16); ++i)
+  for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nk - t0);
+    for (int64_t i = t0 + AHEAD; i < std::min(nk, t0 + AHEAD + 16); ++i)
       for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64 * l, _MM_HINT_T0);
     for (int c = 0; c < NP; ++c) {
       __m512i* r = kt + 16 * c;
@@ -602,42 +662,43 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
         acc1 = _mm512_dpbf16_ps(acc1, as_bh(_mm512_set1_epi32(static_cast<int>(qp[p + 1]))), as_bh(kt[p + 1]));
       }
       const __m512 sum = _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(a.scale));
-      _mm512_mask_storeu_ps(sc + m * kmax + t0, valid, sum);
+      _mm512_mask_storeu_ps(sc + m * nk + t0, valid, sum);
     }
   }
   // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
-  const int64_t width = (kmax + 1) & ~int64_t{1};
+  const int64_t width = (nk + 1) & ~int64_t{1};
   buf.probs.assign(M * width, 0);
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t r = task.row_begin + m / a.group;
-    float* row = sc + m * kmax;
+    const Visible v = visible(a, first_pos, task.row_begin + m / a.group, kmin);
+    float* row = sc + m * nk;
+    if (a.softcap > 0.0f) softcap_row(row, v.lo, v.hi, a.softcap);
     // Normalised while rounded to bf16 (one pass less; the same fp32 product as softmax_row).
-    const float inv = softmax_exp_row(row, first_pos + r + 1, kmax);
+    const float inv = softmax_exp_row(row, v.lo, v.hi, nk);
     const __m512 vinv = _mm512_set1_ps(inv);
     uint16_t* dst = buf.probs.data() + m * width;
     int64_t t = 0;
-    for (; t + 16 <= kmax; t += 16)
+    for (; t + 16 <= nk; t += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t),
                           to_bf16(_mm512_mul_ps(_mm512_loadu_ps(row + t), vinv)));
-    for (; t < kmax; ++t) dst[t] = c10::BFloat16(row[t] * inv).x;
+    for (; t < nk; ++t) dst[t] = c10::BFloat16(row[t] * inv).x;
   }
   // Pass 2: sum of p_t * v_t, two keys per instruction.
-  constexpr int MB = NP <= 2 ? 4 : 2;
+  constexpr int MB = NP <= 2 ? 4 : (NP <= 4 ? 2 : 1);
   buf.acc.resize(M * D);
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t mb = std::min<int64_t>(MB, M - m0);
     __m512 acc[MB][2 * NP];
     for (int i = 0; i < MB; ++i)
       for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < kmax; t += 2) {
-      if (m0 == 0 && t + AHEAD < kmax)
+    for (int64_t t = 0; t < nk; t += 2) {
+      if (m0 == 0 && t + AHEAD < nk)
         for (int l = 0; l < LINES; ++l) {
           _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD]) + 64 * l, _MM_HINT_T0);
-          if (t + AHEAD + 1 < kmax)
+          if (t + AHEAD + 1 < nk)
             _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD + 1]) + 64 * l, _MM_HINT_T0);
         }
       const uint16_t* v0 = vc + off[t];
-      const uint16_t* v1 = t + 1 < kmax ? vc + off[t + 1] : v0;  // its probability is 0
+      const uint16_t* v1 = t + 1 < nk ? vc + off[t + 1] : v0;  // its probability is 0
       __m512i lo[NP], hi[NP];
       for (int c = 0; c < NP; ++c) {
         const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
@@ -693,9 +754,16 @@ void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& score
   const int64_t rows = task.row_end - task.row_begin;
   const int64_t M = rows * a.group;
   const int64_t kmax = first_pos + task.row_end;
+  const int64_t kmin = first_key(a.window, first_pos + task.row_begin);
+  const int64_t nk = kmax - kmin;  // key t below is context position kmin + t
   const int32_t* table = a.block_tables + s * a.bt_stride;
   const int64_t head0 = task.kv_head * a.group;
   const int64_t kv_off = task.kv_head * D;
+  auto row_at = [&](const T* cache, int64_t t) {
+    const int64_t pos = kmin + t;
+    return cache + table[pos / a.block_size] * a.cache_stride_block + (pos % a.block_size) * a.cache_stride_token +
+           kv_off;
+  };
 
   qbuf.resize(M * D);
   for (int64_t m = 0; m < M; ++m) {
@@ -703,32 +771,32 @@ void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& score
     const T* q = a.query + (q0 + r) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head;
     for (int64_t d = 0; d < D; ++d) qbuf[m * D + d] = to_float(q[d]) * a.scale;
   }
-  scores.resize(M * kmax);
-  for (int64_t t = 0; t < kmax; ++t) {
-    const T* krow = a.k_cache + table[t / a.block_size] * a.cache_stride_block +
-                    (t % a.block_size) * a.cache_stride_token + kv_off;
+  scores.resize(M * nk);
+  for (int64_t t = 0; t < nk; ++t) {
+    const T* krow = row_at(a.k_cache, t);
     for (int64_t m = 0; m < M; ++m) {
       float dot = 0.0f;
       for (int64_t d = 0; d < D; ++d) dot += qbuf[m * D + d] * to_float(krow[d]);
-      scores[m * kmax + t] = dot;
+      scores[m * nk + t] = dot;
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    float* row = scores.data() + m * kmax;
-    const int64_t n = first_pos + task.row_begin + m / a.group + 1;
+    float* row = scores.data() + m * nk;
+    const Visible v = visible(a, first_pos, task.row_begin + m / a.group, kmin);
+    if (a.softcap > 0.0f) softcap_row_scalar(row, v.lo, v.hi, a.softcap);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+    for (int64_t t = v.lo; t < v.hi; ++t) mx = std::max(mx, row[t]);
     float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) sum += (row[t] = std::exp(row[t] - mx));
-    for (int64_t t = 0; t < n; ++t) row[t] /= sum;
-    for (int64_t t = n; t < kmax; ++t) row[t] = 0.0f;
+    for (int64_t t = v.lo; t < v.hi; ++t) sum += (row[t] = std::exp(row[t] - mx));
+    for (int64_t t = v.lo; t < v.hi; ++t) row[t] /= sum;
+    for (int64_t t = 0; t < v.lo; ++t) row[t] = 0.0f;
+    for (int64_t t = v.hi; t < nk; ++t) row[t] = 0.0f;
   }
   acc.assign(M * D, 0.0f);
-  for (int64_t t = 0; t < kmax; ++t) {
-    const T* vrow = a.v_cache + table[t / a.block_size] * a.cache_stride_block +
-                    (t % a.block_size) * a.cache_stride_token + kv_off;
+  for (int64_t t = 0; t < nk; ++t) {
+    const T* vrow = row_at(a.v_cache, t);
     for (int64_t m = 0; m < M; ++m) {
-      const float p = scores[m * kmax + t];
+      const float p = scores[m * nk + t];
       for (int64_t d = 0; d < D; ++d) acc[m * D + d] += p * to_float(vrow[d]);
     }
   }
@@ -740,7 +808,7 @@ void attend_scalar(const Args<T>& a, const Task& task, std::vector<float>& score
 }
 
 std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start_loc, const bool* handled,
-                             int64_t num_seqs, int64_t num_kv_heads, int64_t rows_per_task) {
+                             int64_t num_seqs, int64_t num_kv_heads, int64_t rows_per_task, int64_t window) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (!handled[s]) continue;
@@ -748,7 +816,8 @@ std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start
     const int64_t first_pos = seq_lens[s] - query_len;
     for (int64_t r0 = 0; r0 < query_len; r0 += rows_per_task) {
       const int64_t r1 = std::min(query_len, r0 + rows_per_task);
-      for (int64_t g = 0; g < num_kv_heads; ++g) tasks.push_back({s, g, r0, r1, (first_pos + r1) * (r1 - r0)});
+      const int64_t keys = first_pos + r1 - first_key(window, first_pos + r0);
+      for (int64_t g = 0; g < num_kv_heads; ++g) tasks.push_back({s, g, r0, r1, keys * (r1 - r0)});
     }
   }
   // Dynamic hand-out, sequences with the most work first (keeps both cores busy with uneven
@@ -810,7 +879,8 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        if (bf16_buffers.use_amx && a.group <= 16) {
+        // The tile path has no windows or soft-capping: those layers take the dot products.
+        if (bf16_buffers.use_amx && a.group <= 16 && a.window == 0 && a.softcap == 0.0f) {
           attend_amx64(a, tasks[i], bf16_buffers);
           continue;
         }
@@ -825,6 +895,10 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
         }
         if (a.use_bf16_dot && a.head_dim == 32) {
           attend_bf16<1>(a, tasks[i], bf16_buffers);
+          continue;
+        }
+        if (a.use_bf16_dot && a.head_dim == 256) {
+          attend_bf16<8>(a, tasks[i], bf16_buffers);
           continue;
         }
       }
@@ -842,6 +916,10 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
         attend_vec<T, 2>(a, tasks[i], scores, qbuf, acc);
         continue;
       }
+      if (a.head_dim == 256) {
+        attend_vec<T, 16>(a, tasks[i], scores, qbuf, acc);
+        continue;
+      }
 #endif
       attend_scalar<T>(a, tasks[i], scores, qbuf, acc);
     }
@@ -852,7 +930,8 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const at::Tensor& handled, double scale, int64_t rows_per_task, bool fast_bf16,
-                     bool use_amx) {
+                     bool use_amx, int64_t sliding_window, double softcap) {
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "sliding_window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
@@ -869,7 +948,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(handled.scalar_type() == at::kBool && handled.is_contiguous() && handled.numel() == num_seqs,
               "handled must be a bool tensor with one entry per sequence");
   auto tasks = make_tasks(seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), handled.data_ptr<bool>(),
-                          num_seqs, num_kv_heads, std::max<int64_t>(1, rows_per_task));
+                          num_seqs, num_kv_heads, std::max<int64_t>(1, rows_per_task), sliding_window);
   if (tasks.empty()) return;
 
   auto fill = [&](auto* tag) {
@@ -893,6 +972,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     a.group = num_heads / num_kv_heads;
     a.head_dim = head_dim;
     a.scale = static_cast<float>(scale);
+    a.window = sliding_window;
+    a.softcap = static_cast<float>(softcap);
     a.use_bf16_dot = query.stride(2) == 1 && k_cache.stride(3) == 1 && fast_bf16;
     a.use_amx = a.use_bf16_dot && use_amx;
     run_tasks<T>(a, tasks);
@@ -981,7 +1062,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor handled, float scale, int rows_per_task, "
-      "bool fast_bf16=True, bool use_amx=True) -> ()");
+      "bool fast_bf16=True, bool use_amx=True, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("amx_available() -> bool", &amx_available);
   m.def("merge_attention(Tensor(a!) out, Tensor o1, Tensor lse1, Tensor o2, Tensor lse2) -> ()");
 }
