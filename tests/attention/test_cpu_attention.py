@@ -415,3 +415,88 @@ def test_windowed_layers_give_every_query_to_the_kernel(monkeypatch):
     assert backend.kernel_step(torch.float32, 8, 64, k_cache, v_cache, meta) is None
     assert "blocks before the window are not read" in backend.kind_route(torch.float32, kind)
     assert backend.kind_route(torch.float32, FULL_ATTENTION) == backend.route(torch.float32)
+
+
+def flash_backend(**kwargs) -> CpuAttention:
+    """The kernel on its flash prompt path (prefill_attention.cpp): bf16 dot products, no
+    tile unit; skips where this CPU has no bf16 dot products."""
+    if not HAS_EXTENSION:
+        pytest.skip("C++ kernel did not build")
+    backend = CpuAttention(use_extension=True, amx=False, max_kernel_query_len=10**9, **kwargs)
+    if not backend.dot_products:
+        pytest.skip("no AVX-512-bf16 dot products on this CPU: the flash prompt path is not built")
+    return backend
+
+
+@pytest.mark.parametrize("block_size", [16, 7, 1])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(8, 2, 64), (4, 4, 64), (8, 1, 64), (9, 3, 64), (6, 2, 128)],
+    ids=["g4", "g1", "g8", "g3", "g3-d128"],
+)
+def test_flash_prompt_kernel_across_key_blocks(block_size, num_heads, num_kv_heads, head_dim):
+    # Queries and prefixes on both sides of the kernel's 64-key blocks (a row's first key
+    # block, the diagonal block, a lone odd key in the last block), whole prompts, chunks
+    # after a cached prefix, and decodes beside them.
+    shapes = [(63, 63), (64, 64), (65, 65), (129, 129), (40, 104), (70, 200), (17, 81), (1, 77)]
+    step = make_step(
+        shapes,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=block_size + head_dim,
+    )
+    check_against_reference(flash_backend(), step)
+
+
+@pytest.mark.parametrize("rows_per_task", [4, 16, 37, 64])
+def test_flash_prompt_kernel_long_context_and_row_tasks(rows_per_task):
+    # A long chunk after a cached prefix and a long whole prompt (the 4k benchmark's shapes,
+    # shortened), split into tasks of several row counts (ranges ending mid-block).
+    shapes = [(700, 1900), (1100, 1100), (5, 300)]
+    step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=rows_per_task)
+    check_against_reference(flash_backend(rows_per_task=rows_per_task), step)
+
+
+def test_flash_prompt_kernel_ignores_unwritten_cache_rows():
+    # Cache rows past each context (the rest of its last block, padding columns of the
+    # table) hold NaN bits: the kernel must never multiply them in, even by a zero weight.
+    query, key, value, k_cache, v_cache, meta, scale = make_step(
+        [(33, 33), (50, 71), (3, 9)], block_size=16, dtype=torch.bfloat16, seed=4
+    )
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    # The cached prefixes (positions before each query) hold real values.
+    gen = torch.Generator().manual_seed(4)
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        for p in range(s_len - q_len):
+            block = int(meta.block_tables[i, p // 16])
+            k_cache[block, p % 16] = torch.randn(k_cache.shape[2:], generator=gen).bfloat16()
+            v_cache[block, p % 16] = torch.randn(v_cache.shape[2:], generator=gen).bfloat16()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = ReferenceAttention().forward(query, key, value, k_ref, v_ref, meta, scale)
+    got = flash_backend().forward(query, key, value, k_cache, v_cache, meta, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        AttentionKind(sliding_window=1),
+        AttentionKind(sliding_window=37),
+        AttentionKind(sliding_window=64),
+        AttentionKind(sliding_window=100, softcap=4.0),
+        AttentionKind(softcap=2.0),
+    ],
+    ids=["w1", "w37", "w64", "w100-cap4", "cap2"],
+)
+def test_flash_prompt_kernel_windows_and_softcap(kind):
+    # Windows narrower and wider than a 64-key block, over prompts and chunks after a prefix
+    # long enough that rows leave blocks behind them.
+    shapes = [(200, 200), (150, 400), (20, 90)]
+    step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=kind.sliding_window or 0)
+    check_against_reference(flash_backend(), step, kind)

@@ -7,7 +7,9 @@ The kernels are built by ``pagedllm.kernels.build``; if the build fails the back
 to a pure-torch path with the same results.
 
 Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
-64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens; otherwise to
+64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens, or bf16 dot products without
+the tile unit (``DOT_LONG_QUERY_MAX_SEQ_LEN``; head_dim 64 and 128 then take the flash prompt
+path of ``kernels/csrc/prefill_attention.cpp``); otherwise to
 ``scaled_dot_product_attention``, whose CPU flash kernel uses the bf16 matrix units: a whole
 prompt attends to its own fresh K/V directly; a chunk after a cached prefix attends to the
 prefix (read through the block table: one ``index_select`` copy) and to its own fresh K/V

@@ -27,6 +27,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_attention.cpp",
+        "prefill_attention.cpp",
         "cpu_ops.cpp",
         "small_gemm.cpp",
         "small_gemm_amx.cpp",
@@ -36,7 +37,7 @@ SOURCES = tuple(
     )
 )
 # Included by the sources: part of the build's hash, not compiled on their own.
-HEADERS = tuple(CSRC / name for name in ("amx.h", "vec.h", "small_gemm.h"))
+HEADERS = tuple(CSRC / name for name in ("amx.h", "vec.h", "small_gemm.h", "prefill_attention.h"))
 
 
 def cache_dir() -> Path:

@@ -34,6 +34,7 @@
 #endif
 
 #include "amx.h"
+#include "prefill_attention.h"
 #include "vec.h"
 
 namespace {
@@ -102,6 +103,7 @@ inline void softcap_row_scalar(float* row, int64_t lo, int64_t hi, float cap) {
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
 using pagedllm_vec::tail_mask;
+using pagedllm_vec::transpose16;
 #if defined(__AVX512BF16__)
 using pagedllm_vec::to_bf16;
 #endif
@@ -127,50 +129,11 @@ inline void prefetch_block(const Args<T>& a, const T* cache, const int32_t* tabl
                          std::min(a.block_size, kmax - b0));
 }
 
-// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
-inline void transpose16(__m512i* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
-    t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
-  }
-  for (int g = 0; g < 4; ++g) {
-    __m512* tt = t + 4 * g;
-    __m512* uu = u + 4 * g;
-    uu[0] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(1, 0, 1, 0));
-    uu[1] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(3, 2, 3, 2));
-    uu[2] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(1, 0, 1, 0));
-    uu[3] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
-    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    r[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
-    r[4 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
-    r[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
-    r[12 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
-  }
-}
-
-// row[lo:hi] = cap * tanh(row / cap) in place; tanh(y) = sign(y) (1 - 2 / (e^2|y| + 1)).
+// row[lo:hi] = cap * tanh(row / cap) in place.
 inline void softcap_row(float* row, int64_t lo, int64_t hi, float cap) {
-  const __m512 vcap = _mm512_set1_ps(cap);
-  const __m512 two_over_cap = _mm512_set1_ps(2.0f / cap);
-  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   for (int64_t t = lo; t < hi; t += 16) {
     const __mmask16 m = tail_mask(hi - t);
-    const __m512 x = _mm512_maskz_loadu_ps(m, row + t);
-    const __m512 ax = _mm512_abs_ps(x);
-    const __m512 e = exp512(_mm512_mul_ps(ax, two_over_cap));
-    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
-    const __m512i s = _mm512_and_si512(_mm512_castps_si512(x), sign);
-    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), s)), vcap);
-    _mm512_mask_storeu_ps(row + t, m, y);
+    _mm512_mask_storeu_ps(row + t, m, pagedllm_vec::softcap512(_mm512_maskz_loadu_ps(m, row + t), cap));
   }
 }
 
@@ -854,6 +817,41 @@ std::vector<int64_t> task_groups(const std::vector<Task>& tasks) {
   return starts;
 }
 
+#if defined(__AVX512BF16__)
+// Tasks with at least this many query vectors (rows x group) go to the flash prompt kernel
+// (prefill_attention.cpp) when there is no tile unit; smaller ones (decode) to attend_bf16.
+constexpr int64_t PREFILL_MIN_VECTORS = 16;
+
+pagedllm_prefill::PrefillArgs prefill_args(const Args<c10::BFloat16>& a) {
+  return {reinterpret_cast<const uint16_t*>(a.query),
+          a.q_stride_token,
+          a.q_stride_head,
+          reinterpret_cast<const uint16_t*>(a.k_cache),
+          reinterpret_cast<const uint16_t*>(a.v_cache),
+          a.cache_stride_block,
+          a.cache_stride_token,
+          a.block_size,
+          reinterpret_cast<uint16_t*>(a.out),
+          a.out_stride_token,
+          a.group,
+          a.head_dim,
+          a.scale,
+          a.window,
+          a.softcap};
+}
+
+pagedllm_prefill::PrefillTask prefill_task(const Args<c10::BFloat16>& a, const Task& t) {
+  const int64_t q0 = a.query_start_loc[t.seq];
+  const int64_t first_pos = a.seq_lens[t.seq] - (a.query_start_loc[t.seq + 1] - q0);
+  return {a.block_tables + t.seq * a.bt_stride, q0, first_pos, t.kv_head, t.row_begin, t.row_end};
+}
+
+bool use_prefill(const Args<c10::BFloat16>& a, const Task& t) {
+  return a.use_bf16_dot && (t.row_end - t.row_begin) * a.group >= PREFILL_MIN_VECTORS &&
+         pagedllm_prefill::prefill_applies(a.head_dim);
+}
+#endif
+
 template <typename T>
 void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   std::atomic<int64_t> next{0};
@@ -864,6 +862,7 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
     std::vector<float> scores, qbuf, acc;
 #if defined(__AVX512BF16__)
     Bf16Buffers bf16_buffers;
+    pagedllm_prefill::PrefillScratch prefill_scratch;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     std::optional<TileScope> tiles;
@@ -885,6 +884,10 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
           continue;
         }
 #endif
+        if (use_prefill(a, tasks[i])) {
+          pagedllm_prefill::attend_prefill(prefill_args(a), prefill_task(a, tasks[i]), prefill_scratch);
+          continue;
+        }
         if (a.use_bf16_dot && a.head_dim == 64) {
           attend_bf16<2>(a, tasks[i], bf16_buffers);
           continue;

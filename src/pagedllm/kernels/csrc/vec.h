@@ -78,6 +78,44 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+  }
+  for (int g = 0; g < 4; ++g) {
+    __m512* tt = t + 4 * g;
+    __m512* uu = u + 4 * g;
+    uu[0] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[1] = _mm512_shuffle_ps(tt[0], tt[2], _MM_SHUFFLE(3, 2, 3, 2));
+    uu[2] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(1, 0, 1, 0));
+    uu[3] = _mm512_shuffle_ps(tt[1], tt[3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+    r[4 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+    r[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+    r[12 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
+
+// cap * tanh(x / cap) (Gemma 2's soft-capping of scores); tanh(y) = sign(y) (1 - 2 / (e^2|y| + 1)).
+inline __m512 softcap512(__m512 x, float cap) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(2.0f / cap)));
+  const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign)), _mm512_set1_ps(cap));
+}
+
 #if defined(__AVX512BF16__)
 // 16 fp32 values rounded to bf16 (nearest even), as raw bits.
 inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
