@@ -9,10 +9,14 @@ where the model has one), sampling, detokenizing, scheduler update, and the rest
 inputs + sampling + detokenizing + update + rest; goal <= 10% of step time. Steps are taken
 as ``LLM.generate`` takes them (``finished_only=True``: no output built for running requests,
 their text decoded when read); the text decode those steps defer is timed after them and
-counted as detokenizing.
+counted as detokenizing. ``--deltas`` takes the steps as the server's engine core does
+(``LLMEngine.step_deltas`` and the msgpack frame of the deltas, timed as "deltas"), and
+``--temperature`` samples (the serving benchmarks' default is 1.0).
 Last line: one JSON object.
 
     .venv/bin/python benchmarks/engine_overhead.py [--model a] [--steps 32] [--profile]
+    .venv/bin/python benchmarks/engine_overhead.py --model default --num-seqs 16 \\
+        --temperature 1.0 --deltas
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ import torch  # noqa: E402
 
 import throughput  # noqa: E402  (sets the offline environment before any model loads)
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.engine.core import encode_deltas, pack  # noqa: E402
 from pagedllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
-PARTS = ("schedule", "inputs", "forward", "logits", "sampling", "detokenize", "update")
-OVERHEAD = ("schedule", "inputs", "sampling", "detokenize", "update", "rest")
+PARTS = ("schedule", "inputs", "forward", "logits", "sampling", "detokenize", "update", "deltas")
+OVERHEAD = ("schedule", "inputs", "sampling", "detokenize", "update", "deltas", "rest")
 
 
 class Timers:
@@ -79,20 +84,35 @@ def instrument(llm: LLM, timers: Timers) -> None:
     IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)
 
 
-def time_window(engine, timers: Timers, steps: int) -> tuple[dict[str, float], int]:
+def core_step(engine, timers: Timers) -> None:
+    """One step as the server's engine core takes it: deltas, packed for the wire."""
+    deltas = engine.step_deltas()
+    start = timers.clock()
+    pack(["deltas", encode_deltas(deltas)])
+    timers.seconds["deltas"] += timers.clock() - start
+
+
+def time_window(
+    engine, timers: Timers, steps: int, *, deltas: bool = False
+) -> tuple[dict[str, float], int]:
     """Seconds per part (PARTS and "rest") over at least ``steps`` decode steps taken as
-    ``LLM.generate`` takes them, plus the text decode those steps defer; and the number
-    of model steps (more than ``steps`` when a multi-step schedule ends past it)."""
+    ``LLM.generate`` takes them (``deltas``: as the server's engine core takes them), plus
+    the text decode those steps defer; and the number of model steps (more than ``steps``
+    when a multi-step schedule ends past it)."""
     timers.seconds.clear()
     timers.enabled = True
     first = engine.num_steps
     start = timers.clock()
     while engine.num_steps - first < steps:
-        engine.step(finished_only=True)
+        if deltas:
+            core_step(engine, timers)
+        else:
+            engine.step(finished_only=True)
     # Finished-only steps leave the text of running requests to be decoded when it is
     # read (at the request's end): decode the window's tokens now (as one window each,
     # timed as detokenizing by the add_tokens wrapper) and count that too.
-    for group in engine._groups.values():
+    # With ``deltas`` the server process detokenizes, not the core.
+    for group in () if deltas else engine._groups.values():
         for seq in group.seqs.values():
             seq.text_detokenizer()
     total = timers.clock() - start
@@ -119,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-scheduler-steps", type=int, default=1, help="decode steps per schedule"
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--deltas", action="store_true", help="step as the server's engine core (step_deltas)"
+    )
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table")
     parser.add_argument(
         "--clock",
@@ -144,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     instrument(llm, timers)
     # Every request decodes for longer than the measured window.
     params = SamplingParams(
-        temperature=0.0,
+        temperature=args.temperature,
         max_tokens=(args.steps + args.num_scheduler_steps) * args.windows + 16,
         ignore_eos=True,
     )
@@ -164,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    timed = [time_window(engine, timers, args.steps) for _ in range(args.windows)]
+    timed = [
+        time_window(engine, timers, args.steps, deltas=args.deltas) for _ in range(args.windows)
+    ]
     if profiler is not None:
         profiler.__exit__(None, None, None)
     windows = [parts for parts, _ in timed]
@@ -179,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model={model.name} dtype={args.dtype} seqs={args.num_seqs} steps={steps} "
         f"threads={torch.get_num_threads()} clock={args.clock} "
-        f"num_scheduler_steps={args.num_scheduler_steps}"
+        f"num_scheduler_steps={args.num_scheduler_steps} temperature={args.temperature} "
+        f"deltas={args.deltas}"
     )
     print(f"{'part':<12}{'ms/step':>10}{'share':>8}")
     for name, seconds in parts.items():
@@ -196,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_seqs": args.num_seqs,
         "steps": steps,
         "num_scheduler_steps": args.num_scheduler_steps,
+        "temperature": args.temperature,
+        "deltas": args.deltas,
         "step_ms": round(step_ms, 3),
         "parts_ms": {k: round(v / steps * 1e3, 4) for k, v in parts.items()},
         "overhead_fraction": round(fraction, 4),

@@ -24,6 +24,7 @@ def make(
     prefix_caching: bool = True,
     chunked: bool = True,
     inflight_sharing: bool = True,
+    prefill_while_decoding: int | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(
         num_blocks,
@@ -39,6 +40,7 @@ def make(
         preemption_mode=mode,
         enable_chunked_prefill=chunked,
         enable_inflight_sharing=inflight_sharing,
+        max_prefill_tokens_while_decoding=prefill_while_decoding,
     )
     return Scheduler(config, kv)
 
@@ -122,6 +124,23 @@ def test_long_prompt_is_chunked_and_never_starves_decodes() -> None:
         starts.append(batch(out)[1])
     # L's prompt in chunks of the 5 tokens left after D's decode; the last one samples.
     assert starts == [("L", 0, 5, 0), ("L", 5, 5, 0), ("L", 10, 5, 0), ("L", 15, 2, 1)]
+
+
+def test_prompt_slices_shrink_while_requests_decode() -> None:
+    s = make(num_blocks=32, budget=12, prefill_while_decoding=3)
+    s.add_request(req("A", 10))
+    s.add_request(req("B", 9, first=100))
+    # Nobody decodes yet: the whole budget goes to prompts.
+    assert batch(step(s)) == [("A", 0, 10, 1), ("B", 0, 2, 0)]
+    # A decodes: B's prompt (a running prefill) gets 3 tokens a step, not the 11 left.
+    assert batch(step(s)) == [("A", 10, 1, 1), ("B", 2, 3, 0)]
+    s.add_request(req("C", 5, first=200))
+    assert batch(step(s)) == [("A", 11, 1, 1), ("B", 5, 3, 0)]
+    # B's last prompt token is one token, scheduled as a decode; the slice covers
+    # waiting requests too.
+    assert batch(step(s)) == [("A", 12, 1, 1), ("B", 8, 1, 1), ("C", 0, 3, 0)]
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0)
 
 
 def test_prefill_without_chunking_waits_for_room_in_the_budget() -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.core.outputs import (
@@ -70,6 +69,10 @@ class SchedulerConfig:
     # A waiting request whose next uncached block a running request computes waits for it
     # (``_schedule_waiting``); only with prefix caching.
     enable_inflight_sharing: bool = True
+    # Most prompt tokens in a step that also decodes (None: the step's budget): the decoding
+    # requests wait for the whole step, so a smaller slice shortens their longest gaps
+    # (tail inter-token latency); steps without decodes keep the full budget.
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,6 +84,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"max_prefill_tokens_while_decoding must be a positive integer, got {cap!r}"
+            )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
@@ -461,9 +469,18 @@ class Scheduler:
         for request in self.running:
             todo = len(request.all_token_ids) - request.num_computed_tokens
             (prefills if todo > 1 else decodes).append(request)
+        self._grow_running(decodes, step)
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and step.scheduled:  # this step decodes: prompts get a slice
+            step.budget = min(step.budget, cap)
+        self._grow_running(prefills, step)
+
+    def _grow_running(self, requests: list[Request], step: _Step) -> None:
+        """Slots for each running request's next tokens, within the budget; preempts
+        (the newest running request first) when one does not fit."""
         allocate_slots, running = self.kv.allocate_slots, RequestStatus.RUNNING
         scheduled = step.scheduled  # not empty after a multi-step attempt that did not fit
-        for request in chain(decodes, prefills):
+        for request in requests:
             if step.budget <= 0:
                 break
             if request.status is not running or request.request_id in scheduled:

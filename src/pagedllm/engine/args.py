@@ -99,6 +99,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens in one step (default 2048; pagedllm serve: 512)",
     )
     group.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help="most prompt tokens in a step that also decodes: shorter gaps between a "
+        "stream's tokens while prompts arrive (default: the step's budget)",
+    )
+    group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -190,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         num_scheduler_steps=args.num_scheduler_steps,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_inflight_sharing=args.enable_inflight_sharing,

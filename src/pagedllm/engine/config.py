@@ -43,6 +43,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Most prompt tokens in a step that also decodes (None: max_num_batched_tokens); see
+    # core.scheduler.SchedulerConfig.
+    max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Requests arriving together share a prefix in flight: one computes it, the others
@@ -85,6 +88,7 @@ class EngineConfig:
         for name in (
             "max_model_len",
             "max_num_batched_tokens",
+            "max_prefill_tokens_while_decoding",
             "kv_cache_memory",
             "kv_cache_memory_max",
         ):

@@ -197,6 +197,7 @@ class LLMEngine:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
+                max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
