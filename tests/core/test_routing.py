@@ -62,6 +62,25 @@ def test_view_follows_the_log_and_asks_for_a_snapshot_when_behind():
     assert view.matched_blocks([b"y", b"z", b"q"], with_pending=False) == 2
 
 
+def test_view_replayed_to_a_lookup_finds_what_the_index_held_then():
+    kv = KVCacheManager(4, 2)
+    view = ReplicaCacheView()
+    view.reset(kv.events.epoch, 0, ())
+    a = _admit(kv, "a", [1, 2, 3, 4, 5])  # +h0 +h1 (seq 0, 1)
+    h = hash_request_blocks([1, 2, 3, 4, 5], 2)
+    kv.free(a)
+    lookup = kv.events.next_seq  # b looks its prompt up here: both blocks cached
+    assert kv.get_computed_blocks(Request("b", [1, 2, 3, 4, 6])).num_tokens == 4
+    _admit(kv, "c", [9, 9, 9, 9, 9, 9, 9])  # -h1 -h0 (seq 2, 3), then c's blocks
+    view.apply(kv.events.since(0))
+    assert view.matched_blocks(h, with_pending=False) == 0  # gone by now
+    assert view.matched_blocks_at(h, lookup) == 2  # held when b looked
+    assert [view.matched_blocks_at(h, seq) for seq in range(5)] == [0, 1, 2, 1, 0]
+    assert view.matched_blocks_at(h, kv.events.next_seq + 1) is None  # not read yet
+    view.reset(kv.events.epoch, kv.events.next_seq, view.hashes)
+    assert view.matched_blocks_at(h, lookup) is None  # a snapshot forgets the history
+
+
 def test_pending_counts_for_routing_not_for_prediction():
     view = ReplicaCacheView()
     view.add_pending([b"a", b"b"], now=1.0)

@@ -218,6 +218,43 @@ def test_shutdown_fails_streams_and_refuses_new_requests(tokenizer):
     assert not llm.has_unfinished_requests() and _blocks_used(llm) == 0
 
 
+def test_a_delta_that_cannot_be_applied_fails_its_stream_only(tokenizer, monkeypatch):
+    """A stream whose delta raises on the server side (its detokenizer, say) fails; the
+    reader goes on: the other stream finishes, calls are answered, and the core stops
+    at once on shutdown (a dead reader left everything waiting, the core included)."""
+    from pagedllm.engine.async_engine import RequestStream
+
+    llm, runner = _engine(tokenizer, step_delay_s=0.005)
+    put = RequestStream._put
+
+    def failing_put(self: RequestStream, delta: Any) -> None:
+        if self.request_id == "bad":
+            raise RuntimeError("cannot apply this delta")
+        put(self, delta)
+
+    monkeypatch.setattr(RequestStream, "_put", failing_put)
+
+    async def main() -> tuple[list, float]:
+        engine = AsyncEngine.in_thread(llm)
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        bad = await engine.add_request("bad", [97, 98, 99], params)
+        good = await engine.add_request("good", [97, 98, 100], params)
+        with pytest.raises(RuntimeError, match="cannot apply"):
+            async for _ in bad:
+                pass
+        deltas = [d async for d in good]
+        assert await engine.call_utility("get_num_unfinished_requests") == 0
+        start = time.monotonic()
+        await engine.shutdown()
+        assert not engine.host.is_alive()
+        return deltas, time.monotonic() - start
+
+    deltas, stop_s = asyncio.run(asyncio.wait_for(main(), 60))
+    assert deltas[-1].finished and deltas[-1].choices[0].finish_reason == "length"
+    assert stop_s < 5
+    assert not llm.has_unfinished_requests() and _blocks_used(llm) == 0
+
+
 def test_cancelled_add_is_aborted_not_leaked(tokenizer):
     """A caller cancelled while its add waits behind a busy core: the add still runs
     there, and the abort sent after it removes it."""

@@ -133,6 +133,56 @@ def test_predicted_cached_tokens_equal_what_replicas_report(make_harness):
     assert result["reported"][3:12] == [20] * 9 and result["reported"][12] == 0
 
 
+def test_replayed_cached_tokens_equal_reported_under_concurrency(make_harness):
+    """Six requests in flight over small caches: a tenant's second request reaches its
+    replica while the first still computes the prefix (in-flight sharing), and blocks
+    are evicted between routing and admission. The router's view replayed to where each
+    replica looked the prompt up (``cache_event_seq``) gives exactly the cached tokens
+    the replica reports, per replica; the prediction made when routing may not."""
+    from pagedllm.core.cache_events import REMOVED
+
+    harnesses = [
+        make_harness(
+            num_blocks=16,
+            block_size=4,
+            max_model_len=64,
+            engine_kw={"max_num_batched_tokens": 8},  # a prompt's prefill takes 3 steps
+            runner_kw={"step_delay_s": 0.004},
+        )
+        for _ in range(2)
+    ]
+    app, _ = _router(harnesses, poll_interval=0.05)
+    prefixes = [[97 + (5 * t + k) % 26 for k in range(20)] for t in range(5)]
+    tenants = [0, 0, 1, 1, 2, 3, 4, 2, 0, 3, 1, 4, 4, 2, 3, 0, 1, 2, 3, 4]
+    prompts = [prefixes[t] + [110 + i % 7, 111, 112 + i % 3] for i, t in enumerate(tenants)]
+
+    async def body(client: httpx.AsyncClient) -> dict:
+        limit = asyncio.Semaphore(6)
+
+        async def one(prompt: list[int]) -> dict:
+            async with limit:
+                return await _complete(client, prompt, max_tokens=4)
+
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+        return {"cached": cached, "router": (await client.get("/v1/router")).json()}
+
+    result = _run(app, harnesses, body)
+    replicas = result["router"]["replicas"]
+    assert sum(r["requests"] for r in replicas) == len(prompts)
+    assert [r["unreplayed_requests"] for r in replicas] == [0, 0]
+    for r in replicas:
+        assert r["replayed_cached_tokens"] == r["reported_cached_tokens"]
+    assert sum(r["reported_cached_tokens"] for r in replicas) == sum(result["cached"]) > 0
+    # the workload has what the docstring says: evictions, and in-flight waits
+    removed = 0
+    for h in harnesses:
+        log = h.llm.scheduler.kv.events
+        removed += [kind for kind, _ in log.since(log.first_seq).events].count(REMOVED)
+    assert removed > 0
+    assert sum(h.llm.get_stats().num_inflight_waits for h in harnesses) > 0
+
+
 def test_prefix_aware_keeps_each_tenant_on_one_replica_round_robin_does_not(make_harness):
     def hit_tokens(policy: str) -> tuple[int, dict]:
         harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]

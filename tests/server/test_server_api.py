@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest.mock import ANY
 
 from .conftest import ASGIStream, sse_events
 
@@ -16,13 +17,14 @@ def _dumps(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The usage object of a request with no cached prompt tokens."""
+def _usage(prompt_tokens: int, completion_tokens: int, event_seq: Any = ANY) -> dict[str, Any]:
+    """The usage object of a request with no cached prompt tokens (``event_seq``: where
+    the cache's event log stood at its prefix lookup)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": 0, "cache_event_seq": event_seq},
     }
 
 
@@ -152,7 +154,7 @@ def test_completion_stream_bytes(make_harness):
             )  # fmt: skip
         expected += _dumps(
             {"id": rid, "object": "text_completion", "created": created,
-             "model": "default", "choices": [], "usage": _usage(n_prompt, 6)}
+             "model": "default", "choices": [], "usage": _usage(n_prompt, 6, 0)}
         )  # fmt: skip
         expected += b"data: [DONE]\n\n"
         assert r.content == expected

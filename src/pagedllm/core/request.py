@@ -6,6 +6,10 @@ Token ranges of a request (``num_tokens = len(all_token_ids)``)::
     |<--- num_computed_tokens (K/V in the cache) --->|<- to do -->|
     |<- num_cached_tokens ->|  (prefix-cache hit at admission)
 
+``cache_event_seq``: where the prefix cache's event log stood when that hit was looked
+up (``CacheEventLog.next_seq``): the hit is what the index held after the events before
+it, so a router replaying the replica's events to that point finds the same hit.
+
 A step schedules ``k`` tokens starting at ``num_computed_tokens``; when the model
 has run, ``num_computed_tokens += k``. A decoding request has exactly one token
 to do: the one sampled last step.
@@ -57,6 +61,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    cache_event_seq: int | None = None
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -15,12 +15,25 @@ the next request of the same tenant follows the first, and expects those blocks 
 (the engine's in-flight sharing makes it wait a step for them rather than compute them
 again). A pending hash the events never confirm is forgotten after a while.
 
+A prediction made at routing time can still miss: the replica may evict a block before
+the request reaches its scheduler (the view hears of it a poll later), or a pending
+block's owner may be preempted. So the engine reports where its event log stood when it
+looked the prefix up (``cache_event_seq``), and the view replays its last events back to
+that point (``matched_blocks_at``): the same hashes, the same log, the same hit, by
+construction. The router counts both: what it predicted when it routed, and the replay
+that checks the hashing itself::
+
+    seq    40 +h0   41 +h1   42 -h1   43 +h9        view now: {h0, h9}, next_seq 44
+    engine looked [h0 h1 ..] up at seq 42 (before -h1): index held h0, h1 -> 2 blocks
+    matched_blocks_at([h0, h1], 42) undoes 42 and 43 -> 2
+
 Pure Python: the server's router and the planner's multi-replica simulator share it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,13 +54,16 @@ def predicted_cached_tokens(num_matched_blocks: int, block_size: int, num_tokens
 class ReplicaCacheView:
     """The router's picture of one replica's prefix cache: a set of block hashes kept
     in step with the replica's event log (``apply``), plus hashes routed there but not
-    yet confirmed (``pending``, dropped when confirmed or when ``expire_pending`` says)."""
+    yet confirmed (``pending``, dropped when confirmed or when ``expire_pending`` says),
+    and the last ``max_history`` events applied (``matched_blocks_at`` replays them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_history: int = 1 << 16) -> None:
         self.hashes: set[bytes] = set()
         self.pending: dict[bytes, float] = {}  # hash -> time it was routed
         self.epoch: str | None = None
         self.next_seq = 0
+        # events [next_seq - len(history), next_seq), oldest first
+        self.history: deque[tuple[str, bytes]] = deque(maxlen=max_history)
 
     def apply(self, batch: CacheEvents) -> None:
         """Replay a batch of the replica's events. It may overlap what was applied (two
@@ -61,6 +77,7 @@ class ReplicaCacheView:
         if batch.next_seq <= self.next_seq:
             return  # nothing new
         for kind, block_hash in batch.events[self.next_seq - batch.first_seq :]:
+            self.history.append((kind, block_hash))
             if kind == STORED:
                 self.hashes.add(block_hash)
                 self.pending.pop(block_hash, None)
@@ -72,6 +89,7 @@ class ReplicaCacheView:
         """Start over from a snapshot: every hash the replica's index holds now."""
         self.epoch, self.next_seq = epoch, next_seq
         self.hashes = set(hashes)
+        self.history.clear()
         for block_hash in self.hashes:
             self.pending.pop(block_hash, None)
 
@@ -92,6 +110,25 @@ class ReplicaCacheView:
                 count += 1
             else:
                 break
+        return count
+
+    def matched_blocks_at(self, block_hashes: Sequence[bytes], seq: int) -> int | None:
+        """How many leading hashes of the chain the replica's index held after its events
+        before ``seq``: the view with its later events undone. None when ``seq`` is not
+        within the events this view remembers (too old, or not read yet)."""
+        first = self.next_seq - len(self.history)
+        if not first <= seq <= self.next_seq:
+            return None
+        wanted = set(block_hashes)
+        held_at_seq: dict[bytes, bool] = {}  # the first later event on a hash says
+        for kind, block_hash in itertools.islice(self.history, seq - first, None):
+            if block_hash in wanted and block_hash not in held_at_seq:
+                held_at_seq[block_hash] = kind == REMOVED
+        count = 0
+        for block_hash in block_hashes:
+            if not held_at_seq.get(block_hash, block_hash in self.hashes):
+                break
+            count += 1
         return count
 
 

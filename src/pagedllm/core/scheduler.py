@@ -395,6 +395,7 @@ class Scheduler:
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.cache_event_seq = parent.cache_event_seq
         child.status = RequestStatus.RUNNING
         self.kv.fork(parent, child)
         self._enqueue(child)
@@ -586,6 +587,7 @@ class Scheduler:
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
+            event_seq = self.kv.events.next_seq  # before allocating evicts anything
             if in_flight is not None and self._waits_for(request, computed, in_flight):
                 continue  # its next block is being computed; others may go first
             num_new = request.num_tokens - computed.num_tokens
@@ -604,6 +606,7 @@ class Scheduler:
             request.num_computed_tokens = computed.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_tokens
+                request.cache_event_seq = event_seq
             self._count_inflight_share(request, computed.num_tokens)
             self.running.append(request)
             step.add(request, num_new, allocation.block_copies)

@@ -198,6 +198,7 @@ class RequestStream:
         self.first_output_time: float | None = None
         self.finished = False
         self.num_cached_tokens = 0
+        self.cache_event_seq: int | None = None
         self.error: str | None = None
         self._tokenizer = tokenizer
         self._owner = owner
@@ -233,6 +234,7 @@ class RequestStream:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, choices,
             self._got_final, self.num_cached_tokens, self.error,
+            cache_event_seq=self.cache_event_seq,
         )  # fmt: skip
 
     # Called on the event loop by the AsyncEngine.
@@ -245,6 +247,7 @@ class RequestStream:
             if seq.finish_reason is not None:
                 choice.finish(seq.finish_reason, seq.stop_reason)
         self.num_cached_tokens = delta.num_cached_tokens
+        self.cache_event_seq = delta.cache_event_seq
         if delta.error is not None:
             self.error = delta.error
         if delta.finished:
@@ -640,13 +643,22 @@ class AsyncEngine:
     async def _read_messages(self) -> None:
         while True:
             frame = await self._from_core.recv()
-            kind, *args = unpack(frame)
-            if kind == "deltas":
-                self._deliver(decode_deltas(args[0]), time.monotonic())
-            elif kind == "result":
-                self._resolve(*args)
-            elif kind == "dead":
-                self._mark_dead(EngineClosedError(f"the engine core failed: {args[0]}"))
+            try:
+                self._handle(frame)
+            except Exception:
+                # The reader must outlive a bad message: if it stopped, every request and
+                # call would wait forever, and the core, its output queue full, would
+                # block sending and never see "shutdown".
+                logger.exception("a message from the engine core could not be handled")
+
+    def _handle(self, frame: bytes) -> None:
+        kind, *args = unpack(frame)
+        if kind == "deltas":
+            self._deliver(decode_deltas(args[0]), time.monotonic())
+        elif kind == "result":
+            self._resolve(*args)
+        elif kind == "dead":
+            self._mark_dead(EngineClosedError(f"the engine core failed: {args[0]}"))
 
     def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
         future = self._calls.get(call_id)
@@ -705,7 +717,12 @@ class AsyncEngine:
                 self._num_queued -= 1
             if delta.finished:
                 del self._streams[delta.request_id]
-            stream._put(delta)
+            try:
+                stream._put(delta)
+            except Exception as exc:  # fails this stream only (detokenizing, say)
+                logger.exception("stream %s failed", delta.request_id)
+                stream._fail(exc)
+                self.abort(delta.request_id)
         for listener in self._listeners:
             try:
                 listener(deltas, now)

@@ -139,15 +139,24 @@ def decode_spec(data: list[Any]) -> RequestSpec:
 
 def encode_deltas(deltas: Sequence[RequestDelta]) -> list[Any]:
     return [
-        [d.request_id, [_encode_seq(s) for s in d.seqs], d.finished, d.num_cached_tokens, d.error]
+        [
+            d.request_id,
+            [_encode_seq(s) for s in d.seqs],
+            d.finished,
+            d.num_cached_tokens,
+            d.error,
+            d.cache_event_seq,
+        ]
         for d in deltas
     ]
 
 
 def decode_deltas(data: list[Any]) -> list[RequestDelta]:
     return [
-        RequestDelta(request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error)
-        for request_id, seqs, finished, cached, error in data
+        RequestDelta(
+            request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error, event_seq
+        )
+        for request_id, seqs, finished, cached, error, event_seq in data
     ]
 
 

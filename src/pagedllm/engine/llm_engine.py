@@ -658,6 +658,7 @@ class LLMEngine:
             finished=group.finished,
             num_cached_tokens=first.request.num_cached_tokens if first else 0,
             error=group.error,
+            cache_event_seq=first.request.cache_event_seq if first else None,
         )
 
     @staticmethod
@@ -701,6 +702,7 @@ class LLMEngine:
             num_cached_tokens=first.request.num_cached_tokens if first else 0,
             error=group.error,
             prompt_logprobs=prompt_logprobs,
+            cache_event_seq=first.request.cache_event_seq if first else None,
         )
 
     @staticmethod

@@ -34,7 +34,9 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step: prompt, its completions, whether all ended.
 
-    ``num_cached_tokens``: prompt tokens served from the prefix cache at admission.
+    ``num_cached_tokens``: prompt tokens served from the prefix cache at admission, and
+    ``cache_event_seq`` where the cache's event log stood when they were looked up
+    (``core/request.py``; a router checks its prediction against it).
     ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): one entry per
     prompt token, None for the first (vLLM's shape), else the token's ``TokenLogprob``
     with the top-k alternatives.
@@ -47,7 +49,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    cache_event_seq: int | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cache_event_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +78,4 @@ class RequestDelta:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    cache_event_seq: int | None = None

@@ -97,6 +97,9 @@ class _Response(BaseModel):
 
 class PromptTokensDetails(_Response):
     cached_tokens: int = 0
+    # pagedllm: where the replica's cache event log stood when the cached prefix was
+    # looked up (one prompt only), so a router can replay its view to that point.
+    cache_event_seq: int | None = None
 
 
 class Usage(_Response):

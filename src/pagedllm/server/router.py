@@ -5,7 +5,12 @@ replicas' block size, the request's ``cache_salt``) and sent to the replica whos
 cache holds most of it (``core/routing.py``), unless that replica is much busier than the
 idlest. The router's picture of every replica's cache comes from the replica's cache
 events (``GET /v1/cache/events``, polled, and re-read after each request it proxied), so
-it predicts the cached tokens each replica will report.
+it predicts the cached tokens each replica will report. Each answer says where the
+replica's event log stood when it looked the prefix up (``cache_event_seq``); the router
+replays its view to that point and counts that too (``replayed_cached_tokens``): it
+equals what the replica reports unless the two disagree on the hashes themselves, while
+the prediction made at routing time may also miss what changed in between (an eviction
+not heard of yet, a pending block whose owner was preempted).
 
 A replica that fails (connection refused or lost mid-stream) fails only the requests it
 was serving: a non-streaming request that never reached it is retried on another replica,
@@ -70,6 +75,8 @@ class Replica:
     num_requests: int = 0
     num_failed: int = 0
     predicted_cached_tokens: int = 0
+    replayed_cached_tokens: int = 0
+    num_unreplayed: int = 0  # answers the view could not replay (no or too old a seq)
     reported_cached_tokens: int = 0
     reported_prompt_tokens: int = 0
 
@@ -79,6 +86,8 @@ class Route:
     replica: Replica
     predicted_cached_tokens: int  # from the view when routed (pending blocks included)
     block_hashes: tuple[bytes, ...]
+    num_tokens: int  # the prompt's (0: one the router could not read)
+    block_size: int | None
 
 
 class RouterMetrics:
@@ -94,6 +103,12 @@ class RouterMetrics:
         self.predicted = Counter(
             "pagedllm_router_predicted_cached_tokens",
             "prompt tokens the router expected the replica to find cached",
+            labels,
+            registry=r,
+        )
+        self.replayed = Counter(
+            "pagedllm_router_replayed_cached_tokens",
+            "prompt tokens the router's view held at the replica's prefix lookup (cache_event_seq)",
             labels,
             registry=r,
         )
@@ -224,7 +239,7 @@ class Router:
         if token_ids and block_size:
             matched = replica.view.matched_blocks(hashes, with_pending=True)
             predicted = predicted_cached_tokens(matched, block_size, len(token_ids))
-        return Route(replica, predicted, hashes)
+        return Route(replica, predicted, hashes, len(token_ids or ()), block_size)
 
     def block_size(self) -> int | None:
         """The replicas' block size (the hash chain needs it); None until one answered.
@@ -266,12 +281,28 @@ class Router:
             return
         details = usage.get("prompt_tokens_details") or {}
         reported = int(details.get("cached_tokens") or 0)
+        replayed = self._replayed(route, details.get("cache_event_seq"))
+        if replayed is None:
+            replica.num_unreplayed += 1
+        else:
+            replica.replayed_cached_tokens += replayed
+            self.metrics.replayed.labels(label).inc(replayed)
         replica.predicted_cached_tokens += route.predicted_cached_tokens
         replica.reported_cached_tokens += reported
         replica.reported_prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.metrics.predicted.labels(label).inc(route.predicted_cached_tokens)
         self.metrics.reported.labels(label).inc(reported)
         self.metrics.prompt.labels(label).inc(int(usage.get("prompt_tokens") or 0))
+
+    @staticmethod
+    def _replayed(route: Route, event_seq: Any) -> int | None:
+        """The cached tokens the view held where the replica looked the prompt up."""
+        if not isinstance(event_seq, int) or not route.num_tokens or not route.block_size:
+            return None
+        matched = route.replica.view.matched_blocks_at(route.block_hashes, event_seq)
+        if matched is None:
+            return None
+        return predicted_cached_tokens(matched, route.block_size, route.num_tokens)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -288,6 +319,8 @@ class Router:
                     "requests": r.num_requests,
                     "failed": r.num_failed,
                     "predicted_cached_tokens": r.predicted_cached_tokens,
+                    "replayed_cached_tokens": r.replayed_cached_tokens,
+                    "unreplayed_requests": r.num_unreplayed,
                     "reported_cached_tokens": r.reported_cached_tokens,
                     "reported_prompt_tokens": r.reported_prompt_tokens,
                 }
