@@ -148,6 +148,8 @@ class Seq:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # A model with KV cache groups (local and global layers): the tables of groups 1..
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 class HandDriver:
@@ -160,16 +162,28 @@ class HandDriver:
         # Hand blocks out in a scrambled order so that adjacency can never hide a bug.
         self.free.reverse()
         self.seqs: dict[str, Seq] = {}
+        self.num_groups = 1 + max(runner.spec.layer_groups, default=0)
 
     def add(self, request_id: str, token_ids: Sequence[int]) -> Seq:
         seq = Seq(request_id, list(token_ids))
+        seq.group_tables = [[] for _ in range(self.num_groups - 1)]
         self.seqs[request_id] = seq
         return seq
 
+    @staticmethod
+    def tables(seq: Seq) -> list[list[int]]:
+        """Every group's table (one for a model without groups)."""
+        return [seq.block_table, *seq.group_tables]
+
+    @staticmethod
+    def set_tables(seq: Seq, tables: list[list[int]]) -> None:
+        seq.block_table, *seq.group_tables = (list(t) for t in tables)
+
     def grow(self, seq: Seq, num_tokens: int) -> None:
         needed = -(-num_tokens // self.block_size)
-        while len(seq.block_table) < needed:
-            seq.block_table.append(self.free.pop())
+        for table in self.tables(seq):
+            while len(table) < needed:
+                table.append(self.free.pop())
 
     def schedule(self, seq: Seq, num_new: int, num_samples: int = 1) -> ScheduledSequence:
         start = seq.num_computed
@@ -180,6 +194,7 @@ class HandDriver:
             start_position=start,
             block_table=tuple(seq.block_table),
             num_samples=num_samples,
+            group_block_tables=tuple(tuple(t) for t in seq.group_tables),
         )
 
     def step(self, scheduled: list[ScheduledSequence], **moves) -> dict[str, torch.Tensor]:

@@ -72,10 +72,22 @@ class AttentionMetadata:
     # A quantized cache's write plan for this step (``attention/quant.py``); None for a
     # full-precision cache. With it, the layers' caches are ``QuantizedCache`` pairs.
     quant: QuantStep | None = None
+    # A model whose layers are grouped by attention kind (``core/kv_groups.py``): the
+    # metadata of groups 1.. (their own block tables and slots; this one is group 0's) and
+    # each layer's group. Empty for one group.
+    groups: tuple[AttentionMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` attends with: its group's block tables and slots."""
+        if not self.layer_groups:
+            return self
+        group = self.layer_groups[layer]
+        return self.groups[group - 1] if group else self
 
 
 class AttentionBackend(Protocol):

@@ -725,6 +725,11 @@ class KVCacheManager(DevicePoolViews):
             view = self._table_tuples[request_id] = tuple(table)
         return view
 
+    def group_block_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The tables of other KV cache groups: none here, this manager is one group (see
+        ``core/hybrid_kv.py``)."""
+        return ()
+
     def host_block_table(self, request_id: str) -> list[int]:
         return self.swap.table(request_id)
 
@@ -775,6 +780,15 @@ class KVCacheManager(DevicePoolViews):
     def live_block_tables(self) -> dict[str, list[int]]:
         """Every device block table, by request id (copies)."""
         return {rid: list(table) for rid, table in self._tables.items()}
+
+    def live_group_block_tables(self) -> list[dict[str, list[int]]]:
+        """``live_block_tables`` of each KV cache group: this manager is one."""
+        return [self.live_block_tables()]
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV cache group's window (None: full attention): this manager is one."""
+        return (self.sliding_window,)
 
     def live_host_block_tables(self) -> dict[str, list[int]]:
         """Every host (swap tier) block table, by request id (copies)."""

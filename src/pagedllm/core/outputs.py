@@ -43,6 +43,9 @@ class ScheduledSequence(NamedTuple):
     # References (not copies) for repetition/presence/frequency penalties.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # A model whose layers are grouped by attention kind (``core/kv_groups.py``): the
+    # block tables of groups 1.. (``block_table`` is group 0's); empty for one group.
+    group_block_tables: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

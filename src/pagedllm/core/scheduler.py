@@ -44,6 +44,7 @@ from pagedllm.core.outputs import (
 from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from pagedllm.core.hybrid_kv import HybridKVCacheManager
     from pagedllm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -157,7 +158,7 @@ class Scheduler:
     ``schedule()`` -> ``SchedulerOutput`` -> the runner -> ``update(output, result)``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager) -> None:
         self.config = config
         self.kv = kv
         cache = kv.stats()
@@ -749,6 +750,7 @@ class Scheduler:
             params,
             request.prompt_token_ids,
             request.output_token_ids,
+            self.kv.group_block_tables(request.request_id),
         )
 
     def _will_fork(self, request: Request) -> bool:

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedllm.core.accounting import WasteReport, waste
+from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import CacheStats, KVCacheManager
+from pagedllm.core.kv_groups import kv_cache_layout
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import (
@@ -184,15 +186,7 @@ class LLMEngine:
         self.model_config = model_config
         self.max_model_len = self._resolve_max_model_len(model_config)
         self.disk_store, disk = self._open_disk_tier(config, runner)
-        self.kv = KVCacheManager(
-            runner.num_blocks,
-            runner.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=runner.num_host_blocks,
-            watermark=config.watermark,
-            disk=disk,
-            sliding_window=None if model_config is None else model_config.uniform_sliding_window,
-        )
+        self.kv = _kv_manager(config, runner, model_config, disk)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -919,6 +913,37 @@ def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy 
         raise ValueError(f"kv_cache_memory_max: {type(runner).__name__} cannot resize")
     max_blocks = _max_num_blocks(config, runner)
     return ElasticPolicy(runner.num_blocks, max_blocks, idle_s=config.elastic_idle_s)
+
+
+def _kv_manager(
+    config: EngineConfig, runner: Any, model_config: Any, disk: DiskTier | None
+) -> KVCacheManager | HybridKVCacheManager:
+    """The block manager for the model: one per KV cache group (``core/kv_groups.py``)
+    when it mixes attention kinds (Gemma's local and global layers), else one."""
+    windows = None if model_config is None else model_config.sliding_windows
+    layout = None if windows is None else kv_cache_layout(windows)
+    if layout is not None and len(layout.groups) > 1:
+        if disk is not None:
+            raise ValueError(
+                "the disk tier does not take models mixing sliding-window and "
+                "full-attention layers yet"
+            )
+        return HybridKVCacheManager(
+            runner.num_blocks,
+            runner.block_size,
+            layout.windows,
+            enable_prefix_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+        )
+    return KVCacheManager(
+        runner.num_blocks,
+        runner.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_host_blocks=runner.num_host_blocks,
+        watermark=config.watermark,
+        disk=disk,
+        sliding_window=None if layout is None else layout.windows[0],
+    )
 
 
 def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:

@@ -51,6 +51,15 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
             "window": cache.sliding_window,
             "freed_blocks": cache.window_freed_blocks,
         },
+        # Models mixing local and global layers: one block table per KV cache group.
+        "kv_cache_groups": [
+            {
+                "sliding_window": group.sliding_window,
+                "blocks_used": group.blocks_used,
+                "freed_blocks": group.window_freed_blocks,
+            }
+            for group in cache.groups
+        ],
         "elastic": _elastic_entry(stats),
         "prefix_cache": {
             "queries_tokens": queries,
@@ -130,12 +139,16 @@ def blocks_report(engine: Any) -> dict[str, Any]:
     kv = engine.kv
     tables = kv.live_block_tables()
     host_tables = kv.live_host_block_tables()
+    other_groups = kv.live_group_block_tables()[1:]
     requests = sorted(
         engine.scheduler.requests.values(),
         key=lambda r: (_STATUS_ORDER.get(r.status, 3), r.arrival_time, r.request_id),
     )
     rows = [_request_row(r, tables.pop(r.request_id, []), host_tables.pop(r.request_id, []))
             for r in requests]  # fmt: skip
+    for row in rows:
+        # KV cache groups 1.. (local/global models): their tables beside group 0's.
+        row["group_block_tables"] = [group.get(row["request_id"], []) for group in other_groups]
     # Tables of requests the scheduler no longer lists (should be none): still show them.
     for request_id in sorted(tables.keys() | host_tables.keys()):
         rows.append(
@@ -176,10 +189,12 @@ def _request_row(request: Any, table: list[int], host_table: list[int]) -> dict[
 
 def stats_from_wire(data: dict[str, Any]) -> EngineStats:
     """The ``EngineStats`` that ``to_wire`` turned into ``data`` (the server's copy)."""
-    from pagedllm.core.kv_cache_manager import CacheStats
+    from pagedllm.core.kv_cache_manager import CacheStats, GroupCacheStats
 
     fields = dict(data)
-    fields["cache"] = CacheStats(**data["cache"])
+    cache = dict(data["cache"])
+    cache["groups"] = tuple(GroupCacheStats(**group) for group in cache.get("groups", ()))
+    fields["cache"] = CacheStats(**cache)
     if data.get("waste") is not None:
         waste = dict(data["waste"])
         waste["free_extents"] = tuple(waste["free_extents"])

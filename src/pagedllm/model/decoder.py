@@ -257,9 +257,10 @@ class DecoderForCausalLM(nn.Module):
         if self.local_inv_freq is not None:
             local = self._rotary(self.local_inv_freq, positions, hidden.dtype)
         windows = self.config.sliding_windows
-        for layer, kv_cache, window in zip(self.layers, kv_caches, windows, strict=True):
+        layers = zip(self.layers, kv_caches, windows, strict=True)
+        for index, (layer, kv_cache, window) in enumerate(layers):
             cos, sin = full if window is None else local
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, cos, sin, kv_cache, meta.for_layer(index))
         hidden = self.norm(hidden)
         return hidden if output_rows is None else hidden[output_rows]
 

@@ -348,11 +348,12 @@ class LlamaForCausalLM(nn.Module):
         then skips, in the last layer, everything after attention for the other rows (as
         llama.cpp does): a prompt's rows but its last are only needed for their K/V."""
         hidden = self.embed_tokens(input_ids)
-        if self.fast_path is not None and hidden.device.type == "cpu":
+        # The fused path takes one block table for every layer: not a grouped cache's.
+        if self.fast_path is not None and hidden.device.type == "cpu" and not meta.groups:
             return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
         cos, sin = self._rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta.for_layer(index))
         hidden = self.norm(hidden)
         return hidden if output_rows is None else hidden[output_rows]
 

@@ -9,12 +9,17 @@ For sequence i with ``n_i`` new tokens starting at position ``s_i``::
     seq_lens        [s0+n0, s1+n1, ...]         (context length after this step)
     block_tables    [num_seqs, max_blocks], padded with 0 (never read past seq_len)
     logits_indices  row of the last token of each sequence with num_samples > 0
+
+A model whose layers are grouped by attention kind (``core/kv_groups.py``) has a block
+table per group: ``meta.groups`` holds groups 1.. (their ``block_tables`` and
+``slot_mapping`` from ``ScheduledSequence.group_block_tables``, the rest shared) and
+``meta.layer_groups`` each layer's group (``layer_groups`` given to the builders).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, chain
 
 import numpy as np
@@ -43,6 +48,7 @@ def build_input_batch(
     block_size: int,
     device: torch.device | str = "cpu",
     num_blocks: int | None = None,
+    layer_groups: tuple[int, ...] = (),
 ) -> InputBatch:
     """Flatten ``scheduled`` (which must not be empty) into an ``InputBatch``.
 
@@ -54,7 +60,8 @@ def build_input_batch(
     construction it must equal. ``InputBuffers.build`` gives the same batch, reusing the
     block-table rows of the previous step.
     """
-    return _build(scheduled, _padded_block_tables_np, block_size, device, num_blocks)
+    batch = _build(scheduled, _padded_block_tables_np, block_size, device, num_blocks)
+    return _with_groups(batch, scheduled, layer_groups, block_size, num_blocks)
 
 
 class InputBuffers:
@@ -71,7 +78,8 @@ class InputBuffers:
     ``build``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layer_groups: tuple[int, ...] = ()) -> None:
+        self.layer_groups = layer_groups
         self._tables = np.zeros((0, 0), dtype=np.int32)  # rows beyond a table's end are 0
         self._lengths = np.zeros(0, dtype=np.int64)  # each row's table length
         self._written: list[tuple[int, ...] | None] = []  # the table each row holds
@@ -83,7 +91,8 @@ class InputBuffers:
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
     ) -> InputBatch:
-        return _build(scheduled, self._block_tables, block_size, device, num_blocks)
+        batch = _build(scheduled, self._block_tables, block_size, device, num_blocks)
+        return _with_groups(batch, scheduled, self.layer_groups, block_size, num_blocks)
 
     def _block_tables(
         self, scheduled: Sequence[ScheduledSequence]
@@ -200,6 +209,51 @@ def _build(
     )
 
 
+def _with_groups(
+    batch: InputBatch,
+    scheduled: Sequence[ScheduledSequence],
+    layer_groups: tuple[int, ...],
+    block_size: int,
+    num_blocks: int | None,
+) -> InputBatch:
+    """``batch`` with the metadata of KV cache groups 1.. (nothing to do for one group):
+    each group's padded tables and the slots of the batch's positions in them."""
+    if not layer_groups:
+        return batch
+    meta = batch.meta
+    num_groups = max(layer_groups)
+    if any(len(seq.group_block_tables) != num_groups for seq in scheduled):
+        raise ValueError(f"every sequence needs the block tables of {num_groups} more groups")
+    positions = batch.positions.cpu().numpy()
+    starts = meta.query_start_loc.cpu().numpy()
+    seq_index = np.repeat(np.arange(len(scheduled)), np.diff(starts))
+    groups = []
+    for group in range(num_groups):
+        tables, lengths = _padded_tables_np([seq.group_block_tables[group] for seq in scheduled])
+        short = np.nonzero(lengths * block_size < np.asarray(meta.seq_lens_list))[0]
+        if len(short):
+            seq = scheduled[int(short[0])]
+            raise ValueError(
+                f"request {seq.request_id!r}: group {group + 1} block table of "
+                f"{lengths[short[0]]} blocks cannot hold {meta.seq_lens_list[short[0]]} tokens"
+            )
+        if num_blocks is not None and int(tables.max()) >= num_blocks:
+            raise ValueError(f"block id {int(tables.max())} >= num_blocks {num_blocks}")
+        block_ids = tables[seq_index, positions // block_size].astype(np.int64)
+        slots = block_ids * block_size + positions % block_size
+        device = meta.block_tables.device
+        groups.append(
+            replace(
+                meta,
+                slot_mapping=_tensor(slots, device),
+                block_tables=_tensor(tables, device),
+            )
+        )
+    meta.groups = tuple(groups)
+    meta.layer_groups = layer_groups
+    return batch
+
+
 def later_decode_steps(
     batch: InputBatch, num_steps: int, block_size: int
 ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
@@ -213,26 +267,37 @@ def later_decode_steps(
     meta = batch.meta
     ahead = torch.arange(1, num_steps, device=batch.positions.device)[:, None]
     positions = batch.positions[None, :] + ahead
+    per_group = [_later_metas(m, positions, ahead, block_size) for m in (meta, *meta.groups)]
+    steps = []
+    for j, step_positions in enumerate(positions.unbind(0)):
+        step_meta = per_group[0][j]
+        step_meta.groups = tuple(group[j] for group in per_group[1:])
+        step_meta.layer_groups = meta.layer_groups
+        steps.append((step_positions, step_meta))
+    return steps
+
+
+def _later_metas(
+    meta: AttentionMetadata, positions: torch.Tensor, ahead: torch.Tensor, block_size: int
+) -> list[AttentionMetadata]:
+    """One group's metadata of the later decode steps (``later_decode_steps``)."""
     rows = torch.arange(positions.shape[1], device=positions.device)
     block_ids = meta.block_tables[rows, positions // block_size].long()
     slot_mapping = block_ids * block_size + positions % block_size
     seq_lens = meta.seq_lens[None, :] + ahead.to(meta.seq_lens.dtype)
     return [
-        (
-            step_positions,
-            AttentionMetadata(
-                slot_mapping=step_slots,
-                query_start_loc=meta.query_start_loc,
-                seq_lens=step_lens,
-                block_tables=meta.block_tables,
-                query_lens_list=meta.query_lens_list,
-                seq_lens_list=[n + j + 1 for n in meta.seq_lens_list],
-                max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len + j + 1,
-            ),
+        AttentionMetadata(
+            slot_mapping=step_slots,
+            query_start_loc=meta.query_start_loc,
+            seq_lens=step_lens,
+            block_tables=meta.block_tables,
+            query_lens_list=meta.query_lens_list,
+            seq_lens_list=[n + j + 1 for n in meta.seq_lens_list],
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len + j + 1,
         )
-        for j, (step_positions, step_slots, step_lens) in enumerate(
-            zip(positions.unbind(0), slot_mapping.unbind(0), seq_lens.unbind(0), strict=True)
+        for j, (step_slots, step_lens) in enumerate(
+            zip(slot_mapping.unbind(0), seq_lens.unbind(0), strict=True)
         )
     ]
 
@@ -248,12 +313,14 @@ def _padded_block_tables_np(
 ) -> tuple[np.ndarray, np.ndarray]:
     """[num_seqs, max_blocks] int32, padded with 0, filled with one masked assignment;
     and each table's length."""
-    lengths = np.fromiter(
-        (len(seq.block_table) for seq in scheduled), dtype=np.int64, count=len(scheduled)
-    )
-    tables = np.zeros((len(scheduled), int(lengths.max())), dtype=np.int32)
+    return _padded_tables_np([seq.block_table for seq in scheduled])
+
+
+def _padded_tables_np(block_tables: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
     flat = np.fromiter(
-        chain.from_iterable(seq.block_table for seq in scheduled),
+        chain.from_iterable(block_tables),
         dtype=np.int32,
         count=int(lengths.sum()),
     )
@@ -267,8 +334,31 @@ def build_input_batch_reference(
     block_size: int,
     device: torch.device | str = "cpu",
     num_blocks: int | None = None,
+    layer_groups: tuple[int, ...] = (),
 ) -> InputBatch:
-    """The plain construction, one sequence at a time (ground truth for tests)."""
+    """The plain construction, one sequence at a time (ground truth for tests); a group's
+    metadata is the batch built over that group's tables."""
+    batch = _reference(scheduled, block_size, device, num_blocks)
+    if layer_groups:
+        batch.meta.groups = tuple(
+            _reference(
+                [seq._replace(block_table=seq.group_block_tables[group]) for seq in scheduled],
+                block_size,
+                device,
+                num_blocks,
+            ).meta
+            for group in range(max(layer_groups))
+        )
+        batch.meta.layer_groups = layer_groups
+    return batch
+
+
+def _reference(
+    scheduled: Sequence[ScheduledSequence],
+    block_size: int,
+    device: torch.device | str,
+    num_blocks: int | None,
+) -> InputBatch:
     if not scheduled:
         raise ValueError("build_input_batch needs at least one scheduled sequence")
     query_lens = [len(seq.token_ids) for seq in scheduled]

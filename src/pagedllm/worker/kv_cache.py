@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import AttentionMetadata
+from pagedllm.core.kv_groups import kv_cache_layout
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_cache_dtype, kv_bytes_per_block
 from pagedllm.worker.allocator import BlockArena, total_memory_bytes
 
@@ -51,11 +52,23 @@ class KVCacheSpec:
     # and V; no per-head K/V.
     latent: bool = False
     quantization: str | None = None
+    # A model whose layers are grouped by attention kind (``core/kv_groups.py``): a block
+    # holds ``num_layers`` layer slots of one group, and model layer l uses slot
+    # ``layer_slots[l]`` (of the blocks in its group's tables). Empty: layer l is slot l.
+    layer_slots: tuple[int, ...] = ()
+    layer_groups: tuple[int, ...] = ()  # each model layer's group (empty: one group)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(not 0 <= slot < self.num_layers for slot in self.layer_slots):
+            raise ValueError(f"layer_slots must lie in [0, {self.num_layers})")
+        if self.layer_slots and self.quantization is not None:
+            raise ValueError(
+                "a quantized KV cache does not take models mixing sliding-window and "
+                "full-attention layers yet (use kv_cache_dtype auto, float32 or bfloat16)"
+            )
         if self.quantization is not None:
             if self.latent:
                 raise ValueError("a quantized KV cache does not take latent (MLA) layers")
@@ -82,14 +95,22 @@ class KVCacheSpec:
                 dtype=dtype,
                 latent=True,
             )
+        layout = kv_cache_layout(config.sliding_windows)  # type: ignore[attr-defined]
+        grouped = len(layout.groups) > 1
         return cls(
-            num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
+            num_layers=layout.layers_per_block,
             num_kv_heads=config.num_key_value_heads,  # type: ignore[attr-defined]
             head_dim=config.head_dim,  # type: ignore[attr-defined]
             block_size=block_size,
             dtype=dtype,
             quantization=quantization,
+            layer_slots=layout.layer_slots if grouped else (),
+            layer_groups=layout.layer_groups if grouped else (),
         )
+
+    def layer_caches(self, pairs: KVPairs) -> KVPairs:
+        """(K, V) of each model layer from those of each layer slot."""
+        return [pairs[slot] for slot in self.layer_slots] if self.layer_slots else pairs
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -261,8 +282,8 @@ class KVCache:
         self.host_tensors = allocate_block_tensors(
             spec, num_host_blocks, torch.device("cpu"), pin=pin
         )
-        self.device_caches = _pairs(self.device_tensors, spec.latent)
-        self.host_caches = _pairs(self.host_tensors, spec.latent)
+        self.device_caches = spec.layer_caches(_pairs(self.device_tensors, spec.latent))
+        self.host_caches = spec.layer_caches(_pairs(self.host_tensors, spec.latent))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device blocks src -> dst (copy-on-write, compaction), every per-block tensor."""
@@ -336,7 +357,7 @@ class KVCache:
             if self.arena is not None:
                 self.arena = arena
         self.device_tensors = tensors
-        self.device_caches = _pairs(tensors, self.spec.latent)
+        self.device_caches = self.spec.layer_caches(_pairs(tensors, self.spec.latent))
         self.num_blocks = num_blocks
 
 

@@ -73,7 +73,7 @@ class TorchModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache = make_kv_cache(self.spec, num_blocks, num_host_blocks, self.device)
         self.sampler = sampler or Sampler()
-        self.input_buffers = InputBuffers()
+        self.input_buffers = InputBuffers(self.spec.layer_groups)
         self.vocab_size = self.config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
