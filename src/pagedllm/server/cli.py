@@ -36,6 +36,10 @@ from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
 # first token does not wait behind other whole prompts; chosen by measurement
 # (docs/performance.md).
 SERVER_MAX_NUM_BATCHED_TOKENS = 512
+# Prompt tokens in a server step that also decodes, unless given: the decoding streams wait
+# for the whole step, and a 512-token slice (~200 ms here) was the gap behind p99 ITL;
+# chosen by measurement (docs/performance.md).
+SERVER_MAX_PREFILL_TOKENS_WHILE_DECODING = 256
 
 # uvicorn's own deadline comes this long after ours, so that streams we end have time
 # to send their last event before uvicorn would cancel them mid-stream.
@@ -133,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         return run_data_parallel(args)
     if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
         args.max_num_batched_tokens = SERVER_MAX_NUM_BATCHED_TOKENS
+    if args.max_prefill_tokens_while_decoding is None and args.enable_chunked_prefill:
+        args.max_prefill_tokens_while_decoding = SERVER_MAX_PREFILL_TOKENS_WHILE_DECODING
     config = config_from_args(args)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
         from pagedllm.engine.distributed import run_worker_node
