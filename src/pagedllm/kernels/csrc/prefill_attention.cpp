@@ -6,7 +6,7 @@
 //      in), V rows interleaved into pairs of keys x dims: both once per block, for all M vectors;
 //   2. scores = Q K^T in register blocks of 4 query vectors x 64 keys (each step broadcasts a
 //      pair of one query's dims and multiplies it into 16 keys), scaled and masked causally;
-//   3. online softmax per query vector: running max and sum in fp32, exp(score - max) rounded
+//   3. online softmax per query vector: running max and sum in fp32 (base 2), exp(score - max) rounded
 //      to bf16 (as SDPA's flash kernel rounds its probabilities), earlier sums rescaled;
 //   4. acc += P V in register blocks of query vectors x head_dim (each step broadcasts a pair
 //      of one query's probabilities and multiplies it into a pair of V rows).
@@ -31,7 +31,6 @@ namespace pagedllm_prefill {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
-using pagedllm_vec::exp512;
 using pagedllm_vec::softcap512;
 using pagedllm_vec::tail_mask;
 using pagedllm_vec::to_bf16;
@@ -40,6 +39,21 @@ using pagedllm_vec::transpose16;
 constexpr int64_t KB = 64;      // keys per block: 4 vectors of 16 lanes
 constexpr int KG = KB / 16;     // key groups of 16 per block
 constexpr int QK_ROWS = 4;      // query vectors per register block of the scores
+
+// 2^x for x <= 0 (0 below -126): a degree-5 polynomial on [-1/2, 1/2] (relative error ~2e-6,
+// far below the bf16 rounding of the probabilities) and scalef for 2^n.
+inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
@@ -134,31 +148,36 @@ void scores_softmax(const uint16_t* const* q, const uint32_t* keys, const int64_
       for (int g = 0; g < KG; ++g) s[r][g] = _mm512_dpbf16_ps(s[r][g], x, as_bh(b[g]));
     }
   }
+  // Maxima and exponents in base 2: p = 2^(s log2(e) - max), one fused multiply-subtract.
   const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 to_log2 = softcap > 0.0f ? log2e : _mm512_mul_ps(vscale, log2e);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < MR; ++r) {
     __mmask16 valid[KG];
     __m512 mx = neg_inf;
     for (int g = 0; g < KG; ++g) {
       valid[g] = tail_mask(hi[r] - 16 * g) & static_cast<__mmask16>(~tail_mask(lo[r] - 16 * g));
-      __m512 x = _mm512_mul_ps(s[r][g], vscale);
-      if (softcap > 0.0f) x = softcap512(x, softcap);
+      __m512 x = s[r][g];
+      if (softcap > 0.0f) x = softcap512(_mm512_mul_ps(x, vscale), softcap);
       s[r][g] = _mm512_mask_mov_ps(neg_inf, valid[g], x);
       mx = _mm512_max_ps(mx, s[r][g]);
     }
     const float old_max = row_max[r];
-    const float new_max = std::max(old_max, _mm512_reduce_max_ps(mx));
+    const float new_max = std::max(old_max, _mm512_reduce_max_ps(_mm512_mul_ps(mx, to_log2)));
     const __m512 vmax = _mm512_set1_ps(new_max);
     __m512 sum = _mm512_setzero_ps();
     for (int g = 0; g < KG; ++g) {
-      const __m512 e = _mm512_maskz_mov_ps(valid[g], exp512(_mm512_sub_ps(s[r][g], vmax)));
+      const __m512 e = _mm512_maskz_mov_ps(valid[g], exp2_neg(_mm512_fmsub_ps(s[r][g], to_log2, vmax)));
       sum = _mm512_add_ps(sum, e);
       _mm256_store_si256(reinterpret_cast<__m256i*>(probs + r * KB + g * 16), to_bf16(e));
     }
     // The first block of a row has old_max = -inf: nothing summed yet to rescale.
-    const float alpha = old_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old_max - new_max);
+    const float alpha = old_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp2(old_max - new_max);
     row_max[r] = new_max;
-    row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(sum);
+    // Sums kept per lane (16 a query vector), added up once at the end.
+    float* lanes = row_sum + 16 * r;
+    _mm512_store_ps(lanes, _mm512_fmadd_ps(_mm512_load_ps(lanes), _mm512_set1_ps(alpha), sum));
     if (alpha != 1.0f) {
       const __m512 va = _mm512_set1_ps(alpha);
       float* o = acc + r * D;
@@ -230,7 +249,7 @@ void attend(const PrefillArgs& a, const PrefillTask& t, PrefillScratch& buf) {
   buf.probs.resize(M * KB);
   buf.acc.assign(M * D, 0.0f);
   buf.row_max.assign(M, -std::numeric_limits<float>::infinity());
-  buf.row_sum.assign(M, 0.0f);
+  buf.row_sum.assign(16 * M, 0.0f);
 
   prefetch_rows<NP>(a, off, 0, std::min(KB, nk));
   for (int64_t b0 = 0; b0 < nk; b0 += KB) {
@@ -254,14 +273,14 @@ void attend(const PrefillArgs& a, const PrefillTask& t, PrefillScratch& buf) {
       uint16_t* probs = buf.probs.data() + m0 * KB;
       float* acc = buf.acc.data() + m0 * D;
       scores_softmax_rows<NP>(mr, buf.queries.data() + m0, buf.keys.data(), lo, hi, a.scale, a.softcap,
-                              buf.row_max.data() + m0, buf.row_sum.data() + m0, probs, acc);
+                              buf.row_max.data() + m0, buf.row_sum.data() + 16 * m0, probs, acc);
       // Key pairs any of these vectors sees (the last one sees the furthest).
       const int64_t pairs = (hi[mr - 1] + 1) / 2;
       weighted_values_rows<NP>(mr, probs, buf.values.data(), pairs, acc);
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.0f / buf.row_sum[m]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(buf.row_sum.data() + 16 * m)));
     const float* src = buf.acc.data() + m * D;
     uint16_t* dst = a.out + (t.first_token + t.row_begin + m / a.group) * a.out_stride_token + (head0 + m % a.group) * D;
     for (int v = 0; v < D / 16; ++v)

@@ -50,7 +50,8 @@ struct PrefillScratch {
   pagedllm_vec::LineVector<uint32_t> values;  // a block of V, key pairs interleaved
   pagedllm_vec::LineVector<uint16_t> probs;   // exp(score - running max) as bf16
   pagedllm_vec::LineVector<float> acc;        // unnormalised outputs, fp32
-  std::vector<float> row_max, row_sum;
+  std::vector<float> row_max;                   // running max of each query vector's scores (log2)
+  pagedllm_vec::LineVector<float> row_sum;      // running sums, 16 lanes per query vector
 };
 
 // Whether this build has the kernel for this head size (AVX-512-bf16; head_dim 64 or 128).
