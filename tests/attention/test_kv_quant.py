@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.attention.quant import BlockCodec, int4_v_group
+from pagedllm.attention.quant import BlockCodec, int4_v_group, write_step
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, kv_bytes_per_block
@@ -229,3 +229,91 @@ def test_full_precision_specs_make_plain_caches() -> None:
     plain = make_kv_cache(KVCacheSpec(2, KV_HEADS, DIM, BLOCK), 4)
     assert plain.plan_step(AttentionMetadata.__new__(AttentionMetadata)) is None
     assert isinstance(make_kv_cache(spec("int8"), 4), QuantizedKVCache)
+
+
+def _kernel_step_pair(quantization: str, dtype: torch.dtype, block: int, seed: int):
+    """Two caches filled with the same sequences (several steps: prompt chunks, then decode),
+    and the last step's inputs: (caches, scheduled, query, key, value)."""
+    from pagedllm.attention.cpu import CpuAttention
+
+    torch.manual_seed(seed)
+    heads, kv_heads, dim = 6, 2, 64
+    kv_spec = KVCacheSpec(1, kv_heads, dim, block, dtype, quantization=quantization)
+    caches = [QuantizedKVCache(kv_spec, num_blocks=64) for _ in range(2)]
+    tables = {"a": tuple(range(0, 40, 2)), "b": tuple(range(41, 61)), "c": (63, 1, 3, 5)}
+    lengths = {"a": 70, "b": 37, "c": block * 2 + 1}
+    plan = [{"a": 33, "b": 37, "c": block}, {"a": 36, "c": block + 1}, {"a": 1}]
+    done = dict.fromkeys(tables, 0)
+    steps = []
+    for chunk in plan:
+        scheduled = [
+            ScheduledSequence(name, tuple(range(n)), done[name], tables[name])
+            for name, n in chunk.items()
+        ]
+        rows = sum(chunk.values())
+        q = torch.randn(rows, heads, dim).to(dtype)
+        k = torch.randn(rows, kv_heads, dim).to(dtype)
+        v = torch.randn(rows, kv_heads, dim).to(dtype)
+        steps.append((scheduled, q, k, v))
+        for name, n in chunk.items():
+            done[name] += n
+    assert done == lengths
+    return caches, steps, CpuAttention(use_extension=True)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 4])
+def test_the_fused_kernel_matches_dequantize_then_attend(
+    quantization: str, dtype: torch.dtype, block: int
+) -> None:
+    """The C++ kernel against the reference path, step by step, over prompt chunks that
+    start mid-block, prefix reads and decode."""
+    from pagedllm.kernels.build import load_library
+
+    if not load_library():
+        pytest.skip("the C++ kernels could not be built")
+    caches, steps, kernel = _kernel_step_pair(quantization, dtype, block, seed=3)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for scheduled, q, k, v in steps:
+        outs = []
+        for cache, backend in zip(caches, (ReferenceAttention(), kernel), strict=True):
+            batch = build_input_batch(scheduled, block)
+            batch.meta.quant = cache.plan_step(batch.meta)
+            k_cache, v_cache = cache.device_caches[0]
+            outs.append(backend.forward(q, k, v, k_cache, v_cache, batch.meta, 0.125))
+            cache.finish_step()
+        torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_integer_path_matches_the_plain_path(dtype: torch.dtype) -> None:
+    """int8 K/V: the VNNI path (int16 queries and probabilities) against the kernel's own
+    fp32 path over the same cache and step."""
+    from pagedllm.kernels.build import load_library
+    from pagedllm.kernels.probe import cpu_info
+
+    if not load_library():
+        pytest.skip("the C++ kernels could not be built")
+    if not {"avx512bw", "avx512_vnni"} <= cpu_info().flags:
+        pytest.skip("the int8 integer path needs AVX-512 BW and VNNI")
+    caches, steps, _ = _kernel_step_pair("int8", dtype, 16, seed=4)
+    cache = caches[0]
+    for scheduled, q, k, v in steps:
+        batch = build_input_batch(scheduled, 16)
+        meta = batch.meta
+        meta.quant = cache.plan_step(meta)
+        k_cache, v_cache = cache.device_caches[0]
+        k_window, v_window = write_step(k, v, k_cache, v_cache, meta.quant)
+        outs = []
+        for plain in (True, False):
+            out = torch.empty_like(q)
+            torch.ops.pagedllm.quant_attention(
+                out, q, k_cache.data, k_cache.scale, None, 0, v_cache.data, v_cache.scale,
+                None, 0, k_window, v_window, meta.block_tables.int(), meta.seq_lens.int(),
+                meta.query_start_loc.int(), meta.quant.window_start, 0.125, plain,
+            )  # fmt: skip
+            outs.append(out)
+        cache.finish_step()
+        tolerance = 2e-4 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)

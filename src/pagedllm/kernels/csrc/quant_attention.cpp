@@ -12,6 +12,15 @@
 // 1 int4 with fp16 scale and minimum per channel over the block (K); 2 int4 with fp16 scale and
 // minimum per token for each group of channels (V); 3 fp8 e4m3 and 4 fp8 e5m2 without scale. int4 packs two values a
 // byte, the even channel in the low nibble.
+//
+// int8 K and V with AVX-512 VNNI (attend_int8_block): sealed blocks are never widened to fp32.
+// Each query is rounded once per task to int16 with one scale (relative error 2^-16, far
+// below the cache's own 2^-8), K rows widen to int16 in registers and `vpdpwssd` gives exact
+// integer dot products that the query's and the token's scales turn into scores. The
+// probabilities times V's per-token scales are rounded to int16 per 16 keys (again 2^-16 of
+// their maximum) and multiply V's int8 rows, two keys per instruction. The plain path
+// (dequantize into fp32 rows, then fp32 dots) serves every other format, machines without
+// VNNI, and the own block; the Python dequantize-then-attend path is the ground truth.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -68,6 +78,7 @@ struct Args {
   const int32_t* window_start;
   int64_t block_size, head_dim, group;
   float scale;
+  bool int8_fast;  // int8 K and V through attend_int8_block (`plain` turns it off)
 };
 
 struct Task {
@@ -188,21 +199,33 @@ inline void rescale_add(float* acc, float c, const float* p, const float* v, int
 // Online softmax state of the task's queries.
 struct State {
   std::vector<float> q, acc, max, sum, probs;
+  pagedllm_vec::LineVector<int16_t> q16;  // int8 path: queries as int16 ...
+  std::vector<float> q16_scale;           // ... and the scale of each
 };
 
 #if defined(__AVX512F__)
-// Lane i of the result = the sum of v[i]'s 16 lanes (a 16 x 16 transpose-and-add).
+template <bool INT>
+inline __m512 add16(__m512 a, __m512 b) {
+  if constexpr (INT)
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  else
+    return _mm512_add_ps(a, b);
+}
+
+// Lane i of the result = the sum of v[i]'s 16 lanes (a 16 x 16 transpose-and-add); INT: the
+// lanes hold int32 (moved as raw bits, added as integers).
+template <bool INT = false>
 inline __m512 reduce16(const __m512* v) {
   __m512 w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    w[i] = add16<INT>(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                      _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int j = 0; j < 4; ++j)
-    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    x[j] = add16<INT>(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                      _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
   for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]), _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
-  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+    y[k] = add16<INT>(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]), _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
+  const __m512 z = add16<INT>(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
   // z lane 4q holds vector q, 4q+1 vector 8+q, 4q+2 vector 4+q, 4q+3 vector 12+q.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, z);
@@ -260,6 +283,138 @@ void attend_block(State& st, const float* keys, const float* values, const int64
   }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int64_t INT8_MAX_CHUNKS = 8;  // head_dim / 32 (head_dim <= 256 keeps int32 sums exact)
+
+inline bool int8_fast(const Side& k, const Side& v, int64_t dim) {
+  return k.kind == INT8 && v.kind == INT8 && dim % 32 == 0 && dim / 32 <= INT8_MAX_CHUNKS;
+}
+
+// The task's fp32 queries (st.q) as int16 with one scale per query.
+void quantize_queries(State& st, int64_t nq, int64_t dim) {
+  st.q16.resize(nq * dim);
+  st.q16_scale.resize(nq);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float* q = st.q.data() + qi * dim;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(q[d]));
+    const float scale = amax / 32767.0f;
+    const float inv = amax > 0.0f ? 1.0f / scale : 0.0f;
+    st.q16_scale[qi] = scale;
+    for (int64_t d = 0; d < dim; ++d) st.q16[qi * dim + d] = static_cast<int16_t>(std::nearbyint(q[d] * inv));
+  }
+}
+
+// Scales of rows [t0, t0 + n) of one head of a sealed int8 block as 16 floats (0 past n).
+inline __m512 int8_scales(const Side& s, int64_t block, int64_t head, int64_t t0, int64_t n) {
+  alignas(32) uint16_t bits[16] = {};
+  const c10::Half* base = s.scale + block * s.scale_block + head * s.scale_b;
+  for (int64_t t = 0; t < n; ++t) bits[t] = base[(t0 + t) * s.scale_a].x;
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bits)));
+}
+
+// Rows [t0, t0 + n) of one head of a sealed int8 block widened to int16, 32 channels a vector.
+inline void widen_rows(const Side& s, int64_t block, int64_t head, int64_t t0, int64_t n, int64_t chunks,
+                       __m512i (*rows)[INT8_MAX_CHUNKS]) {
+  const uint8_t* base = s.data + block * s.data_block + head * s.data_head;
+  for (int64_t t = 0; t < 16; ++t)
+    for (int64_t c = 0; c < chunks; ++c)
+      rows[t][c] = t < n ? _mm512_cvtepi8_epi16(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t0 + t) * s.data_token) + c))
+                         : _mm512_setzero_si512();
+}
+
+// Every query of the task over rows [t0, t0 + n) (n <= 16) of sealed int8 block `block`.
+void attend_int8_rows(State& st, const Side& ks, const Side& vs, int64_t block, int64_t head, int64_t t0, int64_t n,
+                      int64_t nq, int64_t dim) {
+  const int64_t chunks = dim / 32;
+  alignas(64) __m512i k16[16][INT8_MAX_CHUNKS];
+  widen_rows(ks, block, head, t0, n, chunks, k16);
+  // V as (row 2j, row 2j+1) int16 pairs per int32 lane, as vpdpwssd multiplies them:
+  // unpacklo/hi work within 128-bit lanes, so lo lane i is channel (i/4)*8 + i%4 of its
+  // 32 and hi lane i channel (i/4)*8 + 4 + i%4 (PAIR_LO/PAIR_HI put them back in order).
+  alignas(64) __m512i v16[16][INT8_MAX_CHUNKS];
+  widen_rows(vs, block, head, t0, n, chunks, v16);
+  alignas(64) __m512i vlo[8][INT8_MAX_CHUNKS], vhi[8][INT8_MAX_CHUNKS];
+  const int64_t pairs = (n + 1) / 2;
+  for (int64_t j = 0; j < pairs; ++j)
+    for (int64_t c = 0; c < chunks; ++c) {
+      vlo[j][c] = _mm512_unpacklo_epi16(v16[2 * j][c], v16[2 * j + 1][c]);
+      vhi[j][c] = _mm512_unpackhi_epi16(v16[2 * j][c], v16[2 * j + 1][c]);
+    }
+  const __m512 k_scale = int8_scales(ks, block, head, t0, n);
+  const __m512 v_scale = int8_scales(vs, block, head, t0, n);
+  const __mmask16 valid = pagedllm_vec::tail_mask(n);
+  const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const __m512i* q = reinterpret_cast<const __m512i*>(st.q16.data() + qi * dim);
+    __m512i part[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512i a = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks; ++c) a = _mm512_dpwssd_epi32(a, _mm512_load_si512(q + c), k16[t][c]);
+      part[t] = a;
+    }
+    const __m512i dots = _mm512_castps_si512(reduce16<true>(reinterpret_cast<const __m512*>(part)));
+    const __m512 s = _mm512_mask_blend_ps(
+        valid, _mm512_set1_ps(neg_inf),
+        _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(k_scale, _mm512_set1_ps(st.q16_scale[qi]))));
+    const float old = st.max[qi];
+    const float mx = std::max(old, _mm512_reduce_max_ps(s));
+    const __m512 e = _mm512_maskz_mov_ps(valid, pagedllm_vec::exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+    const float c = old == neg_inf ? 0.0f : std::exp(old - mx);
+    st.sum[qi] = st.sum[qi] * c + _mm512_reduce_add_ps(e);
+    st.max[qi] = mx;
+    // Probabilities times V's scales, as int16 relative to their maximum.
+    const __m512 pv = _mm512_mul_ps(e, v_scale);
+    const float pmax = _mm512_reduce_max_ps(pv);
+    const float p_scale = pmax / 32767.0f;
+    alignas(32) int16_t p16[16];
+    const __m512 pq = pmax > 0.0f ? _mm512_mul_ps(pv, _mm512_set1_ps(1.0f / p_scale)) : _mm512_setzero_ps();
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(pq)));
+    __m512i lo[INT8_MAX_CHUNKS], hi[INT8_MAX_CHUNKS];
+    for (int64_t ch = 0; ch < chunks; ++ch) lo[ch] = hi[ch] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < pairs; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, p16 + 2 * j, sizeof(pair));
+      const __m512i p = _mm512_set1_epi32(pair);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        lo[ch] = _mm512_dpwssd_epi32(lo[ch], p, vlo[j][ch]);
+        hi[ch] = _mm512_dpwssd_epi32(hi[ch], p, vhi[j][ch]);
+      }
+    }
+    float* acc = st.acc.data() + qi * dim;
+    const __m512 vc = _mm512_set1_ps(c), vp = _mm512_set1_ps(p_scale);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const __m512 l = _mm512_cvtepi32_ps(lo[ch]), h = _mm512_cvtepi32_ps(hi[ch]);
+      float* a0 = acc + 32 * ch;
+      _mm512_storeu_ps(a0, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_LO, h), vp,
+                                           _mm512_mul_ps(_mm512_loadu_ps(a0), vc)));
+      _mm512_storeu_ps(a0 + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_HI, h), vp,
+                                                _mm512_mul_ps(_mm512_loadu_ps(a0 + 16), vc)));
+    }
+  }
+}
+
+// Blocks sit at random addresses: ask for the next block's rows of this head ahead of use.
+inline void prefetch_int8_block(const Side& s, int64_t block, int64_t head, int64_t rows, int64_t dim) {
+  const char* base = reinterpret_cast<const char*>(s.data + block * s.data_block + head * s.data_head);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t l = 0; l < dim; l += 64) _mm_prefetch(base + t * s.data_token + l, _MM_HINT_T0);
+}
+
+void attend_int8_block(State& st, const Side& ks, const Side& vs, const int32_t* table, int64_t j, int64_t last,
+                       int64_t head, int64_t block_size, int64_t nq, int64_t dim) {
+  if (j + 1 < last) {
+    prefetch_int8_block(ks, table[j + 1], head, block_size, dim);
+    prefetch_int8_block(vs, table[j + 1], head, block_size, dim);
+  }
+  for (int64_t t0 = 0; t0 < block_size; t0 += 16)
+    attend_int8_rows(st, ks, vs, table[j], head, t0, std::min<int64_t>(16, block_size - t0), nq, dim);
+}
+#endif
+
 template <typename T>
 void run_task(const Args<T>& a, const Task& task, State& st, std::vector<float>& kf, std::vector<float>& vf) {
   const int64_t B = a.block_size, D = a.head_dim, G = a.group;
@@ -282,11 +437,17 @@ void run_task(const Args<T>& a, const Task& task, State& st, std::vector<float>&
     }
   const int32_t* table = a.tables + task.seq * a.table_stride;
   std::fill(limit.begin(), limit.end(), B);
-  for (int64_t j = 0; j < task.block; ++j) {
-    dequantize(a.k, table[j], task.kv_head, B, D, kf.data());
-    dequantize(a.v, table[j], task.kv_head, B, D, vf.data());
-    attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
-  }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (a.int8_fast && task.block > 0) {
+    quantize_queries(st, nq, D);
+    for (int64_t j = 0; j < task.block; ++j) attend_int8_block(st, a.k, a.v, table, j, task.block, task.kv_head, B, nq, D);
+  } else
+#endif
+    for (int64_t j = 0; j < task.block; ++j) {
+      dequantize(a.k, table[j], task.kv_head, B, D, kf.data());
+      dequantize(a.v, table[j], task.kv_head, B, D, vf.data());
+      attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
+    }
   // The own block, full precision from the window, each query up to its own position.
   const int64_t w = a.window_start[task.seq] + task.block - first / B;
   const int64_t own = hi - task.block * B;
@@ -365,7 +526,7 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t k_kind, const at::Tensor& v_data, const std::optional<at::Tensor>& v_scale,
                      const std::optional<at::Tensor>& v_min, int64_t v_kind, const at::Tensor& k_window,
                      const at::Tensor& v_window, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, const at::Tensor& window_start, double scale) {
+                     const at::Tensor& query_start_loc, const at::Tensor& window_start, double scale, bool plain) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, H, D] alike");
   TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == k_window.scalar_type() &&
                   k_window.scalar_type() == v_window.scalar_type(),
@@ -406,6 +567,9 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     a.head_dim = head_dim;
     a.group = num_heads / num_kv_heads;
     a.scale = static_cast<float>(scale);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    a.int8_fast = !plain && int8_fast(a.k, a.v, head_dim);
+#endif
     run(a, seq_lens.size(0), num_kv_heads);
   };
   if (query.scalar_type() == at::kFloat)
@@ -421,7 +585,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "quant_attention(Tensor(a!) out, Tensor query, Tensor k_data, Tensor? k_scale, Tensor? k_min, "
       "int k_kind, Tensor v_data, Tensor? v_scale, Tensor? v_min, int v_kind, Tensor k_window, "
       "Tensor v_window, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor window_start, float scale) -> ()");
+      "Tensor window_start, float scale, bool plain=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_attention", &quant_attention); }
