@@ -81,8 +81,9 @@ struct Args {
   bool int8_fast;  // int8 K and V through attend_int8_block (`plain` turns it off)
 };
 
+// kv heads [kv_head, kv_head + heads) of one query block of one sequence.
 struct Task {
-  int64_t seq, kv_head, block, cost;
+  int64_t seq, kv_head, heads, block, cost;
 };
 
 std::array<float, 256> fp8_table(bool e4m3) {
@@ -199,8 +200,13 @@ inline void rescale_add(float* acc, float c, const float* p, const float* v, int
 // Online softmax state of the task's queries.
 struct State {
   std::vector<float> q, acc, max, sum, probs;
-  pagedllm_vec::LineVector<int16_t> q16;  // int8 path: queries as int16 ...
-  std::vector<float> q16_scale;           // ... and the scale of each
+  // The int8 path (attend_int8_sealed): queries as int16 and their scales, scores and then
+  // probabilities [nq][rows], V's row scales, probabilities as int16 and their steps, and
+  // the weighted sums in int32.
+  pagedllm_vec::LineVector<int16_t> q16;
+  std::vector<float> q16_scale, scores, v_scale, p_scale;
+  std::vector<int16_t> p16;
+  std::vector<int32_t> acc_i;
 };
 
 #if defined(__AVX512F__)
@@ -285,6 +291,7 @@ void attend_block(State& st, const float* keys, const float* values, const int64
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int64_t INT8_MAX_CHUNKS = 8;  // head_dim / 32 (head_dim <= 256 keeps int32 sums exact)
+constexpr int64_t INT8_AHEAD = 8;       // blocks prefetched ahead of the one being read
 
 inline bool int8_fast(const Side& k, const Side& v, int64_t dim) {
   return k.kind == INT8 && v.kind == INT8 && dim % 32 == 0 && dim / 32 <= INT8_MAX_CHUNKS;
@@ -314,181 +321,331 @@ inline __m512 int8_scales(const Side& s, int64_t block, int64_t head, int64_t t0
 }
 
 // Rows [t0, t0 + n) of one head of a sealed int8 block widened to int16, 32 channels a vector.
+// Each row read asks for the same row of block `ahead` (if >= 0): blocks sit at random
+// addresses, so the hardware prefetcher stops at every block edge, and prefetching a whole
+// block at once fills the miss buffers and stalls; one line per row read does neither.
 inline void widen_rows(const Side& s, int64_t block, int64_t head, int64_t t0, int64_t n, int64_t chunks,
-                       __m512i (*rows)[INT8_MAX_CHUNKS]) {
+                       int64_t ahead, __m512i (*rows)[INT8_MAX_CHUNKS]) {
   const uint8_t* base = s.data + block * s.data_block + head * s.data_head;
-  for (int64_t t = 0; t < 16; ++t)
+  const uint8_t* next = s.data + ahead * s.data_block + head * s.data_head;
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < n && ahead >= 0)
+      for (int64_t l = 0; l < s.data_head; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (t0 + t) * s.data_token + l), _MM_HINT_T0);
     for (int64_t c = 0; c < chunks; ++c)
       rows[t][c] = t < n ? _mm512_cvtepi8_epi16(
                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t0 + t) * s.data_token) + c))
                          : _mm512_setzero_si512();
-}
-
-// Every query of the task over rows [t0, t0 + n) (n <= 16) of sealed int8 block `block`.
-void attend_int8_rows(State& st, const Side& ks, const Side& vs, int64_t block, int64_t head, int64_t t0, int64_t n,
-                      int64_t nq, int64_t dim) {
-  const int64_t chunks = dim / 32;
-  alignas(64) __m512i k16[16][INT8_MAX_CHUNKS];
-  widen_rows(ks, block, head, t0, n, chunks, k16);
-  // V as (row 2j, row 2j+1) int16 pairs per int32 lane, as vpdpwssd multiplies them:
-  // unpacklo/hi work within 128-bit lanes, so lo lane i is channel (i/4)*8 + i%4 of its
-  // 32 and hi lane i channel (i/4)*8 + 4 + i%4 (PAIR_LO/PAIR_HI put them back in order).
-  alignas(64) __m512i v16[16][INT8_MAX_CHUNKS];
-  widen_rows(vs, block, head, t0, n, chunks, v16);
-  alignas(64) __m512i vlo[8][INT8_MAX_CHUNKS], vhi[8][INT8_MAX_CHUNKS];
-  const int64_t pairs = (n + 1) / 2;
-  for (int64_t j = 0; j < pairs; ++j)
-    for (int64_t c = 0; c < chunks; ++c) {
-      vlo[j][c] = _mm512_unpacklo_epi16(v16[2 * j][c], v16[2 * j + 1][c]);
-      vhi[j][c] = _mm512_unpackhi_epi16(v16[2 * j][c], v16[2 * j + 1][c]);
-    }
-  const __m512 k_scale = int8_scales(ks, block, head, t0, n);
-  const __m512 v_scale = int8_scales(vs, block, head, t0, n);
-  const __mmask16 valid = pagedllm_vec::tail_mask(n);
-  const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t qi = 0; qi < nq; ++qi) {
-    const __m512i* q = reinterpret_cast<const __m512i*>(st.q16.data() + qi * dim);
-    __m512i part[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      __m512i a = _mm512_setzero_si512();
-      for (int64_t c = 0; c < chunks; ++c) a = _mm512_dpwssd_epi32(a, _mm512_load_si512(q + c), k16[t][c]);
-      part[t] = a;
-    }
-    const __m512i dots = _mm512_castps_si512(reduce16<true>(reinterpret_cast<const __m512*>(part)));
-    const __m512 s = _mm512_mask_blend_ps(
-        valid, _mm512_set1_ps(neg_inf),
-        _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(k_scale, _mm512_set1_ps(st.q16_scale[qi]))));
-    const float old = st.max[qi];
-    const float mx = std::max(old, _mm512_reduce_max_ps(s));
-    const __m512 e = _mm512_maskz_mov_ps(valid, pagedllm_vec::exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    const float c = old == neg_inf ? 0.0f : std::exp(old - mx);
-    st.sum[qi] = st.sum[qi] * c + _mm512_reduce_add_ps(e);
-    st.max[qi] = mx;
-    // Probabilities times V's scales, as int16 relative to their maximum.
-    const __m512 pv = _mm512_mul_ps(e, v_scale);
-    const float pmax = _mm512_reduce_max_ps(pv);
-    const float p_scale = pmax / 32767.0f;
-    alignas(32) int16_t p16[16];
-    const __m512 pq = pmax > 0.0f ? _mm512_mul_ps(pv, _mm512_set1_ps(1.0f / p_scale)) : _mm512_setzero_ps();
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(pq)));
-    __m512i lo[INT8_MAX_CHUNKS], hi[INT8_MAX_CHUNKS];
-    for (int64_t ch = 0; ch < chunks; ++ch) lo[ch] = hi[ch] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < pairs; ++j) {
-      int32_t pair;
-      std::memcpy(&pair, p16 + 2 * j, sizeof(pair));
-      const __m512i p = _mm512_set1_epi32(pair);
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        lo[ch] = _mm512_dpwssd_epi32(lo[ch], p, vlo[j][ch]);
-        hi[ch] = _mm512_dpwssd_epi32(hi[ch], p, vhi[j][ch]);
-      }
-    }
-    float* acc = st.acc.data() + qi * dim;
-    const __m512 vc = _mm512_set1_ps(c), vp = _mm512_set1_ps(p_scale);
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const __m512 l = _mm512_cvtepi32_ps(lo[ch]), h = _mm512_cvtepi32_ps(hi[ch]);
-      float* a0 = acc + 32 * ch;
-      _mm512_storeu_ps(a0, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_LO, h), vp,
-                                           _mm512_mul_ps(_mm512_loadu_ps(a0), vc)));
-      _mm512_storeu_ps(a0 + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_HI, h), vp,
-                                                _mm512_mul_ps(_mm512_loadu_ps(a0 + 16), vc)));
-    }
   }
 }
 
-// Blocks sit at random addresses: ask for the next block's rows of this head ahead of use.
-inline void prefetch_int8_block(const Side& s, int64_t block, int64_t head, int64_t rows, int64_t dim) {
+// Blocks sit at random addresses: ask for a block's rows of heads [head, head + heads)
+// ahead of use (contiguous within each row).
+inline void prefetch_int8_block(const Side& s, int64_t block, int64_t head, int64_t heads, int64_t rows) {
   const char* base = reinterpret_cast<const char*>(s.data + block * s.data_block + head * s.data_head);
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t l = 0; l < dim; l += 64) _mm_prefetch(base + t * s.data_token + l, _MM_HINT_T0);
+    for (int64_t l = 0; l < heads * s.data_head; l += 64) _mm_prefetch(base + t * s.data_token + l, _MM_HINT_T0);
 }
 
-void attend_int8_block(State& st, const Side& ks, const Side& vs, const int32_t* table, int64_t j, int64_t last,
-                       int64_t head, int64_t block_size, int64_t nq, int64_t dim) {
-  if (j + 1 < last) {
-    prefetch_int8_block(ks, table[j + 1], head, block_size, dim);
-    prefetch_int8_block(vs, table[j + 1], head, block_size, dim);
+// The same for the block's scales (rows x heads halves, contiguous).
+inline void prefetch_int8_scales(const Side& s, int64_t block, int64_t rows) {
+  const char* base = reinterpret_cast<const char*>(s.scale + block * s.scale_block);
+  const int64_t bytes = rows * s.scale_a * static_cast<int64_t>(sizeof(c10::Half));
+  for (int64_t l = 0; l < bytes + 63; l += 64) _mm_prefetch(base + std::min(l, bytes - 1), _MM_HINT_T0);
+}
+
+// Pass 1: the scores of every query against rows [0, B) of each of the first `nblocks`
+// blocks of the table (st.scores, [nq][nblocks * B]) and V's scale of each row (st.v_scale).
+void int8_scores(State* states, const Side& ks, const Side& vs, const int32_t* table, int64_t nblocks,
+                 int64_t head0, int64_t heads, int64_t B, int64_t nq, int64_t dim) {
+  const int64_t chunks = dim / 32, ctx = nblocks * B;
+  alignas(64) __m512i k16[16][INT8_MAX_CHUNKS];
+  for (int64_t j = 0; j < nblocks; ++j) {
+    if (j + INT8_AHEAD < nblocks) {
+      prefetch_int8_scales(ks, table[j + INT8_AHEAD], B);
+      prefetch_int8_scales(vs, table[j + INT8_AHEAD], B);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t0 = 0; t0 < B; t0 += 16) {
+        State& st = states[h];
+        const int64_t head = head0 + h;
+        const int64_t n = std::min<int64_t>(16, B - t0);
+        widen_rows(ks, table[j], head, t0, n, chunks, j + INT8_AHEAD < nblocks ? table[j + INT8_AHEAD] : -1, k16);
+        const __m512 k_scale = int8_scales(ks, table[j], head, t0, n);
+        const __mmask16 valid = pagedllm_vec::tail_mask(n);
+        _mm512_mask_storeu_ps(st.v_scale.data() + j * B + t0, valid, int8_scales(vs, table[j], head, t0, n));
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const __m512i* q = reinterpret_cast<const __m512i*>(st.q16.data() + qi * dim);
+          __m512i part[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            __m512i acc = _mm512_setzero_si512();
+            for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(q + c), k16[t][c]);
+            part[t] = acc;
+          }
+          const __m512i dots = _mm512_castps_si512(reduce16<true>(reinterpret_cast<const __m512*>(part)));
+          const __m512 scale = _mm512_mul_ps(k_scale, _mm512_set1_ps(st.q16_scale[qi]));
+          _mm512_mask_storeu_ps(st.scores.data() + qi * ctx + j * B + t0, valid,
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(dots), scale));
+        }
+      }
+    }
   }
-  for (int64_t t0 = 0; t0 < block_size; t0 += 16)
-    attend_int8_rows(st, ks, vs, table[j], head, t0, std::min<int64_t>(16, block_size - t0), nq, dim);
+}
+
+// Softmax numerators exp(s - max) times V's row scales, as int16 relative to their maximum
+// (st.p16, rows padded to an even length), the max and sum into the online state (which
+// starts here), and the int16 step of each query (st.p_scale).
+void int8_probabilities(State& st, int64_t ctx, int64_t nq) {
+  const int64_t width = (ctx + 1) & ~int64_t{1};
+  st.p16.assign(nq * width, 0);
+  st.p_scale.resize(nq);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    float* row = st.scores.data() + qi * ctx;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < ctx; t += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, pagedllm_vec::tail_mask(ctx - t), row + t));
+    const float mx = _mm512_reduce_max_ps(vmax);
+    __m512 vsum = _mm512_setzero_ps(), pmax = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = pagedllm_vec::tail_mask(ctx - t);
+      const __m512 e =
+          _mm512_maskz_mov_ps(m, pagedllm_vec::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), _mm512_set1_ps(mx))));
+      vsum = _mm512_add_ps(vsum, e);
+      const __m512 pv = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, st.v_scale.data() + t));
+      pmax = _mm512_max_ps(pmax, pv);
+      _mm512_mask_storeu_ps(row + t, m, pv);
+    }
+    st.max[qi] = mx;
+    st.sum[qi] = _mm512_reduce_add_ps(vsum);
+    const float top = _mm512_reduce_max_ps(pmax);
+    st.p_scale[qi] = top / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    int16_t* dst = st.p16.data() + qi * width;
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = pagedllm_vec::tail_mask(ctx - t);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), inv));
+      _mm256_mask_storeu_epi16(dst + t, m, _mm512_cvtepi32_epi16(q));
+    }
+  }
+}
+
+// int32 sums of one query (lo/hi pair lanes, see int8_values) into its fp32 accumulator.
+inline void flush_int8(const int32_t* sums, float p_scale, int64_t chunks, float* acc) {
+  const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 vp = _mm512_set1_ps(p_scale);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 32 * c));
+    const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 32 * c + 16));
+    float* a = acc + 32 * c;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_LO, h), vp, _mm512_loadu_ps(a)));
+    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(l, PAIR_HI, h), vp, _mm512_loadu_ps(a + 16)));
+  }
+}
+
+// Pass 2: acc += sum_t p16[t] * v[t] * p_scale over the sealed rows, two rows per vpdpwssd:
+// V as (row 2i, row 2i+1) int16 pairs per int32 lane. unpacklo/hi work within 128-bit lanes,
+// so lo lane i is channel (i/4)*8 + i%4 of its 32 and hi lane i channel (i/4)*8 + 4 + i%4
+// (flush_int8 puts them back in order). int32 sums are flushed every FLUSH rows: up to
+// 2 * 32767 * 128 * FLUSH / 2 stays below 2^31.
+void int8_values(State* states, const Side& vs, const int32_t* table, int64_t nblocks, int64_t head0,
+                 int64_t heads, int64_t B, int64_t nq, int64_t dim) {
+  constexpr int64_t FLUSH = 256;
+  const int64_t chunks = dim / 32, ctx = nblocks * B, width = (ctx + 1) & ~int64_t{1};
+  for (int64_t h = 0; h < heads; ++h) states[h].acc_i.assign(nq * dim, 0);
+  alignas(64) __m512i v16[16][INT8_MAX_CHUNKS];
+  alignas(64) __m512i vlo[8][INT8_MAX_CHUNKS], vhi[8][INT8_MAX_CHUNKS];
+  int64_t since_flush = 0;
+  for (int64_t j = 0; j < std::min(nblocks, INT8_AHEAD); ++j) prefetch_int8_block(vs, table[j], head0, heads, B);
+  for (int64_t j = 0; j < nblocks; ++j) {
+    for (int64_t t0 = 0; t0 < B; t0 += 16) {
+      for (int64_t h = 0; h < heads; ++h) {
+        State& st = states[h];
+        const int64_t head = head0 + h;
+        const int64_t n = std::min<int64_t>(16, B - t0), pairs = (n + 1) / 2;
+        widen_rows(vs, table[j], head, t0, n, chunks, j + INT8_AHEAD < nblocks ? table[j + INT8_AHEAD] : -1, v16);
+        for (int64_t i = 0; i < pairs; ++i)
+          for (int64_t c = 0; c < chunks; ++c) {
+            vlo[i][c] = _mm512_unpacklo_epi16(v16[2 * i][c], v16[2 * i + 1][c]);
+            vhi[i][c] = _mm512_unpackhi_epi16(v16[2 * i][c], v16[2 * i + 1][c]);
+          }
+        const int64_t r0 = j * B + t0;
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const int16_t* p16 = st.p16.data() + qi * width + r0;
+          __m512i* sums = reinterpret_cast<__m512i*>(st.acc_i.data() + qi * dim);
+          __m512i lo[INT8_MAX_CHUNKS], hi[INT8_MAX_CHUNKS];
+          for (int64_t c = 0; c < chunks; ++c) {
+            lo[c] = _mm512_loadu_si512(sums + 2 * c);
+            hi[c] = _mm512_loadu_si512(sums + 2 * c + 1);
+          }
+          for (int64_t i = 0; i < pairs; ++i) {
+            int32_t pair;
+            std::memcpy(&pair, p16 + 2 * i, sizeof(pair));  // a row past n has a zero V row
+            const __m512i p = _mm512_set1_epi32(pair);
+            for (int64_t c = 0; c < chunks; ++c) {
+              lo[c] = _mm512_dpwssd_epi32(lo[c], p, vlo[i][c]);
+              hi[c] = _mm512_dpwssd_epi32(hi[c], p, vhi[i][c]);
+            }
+          }
+          for (int64_t c = 0; c < chunks; ++c) {
+            _mm512_storeu_si512(sums + 2 * c, lo[c]);
+            _mm512_storeu_si512(sums + 2 * c + 1, hi[c]);
+          }
+        }
+      }
+      since_flush += std::min<int64_t>(16, B - t0);
+      if (since_flush >= FLUSH || (j + 1 == nblocks && t0 + 16 >= B)) {
+        for (int64_t h = 0; h < heads; ++h) {
+          State& st = states[h];
+          for (int64_t qi = 0; qi < nq; ++qi)
+            flush_int8(st.acc_i.data() + qi * dim, st.p_scale[qi], chunks, st.acc.data() + qi * dim);
+          std::fill(st.acc_i.begin(), st.acc_i.end(), 0);
+        }
+        since_flush = 0;
+      }
+    }
+  }
+}
+
+// Every query of the task over the first `nblocks` sealed int8 blocks of the table, heads
+// [head0, head0 + heads) side by side (their rows share cache lines): each head's online
+// state (fresh) then holds their max, sum and weighted sum.
+void attend_int8_sealed(State* states, const Side& ks, const Side& vs, const int32_t* table, int64_t nblocks,
+                        int64_t head0, int64_t heads, int64_t B, int64_t nq, int64_t dim) {
+  const int64_t ctx = nblocks * B;
+  for (int64_t h = 0; h < heads; ++h) {
+    quantize_queries(states[h], nq, dim);
+    states[h].scores.resize(nq * ctx);
+    states[h].v_scale.resize(ctx);
+  }
+  for (int64_t j = 0; j < std::min(nblocks, INT8_AHEAD); ++j) {
+    prefetch_int8_block(ks, table[j], head0, heads, B);
+    prefetch_int8_scales(ks, table[j], B);
+    prefetch_int8_scales(vs, table[j], B);
+  }
+  int8_scores(states, ks, vs, table, nblocks, head0, heads, B, nq, dim);
+  for (int64_t h = 0; h < heads; ++h) int8_probabilities(states[h], ctx, nq);
+  int8_values(states, vs, table, nblocks, head0, heads, B, nq, dim);
 }
 #endif
 
+// The geometry of a task's queries: positions [lo, hi) of its sequence, nq query vectors.
+struct Rows {
+  int64_t q0, first, lo, hi, nq;
+};
+
 template <typename T>
-void run_task(const Args<T>& a, const Task& task, State& st, std::vector<float>& kf, std::vector<float>& vf) {
-  const int64_t B = a.block_size, D = a.head_dim, G = a.group;
+Rows task_rows(const Args<T>& a, const Task& task) {
   const int64_t seq_len = a.seq_lens[task.seq];
   const int64_t q0 = a.query_start[task.seq];
   const int64_t first = seq_len - (a.query_start[task.seq + 1] - q0);
-  const int64_t lo = std::max(first, task.block * B), hi = std::min(seq_len, (task.block + 1) * B);
-  const int64_t nq = (hi - lo) * G;
-  st.q.resize(nq * D);
-  st.acc.assign(nq * D, 0.0f);
-  st.max.assign(nq, -std::numeric_limits<float>::infinity());
-  st.sum.assign(nq, 0.0f);
-  st.probs.resize(std::max<int64_t>(B, 16));
-  std::vector<int64_t> limit(nq);
-  for (int64_t p = lo; p < hi; ++p)
+  const int64_t lo = std::max(first, task.block * a.block_size);
+  const int64_t hi = std::min(seq_len, (task.block + 1) * a.block_size);
+  return {q0, first, lo, hi, (hi - lo) * a.group};
+}
+
+// A fresh online state for kv head `head`'s queries (scaled, as fp32).
+template <typename T>
+void start_state(const Args<T>& a, const Rows& r, int64_t head, State& st) {
+  const int64_t D = a.head_dim, G = a.group;
+  st.q.resize(r.nq * D);
+  st.acc.assign(r.nq * D, 0.0f);
+  st.max.assign(r.nq, -std::numeric_limits<float>::infinity());
+  st.sum.assign(r.nq, 0.0f);
+  st.probs.resize(std::max<int64_t>(a.block_size, 16));
+  for (int64_t p = r.lo; p < r.hi; ++p)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t qi = (p - lo) * G + g;
-      const T* src = a.query + (q0 + p - first) * a.q_token + (task.kv_head * G + g) * a.q_head;
+      const int64_t qi = (p - r.lo) * G + g;
+      const T* src = a.query + (r.q0 + p - r.first) * a.q_token + (head * G + g) * a.q_head;
       for (int64_t d = 0; d < D; ++d) st.q[qi * D + d] = to_float(src[d]) * a.scale;
     }
-  const int32_t* table = a.tables + task.seq * a.table_stride;
-  std::fill(limit.begin(), limit.end(), B);
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (a.int8_fast && task.block > 0) {
-    quantize_queries(st, nq, D);
-    for (int64_t j = 0; j < task.block; ++j) attend_int8_block(st, a.k, a.v, table, j, task.block, task.kv_head, B, nq, D);
-  } else
-#endif
-    for (int64_t j = 0; j < task.block; ++j) {
-      dequantize(a.k, table[j], task.kv_head, B, D, kf.data());
-      dequantize(a.v, table[j], task.kv_head, B, D, vf.data());
-      attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
-    }
-  // The own block, full precision from the window, each query up to its own position.
-  const int64_t w = a.window_start[task.seq] + task.block - first / B;
-  const int64_t own = hi - task.block * B;
+}
+
+// The own block (full precision from the window, each query up to its own position), then
+// the normalized output of kv head `head`'s queries.
+template <typename T>
+void finish_state(const Args<T>& a, const Task& task, const Rows& r, int64_t head, State& st, float* kf,
+                  float* vf, std::vector<int64_t>& limit) {
+  const int64_t B = a.block_size, D = a.head_dim, G = a.group;
+  const int64_t w = a.window_start[task.seq] + task.block - r.first / B;
+  const int64_t own = r.hi - task.block * B;
   for (int64_t t = 0; t < own; ++t) {
-    const int64_t off = w * a.win_block + t * a.win_token + task.kv_head * a.win_head;
+    const int64_t off = w * a.win_block + t * a.win_token + head * a.win_head;
     for (int64_t d = 0; d < D; ++d) {
       kf[t * D + d] = to_float(a.k_window[off + d]);
       vf[t * D + d] = to_float(a.v_window[off + d]);
     }
   }
-  for (int64_t p = lo; p < hi; ++p)
-    for (int64_t g = 0; g < G; ++g) limit[(p - lo) * G + g] = p - task.block * B + 1;
-  attend_block(st, kf.data(), vf.data(), limit.data(), nq, D);
-  for (int64_t p = lo; p < hi; ++p)
+  limit.resize(r.nq);
+  for (int64_t p = r.lo; p < r.hi; ++p)
+    for (int64_t g = 0; g < G; ++g) limit[(p - r.lo) * G + g] = p - task.block * B + 1;
+  attend_block(st, kf, vf, limit.data(), r.nq, D);
+  for (int64_t p = r.lo; p < r.hi; ++p)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t qi = (p - lo) * G + g;
-      T* dst = a.out + (q0 + p - first) * a.out_token + (task.kv_head * G + g) * a.out_head;
+      const int64_t qi = (p - r.lo) * G + g;
+      T* dst = a.out + (r.q0 + p - r.first) * a.out_token + (head * G + g) * a.out_head;
       const float inv = 1.0f / st.sum[qi];
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(st.acc[qi * D + d] * inv);
     }
 }
 
 template <typename T>
+void run_task(const Args<T>& a, const Task& task, std::vector<State>& states, std::vector<float>& kf,
+              std::vector<float>& vf) {
+  const int64_t B = a.block_size, D = a.head_dim;
+  const Rows r = task_rows(a, task);
+  states.resize(std::max<size_t>(states.size(), task.heads));
+  for (int64_t h = 0; h < task.heads; ++h) start_state(a, r, task.kv_head + h, states[h]);
+  const int32_t* table = a.tables + task.seq * a.table_stride;
+  std::vector<int64_t> limit(r.nq, B);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (a.int8_fast && task.block > 0) {
+    attend_int8_sealed(states.data(), a.k, a.v, table, task.block, task.kv_head, task.heads, B, r.nq, D);
+  } else
+#endif
+    for (int64_t h = 0; h < task.heads; ++h)
+      for (int64_t j = 0; j < task.block; ++j) {
+        dequantize(a.k, table[j], task.kv_head + h, B, D, kf.data());
+        dequantize(a.v, table[j], task.kv_head + h, B, D, vf.data());
+        attend_block(states[h], kf.data(), vf.data(), limit.data(), r.nq, D);
+      }
+  for (int64_t h = 0; h < task.heads; ++h)
+    finish_state(a, task, r, task.kv_head + h, states[h], kf.data(), vf.data(), limit);
+}
+
+template <typename T>
 void run(const Args<T>& a, int64_t num_seqs, int64_t num_kv_heads) {
   std::vector<Task> tasks;
-  const int64_t B = a.block_size;
+  const int64_t B = a.block_size, threads = at::get_num_threads();
+  int64_t query_blocks = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t seq_len = a.seq_lens[i];
+    const int64_t first = seq_len - (a.query_start[i + 1] - a.query_start[i]);
+    if (seq_len > first) query_blocks += (seq_len - 1) / B - first / B + 1;
+  }
+  // The int8 path reads a block's rows of all the task's heads together (they share cache
+  // lines and pages): as many heads a task as still leaves a task per thread.
+  int64_t heads = 1;
+  if (a.int8_fast) {
+    const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (threads + query_blocks - 1) / query_blocks));
+    heads = (num_kv_heads + splits - 1) / splits;
+  }
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t seq_len = a.seq_lens[i];
     const int64_t first = seq_len - (a.query_start[i + 1] - a.query_start[i]);
     if (seq_len <= first) continue;
     for (int64_t b = first / B; b <= (seq_len - 1) / B; ++b)
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({i, h, b, b + 1});
+      for (int64_t h = 0; h < num_kv_heads; h += heads)
+        tasks.push_back({i, h, std::min(heads, num_kv_heads - h), b, (b + 1) * std::min(heads, num_kv_heads - h)});
   }
   // Longest first, handed out dynamically.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
   at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
-    State st;
+    std::vector<State> states;
     std::vector<float> kf(B * a.head_dim), vf(B * a.head_dim);
-    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) run_task(a, tasks[t], st, kf, vf);
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) run_task(a, tasks[t], states, kf, vf);
   });
 }
 
