@@ -14,6 +14,7 @@ import httpx
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.server.app import create_app
 from pagedllm.testing import FakeEngineFactory
+from pagedllm.worker.fake_runner import MISS_LOGPROB
 
 from .conftest import ASGIStream, sse_events, wait_pool_free
 
@@ -72,6 +73,29 @@ def test_requests_metrics_and_reports_cross_the_process_boundary(tokenizer_dir):
         assert (await client.get("/health")).json() == {"status": "ok"}
 
     _serve(tokenizer_dir, body)
+
+
+def test_echoed_prompt_logprobs_cross_the_process_boundary(tokenizer_dir):
+    """The prompt's logprobs travel in the core's deltas: whole and streamed alike, the
+    first null, one entry per prompt token before the completion's."""
+    prompt = "hello there"
+
+    async def body(app, client):
+        payload = {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 2}
+        whole = (await client.post("/v1/completions", json=payload)).json()
+        [choice] = whole["choices"]
+        lp = choice["logprobs"]
+        streamed = await client.post("/v1/completions", json={**payload, "stream": True})
+        [first, *_] = [c for e in sse_events(streamed.content) for c in e["choices"]]
+        return lp, first["logprobs"]
+
+    whole, first = _serve(tokenizer_dir, body)
+    n = len(prompt)  # one token a character
+    assert whole["tokens"][:n] == list(prompt) and len(whole["tokens"]) == n + 2
+    assert whole["token_logprobs"][0] is None and whole["top_logprobs"][0] is None
+    assert all(lp in (0.0, MISS_LOGPROB) for lp in whole["token_logprobs"][1:n])
+    assert all(len(top) == 1 for top in whole["top_logprobs"][1:n])
+    assert {k: v[:n] for k, v in first.items()} == {k: v[:n] for k, v in whole.items()}
 
 
 def test_disconnect_frees_blocks_before_the_next_step(tokenizer_dir):

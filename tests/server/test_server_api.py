@@ -10,6 +10,8 @@ import json
 from typing import Any
 from unittest.mock import ANY
 
+from pagedllm.worker.fake_runner import MISS_LOGPROB
+
 from .conftest import ASGIStream, sse_events
 
 
@@ -100,10 +102,11 @@ def test_completion_echo_logprobs_and_stop(make_harness):
         [c] = r.json()["choices"]
         assert c["text"] == prompt + full[:4]
         lp = c["logprobs"]
-        assert lp["tokens"] == list(full[:4])
-        assert lp["token_logprobs"] == [0.0] * 4  # the fake runner is certain
-        assert lp["text_offset"] == [len(prompt) + i for i in range(4)]
-        assert lp["top_logprobs"][0] == {full[0]: 0.0}
+        n = len(prompt)  # one token a character; the echoed prompt's come first
+        assert lp["tokens"] == list(prompt) + list(full[:4])
+        assert lp["token_logprobs"][n:] == [0.0] * 4  # the fake runner is certain
+        assert lp["text_offset"][n:] == [len(prompt) + i for i in range(4)]
+        assert lp["top_logprobs"][n] == {full[0]: 0.0}
         r = await client.post(
             "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "stop": [stop]}
         )
@@ -166,6 +169,52 @@ def test_completion_stream_bytes(make_harness):
         events = sse_events(r.content)
         assert all("usage" not in e and e["choices"] for e in events)
         assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+    h.run(body)
+
+
+def _expected_prompt_logprobs(h, prompt: str) -> dict[str, list]:
+    """The legacy lists of an echoed prompt under the fake runner: the first token null,
+    each later one 0.0 when the runner would have generated it there, else MISS_LOGPROB;
+    its top-1 the token the runner would have generated."""
+    ids = h.tokenizer.encode(prompt)
+    predicted = [h.runner.next_token(ids[: p + 1]) for p in range(len(ids) - 1)]
+    return {
+        "tokens": [h.tokenizer.decode([t]) for t in ids],
+        "token_logprobs": [None]
+        + [0.0 if t == ids[p + 1] else MISS_LOGPROB for p, t in enumerate(predicted)],
+        "top_logprobs": [None] + [{h.tokenizer.decode([t]): 0.0} for t in predicted],
+        "text_offset": list(range(len(ids))),
+    }
+
+
+def test_echo_with_logprobs_scores_the_prompt(make_harness):
+    """``echo`` + ``logprobs``: the prompt's tokens with their log-probabilities (first
+    null) before the completion's, whole and streamed (in each choice's first chunk)."""
+    h = make_harness()
+    # Two letters, then what the runner generates after them: tokens it predicts (0.0).
+    prompt = "zz" + h.expected_text("zz", 6)
+    n = len(prompt)
+    expected = _expected_prompt_logprobs(h, prompt)
+    assert 0.0 in expected["token_logprobs"] and MISS_LOGPROB in expected["token_logprobs"]
+    payload = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "n": 2}
+
+    async def body(client):
+        whole = (await client.post("/v1/completions", json=payload)).json()
+        for c in whole["choices"]:
+            lp = c["logprobs"]
+            assert {k: v[:n] for k, v in lp.items()} == expected
+            assert len(lp["tokens"]) == n + 3 and lp["text_offset"][n] == n
+        streamed = await client.post("/v1/completions", json={**payload, "stream": True})
+        firsts = {}
+        for event in sse_events(streamed.content):
+            for c in event["choices"]:
+                firsts.setdefault(c["index"], c["logprobs"])
+        assert sorted(firsts) == [0, 1]
+        for lp in firsts.values():
+            assert {k: v[:n] for k, v in lp.items()} == expected
+        plain = (await client.post("/v1/completions", json={**payload, "echo": False})).json()
+        assert all(len(c["logprobs"]["tokens"]) == 3 for c in plain["choices"])
 
     h.run(body)
 

@@ -47,6 +47,17 @@ class ScheduledSequence(NamedTuple):
     # block tables of groups 1.. (``block_table`` is group 0's); empty for one group.
     group_block_tables: tuple[tuple[int, ...], ...] = ()
 
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """How many prompt tokens this chunk's rows score for ``prompt_logprobs``: rows at
+        prompt positions ``s .. e-1`` predict tokens ``s+1 .. e`` (the last prompt token at
+        most); 0 when not asked for."""
+        params = self.sampling_params
+        if params is None or params.prompt_logprobs is None:
+            return 0
+        end = min(self.start_position + len(self.token_ids), len(self.prompt_token_ids) - 1)
+        return max(0, end - self.start_position)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:

@@ -200,6 +200,8 @@ class RequestStream:
         self.num_cached_tokens = 0
         self.cache_event_seq: int | None = None
         self.error: str | None = None
+        # RequestOutput.prompt_logprobs, once the core sends them (with the first tokens).
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._tokenizer = tokenizer
         self._owner = owner
         self._choices: dict[int, _Choice] = {}
@@ -234,7 +236,7 @@ class RequestStream:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, choices,
             self._got_final, self.num_cached_tokens, self.error,
-            cache_event_seq=self.cache_event_seq,
+            cache_event_seq=self.cache_event_seq, prompt_logprobs=self.prompt_logprobs,
         )  # fmt: skip
 
     # Called on the event loop by the AsyncEngine.
@@ -248,6 +250,8 @@ class RequestStream:
                 choice.finish(seq.finish_reason, seq.stop_reason)
         self.num_cached_tokens = delta.num_cached_tokens
         self.cache_event_seq = delta.cache_event_seq
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.error is not None:
             self.error = delta.error
         if delta.finished:

@@ -140,44 +140,56 @@ def decode_spec(data: list[Any]) -> RequestSpec:
 def encode_deltas(deltas: Sequence[RequestDelta]) -> list[Any]:
     return [
         [
-            d.request_id,
-            [_encode_seq(s) for s in d.seqs],
-            d.finished,
-            d.num_cached_tokens,
-            d.error,
-            d.cache_event_seq,
+            d.request_id, [_encode_seq(s) for s in d.seqs], d.finished, d.num_cached_tokens,
+            d.error, d.cache_event_seq, _encode_logprobs(d.prompt_logprobs),
         ]
         for d in deltas
-    ]
+    ]  # fmt: skip
 
 
 def decode_deltas(data: list[Any]) -> list[RequestDelta]:
     return [
         RequestDelta(
-            request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error, event_seq
+            request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error, event_seq,
+            _decode_logprobs(prompt_logprobs),
         )
-        for request_id, seqs, finished, cached, error, event_seq in data
+        for request_id, seqs, finished, cached, error, event_seq, prompt_logprobs in data
+    ]  # fmt: skip
+
+
+def _encode_logprobs(logprobs: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
+    """``TokenLogprob``s as lists (None entries, as a prompt's first, stay None)."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if lp is None
+        else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
+        for lp in logprobs
     ]
 
 
+def _decode_logprobs(data: list[Any] | None) -> tuple[Any, ...] | None:
+    if data is None:
+        return None
+    return tuple(
+        None
+        if entry is None
+        else TokenLogprob(entry[0], entry[1], entry[2], tuple(entry[3]), tuple(entry[4]))
+        for entry in data
+    )
+
+
 def _encode_seq(seq: SequenceDelta) -> list[Any]:
-    logprobs = None
-    if seq.logprobs is not None:
-        logprobs = [
-            [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
-            for lp in seq.logprobs
-        ]
+    logprobs = _encode_logprobs(seq.logprobs)
     return [seq.index, seq.token_ids, logprobs, seq.finish_reason, seq.stop_reason]
 
 
 def _decode_seq(data: list[Any]) -> SequenceDelta:
     index, token_ids, logprobs, finish_reason, stop_reason = data
-    if logprobs is not None:
-        logprobs = tuple(
-            TokenLogprob(token_id, logprob, rank, tuple(top_ids), tuple(top_lps))
-            for token_id, logprob, rank, top_ids, top_lps in logprobs
-        )
-    return SequenceDelta(index, tuple(token_ids), logprobs, finish_reason, stop_reason)
+    return SequenceDelta(
+        index, tuple(token_ids), _decode_logprobs(logprobs), finish_reason, stop_reason
+    )
 
 
 # ---------------------------------------------------------------- the core

@@ -146,10 +146,29 @@ class _Group:
     # prompt_logprobs by prompt position (1 ..), when asked for; a recomputed prompt
     # (after preemption) writes the same positions again.
     prompt_logprobs: dict[int, TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False  # in a RequestDelta (step_deltas)
 
     @property
     def finished(self) -> bool:
         return self.error is not None or self.num_finished == self.params.n
+
+    def prompt_logprobs_tuple(self) -> tuple[TokenLogprob | None, ...] | None:
+        """vLLM's shape: one entry per prompt token, None for the first (nothing predicts
+        it) and for positions not computed yet; None when not asked for."""
+        if self.prompt_logprobs is None:
+            return None
+        found = self.prompt_logprobs.get
+        return (None, *(found(p) for p in range(1, len(self.prompt_token_ids))))
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt logprobs once all positions are in (or the request ended), the first
+        time only."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        if len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1 and not self.finished:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs_tuple()
 
     def finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Give ``seq`` its finish reason (once; a later call is ignored)."""
@@ -653,6 +672,7 @@ class LLMEngine:
             num_cached_tokens=first.request.num_cached_tokens if first else 0,
             error=group.error,
             cache_event_seq=first.request.cache_event_seq if first else None,
+            prompt_logprobs=group.take_prompt_logprobs(),
         )
 
     @staticmethod
@@ -681,12 +701,7 @@ class LLMEngine:
         if group.error is not None and not completions:
             completions = [CompletionOutput(0, "", (), finish_reason="error")]
         first = group.seqs.get(0)
-        prompt_logprobs = None
-        if group.prompt_logprobs is not None:
-            # vLLM's shape: one entry per prompt token, None for the first (nothing
-            # predicts it) and for positions not computed yet.
-            found = group.prompt_logprobs.get
-            prompt_logprobs = (None, *(found(p) for p in range(1, len(group.prompt_token_ids))))
+        prompt_logprobs = group.prompt_logprobs_tuple()
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

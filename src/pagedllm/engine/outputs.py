@@ -51,7 +51,6 @@ class RequestOutput:
     error: str | None = None
     cache_event_seq: int | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    cache_event_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +70,8 @@ class RequestDelta:
     """One request's step: the completions that changed; ``finished`` once all ended.
 
     ``error``: why the request failed (then ``finished`` and ``finish_reason="error"``).
+    ``prompt_logprobs``: ``RequestOutput.prompt_logprobs``, once, in the delta of the step
+    that computed the prompt's last position (or that ended the request).
     """
 
     request_id: str
@@ -79,3 +80,4 @@ class RequestDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     cache_event_seq: int | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -24,6 +25,7 @@ from pagedllm.server.serving import (
     check_common,
     check_model,
     completion_logprobs,
+    echo_logprobs,
     new_id,
     outputs_of,
     parse_body,
@@ -81,7 +83,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
 
     def body(outputs: list[Any], created: int) -> CompletionResponse:
         choices = [
-            _choice(ctx, req, i, prompt, c)
+            _choice(ctx, req, i, prompt, c, output.prompt_logprobs)
             for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))
             for c in sorted(output.outputs, key=lambda c: c.index)
         ]
@@ -119,18 +121,28 @@ def _spec(
         ctx, len(prompt.token_ids), req.max_tokens, prompt_param, "max_tokens"
     )
     params = sampling_params(req, max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        # The echoed prompt's logprobs too, as vLLM returns them.
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     return RequestSpec(
         f"{request_id}-{index}", prompt.token_ids, params, req.priority, req.cache_salt
     )
 
 
 def _choice(
-    ctx: ServerContext, req: CompletionRequest, prompt_index: int, prompt: Prompt, c: Any
+    ctx: ServerContext,
+    req: CompletionRequest,
+    prompt_index: int,
+    prompt: Prompt,
+    c: Any,
+    prompt_logprobs: Sequence[Any] | None,
 ) -> CompletionChoice:
     prefix = prompt.text if req.echo and prompt.text else ""
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
         logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, len(prefix))
+    if req.echo and req.logprobs is not None and prompt_logprobs is not None:
+        logprobs = echo_logprobs(ctx.tokenizer, prompt.token_ids, prompt_logprobs, logprobs)
     return CompletionChoice(
         index=prompt_index * req.n + c.index,
         text=prefix + c.text,
@@ -168,7 +180,7 @@ async def completion_events(
         async with aclosing(outputs_of(ctx, stream)) as deltas:
             async for delta in deltas:
                 choices = [
-                    _completion_delta(ctx, req, prompt, c, offsets, i * req.n)
+                    _completion_delta(ctx, req, prompt, stream, c, offsets, i * req.n)
                     for c in delta.choices
                 ]
                 chunk = CompletionStreamResponse(
@@ -187,11 +199,13 @@ def _completion_delta(
     ctx: ServerContext,
     req: CompletionRequest,
     prompt: Prompt,
+    stream: RequestStream,
     c: ChoiceDelta,
     offsets: dict[int, int],
     index_base: int,
 ) -> CompletionChoice:
-    """The chunk of choice ``c``; the echoed prompt goes before its first text."""
+    """The chunk of choice ``c``; the echoed prompt (and its logprobs) goes before its
+    first text."""
     first = c.index not in offsets
     offset = offsets.get(c.index, 0)
     text = c.text
@@ -201,6 +215,8 @@ def _completion_delta(
     if req.logprobs is not None and c.logprobs:
         start = offset + (len(prompt.text or "") if req.echo and first else 0)
         logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, start)
+    if req.echo and first and req.logprobs is not None and stream.prompt_logprobs is not None:
+        logprobs = echo_logprobs(ctx.tokenizer, prompt.token_ids, stream.prompt_logprobs, logprobs)
     offsets[c.index] = offset + len(text)
     return CompletionChoice(
         index=index_base + c.index,

@@ -372,11 +372,14 @@ def new_id(prefix: str, request: Request) -> str:
 
 def _logprob_triples(
     entries: Sequence[Any], token_ids: Sequence[int]
-) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """(token id, logprob, top alternatives) from ``TokenLogprob``s or vLLM-style dicts."""
-    triples = []
+) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """(token id, logprob, top alternatives) from ``TokenLogprob``s or vLLM-style dicts;
+    a None entry (a prompt's first token) gives (token id, None, None)."""
+    triples: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
     for i, entry in enumerate(entries):
-        if isinstance(entry, dict):
+        if entry is None:
+            triples.append((token_ids[i], None, None))
+        elif isinstance(entry, dict):
             token_id = token_ids[i]
             values = {k: float(getattr(v, "logprob", v)) for k, v in entry.items()}
             top = sorted(values.items(), key=lambda kv: -kv[1])
@@ -395,14 +398,35 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 def completion_logprobs(
     tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[int], offset: int
 ) -> CompletionLogprobs:
+    """The legacy parallel lists; None entries (an echoed prompt's first token) give
+    nulls, as vLLM's echo does."""
     result = CompletionLogprobs()
     for token_id, logprob, top in _logprob_triples(entries, token_ids):
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(logprob)
-        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
+        result.top_logprobs.append(
+            None if top is None else {token_text(tokenizer, t): lp for t, lp in top}
+        )
         result.text_offset.append(offset)
         offset += len(text)
+    return result
+
+
+def echo_logprobs(
+    tokenizer: Any,
+    prompt_token_ids: Sequence[int],
+    prompt_logprobs: Sequence[Any],
+    generated: CompletionLogprobs | None,
+) -> CompletionLogprobs:
+    """An echoed completion's logprobs: the prompt's tokens (offsets from 0, the first
+    null) followed by ``generated``'s."""
+    result = completion_logprobs(tokenizer, prompt_logprobs, prompt_token_ids, 0)
+    if generated is not None:
+        result.tokens += generated.tokens
+        result.token_logprobs += generated.token_logprobs
+        result.top_logprobs += generated.top_logprobs
+        result.text_offset += generated.text_offset
     return result
 
 
@@ -411,7 +435,7 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[in
     for token_id, logprob, top in _logprob_triples(entries, token_ids):
         text = token_text(tokenizer, token_id)
         alternatives = []
-        for t, lp in top:
+        for t, lp in top or ():
             alt = token_text(tokenizer, t)
             alternatives.append(TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode())))
         content.append(

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from pagedllm.worker.sampler import Sampler
 
 _MASK = (1 << 61) - 1  # a Mersenne prime: a cheap, well-mixed rolling hash
+# The log-probability this runner gives a prompt token it would not have generated.
+MISS_LOGPROB = -20.0
 
 
 class PagingError(RuntimeError):
@@ -172,6 +174,9 @@ class FakeModelRunner:
                 output = self._sample(contexts, scheduler_output.scheduled)
             else:
                 output = self._deterministic(contexts, scheduler_output.scheduled)
+            if any(seq.num_prompt_logprobs for seq in scheduler_output.scheduled):
+                prompt = tuple(self._prompt_logprobs(s) for s in scheduler_output.scheduled)
+                output = replace(output, prompt_logprobs=prompt)
         return replace(output, failed_loads=failed_loads) if failed_loads else output
 
     def resize_kv_cache(self, num_blocks: int) -> None:
@@ -217,6 +222,25 @@ class FakeModelRunner:
                     f"{list(seq.block_table)} differs from its tokens"
                 )
         return [-1 if t is None else t for t in context]
+
+    def _prompt_logprobs(self, seq: ScheduledSequence) -> tuple[TokenLogprob, ...] | None:
+        """The prompt tokens this chunk scores, as this runner's certain model sees them:
+        the token it would generate after the context (read back through the block table)
+        has log-probability 0, any other ``MISS_LOGPROB`` with rank 2."""
+        count = seq.num_prompt_logprobs
+        if not count:
+            return None
+        end = seq.start_position + count
+        context = [self.device_slots[self._slot(seq.block_table, p)] for p in range(end)]
+        k = seq.sampling_params.prompt_logprobs if seq.sampling_params else 0
+        result = []
+        for p in range(seq.start_position, end):
+            predicted = self.next_token([-1 if t is None else t for t in context[: p + 1]])
+            actual = seq.prompt_token_ids[p + 1]
+            hit = actual == predicted
+            top = ((predicted,), (0.0,)) if k else ((), ())
+            result.append(TokenLogprob(actual, 0.0 if hit else MISS_LOGPROB, 1 if hit else 2, *top))
+        return tuple(result)
 
     def _multi_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """``num_steps`` decode steps per sequence, each token the next step's input (as

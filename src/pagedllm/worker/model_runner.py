@@ -183,7 +183,7 @@ class TorchModelRunner:
         scheduled = scheduler_output.scheduled
         if scheduled and scheduler_output.num_steps > 1:
             output = self._execute_steps(scheduled, scheduler_output.num_steps)
-        elif scheduled and any(_prompt_logprob_count(seq) for seq in scheduled):
+        elif scheduled and any(seq.num_prompt_logprobs for seq in scheduled):
             output = self._execute_with_prompt_logprobs(scheduled)
         elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
@@ -219,7 +219,7 @@ class TorchModelRunner:
             prompt: list[tuple[TokenLogprob, ...] | None] = []
             row = 0
             for seq in scheduled:
-                count = _prompt_logprob_count(seq)
+                count = seq.num_prompt_logprobs
                 if count:
                     start = seq.start_position
                     targets = torch.tensor(
@@ -357,13 +357,3 @@ def kv_cache_spec(model: torch.nn.Module, block_size: int, kv_cache_dtype: str) 
     """The cache's spec for ``model`` under ``kv_cache_dtype`` (``"auto"``: the model's dtype)."""
     dtype, quantization = cache_dtypes(kv_cache_dtype, next(model.parameters()).dtype)
     return KVCacheSpec.from_model_config(model.config, block_size, dtype, quantization)
-
-
-def _prompt_logprob_count(seq: ScheduledSequence) -> int:
-    """How many prompt tokens this chunk's rows score for ``prompt_logprobs``: rows at
-    prompt positions ``s .. e-1`` predict tokens ``s+1 .. e`` (the last prompt token at most)."""
-    params = seq.sampling_params
-    if params is None or params.prompt_logprobs is None:
-        return 0
-    end = min(seq.start_position + len(seq.token_ids), len(seq.prompt_token_ids) - 1)
-    return max(0, end - seq.start_position)
