@@ -6,7 +6,9 @@ interpreter) on the same model and dtype, then runs rounds: in each, every serve
 (``vllm.benchmarks.serve``, called as a library in the given interpreter: random dataset,
 ``--input-len`` in / ``--output-len`` out, ``--num-prompts``, ``--max-concurrency``,
 ``--ignore-eos``; round r uses seed ``--seed`` + r for every server, so the prompts of a
-round are the same and no round finds the previous one's prompts in a prefix cache).
+round are the same and no round finds the previous one's prompts in a prefix cache; the
+order follows the seed's parity, so rounds split across runs with ``--seed r --rounds 1``
+alternate as well).
 Without ``--vllm`` pagedllm alone is driven by a client of ours (httpx) with the same
 request pattern (random token-id prompts, streamed completions, the same concurrency).
 
@@ -278,7 +280,8 @@ def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Pa
             drive(args, server, model, tokenizer, warm, seed=10_000)
         for r in range(args.rounds):
             seed = args.seed + r
-            order = servers if r % 2 == 0 else servers[::-1]
+            # By the seed's parity: rounds split across runs (--seed r --rounds 1) alternate too.
+            order = servers if seed % 2 == 0 else servers[::-1]
             for server in order:
                 result = drive(args, server, model, tokenizer, work, seed)
                 results[server.name].append(result)
