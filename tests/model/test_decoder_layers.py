@@ -118,3 +118,22 @@ def test_kernel_step_refuses_what_the_op_would_not_take(checkpoints):
     assert backend.kernel_step(torch.float32, 4, 32, k, v, batch.meta) is None
     assert backend.kernel_step(torch.float32, 4, 64, k.transpose(1, 2), v, batch.meta) is None
     assert backend.kernel_step(torch.float32, 4, 64, k, v.to(torch.bfloat16), batch.meta) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_tiles_after_attention_equal_the_whole_step(checkpoints, monkeypatch, dtype: str):
+    # Prompt steps run o / norm / MLP in row tiles (fast_path.after_attention); on
+    # small_gemm every row's result is the same whichever tile holds it, so tiles of 8 rows
+    # (a 37-token prompt: tiles ending mid-prompt and a short last tile) give the untiled
+    # step's results bit for bit.
+    monkeypatch.setattr(fast_path, "TILE_ROWS", 10**9)
+    whole = run_steps(make_runner(checkpoints["llama"], dtype, whole=False))
+    monkeypatch.setattr(fast_path, "TILE_ROWS", 8)
+    calls = []
+    real = fast_path._after_attention
+    monkeypatch.setattr(fast_path, "_after_attention", lambda *a: calls.append(1) or real(*a))
+    tiled = run_steps(make_runner(checkpoints["llama"], dtype, whole=False))
+    assert len(calls) > len(tiled) * 2  # the prompt steps ran in several tiles per layer
+    for mine, theirs in zip(tiled, whole, strict=True):
+        for request_id in mine:
+            assert torch.equal(mine[request_id], theirs[request_id]), request_id

@@ -37,6 +37,10 @@ from pagedllm.model.llama import (
     split_heads,
 )
 
+# Rows per tile of a prompt step's work after attention (``after_attention``): tiles keep
+# the MLP's activations in cache; the measurements: docs/performance.md.
+TILE_ROWS = 256
+
 # Every rank's column shard of a tensor, side by side in rank order (tensor parallelism).
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -186,13 +190,37 @@ def fused_layer(
     q_width = layer.heads.counts[0] * layer.heads.head_dim
     out = out.view(out.shape[0], q_width)
     if gather is None:
-        attn = linear(out, *layer.o, ops)
-        x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
-        return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops), residual
+        return after_attention(ops, layer, out, residual), residual
     attn = gather(linear(gather(out), *layer.o, ops))
     x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
     mid = gather(ops.silu_mul(linear(x, *layer.gate_up, ops)))
     return gather(linear(mid, *layer.down, ops)), residual
+
+
+def after_attention(
+    ops: Any, layer: FusedLayer, out: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """o, add + norm (``residual`` updated in place), gate/up, SiLU-and-multiply, down: the
+    layer's MLP output. Prompt steps take it in tiles of ``TILE_ROWS`` rows, so that a tile's
+    activations (gate/up is twice the intermediate size wide) are still in cache for the next
+    op instead of going out to memory and back between ops; on small_gemm every row's result
+    is the same whichever tile holds it."""
+    num_rows = out.shape[0]
+    if num_rows <= 2 * TILE_ROWS:
+        return _after_attention(ops, layer, out, residual)
+    hidden = out.new_empty(num_rows, residual.shape[1])
+    for start in range(0, num_rows, TILE_ROWS):
+        tile = slice(start, start + TILE_ROWS)
+        hidden[tile] = _after_attention(ops, layer, out[tile], residual[tile])
+    return hidden
+
+
+def _after_attention(
+    ops: Any, layer: FusedLayer, out: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    attn = linear(out, *layer.o, ops)
+    x = ops.add_rms_norm(attn, residual, layer.norm2, layer.norm2_eps)
+    return linear(ops.silu_mul(linear(x, *layer.gate_up, ops)), *layer.down, ops)
 
 
 class DecoderPlan(NamedTuple):
