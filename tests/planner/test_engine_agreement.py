@@ -24,7 +24,7 @@ BLOCK_SIZE = 16
 TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # tiny llama: layers x KV heads x head dim x (K, V) x fp32
 
 
-def _predicted(model_dir, kv_budget: int, length: int, capsys) -> dict:
+def _predicted(model_dir, kv_budget: int, length: int, capsys, extra=()) -> dict:
     args = [
         "plan",
         "--model",
@@ -36,6 +36,7 @@ def _predicted(model_dir, kv_budget: int, length: int, capsys) -> dict:
         "--context-len",
         str(length),
         "--json",
+        *extra,
     ]
     assert main(args) == 0
     return json.loads(capsys.readouterr().out)
@@ -120,4 +121,125 @@ def test_tiny_checkpoint_engine_admits_the_predicted_concurrency(tmp_path, capsy
     assert plan["geometry"]["num_blocks"] == engine.runner.num_blocks == 100
     peak = _run(engine, prompt_len, output_len, predicted + 4)
     assert predicted == 25
+    assert predicted - 1 <= peak <= predicted
+
+
+# ---- sliding windows: the planner counts a window's blocks, not the context's ----------
+
+# Gemma 3's pattern: five local layers, then a global one (6 KV cache groups of 1 layer).
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+LAYER_TOKEN_BYTES = 2 * 16 * 2 * 4  # KV heads x head dim x (K, V) x fp32: one layer
+
+
+def _window_config(path, window: int):
+    from pagedllm.testing import tiny_config
+
+    config = tiny_config(
+        "gemma3_text",
+        num_hidden_layers=len(GEMMA3_LAYERS),
+        layer_types=GEMMA3_LAYERS,
+        sliding_window=window,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=16384,
+        dtype="float32",
+    )
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "window", "prompt_len", "budget"),
+    # Prompts one token into a block, 14 tokens of output in the same block: a decoding
+    # sliding group holds ceil(W / 16) + 1 blocks throughout, the full group never grows,
+    # and a sequence lives 14 steps (one is admitted a step): longer than the pool holds.
+    [(620, 64, 513, 1024), (4700, 512, 4097, 8192), (2800, 512, 2049, 4096)],
+)
+def test_window_model_engine_admits_the_predicted_concurrency(
+    tmp_path, capsys, num_blocks, window, prompt_len, budget
+):
+    """A local/global model at long contexts: every sequence decoding holds its whole
+    context in the full group but only a window in each of the five sliding groups; the one
+    being admitted holds its whole prompt in every group for a step. The planner's figure
+    (1 + (blocks - placeholder - that peak) // the decoding footprint) is what the engine
+    admits, or one fewer (the watermark)."""
+    pytest.importorskip("torch")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.model.config import ModelConfig
+    from pagedllm.worker.fake_runner import FakeModelRunner
+
+    output_len = 14
+    path = _window_config(tmp_path, window)
+    kv_budget = num_blocks * BLOCK_SIZE * LAYER_TOKEN_BYTES + 100
+    args = ["--max-num-batched-tokens", str(budget)]
+    plan = _predicted(path, kv_budget, prompt_len + output_len, capsys, args)
+    assert plan["geometry"]["num_blocks"] == num_blocks  # a block holds one layer here
+    assert plan["kv_bytes_per_token"] == 6 * LAYER_TOKEN_BYTES
+    assert [g["sliding_window"] for g in plan["model"]["kv_cache_groups"]] == [None] + [window] * 5
+    predicted = plan["concurrency"][0]["paged"]
+    full = -(-(prompt_len + output_len) // BLOCK_SIZE)
+    steady = full + 5 * (window // BLOCK_SIZE + 1)
+    assert predicted == 1 + (num_blocks - 1 - 6 * full) // steady
+
+    config = EngineConfig(
+        block_size=BLOCK_SIZE,
+        max_model_len=budget,
+        max_num_seqs=1024,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=False,
+    )
+    engine = LLMEngine(
+        config,
+        FakeModelRunner(num_blocks, BLOCK_SIZE),
+        model_config=ModelConfig.from_file(path / "config.json"),
+    )
+    assert engine.kv.windows == (None,) + (window,) * 5
+    peak = _run(engine, prompt_len, output_len, predicted + 4)
+    assert predicted - 1 <= peak <= predicted
+    watermark = int(0.01 * num_blocks)
+    assert peak == 1 + (num_blocks - 1 - watermark - 6 * full) // steady
+    # One table for every layer would hold the whole context in all six layers.
+    assert predicted >= 2 * ((num_blocks // 6) // full)
+
+
+def test_window_checkpoint_engine_agrees_with_the_plan(tmp_path, capsys):
+    """A real (random) local/global checkpoint sized from bytes: the engine's blocks (one
+    layer each here), its bytes per token of a block and its peak concurrency are the
+    plan's, and the start-up report says so."""
+    pytest.importorskip("torch")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.testing import make_tiny_checkpoint
+
+    window, prompt_len, output_len, budget = 64, 513, 14, 1024
+    model_dir = make_tiny_checkpoint(
+        tmp_path / "g3",
+        "gemma3_text",
+        num_hidden_layers=len(GEMMA3_LAYERS),
+        layer_types=GEMMA3_LAYERS,
+        sliding_window=window,
+        max_position_embeddings=2048,
+    )
+    kv_budget = 620 * BLOCK_SIZE * LAYER_TOKEN_BYTES
+    args = ["--max-num-batched-tokens", str(budget)]
+    plan = _predicted(model_dir, kv_budget, prompt_len + output_len, capsys, args)
+    predicted = plan["concurrency"][0]["paged"]
+    config = EngineConfig(
+        model=str(model_dir),
+        kv_cache_memory=kv_budget,
+        block_size=BLOCK_SIZE,
+        max_model_len=budget,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=False,
+        max_num_seqs=64,
+        dtype="float32",
+    )
+    engine = LLMEngine.from_config(config)
+    assert plan["geometry"]["num_blocks"] == engine.runner.num_blocks == 620
+    assert engine.runner.spec.bytes_per_token == LAYER_TOKEN_BYTES
+    assert f"{LAYER_TOKEN_BYTES:,} bytes per token = the formula" in engine.startup_report
+    assert "6 KV cache groups" in engine.startup_report
+    peak = _run(engine, prompt_len, output_len, predicted + 2)
+    assert predicted == 8
     assert predicted - 1 <= peak <= predicted

@@ -896,6 +896,7 @@ class LLMEngine:
                 "intermediate_size": cfg.intermediate_size,
                 "max_position_embeddings": cfg.max_position_embeddings,
                 **latent,
+                **_window_fields(cfg.sliding_windows),
             },
             bytes_per_element,
             self.runner.block_size,
@@ -907,6 +908,7 @@ class LLMEngine:
             engine_bytes_per_token=_engine_bytes_per_token(self.runner),
             kv_cache_dtype=_kv_cache_dtype_name(self.runner),
             staging_block_bytes=_staging_block_bytes(self.runner),
+            step_tokens=self.scheduler.config.max_num_batched_tokens,
         )
         if self.routes is None:
             return report
@@ -970,6 +972,16 @@ def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """A config's ``layer_types`` and ``sliding_window`` for the planner (nothing for a
+    model without windows)."""
+    window = next((w for w in windows if w is not None), None)
+    if window is None:
+        return {}
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in windows]
+    return {"layer_types": kinds, "sliding_window": window}
 
 
 def _engine_bytes_per_token(runner: Any) -> int | None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedllm.core.kv_groups import KVCacheLayout, kv_cache_layout
 from pagedllm.planner.presets import GIB, ModelSpec, spec_from_config
 
 SCHEMES = ("contiguous_max", "contiguous_exact", "paged", "paged_shared")
@@ -176,11 +177,21 @@ def kv_budget(
 
 @dataclass(frozen=True, slots=True)
 class CacheGeometry:
-    """The paged cache a KV budget buys: ``num_blocks`` blocks of ``block_size`` tokens."""
+    """The paged cache a KV budget buys: ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``kv_bytes_per_token``: what one token takes in one block (every layer; for a model
+    whose layers are grouped by attention kind, one group's layers). ``windows``: each KV
+    cache group's window (None: full attention; empty: one full group). A sliding group
+    holds at most the blocks a step's queries see, ``ceil((W - 1 + step) / B) + 1``, with
+    ``step`` = 1 while decoding and ``step_tokens`` (the engine's token budget a step) while
+    a prompt is computed; one more block is the placeholder released entries point at.
+    """
 
     kv_bytes_per_token: int
     block_size: int
     num_blocks: int
+    windows: tuple[int | None, ...] = ()
+    step_tokens: int = 2048
 
     @property
     def block_bytes(self) -> int:
@@ -190,15 +201,97 @@ class CacheGeometry:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def whole_tokens(self) -> int:
+        """Tokens of every layer the blocks' bytes hold (a grouped model's token takes one
+        block slot in each group): what a contiguous reservation could place."""
+        return self.num_tokens // max(1, len(self.windows))
 
-def cache_geometry(kv_budget_bytes: int, kv_bytes_per_token: int, block_size: int) -> CacheGeometry:
+    @property
+    def has_windows(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences may hold: all but the placeholder of a window model."""
+        return self.num_blocks - self.has_windows
+
+    def sequence_blocks(self, num_tokens: int, step: int = 1) -> int:
+        """Blocks a sequence of ``num_tokens`` cached tokens holds in all groups together
+        when a step computes ``step`` of them (1: decoding, its steady state)."""
+        full = blocks_needed(num_tokens, self.block_size)
+        if not self.windows:
+            return full
+        seen = [
+            full if w is None else min(full, blocks_needed(w - 1 + step, self.block_size) + 1)
+            for w in self.windows
+        ]
+        return sum(seen)
+
+    def admission_blocks(self, num_tokens: int) -> int:
+        """Blocks a sequence holds at its peak: while its prompt is computed, a step of up
+        to ``step_tokens`` tokens seen by every sliding group at once."""
+        return self.sequence_blocks(num_tokens, min(num_tokens, self.step_tokens))
+
+    def max_sequences(self, num_tokens: float, admission: float) -> int:
+        """How many sequences holding ``num_tokens``-token footprints (``num_tokens`` and
+        ``admission`` are their blocks when decoding and at their peak) fit at once: one
+        at its peak (the one being admitted) beside the others decoding."""
+        if not self.has_windows:
+            return int(self.num_blocks / num_tokens)
+        room = self.usable_blocks - admission
+        return 0 if room < 0 else 1 + int(room / num_tokens)
+
+
+def cache_geometry(
+    kv_budget_bytes: int,
+    kv_bytes_per_token: int,
+    block_size: int,
+    windows: tuple[int | None, ...] = (),
+    step_tokens: int = 2048,
+) -> CacheGeometry:
     """Whole blocks that fit in the budget (the remainder is unusable)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if kv_bytes_per_token < 1:
         raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
     num_blocks = kv_budget_bytes // (kv_bytes_per_token * block_size)
-    return CacheGeometry(kv_bytes_per_token, block_size, num_blocks)
+    return CacheGeometry(kv_bytes_per_token, block_size, num_blocks, windows, step_tokens)
+
+
+def kv_cache_groups(model_config: ModelSpec | Mapping[str, Any]) -> KVCacheLayout:
+    """The model's KV cache groups (``core/kv_groups.py``), as the engine makes them."""
+    return kv_cache_layout(_spec(model_config).windows)
+
+
+def block_bytes_per_token(
+    model_config: ModelSpec | Mapping[str, Any], kv_dtype_bytes: float, tp: int = 1
+) -> int:
+    """Bytes one token takes in one block: ``kv_bytes_per_token`` for one group (every
+    layer), one group's layers of it when the layers are grouped by attention kind."""
+    spec = _spec(model_config)
+    layout = kv_cache_groups(spec)
+    total = kv_bytes_per_token(spec, kv_dtype_bytes, tp)
+    if len(layout.groups) == 1:
+        return total
+    return total * layout.layers_per_block // spec.num_layers
+
+
+def model_geometry(
+    model_config: ModelSpec | Mapping[str, Any],
+    kv_budget_bytes: int,
+    kv_dtype_bytes: float,
+    block_size: int,
+    tp: int = 1,
+    step_tokens: int = 2048,
+) -> CacheGeometry:
+    """``cache_geometry`` for a model: its block bytes and its groups' windows."""
+    layout = kv_cache_groups(model_config)
+    windows = layout.windows if layout.windows != (None,) else ()
+    per_token = block_bytes_per_token(model_config, kv_dtype_bytes, tp)
+    return cache_geometry(kv_budget_bytes, per_token, block_size, windows, step_tokens)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -278,18 +371,23 @@ def max_concurrency(geometry: CacheGeometry, workload: Workload, max_model_len: 
         raise ValueError(
             f"a sequence of {workload.max_length} tokens exceeds max_model_len {max_model_len}"
         )
-    tokens, bs = geometry.num_tokens, geometry.block_size
-    blocks = [blocks_needed(n, bs) for n in workload.lengths]
-    shared = _shared_blocks(workload, bs)
-    own = [
-        b - shared_full
-        for b, shared_full in zip(blocks, _own_prefix_blocks(workload, bs), strict=True)
-    ]
+    tokens, bs = geometry.whole_tokens, geometry.block_size
+    blocks = [geometry.sequence_blocks(n) for n in workload.lengths]
+    peaks = [geometry.admission_blocks(n) for n in workload.lengths]
+    # Only the full groups keep a shared prompt's blocks: a sliding group releases them.
+    num_full = sum(w is None for w in geometry.windows) if geometry.windows else 1
+    shared = num_full * _shared_blocks(workload, bs)
+    prefix = [num_full * p for p in _own_prefix_blocks(workload, bs)]
+    own = [b - p for b, p in zip(blocks, prefix, strict=True)]
+    own_peaks = [b - p for b, p in zip(peaks, prefix, strict=True)]
+    shared_geometry = replace(geometry, num_blocks=max(0, geometry.num_blocks - shared))
     return Concurrency(
         contiguous_max=tokens // max_model_len,
         contiguous_exact=int(tokens / workload.mean_length),
-        paged=int(geometry.num_blocks / _mean(blocks)),
-        paged_shared=int(max(0, geometry.num_blocks - shared) / max(_mean(own), 1e-9)),
+        paged=geometry.max_sequences(_mean(blocks), _mean(peaks)),
+        paged_shared=shared_geometry.max_sequences(
+            max(_mean(own), 1e-9), max(_mean(own_peaks), 1e-9)
+        ),
     )
 
 

@@ -126,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=2048,
-        help="scheduler: tokens per step (chunked prefill)",
+        help="scheduler: tokens per step (chunked prefill); also what a sliding-window "
+        "layer holds beside its window while a prompt is computed",
     )
     h = parser.add_argument_group("the cost of holding context (shown when a price is given)")
     h.add_argument("--gpu-hour-price", type=float, help="price of one device for an hour")
@@ -186,8 +187,13 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any], list[TraceEntry]]:
     spec = resolve_model(args.model)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     plan = _memory_figures(args, spec)
-    geometry = cap.cache_geometry(
-        plan["budget"]["kv_budget_bytes"], plan["kv_bytes_per_token"], args.block_size
+    geometry = cap.model_geometry(
+        spec,
+        plan["budget"]["kv_budget_bytes"],
+        kv_dtype_bytes(plan["dtypes"]["kv"], spec.head_dim, args.block_size),
+        args.block_size,
+        args.tp,
+        args.max_num_batched_tokens,
     )
     workloads, entries = _workloads(args, max_model_len)
     main = max(workloads, key=lambda w: w.mean_length)  # advice sizes for the worst case
@@ -276,12 +282,18 @@ def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]
 
 
 def _model_figures(spec: ModelSpec, max_model_len: int) -> dict[str, Any]:
+    layout = cap.kv_cache_groups(spec)
     return {
         "name": spec.name,
         "attention": spec.attention,
         "num_layers": spec.num_layers,
         "params": cap.param_count(spec),
         "max_model_len": max_model_len,
+        # How the engine groups the layers (one block table each; ``core/kv_groups.py``).
+        "kv_cache_groups": [
+            {"sliding_window": group.sliding_window, "layers": list(group.layers)}
+            for group in layout.groups
+        ],
     }
 
 
@@ -408,6 +420,7 @@ def render(plan: dict[str, Any]) -> str:
         f"  blocks    {geo['num_blocks']:,} blocks x {geo['block_size']} tokens "
         f"({geo['block_bytes'] / MIB:.2f} MiB each) = {geo['num_tokens']:,} tokens"
     )
+    lines += _window_lines(plan)
     if plan["workload"]["summary"]:
         lines.append(f"  lengths   {plan['workload']['label']}: {plan['workload']['summary']}")
     lines += [
@@ -426,6 +439,28 @@ def render(plan: dict[str, Any]) -> str:
 
         lines += ["", *render_simulation(plan["simulation"])]
     return "\n".join(lines)
+
+
+def _window_lines(plan: dict[str, Any]) -> list[str]:
+    """How sliding-window layers are counted, for a model that has them."""
+    groups, geo = plan["model"]["kv_cache_groups"], plan["geometry"]
+    windows = sorted({g["sliding_window"] for g in groups if g["sliding_window"] is not None})
+    if not windows:
+        return []
+    per_block = len(groups[0]["layers"])
+    num_full = sum(len(g["layers"]) for g in groups if g["sliding_window"] is None)
+    shape = (
+        f"{len(groups)} KV cache groups of {per_block} layer{'s' * (per_block > 1)} "
+        f"({num_full} full-attention), a block holding one group's"
+        if len(groups) > 1
+        else "every layer slides"
+    )
+    return [
+        f"  windows   {', '.join(map(str, windows))} tokens: {shape}; a sliding group holds at "
+        f"most ceil((W - 1 + step) / {geo['block_size']}) + 1 blocks of a sequence "
+        f"(step 1 decoding, {geo['step_tokens']:,} computing a prompt), a full group every "
+        "block; one block is the placeholder"
+    ]
 
 
 def _concurrency_table(plan: dict[str, Any]) -> list[str]:

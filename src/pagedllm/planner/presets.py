@@ -72,6 +72,13 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
+    # Each layer's sliding window (None: full attention); empty: every layer is full.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention)."""
+        return self.layer_windows or (None,) * self.num_layers
 
     @property
     def attention(self) -> str:
@@ -117,7 +124,41 @@ def spec_from_config(config: Mapping[str, Any], name: str | None = None) -> Mode
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
         moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
         first_k_dense_replace=int(config.get("first_k_dense_replace") or 0),
+        layer_windows=layer_windows(config),
     )
+
+
+# Gemma 2 alternates local and global layers; Gemma 3 has five local layers to a global one.
+_LOCAL_PATTERN = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}
+
+
+def layer_windows(config: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window from a HF config (empty: every layer is full): an
+    explicit ``layer_types`` first; else Mistral slides every layer, Qwen2/3 with
+    ``use_sliding_window`` the layers from ``max_window_layers`` on, Gemma 2/3 by their
+    local/global pattern. A window as wide as the context is full attention."""
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    model_type = str(config.get("model_type", ""))
+    if model_type.startswith("qwen") and not config.get("use_sliding_window", False):
+        window = None
+    max_pos = int(config.get("max_position_embeddings") or 0)
+    if not window or (max_pos and int(window) >= max_pos):
+        return ()
+    types = config.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif model_type in _LOCAL_PATTERN:
+        every = int(config.get("sliding_window_pattern") or _LOCAL_PATTERN[model_type])
+        sliding = [(i + 1) % every != 0 for i in range(num_layers)]
+    else:
+        first = int(config.get("max_window_layers") or 0) if model_type.startswith("qwen") else 0
+        sliding = [i >= first for i in range(num_layers)]
+    if len(sliding) != num_layers:
+        raise ValueError(f"layer_types has {len(sliding)} entries for {num_layers} layers")
+    if not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)
 
 
 def _config_name(config: Mapping[str, Any]) -> str:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES
 from pagedllm.planner.capacity import (
     CacheGeometry,
-    blocks_needed,
     kv_bytes_per_token,
     kv_formula,
+    model_geometry,
 )
 from pagedllm.planner.presets import GIB, MIB, ModelSpec
 
@@ -43,6 +43,10 @@ class StartupFigures:
     typical_len: int
     concurrency_at_typical_len: int
     advice: str
+    # What a token takes in one block: ``kv_bytes_per_token``, or one KV cache group's
+    # layers of it when the layers are grouped by attention kind (local/global models).
+    block_bytes_per_token: int = 0
+    windows: tuple[int | None, ...] = ()  # each KV cache group's window (empty: one group)
 
 
 def startup_figures(
@@ -56,15 +60,17 @@ def startup_figures(
     tp: int = 1,
     memory_bytes: int | None = None,
     max_num_seqs: int | None = None,
+    step_tokens: int = 2048,
 ) -> StartupFigures:
     """Compute what :func:`startup_report` prints; same arguments."""
     if num_blocks < 0 or max_model_len < 1:
         raise ValueError("num_blocks must be >= 0 and max_model_len >= 1")
     kvpt = kv_bytes_per_token(model_config, kv_dtype_bytes, tp)
-    geometry = CacheGeometry(kvpt, block_size, num_blocks)
+    sized = model_geometry(model_config, 0, kv_dtype_bytes, block_size, tp, step_tokens)
+    geometry = replace(sized, num_blocks=num_blocks)
     typical = min(typical_len or DEFAULT_TYPICAL_LEN, max_model_len)
-    at_max = num_blocks // blocks_needed(max_model_len, block_size)
-    at_typical = num_blocks // blocks_needed(typical, block_size)
+    at_max = _fits(geometry, max_model_len)
+    at_typical = _fits(geometry, typical)
     cache_bytes = geometry.num_blocks * geometry.block_bytes
     advice = _advice(
         geometry,
@@ -78,6 +84,8 @@ def startup_figures(
     )
     return StartupFigures(
         kv_bytes_per_token=kvpt,
+        block_bytes_per_token=geometry.kv_bytes_per_token,
+        windows=geometry.windows,
         formula=kv_formula(model_config, kv_dtype_bytes, tp),
         block_size=block_size,
         num_blocks=num_blocks,
@@ -88,6 +96,14 @@ def startup_figures(
         typical_len=typical,
         concurrency_at_typical_len=at_typical,
         advice=advice,
+    )
+
+
+def _fits(geometry: CacheGeometry, num_tokens: int) -> int:
+    """Sequences of ``num_tokens`` tokens the cache holds at once (whole blocks; a window
+    model's sliding groups hold a window of them)."""
+    return geometry.max_sequences(
+        geometry.sequence_blocks(num_tokens), geometry.admission_blocks(num_tokens)
     )
 
 
@@ -105,6 +121,7 @@ def startup_report(
     engine_bytes_per_token: int | None = None,
     kv_cache_dtype: str | None = None,
     staging_block_bytes: int | None = None,
+    step_tokens: int = 2048,
 ) -> str:
     """The KV-cache lines the engine prints at start-up.
 
@@ -130,6 +147,7 @@ def startup_report(
         tp=tp,
         memory_bytes=memory_bytes,
         max_num_seqs=max_num_seqs,
+        step_tokens=step_tokens,
     )
     if f.typical_len == f.max_model_len:
         at = f"{f.concurrency_at_max_len:,} at max_model_len {f.max_model_len:,} tokens"
@@ -146,9 +164,10 @@ def startup_report(
         f"KV cache{kind}: {f.kv_bytes_per_token:,} bytes per token ({f.formula})",
         f"KV cache: {f.num_blocks:,} blocks x {f.block_size} tokens = {f.num_tokens:,} tokens "
         f"({_size(f.cache_bytes)})",
+        *_window_lines(f),
         f"Maximum concurrency (whole blocks per sequence): {at}",
         f"KV cache: {f.advice}",
-        *_engine_check(f.kv_bytes_per_token, engine_bytes_per_token, tp),
+        *_engine_check(f.block_bytes_per_token, engine_bytes_per_token, tp),
     ]
     if staging_block_bytes:
         most = f"up to {max_num_seqs:,} x " if max_num_seqs else ""
@@ -159,6 +178,20 @@ def startup_report(
             f"{staging_block_bytes:,} bytes{total})"
         )
     return "\n".join(lines)
+
+
+def _window_lines(f: StartupFigures) -> list[str]:
+    """How a window model's blocks are counted."""
+    if not any(w is not None for w in f.windows):
+        return []
+    windows = ", ".join(str(w) for w in sorted({w for w in f.windows if w is not None}))
+    if len(f.windows) == 1:
+        return [f"KV cache: every layer slides (window {windows}): a sequence holds a window"]
+    return [
+        f"KV cache: {len(f.windows)} KV cache groups (full and window {windows}), one block "
+        f"table each; a block holds one group's layers: {f.block_bytes_per_token:,} bytes per "
+        "token of a block; full groups hold every token, sliding ones a window"
+    ]
 
 
 def _engine_check(formula_bytes: int, engine_bytes: int | None, tp: int) -> list[str]:
@@ -201,7 +234,7 @@ def _advice(
     # The engine's knobs: --kv-cache-memory / --memory-fraction size the cache; a 16-bit
     # --dtype halves a float32 cache's bytes per token.
     dtype_hint = ", or a 16-bit --dtype (halves the bytes per token)" if kv_dtype_bytes >= 4 else ""
-    one_long = blocks_needed(max_model_len, geometry.block_size) * geometry.block_bytes
+    one_long = geometry.admission_blocks(max_model_len) * geometry.block_bytes
     if at_max < 1:
         return (
             f"too small for one {max_model_len:,}-token sequence: give --kv-cache-memory at least "
@@ -214,14 +247,14 @@ def _advice(
             "weights and activations: lower --kv-cache-memory or --memory-fraction"
         )
     if max_num_seqs and at_typical > 4 * max_num_seqs:
-        enough = max_num_seqs * blocks_needed(typical, geometry.block_size) * geometry.block_bytes
+        enough = max_num_seqs * geometry.sequence_blocks(typical) * geometry.block_bytes
         return (
             f"holds {_sequences(at_typical)} of {typical:,} tokens but at most {max_num_seqs} run "
             f"at once: the surplus only serves as prefix cache; --kv-cache-memory {_size(enough)} "
             "would hold a full batch of them, or raise --max-num-seqs"
         )
     if at_typical < FEW_SEQUENCES:
-        enough = FEW_SEQUENCES * blocks_needed(typical, geometry.block_size) * geometry.block_bytes
+        enough = FEW_SEQUENCES * geometry.sequence_blocks(typical) * geometry.block_bytes
         return (
             f"only {_sequences(at_typical)} of {typical:,} tokens "
             f"{'fits' if at_typical == 1 else 'fit'}, too few to batch: give "
