@@ -33,6 +33,7 @@ SOURCES = tuple(
         "small_gemm_amx.cpp",
         "small_gemm_avx512.cpp",
         "decoder_layers.cpp",
+        "gemma_layers.cpp",
         "quant_attention.cpp",
     )
 )

@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear, pack_for_cpu
+from pagedllm.model.base import FastPath, FastPathBuilder
 from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
     MLP,
@@ -216,7 +217,12 @@ class DecoderForCausalLM(nn.Module):
     """Decoder + LM head for the families above, with ``LlamaForCausalLM``'s interface:
     ``forward`` -> final hidden states, ``compute_logits`` -> logits."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fast_path_builder: FastPathBuilder | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
@@ -224,6 +230,10 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             GeneralDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
+        # Set by optimize_for_cpu() where the builder gives one (Gemma: gemma_fast_path.py);
+        # None keeps the module loop, which stays the ground truth.
+        self.fast_path_builder = fast_path_builder
+        self.fast_path: FastPath | None = None
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = (
             None
@@ -252,6 +262,19 @@ class DecoderForCausalLM(nn.Module):
         if self.config.embed_scale:
             # Rounded to the model's dtype first, as transformers does.
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        if self.fast_path is not None and hidden.device.type == "cpu":
+            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
+        return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
+
+    def module_loop(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The embedded tokens [T, hidden] through every layer module and the final norm."""
         full = self._rotary(self.inv_freq, positions, hidden.dtype)
         local = full
         if self.local_inv_freq is not None:
@@ -290,7 +313,9 @@ class DecoderForCausalLM(nn.Module):
             else LinearTensors(self.embed_tokens.weight, None, self.packed_head, self.small_head)
         )
         ops = self.ops if self.lm_head is None else self.lm_head.ops
-        decode = "module by module (torch ops)"
+        decode = (
+            "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
+        )
         return describe_routes(self, self.backend, head, ops, decode, greedy_in_head=False)
 
     def optimize_for_cpu(self) -> None:
@@ -304,6 +329,8 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None:
             self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
             self.ops = ops if self.small_head is not None else None
+        if self.fast_path_builder is not None:
+            self.fast_path = self.fast_path_builder(self, ops)
 
     def _rotary(
         self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype

@@ -305,7 +305,6 @@ def decoder_layers(
 ) -> torch.Tensor:
     """The loop of ``fused_layer`` plus the final norm in one C++ call, for a step the
     attention backend's kernel takes whole (``step``: its ``kernel_step``)."""
-    num_heads, num_kv_heads, _ = plan.heads.counts
     return ops.decoder_layers(
         hidden,
         cos,
@@ -322,6 +321,20 @@ def decoder_layers(
         plan.down_bias,
         plan.final_norm,
         plan.eps,
+        *step_arguments(step, kv_caches, meta, plan.heads, plan.scale),
+        output_rows,
+        plan.sliding_windows,
+        plan.softcaps,
+    )
+
+
+def step_arguments(
+    step: KernelStep, kv_caches: KVCaches, meta: AttentionMetadata, heads: Heads, scale: float
+) -> tuple:
+    """The arguments the one-call layer ops (``decoder_layers``, ``gemma_layers``) take
+    after their weights, in their order: caches, K/V slots, ``paged_attention``'s step."""
+    num_heads, num_kv_heads, _ = heads.counts
+    return (
         [k for k, _ in kv_caches],
         [v for _, v in kv_caches],
         meta.slot_mapping,
@@ -331,12 +344,9 @@ def decoder_layers(
         step.handled,
         num_heads,
         num_kv_heads,
-        plan.heads.head_dim,
-        plan.scale,
+        heads.head_dim,
+        scale,
         step.rows_per_task,
         step.fast_bf16,
         step.use_amx,
-        output_rows,
-        plan.sliding_windows,
-        plan.softcaps,
     )

@@ -162,8 +162,9 @@ def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module
 
         return LlamaForCausalLM(config, backend, fast_path_builder=CpuFastPath.build)
     from pagedllm.model.decoder import DecoderForCausalLM
+    from pagedllm.model.gemma_fast_path import GemmaFastPath
 
-    return DecoderForCausalLM(config, backend)
+    return DecoderForCausalLM(config, backend, fast_path_builder=GemmaFastPath.build)
 
 
 def _named_model(model: str) -> tuple[Path, str] | None:

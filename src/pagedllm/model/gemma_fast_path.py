@@ -1,0 +1,212 @@
+"""The CPU fast path of Gemma 2 / Gemma 3 (``model/decoder.py``): every layer of a step in
+one C++ call (``gemma_layers``, ``kernels/csrc/gemma_layers.cpp``) with the module loop's
+roundings — Gemma's (1 + weight) float32 norms, q/k norms, sandwich norms, GELU (tanh)
+gating, the local rope of the sliding layers, per-layer windows and soft-capping in
+``paged_attention``.
+
+It takes the steps the attention kernel takes whole (``AttentionBackend.kernel_step``)
+with at most ``small_gemm``'s rows; every other step runs the model's own module loop, on
+the same packed weights. ``GemmaFastPath.build`` says whether a model has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
+from pagedllm.kernels.linear import small_gemm_max_rows
+from pagedllm.model.base import KVCaches
+from pagedllm.model.fast_path import step_arguments
+from pagedllm.model.llama import Heads, RotaryTable
+
+# The model's own loop: (hidden, positions, kv_caches, meta, output_rows) -> hidden states.
+ModuleLoop = Callable[
+    [torch.Tensor, torch.Tensor, KVCaches, AttentionMetadata, torch.Tensor | None], torch.Tensor
+]
+
+
+class GemmaPlan(NamedTuple):
+    """Every layer's tensors as ``gemma_layers`` takes them (norms as float32 1 + weight)."""
+
+    in_norm: list[torch.Tensor]
+    q_norm: list[torch.Tensor | None]
+    k_norm: list[torch.Tensor | None]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    o: list[torch.Tensor]
+    o_bias: list[torch.Tensor | None]
+    post_attn_norm: list[torch.Tensor]
+    pre_ff_norm: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor | None]
+    down: list[torch.Tensor]
+    down_bias: list[torch.Tensor | None]
+    post_ff_norm: list[torch.Tensor]
+    final_norm: torch.Tensor
+    eps: float
+    heads: Heads
+    scale: float
+    backend: AttentionBackend
+    max_rows: int
+    sliding_windows: list[int]
+    softcaps: list[float]
+    kind: AttentionKind  # the kind whose route decides whether the kernel takes a step
+
+
+class GemmaFastPath:
+    """``gemma_layers`` for the steps the attention kernel takes whole, else the module
+    loop."""
+
+    def __init__(
+        self,
+        ops: Any,
+        plan: GemmaPlan,
+        rotary: RotaryTable,
+        local_rotary: RotaryTable,
+        module_loop: ModuleLoop,
+    ) -> None:
+        self.ops = ops
+        self.plan = plan
+        self.rotary = rotary
+        self.local_rotary = local_rotary
+        self.module_loop = module_loop
+
+    @classmethod
+    def build(cls, model: Any, ops: Any) -> GemmaFastPath | None:
+        """The fast path of a Gemma ``DecoderForCausalLM`` (its linears packed), or None
+        where it has none: no C++ ops, another family, a mixture of experts, a linear
+        without its ``small_gemm`` copy, or a rope the table does not hold (YaRN scale)."""
+        config = model.config
+        if (
+            ops is None
+            or not (config.norm_offset and config.sandwich_norm)
+            or config.moe is not None
+            or config.mla is not None
+            or config.hidden_act != "gelu_pytorch_tanh"
+            or model.rope_scale != 1.0
+            or model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return None
+        plan = gemma_plan(model)
+        if plan is None:
+            return None
+        local = model.local_inv_freq if model.local_inv_freq is not None else model.inv_freq
+        rotary = RotaryTable(model.inv_freq)
+        local_rotary = rotary if local is model.inv_freq else RotaryTable(local)
+        return cls(ops, plan, rotary, local_rotary, model.module_loop)
+
+    def route(self) -> str:
+        return (
+            "fused C++: every Gemma layer in one call (gemma_layers) when the attention "
+            "kernel takes the step whole, else module by module (torch ops)"
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        plan = self.plan
+        if hidden.shape[0] <= plan.max_rows:
+            k_cache, v_cache = kv_caches[0]
+            heads = plan.heads
+            step = plan.backend.kernel_step(
+                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta, plan.kind
+            )
+            if step is not None:
+                cos, sin = self.rotary.lookup(positions, hidden.dtype, meta.max_seq_len)
+                local_cos, local_sin = (
+                    (cos, sin)
+                    if self.local_rotary is self.rotary
+                    else self.local_rotary.lookup(positions, hidden.dtype, meta.max_seq_len)
+                )
+                return self.ops.gemma_layers(
+                    hidden,
+                    cos,
+                    sin,
+                    local_cos,
+                    local_sin,
+                    plan.in_norm,
+                    plan.q_norm,
+                    plan.k_norm,
+                    plan.qkv,
+                    plan.qkv_bias,
+                    plan.o,
+                    plan.o_bias,
+                    plan.post_attn_norm,
+                    plan.pre_ff_norm,
+                    plan.gate_up,
+                    plan.gate_up_bias,
+                    plan.down,
+                    plan.down_bias,
+                    plan.post_ff_norm,
+                    plan.final_norm,
+                    plan.eps,
+                    *step_arguments(step, kv_caches, meta, heads, plan.scale),
+                    output_rows,
+                    plan.sliding_windows,
+                    plan.softcaps,
+                )
+        return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
+
+
+def offset_weight(norm: Any) -> torch.Tensor:
+    """A Gemma norm's scale as the module computes it: float32 (1 + weight)."""
+    return (1.0 + norm.weight.float()).contiguous()
+
+
+def gemma_plan(model: Any) -> GemmaPlan | None:
+    """The plan for ``gemma_layers``, or None where a layer does not fit it: every linear
+    needs its ``small_gemm`` copy (one dtype), and every layer one head shape, scale and
+    backend."""
+    layers = list(model.layers)
+    attns = [layer.self_attn for layer in layers]
+    mlps = [layer.mlp for layer in layers]
+    modules = [m for a in attns for m in (a.qkv_proj, a.o_proj)]
+    modules += [m for p in mlps for m in (p.gate_up_proj, p.down_proj)]
+    linears = [m.tensors for m in modules]
+    first = attns[0]
+    if (
+        any(t.small is None for t in linears)
+        or len({t.small.dtype for t in linears}) != 1
+        or any(
+            a.heads.counts != first.heads.counts
+            or a.head_dim != first.head_dim
+            or a.scale != first.scale
+            or a.backend is not first.backend
+            for a in attns
+        )
+    ):
+        return None
+    kinds = [a.kind for a in attns]
+    return GemmaPlan(
+        in_norm=[offset_weight(layer.input_layernorm) for layer in layers],
+        q_norm=[None if a.q_norm is None else offset_weight(a.q_norm) for a in attns],
+        k_norm=[None if a.k_norm is None else offset_weight(a.k_norm) for a in attns],
+        qkv=[a.qkv_proj.tensors.small for a in attns],
+        qkv_bias=[a.qkv_proj.tensors.bias for a in attns],
+        o=[a.o_proj.tensors.small for a in attns],
+        o_bias=[a.o_proj.tensors.bias for a in attns],
+        post_attn_norm=[offset_weight(layer.post_attention_layernorm) for layer in layers],
+        pre_ff_norm=[offset_weight(layer.pre_feedforward_layernorm) for layer in layers],
+        gate_up=[p.gate_up_proj.tensors.small for p in mlps],
+        gate_up_bias=[p.gate_up_proj.tensors.bias for p in mlps],
+        down=[p.down_proj.tensors.small for p in mlps],
+        down_bias=[p.down_proj.tensors.bias for p in mlps],
+        post_ff_norm=[offset_weight(layer.post_feedforward_layernorm) for layer in layers],
+        final_norm=offset_weight(model.norm),
+        eps=model.config.rms_norm_eps,
+        heads=first.heads,
+        scale=first.scale,
+        backend=first.backend,
+        max_rows=small_gemm_max_rows(first.qkv_proj.tensors.small),
+        sliding_windows=[kind.sliding_window or 0 for kind in kinds],
+        softcaps=[kind.softcap or 0.0 for kind in kinds],
+        kind=next((kind for kind in kinds if kind.is_full), kinds[0]),
+    )
