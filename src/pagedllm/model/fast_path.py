@@ -96,21 +96,26 @@ class CpuFastPath:
         cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
         plan = self.plan
         if plan is not None and hidden.shape[0] <= plan.max_rows:
-            k_cache, v_cache = kv_caches[0]
-            heads = plan.heads
-            step = plan.backend.kernel_step(
-                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta, plan.kind
-            )
-            if step is not None:
+            steps = kernel_steps(plan.backend, plan.kind, hidden.dtype, plan.heads, kv_caches, meta)
+            if steps is not None:
                 return decoder_layers(
-                    self.ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
+                    self.ops, plan, steps, hidden, cos, sin, kv_caches, meta, output_rows
                 )
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             rows = output_rows if i == last else None
             hidden, residual = fused_layer(
-                self.ops, layer, hidden, residual, cos, sin, kv_cache, meta, rows, self.gather
+                self.ops,
+                layer,
+                hidden,
+                residual,
+                cos,
+                sin,
+                kv_cache,
+                meta.for_layer(i),
+                rows,
+                self.gather,
             )
         norm = self.final_norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
@@ -295,7 +300,7 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
 def decoder_layers(
     ops: Any,
     plan: DecoderPlan,
-    step: KernelStep,
+    steps: list[KernelStep],
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -321,10 +326,43 @@ def decoder_layers(
         plan.down_bias,
         plan.final_norm,
         plan.eps,
-        *step_arguments(step, kv_caches, meta, plan.heads, plan.scale),
+        *step_arguments(steps[0], kv_caches, meta, plan.heads, plan.scale),
         output_rows,
         plan.sliding_windows,
         plan.softcaps,
+        *group_arguments(steps, meta),
+    )
+
+
+def kernel_steps(
+    backend: AttentionBackend,
+    kind: AttentionKind,
+    dtype: torch.dtype,
+    heads: Heads,
+    kv_caches: KVCaches,
+    meta: AttentionMetadata,
+) -> list[KernelStep] | None:
+    """The attention kernel's step of each KV cache group (group 0 first: one for a model
+    whose layers share one block table) when it takes the step whole, else None."""
+    k_cache, v_cache = kv_caches[0]
+    steps = []
+    for group in (meta, *meta.groups):
+        step = backend.kernel_step(
+            dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, group, kind
+        )
+        if step is None:
+            return None
+        steps.append(step)
+    return steps
+
+
+def group_arguments(steps: list[KernelStep], meta: AttentionMetadata) -> tuple:
+    """The one-call ops' last arguments: groups 1..'s block tables and slots, and each
+    layer's group (all empty for one group)."""
+    return (
+        [step.block_tables for step in steps[1:]],
+        [group.slot_mapping for group in meta.groups],
+        list(meta.layer_groups),
     )
 
 
@@ -332,7 +370,8 @@ def step_arguments(
     step: KernelStep, kv_caches: KVCaches, meta: AttentionMetadata, heads: Heads, scale: float
 ) -> tuple:
     """The arguments the one-call layer ops (``decoder_layers``, ``gemma_layers``) take
-    after their weights, in their order: caches, K/V slots, ``paged_attention``'s step."""
+    after their weights, in their order: caches, K/V slots, ``paged_attention``'s step
+    (group 0's)."""
     num_heads, num_kv_heads, _ = heads.counts
     return (
         [k for k, _ in kv_caches],

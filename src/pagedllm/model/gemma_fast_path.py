@@ -19,7 +19,7 @@ import torch
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import small_gemm_max_rows
 from pagedllm.model.base import KVCaches
-from pagedllm.model.fast_path import step_arguments
+from pagedllm.model.fast_path import group_arguments, kernel_steps, step_arguments
 from pagedllm.model.llama import Heads, RotaryTable
 
 # The model's own loop: (hidden, positions, kv_caches, meta, output_rows) -> hidden states.
@@ -114,12 +114,9 @@ class GemmaFastPath:
     ) -> torch.Tensor:
         plan = self.plan
         if hidden.shape[0] <= plan.max_rows:
-            k_cache, v_cache = kv_caches[0]
             heads = plan.heads
-            step = plan.backend.kernel_step(
-                hidden.dtype, heads.counts[0], heads.head_dim, k_cache, v_cache, meta, plan.kind
-            )
-            if step is not None:
+            steps = kernel_steps(plan.backend, plan.kind, hidden.dtype, heads, kv_caches, meta)
+            if steps is not None:
                 cos, sin = self.rotary.lookup(positions, hidden.dtype, meta.max_seq_len)
                 local_cos, local_sin = (
                     (cos, sin)
@@ -148,10 +145,11 @@ class GemmaFastPath:
                     plan.post_ff_norm,
                     plan.final_norm,
                     plan.eps,
-                    *step_arguments(step, kv_caches, meta, heads, plan.scale),
+                    *step_arguments(steps[0], kv_caches, meta, heads, plan.scale),
                     output_rows,
                     plan.sliding_windows,
                     plan.softcaps,
+                    *group_arguments(steps, meta),
                 )
         return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
 

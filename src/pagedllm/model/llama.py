@@ -348,8 +348,7 @@ class LlamaForCausalLM(nn.Module):
         then skips, in the last layer, everything after attention for the other rows (as
         llama.cpp does): a prompt's rows but its last are only needed for their K/V."""
         hidden = self.embed_tokens(input_ids)
-        # The fused path takes one block table for every layer: not a grouped cache's.
-        if self.fast_path is not None and hidden.device.type == "cpu" and not meta.groups:
+        if self.fast_path is not None and hidden.device.type == "cpu":
             return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

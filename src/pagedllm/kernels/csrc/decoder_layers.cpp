@@ -14,6 +14,8 @@
 
 #include <optional>
 
+#include "layer_groups.h"
+
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
@@ -62,8 +64,11 @@ void check_layers(size_t n, const List& list, const char* name) {
 // and optional biases, and the layer's K/V caches. The attention arguments are
 // paged_attention's. output_rows: only these rows go on after the last layer's attention
 // (every row's K/V is still written). sliding_windows, softcaps: each layer's attention kind
-// (paged_attention's arguments; empty: none in any layer). Returns the final-normed hidden
-// states of the rows that go on.
+// (paged_attention's arguments; empty: none in any layer). A model whose layers are grouped by
+// attention kind has one block table and slot mapping per group: block_tables/slot_mapping
+// are group 0's, group_block_tables/group_slot_mappings groups 1.., layer_groups each
+// layer's group (empty: one group). Returns the final-normed hidden states of the rows that
+// go on.
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList norm1, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
                           const OptTensors& o_bias, at::TensorList norm2, at::TensorList gate_up,
@@ -73,7 +78,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           const at::Tensor& query_start_loc, const at::Tensor& handled, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, double scale, int64_t rows_per_task,
                           bool fast_bf16, bool use_amx, const OptTensor& output_rows,
-                          at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps) {
+                          at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps,
+                          at::TensorList group_block_tables, at::TensorList group_slot_mappings,
+                          at::IntArrayRef layer_groups) {
   const size_t n = norm1.size();
   TORCH_CHECK(n > 0, "decoder_layers: no layers");
   check_layers(n, qkv, "qkv");
@@ -89,6 +96,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
   check_layers(n, v_caches, "v_caches");
   if (!sliding_windows.empty()) check_layers(n, sliding_windows, "sliding_windows");
   if (!softcaps.empty()) check_layers(n, softcaps, "softcaps");
+  const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
+                                       layer_groups, n);
   TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
@@ -104,9 +113,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
     const auto heads =
         qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
     f.rope.call(heads[0], heads[1], cos, sin);
-    f.write_kv.call(k_caches[i], v_caches[i], heads[1], heads[2], slot_mapping);
+    f.write_kv.call(k_caches[i], v_caches[i], heads[1], heads[2], groups.slots(i));
     at::Tensor attn = at::empty(heads[0].sizes(), heads[0].options());
-    f.attention.call(attn, heads[0], k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc, handled,
+    f.attention.call(attn, heads[0], k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled,
                      scale, rows_per_task, fast_bf16, use_amx, sliding_windows.empty() ? 0 : sliding_windows[i],
                      softcaps.empty() ? 0.0 : softcaps[i]);
     if (i + 1 == n && output_rows.has_value()) {
@@ -130,7 +139,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor?[] down_bias, Tensor final_norm, float eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor handled, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
-      "bool use_amx, Tensor? output_rows, int[] sliding_windows=[], float[] softcaps=[]) -> Tensor");
+      "bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
+      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "layer_groups.h"
 #include "vec.h"
 
 namespace {
@@ -118,8 +119,9 @@ const Ops& ops() {
 // with optional biases; K/V caches; sliding_windows[i] (0: full attention; the sliding layers
 // take the local cos/sin) and softcaps[i] (0: none). hidden: the scaled embeddings [T, hidden];
 // cos/sin: [T, head_dim] of the full and of the sliding layers. The attention arguments are
-// paged_attention's. output_rows: only these rows go on after the last layer's attention.
-// Returns the final-normed hidden states of the rows that go on.
+// paged_attention's; with several KV cache groups, each layer's block table and slots are its
+// group's (layer_groups.h). output_rows: only these rows go on after the last layer's
+// attention. Returns the final-normed hidden states of the rows that go on.
 at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& local_cos, const at::Tensor& local_sin, at::TensorList in_norm,
                         const OptTensors& q_norm, const OptTensors& k_norm, at::TensorList qkv,
@@ -132,7 +134,8 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                         const at::Tensor& query_start_loc, const at::Tensor& handled, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale, int64_t rows_per_task,
                         bool fast_bf16, bool use_amx, const OptTensor& output_rows, at::IntArrayRef sliding_windows,
-                        at::ArrayRef<double> softcaps) {
+                        at::ArrayRef<double> softcaps, at::TensorList group_block_tables,
+                        at::TensorList group_slot_mappings, at::IntArrayRef layer_groups) {
   const size_t n = in_norm.size();
   TORCH_CHECK(n > 0, "gemma_layers: no layers");
   for (size_t size : {q_norm.size(), k_norm.size(), qkv.size(), qkv_bias.size(), o.size(), o_bias.size(),
@@ -141,6 +144,8 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                       sliding_windows.size(), softcaps.size()})
     TORCH_CHECK(size == n, "gemma_layers: every per-layer list needs ", n, " entries");
   TORCH_CHECK(hidden.dim() == 2, "gemma_layers: hidden must be [T, hidden]");
+  const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
+                                       layer_groups, n);
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
@@ -157,9 +162,9 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
     if (kn.has_value()) k = offset_rms_norm(k, *kn, eps);
     const bool local = sliding_windows[i] > 0;
     f.rope.call(q, k, local ? local_cos : cos, local ? local_sin : sin);
-    f.write_kv.call(k_caches[i], v_caches[i], k, heads[2], slot_mapping);
+    f.write_kv.call(k_caches[i], v_caches[i], k, heads[2], groups.slots(i));
     at::Tensor attn = at::empty(q.sizes(), q.options());
-    f.attention.call(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens, query_start_loc, handled, scale,
+    f.attention.call(attn, q, k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled, scale,
                      rows_per_task, fast_bf16, use_amx, sliding_windows[i], softcaps[i]);
     if (i + 1 == n && output_rows.has_value()) {
       attn = attn.index_select(0, *output_rows);
@@ -187,7 +192,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor?[] down_bias, Tensor[] post_ff_norm, Tensor final_norm, float eps, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor handled, int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, "
-      "bool fast_bf16, bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps) -> Tensor");
+      "bool fast_bf16, bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
+      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
