@@ -113,8 +113,29 @@ def test_long_generation_holds_a_window_per_sliding_group(tmp_path) -> None:
     row = report["requests"][0]
     assert len(row["group_block_tables"]) == 2
     stats = engine.get_stats()
-    assert stats_from_wire(to_wire(stats)).cache == stats.cache
+    wired = stats_from_wire(to_wire(stats))
+    assert wired.cache == stats.cache and wired.group_waste == stats.group_waste
     groups = cache_report(stats)["kv_cache_groups"]
     assert [g["sliding_window"] for g in groups] == [None, 16, 16]
     assert groups[0]["freed_blocks"] == 0
     assert groups[1]["freed_blocks"] == groups[2]["freed_blocks"] >= total // 4 - 5
+
+
+def test_waste_is_reported_per_group(checkpoints) -> None:
+    """Mid-run, each group's internal waste is its own tables' partly filled blocks, and
+    the engine's figure is their sum."""
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        model=str(checkpoints("gemma3")), dtype="float32", block_size=4, num_blocks=64
+    )
+    engine = LLMEngine.from_config(config)
+    engine.add_request("a", PROMPTS[2], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # the prompt: 17 tokens computed
+    stats = engine.get_stats()
+    internal = [w.internal_tokens for w in stats.group_waste]
+    # Full group: 5 blocks for 17 tokens; window 4 (the next query, 17, sees 14..17): its
+    # blocks 3..4 hold 12..16, 3 slots free in each group.
+    assert internal == [3, 3]
+    assert stats.waste.internal_tokens == sum(internal)
+    entries = cache_report(stats)["kv_cache_groups"]
+    assert [e["waste"]["internal"]["tokens"] for e in entries] == [3, 3]

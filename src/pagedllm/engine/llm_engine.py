@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedllm.core.accounting import WasteReport, waste
+from pagedllm.core.accounting import WasteReport, group_wastes, waste
 from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import CacheStats, KVCacheManager
 from pagedllm.core.kv_groups import kv_cache_layout
@@ -86,6 +86,9 @@ class EngineStats:
     # Internal, external and duplication waste of the device tier now
     # (``core.accounting.waste``); computed by ``get_stats`` only.
     waste: WasteReport | None = None
+    # A model with KV cache groups (local and global layers): each group's waste, in group
+    # order (``waste`` sums them); empty for one group.
+    group_waste: tuple[WasteReport, ...] = ()
     # The disk tier's I/O totals (None without one); its blocks and hits are in `cache`.
     disk: DiskStoreStats | None = None
     # The elastic pool (sizes, policy, last resize); None for a runner that cannot resize.
@@ -531,7 +534,8 @@ class LLMEngine:
             cache=self.kv.stats(),
             num_inflight_shared_tokens=s.num_inflight_shared_tokens,
             num_inflight_waits=s.num_inflight_waits,
-            waste=self._waste(),
+            waste=waste(self.kv, *self._waste_inputs()),
+            group_waste=self._group_waste(),
             disk=self.disk_store.stats() if self.disk_store is not None else None,
             elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
             routes=self.routes,
@@ -580,9 +584,15 @@ class LLMEngine:
         runner.attach_disk_store(store)
         return store, DiskTier(capacity, store.scan())
 
-    def _waste(self) -> WasteReport:
-        """The cache's three wastes, from the live block tables and request tokens
-        (linear in the live tokens; only ``get_stats`` pays for it)."""
+    def _group_waste(self) -> tuple[WasteReport, ...]:
+        if not isinstance(self.kv, HybridKVCacheManager):
+            return ()
+        return tuple(group_wastes(self.kv, *self._waste_inputs()))
+
+    def _waste_inputs(self) -> tuple[dict[str, Any] | None, int | None]:
+        """What the cache's three wastes are measured from (``core.accounting.waste``): the
+        live requests' tokens and the next waiting request's length (linear in the live
+        tokens; only ``get_stats`` pays for it)."""
         requests = self.scheduler.requests
         tables = self.kv.live_block_tables()
         token_ids = None
@@ -595,7 +605,7 @@ class LLMEngine:
             params = first.sampling_params
             max_tokens = (params.max_tokens or 0) if params is not None else 0
             next_len = len(first.prompt_token_ids) + max_tokens
-        return waste(self.kv, token_ids, next_request_len=next_len)
+        return token_ids, next_len
 
     def _record_prompt_logprobs(self, forward: SchedulerOutput, result: ModelRunnerOutput) -> None:
         for seq, logprobs in zip(forward.scheduled, result.prompt_logprobs, strict=True):

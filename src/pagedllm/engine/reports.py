@@ -57,8 +57,13 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
                 "sliding_window": group.sliding_window,
                 "blocks_used": group.blocks_used,
                 "freed_blocks": group.window_freed_blocks,
+                "waste": {
+                    kind: _waste_entry(group_waste, kind) for kind in ("internal", "duplication")
+                },
             }
-            for group in cache.groups
+            for group, group_waste in zip(
+                cache.groups, stats.group_waste or (None,) * len(cache.groups), strict=True
+            )
         ],
         "elastic": _elastic_entry(stats),
         "prefix_cache": {
@@ -187,6 +192,10 @@ def _request_row(request: Any, table: list[int], host_table: list[int]) -> dict[
     }
 
 
+def _waste_from_wire(data: dict[str, Any]) -> WasteReport:
+    return WasteReport(**{**data, "free_extents": tuple(data["free_extents"])})
+
+
 def stats_from_wire(data: dict[str, Any]) -> EngineStats:
     """The ``EngineStats`` that ``to_wire`` turned into ``data`` (the server's copy)."""
     from pagedllm.core.kv_cache_manager import CacheStats, GroupCacheStats
@@ -195,10 +204,9 @@ def stats_from_wire(data: dict[str, Any]) -> EngineStats:
     cache = dict(data["cache"])
     cache["groups"] = tuple(GroupCacheStats(**group) for group in cache.get("groups", ()))
     fields["cache"] = CacheStats(**cache)
+    fields["group_waste"] = tuple(_waste_from_wire(w) for w in data.get("group_waste", ()))
     if data.get("waste") is not None:
-        waste = dict(data["waste"])
-        waste["free_extents"] = tuple(waste["free_extents"])
-        fields["waste"] = WasteReport(**waste)
+        fields["waste"] = _waste_from_wire(data["waste"])
     if data.get("disk") is not None:
         from pagedllm.worker.disk_store import DiskStoreStats
 
