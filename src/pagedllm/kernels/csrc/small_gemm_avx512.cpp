@@ -37,10 +37,18 @@ inline __m512i pair_of(const uint16_t* row, int64_t j) {
   return _mm512_set1_epi32(bits);
 }
 
+// Lines of the weight stream still to be prefetched into L2 while the current block is
+// multiplied: `per_step` lines every pair step until `next` reaches `end`.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+};
+
 // acc[r][g] = rows [0, RB) of x times groups [0, GB) of wg (each `gstride` words apart).
 template <int RB, int GB>
 void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride, bool prefetch,
-              __m512* out) {
+              Ahead& ahead, __m512* out) {
   __m512 acc[RB][GB];
   for (int r = 0; r < RB; ++r)
     for (int g = 0; g < GB; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -51,6 +59,8 @@ void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg,
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * COLS), _MM_HINT_T0);
       b[g] = _mm512_load_si512(line);
     }
+    for (int q = 0; q < ahead.per_step && ahead.next < ahead.end; ++q, ahead.next += 64)
+      _mm_prefetch(ahead.next, _MM_HINT_T1);
     for (int r = 0; r < RB; ++r) {
       const __m512i a = pair_of(x + r * lda, j);
       for (int g = 0; g < GB; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)a, (__m512bh)b[g]);
@@ -62,24 +72,24 @@ void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg,
 
 template <int GB>
 void dp_rows(int rb, const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride, bool prefetch,
-             __m512* out) {
+             Ahead& ahead, __m512* out) {
   switch (rb) {
-    case 1: return dp_block<1, GB>(x, lda, pairs, wg, gstride, prefetch, out);
-    case 2: return dp_block<2, GB>(x, lda, pairs, wg, gstride, prefetch, out);
-    case 3: return dp_block<3, GB>(x, lda, pairs, wg, gstride, prefetch, out);
-    case 4: return dp_block<4, GB>(x, lda, pairs, wg, gstride, prefetch, out);
-    case 5: return dp_block<5, GB>(x, lda, pairs, wg, gstride, prefetch, out);
-    default: return dp_block<6, GB>(x, lda, pairs, wg, gstride, prefetch, out);
+    case 1: return dp_block<1, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 2: return dp_block<2, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 3: return dp_block<3, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 4: return dp_block<4, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 5: return dp_block<5, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    default: return dp_block<6, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
   }
 }
 
 void dp(int rb, int gb, const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride,
-        bool prefetch, __m512* out) {
+        bool prefetch, Ahead& ahead, __m512* out) {
   switch (gb) {
-    case 1: return dp_rows<1>(rb, x, lda, pairs, wg, gstride, prefetch, out);
-    case 2: return dp_rows<2>(rb, x, lda, pairs, wg, gstride, prefetch, out);
-    case 3: return dp_rows<3>(rb, x, lda, pairs, wg, gstride, prefetch, out);
-    default: return dp_rows<4>(rb, x, lda, pairs, wg, gstride, prefetch, out);
+    case 1: return dp_rows<1>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 2: return dp_rows<2>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 3: return dp_rows<3>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    default: return dp_rows<4>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
   }
 }
 
@@ -96,14 +106,28 @@ void avx512_bf16_groups(const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit) {
   __m512 sums[MAX_RB * MAX_GB];
   for (int64_t rb = 0; rb < p.m; rb += BLOCK_ROWS) {
     const int64_t rb1 = std::min(p.m, rb + BLOCK_ROWS);
+    const int64_t passes = (rb1 - rb + MAX_RB - 1) / MAX_RB;
     for (int64_t g = g0; g < g1; g += MAX_GB) {
       const int gb = static_cast<int>(std::min<int64_t>(MAX_GB, g1 - g));
       __m512 bias16[MAX_GB];
       for (int j = 0; j < gb; ++j)
         bias16[j] = p.bias != nullptr ? pagedllm_vec::load16(p.bias + (g + j) * COLS) : _mm512_setzero_ps();
+      // With several passes over a group block (one per MAX_RB rows), the next block of
+      // this thread's range streams into L2 during all of them, spread evenly: the memory
+      // stays busy while the later passes compute from cache. (A single pass streams each
+      // block as it reads it, with the short prefetch.)
+      const int64_t next_gb = passes > 1 ? std::min<int64_t>(MAX_GB, g1 - g - gb) : 0;
+      Ahead ahead;
+      if (next_gb > 0) {
+        ahead.next = reinterpret_cast<const char*>(w + (g + gb) * gstride);
+        ahead.end = ahead.next + next_gb * gstride * 4;
+        ahead.per_step = static_cast<int>((next_gb + passes - 1) / passes);
+      }
       for (int64_t r0 = rb; r0 < rb1; r0 += MAX_RB) {
         const int rows = static_cast<int>(std::min<int64_t>(MAX_RB, rb1 - r0));
-        dp(rows, gb, xa + r0 * lda, lda, pairs, w + g * gstride, gstride, r0 == rb, sums);
+        // The range's first block was not streamed ahead: prefetch it as it is read.
+        const bool first = r0 == rb && (g == g0 || rb > 0 || passes == 1);
+        dp(rows, gb, xa + r0 * lda, lda, pairs, w + g * gstride, gstride, first, ahead, sums);
         for (int r = 0; r < rows; ++r)
           for (int j = 0; j < gb; ++j) emit(r0 + r, g + j, _mm512_add_ps(sums[r * MAX_GB + j], bias16[j]));
       }
