@@ -74,3 +74,27 @@ def test_core_ops_quick(capsys):
 def test_fragmentation_rejects_bad_args(bad):
     with pytest.raises(SystemExit):
         load("fragmentation").main(bad)
+
+
+def test_kv_quant_bucket_kl_is_exact_over_the_whole_vocabulary_and_a_lower_bound_below():
+    """kv_quant's KL from prompt logprobs: with every token listed it is the KL; with the
+    top few and one bucket for the rest it never exceeds it."""
+    import math
+
+    from pagedllm.core.outputs import TokenLogprob
+
+    bench = load("kv_quant")
+    p = [0.5, 0.3, 0.15, 0.05]
+    q = [0.4, 0.2, 0.3, 0.1]
+    exact = sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+    def entry(dist, k):
+        order = sorted(range(len(dist)), key=lambda i: -dist[i])[:k]
+        return TokenLogprob(
+            0, math.log(dist[0]), 1, tuple(order), tuple(math.log(dist[i]) for i in order)
+        )
+
+    assert math.isclose(bench.bucket_kl(entry(p, 4), entry(q, 4)), exact, rel_tol=1e-9)
+    assert 0 <= bench.bucket_kl(entry(p, 2), entry(q, 2)) <= exact
+    same = bench.compare([[None, entry(p, 4)]], [[None, entry(p, 4)]])
+    assert same.mean_kl == 0.0 and same.top1 == 1.0 and same.delta_ppl == 0.0
