@@ -9,9 +9,10 @@ prompts):
 - ``reference``: windowed / soft-capped layers on the reference path (gather through the
   table + masked SDPA) — how the CPU backend ran them before the kernel took windows;
 - ``kernel``: those layers in the C++ ``paged_attention`` (blocks before the window unread),
-  the model's decode loop as it is;
-- ``kernel-per-layer`` (where the model has a one-call decoder plan): the kernel, with the
-  fast path's plan switched off, so layers run one by one from Python.
+  every layer module by module (torch ops);
+- ``fused`` (where the model has a fast path): the kernel inside the model's one-call
+  decoder op (``gemma_layers`` for Gemma, ``decoder_layers`` for the Llama family) for the
+  steps it takes, module by module for the rest.
 
 Workloads: ``short``: ``--batch`` prompts of 64 tokens, ``--decode`` tokens each; ``long``:
 one prompt of ``--long`` tokens (4k by default: well past the window), ``--decode`` tokens.
@@ -55,9 +56,6 @@ def make_reference_windows() -> Any:
             self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
             return paged_attention(query, k_cache, v_cache, meta, scale, kind)
 
-        def kernel_step(self, dtype, num_heads, head_dim, k_cache, v_cache, meta, kind=None):
-            return None  # the one-call plan would take the windowed layers into the kernel
-
         def kind_route(self, dtype: Any, kind: AttentionKind) -> str:
             return "reference"
 
@@ -72,23 +70,22 @@ def configurations(engine: Any) -> dict[str, Callable[[], None]]:
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     kernel_backend = attention[0].backend
     reference_backend = make_reference_windows()
-    fast_path = getattr(model, "fast_path", None)
-    plan = getattr(fast_path, "plan", None)
+    fast_path = model.fast_path
 
-    def use(backend: Any, with_plan: bool) -> Callable[[], None]:
+    def use(backend: Any, fused: bool) -> Callable[[], None]:
         def switch() -> None:
             for module in attention:
                 module.backend = backend
-            if fast_path is not None:
-                fast_path.plan = plan if with_plan else None
-                for i, layer in enumerate(fast_path.layers):
-                    fast_path.layers[i] = layer._replace(backend=backend)
+            model.fast_path = fast_path if fused else None
 
         return switch
 
-    configs = {"reference": use(reference_backend, False), "kernel": use(kernel_backend, True)}
-    if plan is not None:
-        configs["kernel-per-layer"] = use(kernel_backend, False)
+    configs = {
+        "reference": use(reference_backend, False),
+        "kernel": use(kernel_backend, False),
+    }
+    if fast_path is not None:
+        configs["fused"] = use(kernel_backend, True)
     return configs
 
 
