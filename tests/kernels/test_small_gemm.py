@@ -205,3 +205,23 @@ def test_argmax_ties_across_column_group_pairs(threads):
         assert logits.argmax(-1).tolist() == ops.small_gemm_argmax(x, packed).tolist() == [17] * 48
     finally:
         torch.set_num_threads(saved)
+
+
+@on_bf16_routes
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+def test_same_bits_with_any_thread_count(m):
+    # The thread governor (worker/threads.py) changes torch's thread count mid-run: every
+    # sum must run in an order that does not depend on it, so greedy outputs stay the same.
+    w, x = bf16(3072, 576, seed=7), bf16(m, 576, seed=8)
+    packed = ops.pack_small_gemm(w)
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((ops.small_gemm(x, packed), ops.small_gemm_argmax(x, packed)))
+    finally:
+        torch.set_num_threads(saved)
+    for out, best in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(best, results[0][1])
