@@ -10,8 +10,9 @@ private question of 16-48 ids, ``--requests-per-tenant`` per tenant in shuffled 
 policy uses fresh prefixes (another seed), so the caches the previous run left are no help.
 Per run: prefix hit rate (cached / prompt tokens, from the replicas' ``usage``), TTFT
 (mean, p90), output tok/s over the run's wall time, and how far the router's predicted
-cached tokens were from what the replicas reported. Medians over ``--rounds``, policies
-alternated.
+cached tokens were from what the replicas reported: predicted when routing, and replayed
+to where each replica looked the prompt up (``cache_event_seq``; it checks the hashing
+itself, and must be exact). Medians over ``--rounds``, policies alternated.
 
 **Simulation** (``planner/replicas.py``): the real scheduler and block manager per replica,
 fabricated tokens, the same routing code; the shared-prefix workload and, with
@@ -62,7 +63,9 @@ class RunResult:
     ttft_mean_s: float
     ttft_p90_s: float
     output_tok_s: float
-    predicted_error: float  # |predicted - reported| / reported cached tokens
+    predicted_error: float  # |predicted when routing - reported| / reported cached tokens
+    replayed_error: float  # the same for the view replayed to each replica's lookup
+    unreplayed: int  # answers the router could not replay
     requests_per_replica: list[int]
 
 
@@ -189,6 +192,7 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
         router.wait(60)
     replicas = out["report"]["replicas"]
     predicted = sum(r["predicted_cached_tokens"] for r in replicas)
+    replayed = sum(r["replayed_cached_tokens"] for r in replicas)
     reported = sum(r["reported_cached_tokens"] for r in replicas)
     return RunResult(
         policy=policy,
@@ -197,6 +201,8 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
         ttft_p90_s=out["ttft_p90_s"],
         output_tok_s=out["output_tok_s"],
         predicted_error=abs(predicted - reported) / reported if reported else 0.0,
+        replayed_error=abs(replayed - reported) / reported if reported else 0.0,
+        unreplayed=sum(r["unreplayed_requests"] for r in replicas),
         requests_per_replica=[r["requests"] for r in replicas],
     )
 
@@ -227,7 +233,7 @@ def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) ->
           f"{args.requests_per_tenant} requests, prefix {args.prefix_len} tokens, "
           f"concurrency {args.concurrency}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
     print(f"{'policy':<14} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "
-          f"{'out tok/s':>16} {'pred. err':>9}")  # fmt: skip
+          f"{'out tok/s':>16} {'pred. err':>17} {'replay err':>10}")  # fmt: skip
     summary = {}
     for policy, runs in results.items():
         hits = [r.hit_rate for r in runs]
@@ -237,7 +243,8 @@ def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) ->
               f"{med(ttft):>8.3f} ({min(ttft):.2f}-{max(ttft):.2f}) "
               f"{med([r.ttft_p90_s for r in runs]):>11.3f} "
               f"{med(tput):>7.1f} ({min(tput):.0f}-{max(tput):.0f}) "
-              f"{max(r.predicted_error for r in runs):>9.2%}")  # fmt: skip
+              f"{', '.join(f'{r.predicted_error:.2%}' for r in runs):>17} "
+              f"{max(r.replayed_error for r in runs):>10.2%}")  # fmt: skip
         summary[policy] = {"runs": [asdict(r) for r in runs]}
     aware, rr = results["prefix_aware"], results["round_robin"]
     ratio = med([a.hit_rate / max(b.hit_rate, 1e-9) for a, b in zip(aware, rr, strict=True)])

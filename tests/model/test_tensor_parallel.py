@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,10 @@ PARITY = Path(__file__).with_name("tp_parity.py")
 TIMEOUT_S = 240
 
 
-def _run(path: Path, tp: int) -> dict:
+def _run(path: Path, tp: int, *extra: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, str(PARITY), str(path), str(tp)],
+        [sys.executable, str(PARITY), str(path), str(tp), *extra],
         capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -44,6 +45,36 @@ def test_tp2_tokens_and_logits_equal_tp1(tmp_path: Path, arch: str):
     assert two["logits"] == one["logits"]  # sha256 of every logits tensor, in order
     assert (two["cached_tokens"], two["preemptions"]) == (one["cached_tokens"], one["preemptions"])
     assert one["resized"][:2] == [48, 24] and one["resized"][2] > 0  # compaction moved blocks
+    assert two["resized"] == one["resized"]
+
+
+def test_two_machines_launched_apart_equal_one_rank(tmp_path: Path):
+    """The torchrun-style rendezvous with two launch commands, as on two machines: node 0
+    (the engine, rank 0) and ``pagedllm serve --node-rank 1`` (rank 1 only), meeting at
+    127.0.0.1. Node 1 gets no model settings but the checkpoint: it takes dtype, block
+    size and the rest from rank 0."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(path), "-tp", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        two = _run(path, 2, str(port))
+        assert node1.wait(60) == 0, node1.stderr.read()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    one = _run(path, 1)
+    assert one["cached_tokens"] > 0 and one["preemptions"] > 0
+    assert two["tokens"] == one["tokens"]
+    assert two["logits"] == one["logits"]
     assert two["resized"] == one["resized"]
 
 

@@ -1,9 +1,11 @@
 """Run one workload through ``LLM(tensor_parallel_size=N)`` and print what it produced.
 
-``python tp_parity.py CHECKPOINT N`` prints one JSON line: every request's tokens, the
-sha256 of every logits tensor the runner computed (in order, float32 bytes), their count,
-and the engine's prefix hits and preemptions. ``test_tensor_parallel.py`` runs it for N=1
-and N=2 in fresh processes (with a timeout) and compares.
+``python tp_parity.py CHECKPOINT N [MASTER_PORT]`` prints one JSON line: every request's
+tokens, the sha256 of every logits tensor the runner computed (in order, float32 bytes),
+their count, and the engine's prefix hits and preemptions. ``test_tensor_parallel.py`` runs
+it for N=1 and N=2 in fresh processes (with a timeout) and compares. With MASTER_PORT this
+is machine 0 of two (``nnodes=2``, one rank each): the other rank is started apart, as
+``pagedllm serve --node-rank 1``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import sys
 
 
-def main(path: str, tp: int) -> None:
+def main(path: str, tp: int, master_port: int | None = None) -> None:
     import torch
 
     from pagedllm.engine.llm import LLM
@@ -29,6 +31,7 @@ def main(path: str, tp: int) -> None:
         tensor_parallel_size=tp,
         num_threads=1,
         distributed_timeout_s=60,
+        **({} if master_port is None else {"nnodes": 2, "master_port": master_port}),
     )
     runner = llm.engine.runner
     model = runner.model
@@ -69,4 +72,4 @@ def main(path: str, tp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *(int(a) for a in sys.argv[3:]))

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 
 from .conftest import sse_events
 
-ENGINE_FLAGS = ["--num-blocks", "64", "--block-size", "4", "--max-model-len", "256",
+ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024",
                 "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
 
 
@@ -69,6 +70,48 @@ def _complete(base: str, tenant: int, i: int) -> dict[str, Any]:
     return response.json()
 
 
+def _stream(base: str, chunks: list[bytes], first_chunk: threading.Event) -> None:
+    body = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        for chunk in response.iter_raw():
+            chunks.append(chunk)
+            first_chunk.set()
+    first_chunk.set()
+
+
+def _wait_in_flight(base: str, timeout: float = 60) -> int:
+    """The replica the router sent the one request in flight to."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [r["in_flight"] for r in httpx.get(f"{base}/v1/router").json()["replicas"]]
+        if sum(loads) == 1:
+            return loads.index(1)
+        assert time.monotonic() < deadline, f"no request in flight: {loads}"
+        time.sleep(0.02)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _all_gone(pids: list[int], timeout: float) -> bool:
+    """True once none of ``pids`` runs (a zombie counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat")
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                states.append("gone")
+        if all(state in ("gone", "Z", "X") for state in states):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 @pytest.mark.slow
 def test_replica_killed_mid_stream(tiny_checkpoint: Path):
     ports = [_free_port() for _ in range(3)]
@@ -95,20 +138,26 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
         ]
         assert sum(r["reported_cached_tokens"] for r in report["replicas"]) > 0
 
-        body = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        # The stream, made deterministic: both replicas stopped (SIGSTOP) while the router
+        # picks one (in flight 1: the victim); the victim alone resumes until the client
+        # has its first chunk, with 1,000 tokens still to go, and is then killed.
+        for proc in replicas:
+            proc.send_signal(signal.SIGSTOP)
         chunks: list[bytes] = []
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-            victim = None
-            for chunk in r.iter_raw():
-                chunks.append(chunk)
-                if victim is None:
-                    loads = [
-                        x["in_flight"] for x in httpx.get(f"{base}/v1/router").json()["replicas"]
-                    ]
-                    victim = loads.index(1)
-                    replicas[victim].kill()
+        first_chunk = threading.Event()
+        reader = threading.Thread(target=_stream, args=(base, chunks, first_chunk), daemon=True)
+        reader.start()
+        victim = _wait_in_flight(base)
+        replicas[victim].send_signal(signal.SIGCONT)
+        assert first_chunk.wait(60), "the victim never streamed"
+        orphans = _children(replicas[victim].pid)  # its engine core, mid-generation
+        replicas[victim].kill()
+        replicas[1 - victim].send_signal(signal.SIGCONT)
+        reader.join(60)
+        assert not reader.is_alive()
         events = sse_events(b"".join(chunks))
         assert events[-1]["error"]["code"] == "replica_failed"
+        assert not any(c["finish_reason"] for e in events[:-1] for c in e.get("choices", ()))
         survivor = 1 - victim
         for i in range(3):
             _complete(base, 0, 10 + i)
@@ -117,6 +166,7 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
         assert report[survivor]["requests"] == served[survivor] + 3
         metrics = httpx.get(f"{base}/metrics").text
         assert f'pagedllm_router_replica_healthy{{replica="{urls[1 + victim]}"}} 0.0' in metrics
+        assert orphans and _all_gone(orphans, timeout=30), "the dead server's core lives on"
     finally:
         _stop(procs)
 

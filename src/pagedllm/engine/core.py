@@ -311,6 +311,8 @@ def run_core_loop(
     try:
         outbox.send(pack(["ready", core.info()]))
         _serve(core, inbox, outbox, parent_pid)
+    except ServerGone:
+        logger.warning("the server process is gone; the engine core stops")
     except BaseException as exc:
         logger.exception("engine core loop died")
         outbox.send(pack(["dead", f"{type(exc).__name__}: {exc}"]))
@@ -329,21 +331,20 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
 
     handlers: dict[str, Callable[..., bool]] = {
         "add": lambda call_id, specs: _answer(
-            outbox, call_id, lambda: core.add_requests([decode_spec(s) for s in specs])
+            outbox, parent_pid, call_id, lambda: core.add_requests([decode_spec(s) for s in specs])
         ),
         "abort": lambda ids: core.abort_requests(ids) or True,
         "utility": lambda call_id, name, args: _answer(
-            outbox, call_id, lambda: core.call_utility(name, args)
+            outbox, parent_pid, call_id, lambda: core.call_utility(name, args)
         ),
         "shutdown": lambda: False,
     }
     while True:
+        _check_parent(parent_pid)  # a step's cost next to a system call: every step
         busy = core.has_unfinished_requests()
         # Idle: wait for a message (looking now and then whether the server still lives).
         while not busy and not inbox.poll(int(_PARENT_CHECK_S * 1000)):
-            if parent_pid is not None and os.getppid() != parent_pid:
-                logger.warning("the server process is gone; the engine core stops")
-                return
+            _check_parent(parent_pid)
             core.engine.elastic_tick()  # the automatic elastic pool shrinks when idle
         while True:  # every waiting message, before the next step
             try:
@@ -356,15 +357,34 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
         if core.has_unfinished_requests():
             deltas = core.step()
             if deltas:
-                outbox.send(pack(["deltas", encode_deltas(deltas)]))
+                send(outbox, pack(["deltas", encode_deltas(deltas)]), parent_pid)
 
 
-def _answer(outbox: Any, call_id: int, fn: Callable[[], Any]) -> bool:
+class ServerGone(Exception):
+    """The server process is gone (the core was reparented)."""
+
+
+def send(outbox: Any, frame: bytes, parent_pid: int | None) -> None:
+    """Send ``frame``; raise ``ServerGone`` if the server process dies meanwhile (with
+    no reader left, the PUSH socket would block forever and the core outlive it)."""
+    import zmq
+
+    while not outbox.poll(int(_PARENT_CHECK_S * 1000), zmq.POLLOUT):
+        _check_parent(parent_pid)
+    outbox.send(frame)
+
+
+def _check_parent(parent_pid: int | None) -> None:
+    if parent_pid is not None and os.getppid() != parent_pid:
+        raise ServerGone
+
+
+def _answer(outbox: Any, parent_pid: int | None, call_id: int, fn: Callable[[], Any]) -> bool:
     try:
         message = ["result", call_id, True, fn()]
     except Exception as exc:
         message = ["result", call_id, False, [type(exc).__name__, str(exc)]]
-    outbox.send(pack(message))
+    send(outbox, pack(message), parent_pid)
     return True
 
 

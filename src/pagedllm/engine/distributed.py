@@ -11,7 +11,9 @@ Collectives: gloo on CPU, NCCL on CUDA (the step records always travel over a gl
 Processes: ``torch.multiprocessing`` (spawn) for this machine's ranks; across machines the
 torchrun-style rendezvous (``nnodes``, ``node_rank``, ``master_addr``, ``master_port``):
 machine 0 runs the engine and its local ranks, every other machine runs
-``pagedllm serve --node-rank K ...`` which only starts its ranks and waits.
+``pagedllm serve --node-rank K ...`` which only starts its ranks and waits. Once the group
+has formed, rank 0 sends every rank its ``EngineConfig`` (model, dtype, block size, ...),
+so a worker machine's own flags only say where to meet and how many threads to use.
 
 A worker rank exits when rank 0 sends ``None`` (``TensorParallelRunner.close``), when its
 parent process is gone, or when a collective times out (``distributed_timeout_s``).
@@ -139,6 +141,7 @@ def start_tensor_parallel(
     processes = start_rank_processes(config, port, skip_rank0=True)
     try:
         comm, control = init_rank(config, 0, port)
+        broadcast_object(config, control)
         loaded = shard_loaded(loaded, comm)
         runner = TensorParallelRunner(build_runner(config, loaded.model), processes, control)
         runner.send_sizes()
@@ -256,6 +259,7 @@ def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: i
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     comm, control = init_rank(config, rank, master_port)
+    config = broadcast_object(None, control)  # rank 0's: the same model everywhere
     loaded = load_shard(config, comm)
     num_blocks, num_host_blocks = broadcast_object(None, control)
     runner = TorchModelRunner(

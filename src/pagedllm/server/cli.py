@@ -18,12 +18,8 @@ import asyncio
 import logging
 import signal
 import socket
-import subprocess
-import sys
-import time
 from typing import Any
 
-import httpx
 import uvicorn
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
@@ -134,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be at least 1")
     if args.data_parallel_size > 1:
+        from pagedllm.server.data_parallel import run_data_parallel
+
         return run_data_parallel(args)
     if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
         args.max_num_batched_tokens = SERVER_MAX_NUM_BATCHED_TOKENS
@@ -176,79 +174,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
-
-
-REPLICA_START_TIMEOUT_S = 600.0
-
-
-def run_data_parallel(args: argparse.Namespace) -> int:
-    """``--data-parallel-size N``: N ``pagedllm serve`` processes on the next N ports,
-    the router in this process on ``--port``; the replicas stop when it does."""
-    urls, procs = [], []
-    # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
-    try:
-        for i in range(args.data_parallel_size):
-            port = args.port + 1 + i
-            command = [sys.executable, "-m", "pagedllm.cli", "serve", *_replica_argv(args, port)]
-            procs.append(subprocess.Popen(command))
-            urls.append(f"http://{_client_host(args.host)}:{port}")
-        _wait_healthy(urls, procs)
-        from pagedllm.server.router_cli import serve_router
-
-        serve_router(args, urls, args.model)
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(args.shutdown_timeout + _UVICORN_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return 0
-
-
-def _replica_argv(args: argparse.Namespace, port: int) -> list[str]:
-    """This command's flags for one replica: the same values, its own port, no DP."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    argv = ["--port", str(port)]
-    for action in parser._actions:
-        dest = action.dest
-        if dest in ("help", "port", "data_parallel_size") or not action.option_strings:
-            continue
-        value = getattr(args, dest, action.default)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
-    pending = list(zip(urls, procs, strict=True))
-    while pending:
-        url, proc = pending[0]
-        if proc.poll() is not None:
-            raise SystemExit(f"replica {url} exited with status {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                pending.pop(0)
-                continue
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"replica {url} did not come up in {REPLICA_START_TIMEOUT_S:.0f} s")
-        time.sleep(0.2)

@@ -1,0 +1,81 @@
+"""``serve --data-parallel-size N`` with tensor parallelism: each replica is its own
+process group, so each gets its own rendezvous port (``--master-port + i``), checked free
+and clear of the HTTP ports, or refused with a message that names the port."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import pytest
+
+from pagedllm.server.cli import add_arguments
+from pagedllm.server.data_parallel import port_free, replica_argv, replica_master_ports
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            first = s.getsockname()[1]
+        if first + n <= 65535 and all(port_free(first + i) for i in range(n)):
+            return first
+    raise RuntimeError("no run of free ports")
+
+
+def test_each_replica_gets_its_own_rendezvous_port():
+    master = _free_port_run(3)
+    args = _args("--port", "8000", "--data-parallel-size", "3", "-tp", "2",
+                 "--master-port", str(master), "--dtype", "float32")  # fmt: skip
+    ports = replica_master_ports(args)
+    assert ports == [master, master + 1, master + 2]
+    argvs = [replica_argv(args, 8001 + i, p) for i, p in enumerate(ports)]
+    for i, argv in enumerate(argvs):
+        assert argv.count("--master-port") == 1
+        assert argv[argv.index("--master-port") + 1] == str(master + i)
+        assert argv[argv.index("--port") + 1] == str(8001 + i)
+        assert "--data-parallel-size" not in argv
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+        assert argv[argv.index("--dtype") + 1] == "float32"
+    # the replicas' own parser reads them back
+    assert [_args(*argv).master_port for argv in argvs] == ports
+
+
+def test_without_master_port_every_replica_picks_its_own():
+    args = _args("--data-parallel-size", "2", "-tp", "2")
+    assert replica_master_ports(args) == [None, None]
+    assert "--master-port" not in replica_argv(args, 8001, None)
+
+
+def test_a_taken_rendezvous_port_is_refused_naming_it():
+    master = _free_port_run(2)
+    with socket.socket() as holder:
+        holder.bind(("", master + 1))
+        holder.listen()
+        args = _args("--data-parallel-size", "2", "-tp", "2", "--master-port", str(master))
+        with pytest.raises(SystemExit, match=rf"rendezvous port {master + 1} .*replica 1"):
+            replica_master_ports(args)
+
+
+def test_rendezvous_ports_may_not_overlap_the_http_ports():
+    args = _args("--port", "9000", "--data-parallel-size", "2", "-tp", "2",
+                 "--master-port", "9001")  # fmt: skip
+    with pytest.raises(SystemExit, match="overlap the HTTP ports 9000-9002"):
+        replica_master_ports(args)
+
+
+def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
+    master = _free_port_run(2)
+    with socket.socket() as holder:
+        holder.bind(("", master))
+        holder.listen()
+        args = _args("--data-parallel-size", "2", "-tp", "2", "--nnodes", "2",
+                     "--node-rank", "1", "--master-port", str(master))  # fmt: skip
+        assert replica_master_ports(args) == [master, master + 1]
