@@ -119,6 +119,9 @@ def test_predicted_cached_tokens_equal_what_replicas_report(make_harness):
         # cache_salt changes every block hash: no hit predicted, none reported
         out = await _complete(client, _prompt(0, 9), cache_salt="tenant-b")
         reported.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # the prompt's logprobs asked for: the engine computes it whole, no hit expected
+        out = await _complete(client, _prompt(1, 9), echo=True, logprobs=1)
+        reported.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
         return {"reported": reported, "router": (await client.get("/v1/router")).json()}
 
     result = _run(app, harnesses, body)
@@ -130,7 +133,10 @@ def test_predicted_cached_tokens_equal_what_replicas_report(make_harness):
     for r in replicas:  # per replica, not only in total
         assert r["predicted_cached_tokens"] == r["reported_cached_tokens"]
     # after its first request every tenant's prompts hit their 20-token prefix
-    assert result["reported"][3:12] == [20] * 9 and result["reported"][12] == 0
+    assert result["reported"][3:12] == [20] * 9 and result["reported"][12:] == [0, 0]
+    assert [r["replayed_cached_tokens"] for r in replicas] == [
+        r["reported_cached_tokens"] for r in replicas
+    ]
 
 
 def test_replayed_cached_tokens_equal_reported_under_concurrency(make_harness):

@@ -88,6 +88,7 @@ class Route:
     block_hashes: tuple[bytes, ...]
     num_tokens: int  # the prompt's (0: one the router could not read)
     block_size: int | None
+    takes_prefix_hit: bool = True  # False: prompt logprobs asked for, so the engine computes all
 
 
 class RouterMetrics:
@@ -221,8 +222,16 @@ class Router:
 
     # ---- routing ------------------------------------------------------------------
 
-    def route(self, token_ids: Sequence[int] | None, cache_salt: str | None) -> Route:
-        """Choose a replica for a prompt (None: a prompt the router could not read)."""
+    def route(
+        self,
+        token_ids: Sequence[int] | None,
+        cache_salt: str | None,
+        *,
+        takes_prefix_hit: bool = True,
+    ) -> Route:
+        """Choose a replica for a prompt (None: a prompt the router could not read).
+        ``takes_prefix_hit=False``: a request the engine computes whole (it wants the
+        prompt's logprobs): routed by its blocks all the same, none expected cached."""
         block_size = self.block_size()
         hashes: tuple[bytes, ...] = ()
         if token_ids and block_size:
@@ -236,10 +245,11 @@ class Router:
         ]
         replica = self.replicas[self.policy.choose(states)]
         predicted = 0
-        if token_ids and block_size:
+        if token_ids and block_size and takes_prefix_hit:
             matched = replica.view.matched_blocks(hashes, with_pending=True)
             predicted = predicted_cached_tokens(matched, block_size, len(token_ids))
-        return Route(replica, predicted, hashes, len(token_ids or ()), block_size)
+        num_tokens = len(token_ids or ())
+        return Route(replica, predicted, hashes, num_tokens, block_size, takes_prefix_hit)
 
     def block_size(self) -> int | None:
         """The replicas' block size (the hash chain needs it); None until one answered.
@@ -299,6 +309,8 @@ class Router:
         """The cached tokens the view held where the replica looked the prompt up."""
         if not isinstance(event_seq, int) or not route.num_tokens or not route.block_size:
             return None
+        if not route.takes_prefix_hit:
+            return 0
         matched = route.replica.view.matched_blocks_at(route.block_hashes, event_seq)
         if matched is None:
             return None
@@ -344,9 +356,11 @@ class Router:
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in PROXIED_HEADERS}
         stream = body.get("stream") is True
+        # echo + logprobs asks for the prompt's logprobs: the engine then takes no prefix hit
+        takes_hit = not (body.get("echo") is True and body.get("logprobs") is not None)
         tried: set[str] = set()
         while True:
-            route = self._route_untried(token_ids, salt, tried)
+            route = self._route_untried(token_ids, salt, takes_hit, tried)
             replica = route.replica
             outgoing = self.client.build_request(
                 "POST", f"{replica.url}{request.url.path}", content=raw, headers=headers
@@ -369,13 +383,15 @@ class Router:
                 )
             return await self._whole(route, upstream)
 
-    def _route_untried(self, token_ids: Any, salt: str | None, tried: set[str]) -> Route:
+    def _route_untried(
+        self, token_ids: Any, salt: str | None, takes_hit: bool, tried: set[str]
+    ) -> Route:
         for replica in self.replicas:
             if replica.url in tried:
                 replica.healthy = False
         if not any(r.healthy for r in self.replicas):
             raise APIError(503, "no healthy replica", code="no_replica")
-        return self.route(token_ids, salt)
+        return self.route(token_ids, salt, takes_prefix_hit=takes_hit)
 
     def _failed(self, replica: Replica, route: Route, exc: Exception) -> None:
         logger.warning("replica %s failed: %s", replica.url, exc)
