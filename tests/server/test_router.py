@@ -153,7 +153,7 @@ def test_replayed_cached_tokens_equal_reported_under_concurrency(make_harness):
             block_size=4,
             max_model_len=64,
             engine_kw={"max_num_batched_tokens": 8},  # a prompt's prefill takes 3 steps
-            runner_kw={"step_delay_s": 0.004},
+            runner_kw={"step_delay_s": 0.02},
         )
         for _ in range(2)
     ]
