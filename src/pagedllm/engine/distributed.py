@@ -279,7 +279,11 @@ def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: i
             runner.execute(step)
         except Exception:  # noqa: BLE001 - rank 0 meets the same error and reports it
             logger.exception("rank %d: step failed", rank)
-    dist.destroy_process_group()
+    # Leave without tearing the group down: rank 0 may have closed its side already, and
+    # gloo's teardown then aborts the process (std::terminate), an exit status a worker
+    # machine's launcher reports as a failure. The system frees it all.
+    logging.shutdown()
+    os._exit(0)
 
 
 def run_worker_node(config: EngineConfig) -> int:
