@@ -52,6 +52,7 @@ from pagedllm.planner.replicas import (  # noqa: E402
     simulate_router,
 )
 from pagedllm.planner.simulate import CostModel  # noqa: E402
+from serve_vs_vllm import wait_healthy  # noqa: E402
 
 REAL_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
@@ -90,20 +91,6 @@ def free_port() -> int:
 def start(argv: list[str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedllm.cli", *argv, "--log-level", "warning"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} did not come up")
 
 
 async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int):
@@ -163,7 +150,7 @@ def run_real(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     results: dict[str, list[RunResult]] = {p: [] for p in REAL_POLICIES}
     try:
         for url, proc in zip(urls, replicas, strict=True):
-            wait_healthy(url, proc)
+            wait_healthy(url, proc, timeout=300)
         seed = 1000
         for _ in range(args.rounds):
             for policy in REAL_POLICIES:
@@ -185,7 +172,7 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
                     "--tokenizer", args.model, *replica_flags])  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, router)
+        wait_healthy(base, router, timeout=300)
         out = asyncio.run(drive(base, prompts, args))
     finally:
         router.terminate()

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,6 +90,29 @@ class Workload:
 # ---------------------------------------------------------------- servers
 
 
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen,
+    timeout: float = READY_TIMEOUT_S,
+    name: str | None = None,
+    tail: Callable[[], str] = lambda: "",
+) -> None:
+    """Wait for ``GET url/health`` to answer 200; raise if ``proc`` exits first or time
+    runs out (``tail``: the server's log tail, for the message)."""
+    name = name or url
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; log tail:\n{tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready after {timeout:.0f} s:\n{tail()}")
+
+
 class Server:
     """A server process on 127.0.0.1:port, its log in a file; stopped with SIGTERM."""
 
@@ -103,17 +127,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; log tail:\n{self._tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self._tail()}")
+        wait_healthy(self.base_url, self.proc, timeout, self.name, self._tail)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
