@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
+from pagedllm.engine.distributed import free_port  # noqa: E402
 from pagedllm.planner.replicas import (  # noqa: E402
     SIM_POLICIES,
     RouterSimConfig,
@@ -80,12 +80,6 @@ def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
     return [
         prefixes[t] + [rng.randint(100, 20000) for _ in range(rng.randint(16, 48))] for t in order
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(argv: list[str]) -> subprocess.Popen:
