@@ -60,8 +60,7 @@ def build_input_batch(
     construction it must equal. ``InputBuffers.build`` gives the same batch, reusing the
     block-table rows of the previous step.
     """
-    batch = _build(scheduled, _padded_block_tables_np, block_size, device, num_blocks)
-    return _with_groups(batch, scheduled, layer_groups, block_size, num_blocks)
+    return _build(scheduled, _padded_block_tables_np, block_size, device, num_blocks, layer_groups)
 
 
 class InputBuffers:
@@ -91,8 +90,9 @@ class InputBuffers:
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
     ) -> InputBatch:
-        batch = _build(scheduled, self._block_tables, block_size, device, num_blocks)
-        return _with_groups(batch, scheduled, self.layer_groups, block_size, num_blocks)
+        return _build(
+            scheduled, self._block_tables, block_size, device, num_blocks, self.layer_groups
+        )
 
     def _block_tables(
         self, scheduled: Sequence[ScheduledSequence]
@@ -140,6 +140,7 @@ def _build(
     block_size: int,
     device: torch.device | str,
     num_blocks: int | None,
+    layer_groups: tuple[int, ...] = (),
 ) -> InputBatch:
     """``build_input_batch``, the padded block tables and their lengths taken from
     ``padded_tables`` (built afresh, or kept from step to step by ``InputBuffers``)."""
@@ -201,6 +202,11 @@ def _build(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens_list),
     )
+    if layer_groups:
+        meta.groups = _group_metas(
+            meta, scheduled, layer_groups, positions, seq_index, seq_lens, block_size, num_blocks
+        )
+        meta.layer_groups = layer_groups
     return InputBatch(
         input_ids=_tensor(input_ids, device),
         positions=_tensor(positions, device),
@@ -209,28 +215,26 @@ def _build(
     )
 
 
-def _with_groups(
-    batch: InputBatch,
+def _group_metas(
+    meta: AttentionMetadata,
     scheduled: Sequence[ScheduledSequence],
     layer_groups: tuple[int, ...],
+    positions: np.ndarray,
+    seq_index: np.ndarray,
+    seq_lens: np.ndarray,
     block_size: int,
     num_blocks: int | None,
-) -> InputBatch:
-    """``batch`` with the metadata of KV cache groups 1.. (nothing to do for one group):
-    each group's padded tables and the slots of the batch's positions in them."""
-    if not layer_groups:
-        return batch
-    meta = batch.meta
+) -> tuple[AttentionMetadata, ...]:
+    """The metadata of KV cache groups 1.. (``_build``'s host arrays, so no device round
+    trip): each group's padded tables and the slots of the batch's positions in them."""
     num_groups = max(layer_groups)
     if any(len(seq.group_block_tables) != num_groups for seq in scheduled):
         raise ValueError(f"every sequence needs the block tables of {num_groups} more groups")
-    positions = batch.positions.cpu().numpy()
-    starts = meta.query_start_loc.cpu().numpy()
-    seq_index = np.repeat(np.arange(len(scheduled)), np.diff(starts))
+    device = meta.block_tables.device
     groups = []
     for group in range(num_groups):
         tables, lengths = _padded_tables_np([seq.group_block_tables[group] for seq in scheduled])
-        short = np.nonzero(lengths * block_size < np.asarray(meta.seq_lens_list))[0]
+        short = np.nonzero(lengths * block_size < seq_lens)[0]
         if len(short):
             seq = scheduled[int(short[0])]
             raise ValueError(
@@ -241,7 +245,6 @@ def _with_groups(
             raise ValueError(f"block id {int(tables.max())} >= num_blocks {num_blocks}")
         block_ids = tables[seq_index, positions // block_size].astype(np.int64)
         slots = block_ids * block_size + positions % block_size
-        device = meta.block_tables.device
         groups.append(
             replace(
                 meta,
@@ -249,9 +252,7 @@ def _with_groups(
                 block_tables=_tensor(tables, device),
             )
         )
-    meta.groups = tuple(groups)
-    meta.layer_groups = layer_groups
-    return batch
+    return tuple(groups)
 
 
 def later_decode_steps(
