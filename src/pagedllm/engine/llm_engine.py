@@ -514,6 +514,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
         c = self._counters
+        waste_inputs = self._waste_inputs()  # one pass over the live tokens for both wastes
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -534,8 +535,8 @@ class LLMEngine:
             cache=self.kv.stats(),
             num_inflight_shared_tokens=s.num_inflight_shared_tokens,
             num_inflight_waits=s.num_inflight_waits,
-            waste=waste(self.kv, *self._waste_inputs()),
-            group_waste=self._group_waste(),
+            waste=waste(self.kv, *waste_inputs),
+            group_waste=self._group_waste(waste_inputs),
             disk=self.disk_store.stats() if self.disk_store is not None else None,
             elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
             routes=self.routes,
@@ -584,10 +585,12 @@ class LLMEngine:
         runner.attach_disk_store(store)
         return store, DiskTier(capacity, store.scan())
 
-    def _group_waste(self) -> tuple[WasteReport, ...]:
+    def _group_waste(
+        self, waste_inputs: tuple[dict[str, Any] | None, int | None]
+    ) -> tuple[WasteReport, ...]:
         if not isinstance(self.kv, HybridKVCacheManager):
             return ()
-        return tuple(group_wastes(self.kv, *self._waste_inputs()))
+        return tuple(group_wastes(self.kv, *waste_inputs))
 
     def _waste_inputs(self) -> tuple[dict[str, Any] | None, int | None]:
         """What the cache's three wastes are measured from (``core.accounting.waste``): the
@@ -915,7 +918,7 @@ class LLMEngine:
             memory_bytes=memory_bytes,
             max_num_seqs=self.config.max_num_seqs,
             tp=self.config.tensor_parallel_size,
-            engine_bytes_per_token=_engine_bytes_per_token(self.runner),
+            engine_bytes_per_token=_kv_bytes_per_token(self.runner),
             kv_cache_dtype=_kv_cache_dtype_name(self.runner),
             staging_block_bytes=_staging_block_bytes(self.runner),
             step_tokens=self.scheduler.config.max_num_batched_tokens,
@@ -994,12 +997,6 @@ def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:
     return {"layer_types": kinds, "sliding_window": window}
 
 
-def _engine_bytes_per_token(runner: Any) -> int | None:
-    """Bytes a token takes in the runner's cache tensors (None for a runner without any)."""
-    spec = getattr(runner, "spec", None)
-    return None if spec is None else spec.bytes_per_token
-
-
 def _kv_dtype_bytes(runner: Any) -> float:
     """Bytes per cached element, scales included (4 for a runner without a spec)."""
     spec = getattr(runner, "spec", None)
@@ -1015,6 +1012,8 @@ def _kv_cache_dtype_name(runner: Any) -> str | None:
 
 
 def _kv_bytes_per_token(runner: Any) -> float | None:
+    """Bytes a token takes in the runner's cache tensors, scales included (None for a
+    runner without any)."""
     spec = getattr(runner, "spec", None)
     return None if spec is None else spec.bytes_per_token
 
@@ -1024,12 +1023,6 @@ def _staging_block_bytes(runner: Any) -> int | None:
     if spec is None or spec.quantization is None:
         return None
     return spec.staging_bytes_per_slot
-
-
-def torch_element_size(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _attention_backend(config: EngineConfig) -> Any:
