@@ -149,11 +149,9 @@ class HybridKVCacheManager(DevicePoolViews):
     ) -> Allocation | None:
         """``KVCacheManager.allocate_slots`` in every group, or (None) in none."""
         hits = self._group_hits(computed_blocks)
-        needed = sum(
-            group.blocks_to_allocate(request, num_new_tokens, hit)
-            for group, hit in zip(self.groups, hits, strict=True)
+        free_after = self.pool.num_free_blocks - self._blocks_to_allocate(
+            request, num_new_tokens, hits
         )
-        free_after = self.pool.num_free_blocks - needed
         watermark = int(self.watermark * self.num_blocks)
         if free_after < 0 or (admission and free_after < watermark):
             return None
@@ -190,7 +188,11 @@ class HybridKVCacheManager(DevicePoolViews):
         num_new_tokens: int,
         computed_blocks: ComputedBlocks | None = None,
     ) -> int:
-        hits = self._group_hits(computed_blocks)
+        return self._blocks_to_allocate(request, num_new_tokens, self._group_hits(computed_blocks))
+
+    def _blocks_to_allocate(
+        self, request: Request, num_new_tokens: int, hits: list[ComputedBlocks | None]
+    ) -> int:
         return sum(
             group.blocks_to_allocate(request, num_new_tokens, hit)
             for group, hit in zip(self.groups, hits, strict=True)

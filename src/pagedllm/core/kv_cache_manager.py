@@ -178,7 +178,10 @@ class DevicePoolViews:
     def grow(self, num_blocks: int) -> None:
         """Add free device blocks up to ``num_blocks`` (ends a shrink in progress)."""
         self.pool.grow(num_blocks)
-        self._resized()  # type: ignore[attr-defined]
+        self._resized()
+
+    def _resized(self) -> None:
+        """The pool grew or shrank: update what is derived from its size."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -323,24 +326,12 @@ class KVCacheManager(DevicePoolViews):
         free. Returns ``None`` when there is no room, and then nothing has changed.
         """
         request_id = request.request_id
-        if computed_blocks is None and num_new_tokens > 0:
+        if computed_blocks is None and self._fits_private_blocks(request, num_new_tokens):
             # The decode fast path: the tokens land in private blocks the table holds.
-            table = self._tables.get(request_id)
-            if table is not None:
-                bs = self.block_size
-                start = request.num_computed_tokens
-                total = start + num_new_tokens
-                last = (total - 1) // bs
-                if last < len(table):
-                    ref_counts = self._ref_counts
-                    first = start // bs
-                    if ref_counts[table[first]] == 1 and (
-                        first == last
-                        or all(ref_counts[b] == 1 for b in table[first + 1 : last + 1])
-                    ):
-                        if total > self._num_slots.get(request_id, 0):
-                            self._num_slots[request_id] = total
-                        return _NOTHING_NEW
+            total = request.num_computed_tokens + num_new_tokens
+            if total > self._num_slots.get(request_id, 0):
+                self._num_slots[request_id] = total
+            return _NOTHING_NEW
         plan = self._plan_allocation(request, num_new_tokens, computed_blocks)
         table, start, total = plan.table, plan.start, plan.total
         hit_ids, num_loads, num_new_blocks = plan.hit_ids, plan.num_loads, plan.num_new_blocks
@@ -397,7 +388,28 @@ class KVCacheManager(DevicePoolViews):
     ) -> int:
         """Free blocks ``allocate_slots`` with these arguments would take (fresh ones,
         copy-on-write copies, disk loads, cached-free hits revived); changes nothing."""
+        if computed_blocks is None and self._fits_private_blocks(request, num_new_tokens):
+            return 0
         return self._plan_allocation(request, num_new_tokens, computed_blocks).num_blocks
+
+    def _fits_private_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """The decode fast path's test: the new tokens land in blocks the request's table
+        already holds, each referenced by this table alone (nothing to allocate or copy)."""
+        if num_new_tokens <= 0:
+            return False
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return False
+        start = request.num_computed_tokens
+        bs = self.block_size
+        last = (start + num_new_tokens - 1) // bs
+        if last >= len(table):
+            return False
+        ref_counts = self._ref_counts
+        first = start // bs
+        return ref_counts[table[first]] == 1 and (
+            first == last or all(ref_counts[b] == 1 for b in table[first + 1 : last + 1])
+        )
 
     def _plan_allocation(
         self, request: Request, num_new_tokens: int, computed_blocks: ComputedBlocks | None
