@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.cache_events import CacheEventLog
-from pagedllm.core.compaction import CompactionPlan, settle_limit
 from pagedllm.core.kv_cache_manager import (
     Allocation,
     CacheStats,
@@ -249,23 +248,11 @@ class HybridKVCacheManager(DevicePoolViews):
 
     # ---- resizing -----------------------------------------------------------------
 
-    def apply_compaction(self, plan: CompactionPlan) -> None:
-        self.pool.drop(plan.drops)
-        if not plan.moves:
-            return
-        mapping = plan.mapping()
-        self.pool.relocate(plan.moves)
+    def _blocks_relocated(self, mapping: dict[int, int]) -> None:
         for group in self.groups:
             group.remap_tables(mapping)
         if self.null_block is not None:
             self.null_block = mapping.get(self.null_block, self.null_block)
-
-    def finish_shrink(self, *, settle: bool = False) -> int:
-        if settle:
-            self.pool.set_limit(settle_limit(self.pool))
-        self.pool.truncate()
-        self._resized()
-        return self.num_blocks
 
     def _resized(self) -> None:
         for group in self.groups:

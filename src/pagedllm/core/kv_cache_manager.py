@@ -170,6 +170,35 @@ class DevicePoolViews:
         """The next slice of the shrink in progress (changes nothing)."""
         return plan_compaction(self.pool, max_moves=max_moves)
 
+    def apply_compaction(self, plan: CompactionPlan) -> None:
+        """Move the books as ``plan`` says, once the worker has copied its blocks: the
+        pool (ref counts, prefix index, LRU order), then whatever names blocks by id
+        (``_blocks_relocated``)."""
+        self.pool.drop(plan.drops)
+        if not plan.moves:
+            return
+        mapping = plan.mapping()
+        self.pool.relocate(plan.moves)
+        self._blocks_relocated(mapping)
+
+    def _blocks_relocated(self, mapping: dict[int, int]) -> None:
+        """Rename moved blocks (old id -> new id) everywhere the manager keeps ids."""
+        raise NotImplementedError
+
+    def finish_shrink(self, *, settle: bool = False) -> int:
+        """Drop the tail; returns the new number of blocks. With ``settle``, stop where
+        compaction got to: past the highest block still holding data."""
+        pool = self.pool
+        if settle:
+            pool.set_limit(settle_limit(pool))
+        self._tail_dropped(range(pool.limit, pool.num_blocks))
+        pool.truncate()
+        self._resized()
+        return self.num_blocks
+
+    def _tail_dropped(self, block_ids: range) -> None:
+        """The blocks ``finish_shrink`` is about to drop (nothing to do here)."""
+
     @property
     def shrink_pending(self) -> bool:
         """A shrink is under way: blocks at or above the limit still hold data."""
@@ -683,15 +712,8 @@ class KVCacheManager(DevicePoolViews):
 
     # ---- resizing (the elastic pool; core/compaction.py plans the moves) ------------
 
-    def apply_compaction(self, plan: CompactionPlan) -> None:
-        """Move the books as ``plan`` says, once the worker has copied its blocks: the
-        pool (ref counts, prefix index, LRU order), every block table and the swap
-        tier's record of which blocks copy which."""
-        self.pool.drop(plan.drops)
-        if not plan.moves:
-            return
-        mapping = plan.mapping()
-        self.pool.relocate(plan.moves)
+    def _blocks_relocated(self, mapping: dict[int, int]) -> None:
+        """Every block table and the swap tier's record of which blocks copy which."""
         self.remap_tables(mapping)
         self.swap.device_blocks_relocated(mapping)
 
@@ -707,17 +729,9 @@ class KVCacheManager(DevicePoolViews):
         """The shared pool grew or shrank (a grouped manager resized it)."""
         self._resized()
 
-    def finish_shrink(self, *, settle: bool = False) -> int:
-        """Drop the tail; returns the new number of blocks. With ``settle``, stop where
-        compaction got to: past the highest block still holding data."""
-        pool = self.pool
-        if settle:
-            pool.set_limit(settle_limit(pool))
+    def _tail_dropped(self, block_ids: range) -> None:
         # Their content is gone, as a re-allocated block's is.
-        self.swap.device_blocks_allocated(range(pool.limit, pool.num_blocks))
-        pool.truncate()
-        self._resized()
-        return self.num_blocks
+        self.swap.device_blocks_allocated(block_ids)
 
     # ---- views --------------------------------------------------------------------
 
