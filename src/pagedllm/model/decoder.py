@@ -38,6 +38,7 @@ from pagedllm.model.llama import (
     describe_routes,
     pack_linears,
     rope_inv_freq,
+    rotary,
 )
 from pagedllm.model.mla import LatentAttention, rope_frequencies
 from pagedllm.routes import Routes
@@ -335,11 +336,8 @@ class DecoderForCausalLM(nn.Module):
     def _rotary(
         self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # YaRN scales cos and sin (in float32, before the cast, as transformers does).
-        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        cos, sin = rotary(positions, inv_freq.to(positions.device), dtype, self.rope_scale)
+        return cos[:, None, :], sin[:, None, :]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (q/k/v, gate/up and the experts fused).

@@ -140,13 +140,17 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def rotary(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, head_dim] of ``positions`` [T], computed in float32 then cast (as
-    transformers does)."""
+    transformers does). ``scale``: YaRN's factor on cos and sin (in float32, before the
+    cast, as transformers does)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 class RotaryTable:
