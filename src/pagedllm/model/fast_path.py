@@ -266,14 +266,14 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
     first = layers[0]
     linears = [t for layer in layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (
-        any(t.small is None for t in linears)
-        or len({t.small.dtype for t in linears}) != 1
+        not on_one_small_gemm(linears)
         or any(layer.heads != first.heads or layer.scale != first.scale for layer in layers)
         or first.heads.qk_norm is not None
         or any(layer.backend is not first.backend for layer in layers)
         or {final_norm.eps} != {e for layer in layers for e in (layer.norm1_eps, layer.norm2_eps)}
     ):
         return None
+    sliding_windows, softcaps, kind = kind_arguments([layer.kind for layer in layers])
     return DecoderPlan(
         norm1=[layer.norm1 for layer in layers],
         qkv=[layer.qkv.small for layer in layers],
@@ -291,9 +291,26 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
         scale=first.scale,
         backend=first.backend,
         max_rows=small_gemm_max_rows(first.qkv.small),
-        sliding_windows=[layer.kind.sliding_window or 0 for layer in layers],
-        softcaps=[layer.kind.softcap or 0.0 for layer in layers],
-        kind=next((layer.kind for layer in layers if layer.kind.is_full), first.kind),
+        sliding_windows=sliding_windows,
+        softcaps=softcaps,
+        kind=kind,
+    )
+
+
+def on_one_small_gemm(linears: list[LinearTensors]) -> bool:
+    """Every linear has its ``small_gemm`` copy, all in one dtype (the one-call ops'
+    condition)."""
+    return all(t.small is not None for t in linears) and len({t.small.dtype for t in linears}) == 1
+
+
+def kind_arguments(kinds: list[AttentionKind]) -> tuple[list[int], list[float], AttentionKind]:
+    """Each layer's window and soft-cap as ``paged_attention`` takes them (0: none), and the
+    kind whose route decides whether the kernel takes a step whole: full attention when any
+    layer has it (the kernel takes every query of the others)."""
+    return (
+        [kind.sliding_window or 0 for kind in kinds],
+        [kind.softcap or 0.0 for kind in kinds],
+        next((kind for kind in kinds if kind.is_full), kinds[0]),
     )
 
 

@@ -19,7 +19,13 @@ import torch
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import small_gemm_max_rows
 from pagedllm.model.base import KVCaches
-from pagedllm.model.fast_path import group_arguments, kernel_steps, step_arguments
+from pagedllm.model.fast_path import (
+    group_arguments,
+    kernel_steps,
+    kind_arguments,
+    on_one_small_gemm,
+    step_arguments,
+)
 from pagedllm.model.llama import Heads, RotaryTable
 
 # The model's own loop: (hidden, positions, kv_caches, meta, output_rows) -> hidden states.
@@ -170,19 +176,15 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
     modules += [m for p in mlps for m in (p.gate_up_proj, p.down_proj)]
     linears = [m.tensors for m in modules]
     first = attns[0]
-    if (
-        any(t.small is None for t in linears)
-        or len({t.small.dtype for t in linears}) != 1
-        or any(
-            a.heads.counts != first.heads.counts
-            or a.head_dim != first.head_dim
-            or a.scale != first.scale
-            or a.backend is not first.backend
-            for a in attns
-        )
+    if not on_one_small_gemm(linears) or any(
+        a.heads.counts != first.heads.counts
+        or a.head_dim != first.head_dim
+        or a.scale != first.scale
+        or a.backend is not first.backend
+        for a in attns
     ):
         return None
-    kinds = [a.kind for a in attns]
+    sliding_windows, softcaps, kind = kind_arguments([a.kind for a in attns])
     return GemmaPlan(
         in_norm=[offset_weight(layer.input_layernorm) for layer in layers],
         q_norm=[None if a.q_norm is None else offset_weight(a.q_norm) for a in attns],
@@ -204,7 +206,7 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
         scale=first.scale,
         backend=first.backend,
         max_rows=small_gemm_max_rows(first.qkv_proj.tensors.small),
-        sliding_windows=[kind.sliding_window or 0 for kind in kinds],
-        softcaps=[kind.softcap or 0.0 for kind in kinds],
-        kind=next((kind for kind in kinds if kind.is_full), kinds[0]),
+        sliding_windows=sliding_windows,
+        softcaps=softcaps,
+        kind=kind,
     )
