@@ -21,6 +21,8 @@ from pagedllm.core.accounting import group_wastes, waste
 from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.request import Request
 
+from .conftest import copy_blocks
+
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5])
 TOKENS = st.integers(0, 3)
 
@@ -74,15 +76,7 @@ class HybridKVMachine(RuleBasedStateMachine):
     def compute(self, request: Request, num_new: int, allocation) -> None:
         if allocation.block_copies:
             event("copy-on-write")
-        contents = [
-            {o: self.device[s, o] for o in range(self.bs) if (s, o) in self.device}
-            for s, _ in allocation.block_copies
-        ]
-        for (_, dst), content in zip(allocation.block_copies, contents, strict=True):
-            for off in range(self.bs):
-                self.device.pop((dst, off), None)
-            for off, value in content.items():
-                self.device[dst, off] = value
+        copy_blocks(allocation.block_copies, self.device, self.device, self.bs)
         start = request.num_computed_tokens
         for group, table in enumerate(self.group_tables(request.request_id)):
             for pos in range(start, start + num_new):
@@ -185,14 +179,7 @@ class HybridKVMachine(RuleBasedStateMachine):
     @rule(max_moves=st.one_of(st.none(), st.integers(1, 3)))
     def compact(self, max_moves) -> None:
         plan = self.kv.plan_compaction(max_moves)
-        contents = [
-            {o: self.device[s, o] for o in range(self.bs) if (s, o) in self.device}
-            for s, _ in plan.moves
-        ]
-        for (_, dst), content in zip(plan.moves, contents, strict=True):
-            for off in range(self.bs):
-                self.device.pop((dst, off), None)
-            self.device.update({(dst, off): v for off, v in content.items()})
+        copy_blocks(plan.moves, self.device, self.device, self.bs)
         if plan.moves:
             event("compaction moved blocks")
         self.kv.apply_compaction(plan)

@@ -27,6 +27,8 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.tiers import DiskTier
 
+from .conftest import copy_blocks
+
 # A few shared prefixes over a tiny alphabet, so hits, collisions of content
 # across tenants and shared partial blocks all happen often.
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5])
@@ -99,16 +101,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.device[table[pos // self.bs], pos % self.bs] = request.all_token_ids[pos]
 
     def copy_blocks(self, pairs, src_tier, dst_tier) -> None:
-        # All reads happen before writes, as a batched copy on the worker would.
-        contents = [
-            {off: src_tier[src, off] for off in range(self.bs) if (src, off) in src_tier}
-            for src, _ in pairs
-        ]
-        for (_, dst), content in zip(pairs, contents, strict=True):
-            for off in range(self.bs):
-                dst_tier.pop((dst, off), None)
-            for off, token in content.items():
-                dst_tier[dst, off] = token
+        copy_blocks(pairs, src_tier, dst_tier, self.bs)
 
     def disk_io(self) -> set[int]:
         """Do the disk I/O the manager planned; the device blocks that failed to load."""
