@@ -286,7 +286,8 @@ class HybridKVCacheManager(DevicePoolViews):
         return 0
 
     def stats(self) -> CacheStats:
-        first = self.groups[0].stats()
+        per_group = [group.stats() for group in self.groups]
+        first = per_group[0]
         used = self.pool.num_used_blocks
         cached = self.pool.num_cached_free_blocks
         retired = self.pool.num_retired_blocks
@@ -294,9 +295,9 @@ class HybridKVCacheManager(DevicePoolViews):
             GroupCacheStats(
                 sliding_window=group.sliding_window,
                 blocks_used=group.num_blocks_held(),
-                window_freed_blocks=group.stats().window_freed_blocks,
+                window_freed_blocks=stats.window_freed_blocks,
             )
-            for group in self.groups
+            for group, stats in zip(self.groups, per_group, strict=True)
         )
         return CacheStats(
             block_size=self.block_size,
