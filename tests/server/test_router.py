@@ -299,3 +299,63 @@ def test_chat_prompts_are_routed_by_their_rendered_tokens(make_harness):
 
     cached = _run(app, harnesses, body)
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == cached[1]
+
+
+class HangingEventsTransport(KillableTransport):
+    """A replica whose cache-events endpoint stops answering (a hung or stopped process)
+    once ``hang()`` is called; completions would still be served."""
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(app)
+        self.hung = asyncio.Event()
+        self.never = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.hung.is_set() and request.url.path == "/v1/cache/events":
+            await self.never.wait()
+        return await super().handle_async_request(request)
+
+
+def test_a_hung_replica_is_marked_unhealthy_and_does_not_stall_the_others(make_harness):
+    harnesses = [make_harness() for _ in range(2)]
+    transports = [HangingEventsTransport(h.app) for h in harnesses]
+    mounts = {f"http://replica{i}": t for i, t in enumerate(transports)}
+    client = httpx.AsyncClient(mounts=mounts, timeout=30)
+    app = create_router_app(
+        ["http://replica0", "http://replica1"],
+        tokenizer=harnesses[0].tokenizer,
+        policy="round_robin",
+        client=client,
+        poll_interval=0.01,
+        poll_timeout=0.2,
+    )
+
+    async def body(client: httpx.AsyncClient) -> dict:
+        # Before the poll timeout existed this hung for ever: fail instead.
+        return await asyncio.wait_for(steps(client), 30)
+
+    async def steps(client: httpx.AsyncClient) -> dict:
+        router = app.state.router
+        await router.refresh_all()
+        assert all(r.healthy for r in router.replicas)
+        transports[1].hung.set()
+        router.start()
+        # While replica 1 hangs, replica 0's view goes on following its events.
+        seq_before = router.replicas[0].view.next_seq
+        done = [await _complete(client, _prompt(0, i)) for i in range(2)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while router.replicas[1].healthy or router.replicas[0].view.next_seq == seq_before:
+            assert loop.time() < deadline, "the poller stalled on the hung replica"
+            await asyncio.sleep(0.01)
+        later = [await _complete(client, _prompt(1, i)) for i in range(3)]
+        report = (await client.get("/v1/router")).json()
+        await router.stop()
+        return {"done": done, "later": later, "report": report}
+
+    result = _run(app, harnesses, body)
+    replicas = result["report"]["replicas"]
+    assert replicas[0]["healthy"] is True and replicas[1]["healthy"] is False
+    # Every request after the hang was noticed went to the replica that answers.
+    assert replicas[0]["requests"] >= 3 + 1
+    assert all(len(out["choices"][0]["text"]) for out in result["done"] + result["later"])

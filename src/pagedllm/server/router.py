@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 PROXIED_HEADERS = ("authorization", "x-request-id", "content-type")
 PENDING_TTL_S = 30.0  # a routed prompt not confirmed by events this long is forgotten
+POLL_TIMEOUT_S = 5.0  # a replica whose events poll takes longer is marked unhealthy
 
 
 @dataclass(slots=True)
@@ -161,6 +162,7 @@ class Router:
         *,
         client: httpx.AsyncClient | None = None,
         poll_interval: float = 0.1,
+        poll_timeout: float = POLL_TIMEOUT_S,
     ) -> None:
         if not replica_urls:
             raise ValueError("the router needs at least one --replica URL")
@@ -169,6 +171,7 @@ class Router:
         self.tokenizer = tokenizer
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.poll_interval = poll_interval
+        self.poll_timeout = poll_timeout
         self.metrics = RouterMetrics()
         self._poller: asyncio.Task | None = None
 
@@ -180,12 +183,18 @@ class Router:
         if replica.view.epoch is not None:
             params["epoch"] = replica.view.epoch
         try:
-            response = await self.client.get(f"{replica.url}/v1/cache/events", params=params)
+            # The proxy's client has no read timeout (streams may run for minutes); a poll
+            # has one, so a replica that hangs is marked unhealthy instead of stalling.
+            response = await asyncio.wait_for(
+                self.client.get(f"{replica.url}/v1/cache/events", params=params),
+                self.poll_timeout,
+            )
             response.raise_for_status()
             reply = parse_events_reply(response.json())
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, TimeoutError) as exc:
             if replica.healthy:
-                logger.warning("replica %s stopped answering: %s", replica.url, exc)
+                reason = str(exc) or f"no answer in {self.poll_timeout:g} s"
+                logger.warning("replica %s stopped answering: %s", replica.url, reason)
             replica.healthy = False
             return
         try:
@@ -216,8 +225,12 @@ class Router:
         await self.client.aclose()
 
     async def _poll_forever(self) -> None:
+        # One loop per replica: a slow or hung replica never delays the others' views.
+        await asyncio.gather(*(self._poll_replica(r) for r in self.replicas))
+
+    async def _poll_replica(self, replica: Replica) -> None:
         while True:
-            await self.refresh_all()
+            await self.refresh(replica)
             await asyncio.sleep(self.poll_interval)
 
     # ---- routing ------------------------------------------------------------------
@@ -461,6 +474,7 @@ def create_router_app(
     policy: str = "prefix_aware",
     max_imbalance: int = 8,
     poll_interval: float = 0.1,
+    poll_timeout: float = POLL_TIMEOUT_S,
     client: httpx.AsyncClient | None = None,
 ) -> FastAPI:
     """The router's app; ``client`` lets tests route through in-process replicas."""
@@ -470,6 +484,7 @@ def create_router_app(
         tokenizer,
         client=client,
         poll_interval=poll_interval,
+        poll_timeout=poll_timeout,
     )
 
     @contextlib.asynccontextmanager

@@ -20,6 +20,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                        "hit no longer wins (prefix_aware)")  # fmt: skip
     group.add_argument("--poll-interval", type=float, default=0.1,
                        help="seconds between reads of the replicas' cache events")  # fmt: skip
+    group.add_argument("--poll-timeout", type=float, default=5.0,
+                       help="seconds a replica may take to answer a read of its cache events "
+                       "before it is marked unhealthy (it gets traffic again once it answers)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +42,17 @@ def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_mo
     from pagedllm.model.loader import load_tokenizer
     from pagedllm.server.router import create_router_app
 
-    if args.max_imbalance < 0 or args.poll_interval <= 0:
-        raise SystemExit("--max-imbalance must be >= 0 and --poll-interval positive")
+    if args.max_imbalance < 0 or args.poll_interval <= 0 or args.poll_timeout <= 0:
+        raise SystemExit(
+            "--max-imbalance must be >= 0, --poll-interval and --poll-timeout positive"
+        )
     app = create_router_app(
         replica_urls,
         tokenizer=load_tokenizer(tokenizer_model),
         policy=args.routing_policy,
         max_imbalance=args.max_imbalance,
         poll_interval=args.poll_interval,
+        poll_timeout=args.poll_timeout,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
