@@ -22,9 +22,23 @@ T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters that JSON leaves raw but line readers split on (Python's str.splitlines, hence
+# httpx's aiter_lines): a token holding one would cut its event in two. They can stand only
+# inside JSON strings, where their escapes mean the same.
+LINE_BREAKS_IN_JSON = (
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+    (b"\xc2\x85", b"\\u0085"),
+)
+
+
 def sse_event(payload: BaseModel, *, exclude: set[str] | dict[str, Any] | None = None) -> bytes:
-    """One SSE event carrying ``payload`` as compact JSON."""
-    return b"data: " + payload.model_dump_json(exclude=exclude).encode() + b"\n\n"
+    """One SSE event carrying ``payload`` as compact JSON, on one line for any line reader."""
+    data = payload.model_dump_json(exclude=exclude).encode()
+    for raw, escaped in LINE_BREAKS_IN_JSON:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
