@@ -200,14 +200,23 @@ def test_the_prefix_lookup_has_no_side_effect(tier_engine: Callable[..., LLMEngi
     engine.kv.free(Request("probe", second))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4", "fp8_e4m3"])
 def test_torch_runner_restores_kv_bit_identical(
-    model_engine: Callable[..., LLMEngine], tmp_path: Path
+    model_engine: Callable[..., LLMEngine], tmp_path: Path, kv_cache_dtype: str
 ) -> None:
+    # A quantized cache's blocks go to disk with their scales (and minimums); read back,
+    # data, scales and the tokens that follow are what the engine had before.
     def kv_digest(engine: LLMEngine, block_ids: list[int]) -> str:
         data = engine.runner.kv_cache.read_blocks(block_ids)
         return hashlib.sha256(data.tobytes()).hexdigest()
 
-    common = dict(block_size=BS, num_blocks=64, max_model_len=64, dtype="bfloat16")
+    common = dict(
+        block_size=BS,
+        num_blocks=64,
+        max_model_len=64,
+        dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     engine = model_engine(kv_offload_dir=str(tmp_path / "kv"), **common)
     prompt = conversation(10, 33)
     engine.add_request("w", prompt, GREEDY)
@@ -224,8 +233,13 @@ def test_torch_runner_restores_kv_bit_identical(
     assert restarted.scheduler.requests["r"].num_cached_tokens == 32
     assert kv_digest(restarted, restarted.kv.block_table("r")[:8]) == written
     assert run_all(restarted)["r"].outputs[0].token_ids == expected
-    with pytest.raises(ValueError, match="another model or KV layout.*kv_dtype"):
+    # The first difference found is named: the weights' dtype, or (float K/V) the K/V dtype.
+    named = "kv_dtype" if kv_cache_dtype == "auto" else "weights"
+    with pytest.raises(ValueError, match=f"another model or KV layout.*{named}"):
         model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "dtype": "float32"})
+    other = "int8" if kv_cache_dtype == "auto" else "auto"
+    with pytest.raises(ValueError, match="another model or KV layout"):
+        model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "kv_cache_dtype": other})
     assert os.listdir(tmp_path / "kv")
 
 
