@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
-from pagedllm.kv_dtypes import check_kv_cache_dtype, is_quantized
+from pagedllm.kv_dtypes import check_kv_cache_dtype
 
 GIB = 1 << 30
 # Without --kv-cache-memory or --memory-fraction: enough for a few long sessions of
@@ -104,11 +104,6 @@ class EngineConfig:
             self.kv_cache_memory is None or self.kv_cache_memory > self.kv_cache_memory_max
         ):
             raise ValueError("kv_cache_memory_max needs kv_cache_memory (MIN) <= it (MAX)")
-        if self.kv_cache_memory_max is not None and is_quantized(self.kv_cache_dtype):
-            raise ValueError(
-                f"an elastic KV pool (kv_cache_memory MIN:MAX) cannot be resized with "
-                f"kv_cache_dtype={self.kv_cache_dtype!r} yet; use a fixed kv_cache_memory"
-            )
         if self.elastic_idle_s < 0:
             raise ValueError(f"elastic_idle_s must be >= 0, got {self.elastic_idle_s}")
         if not 0.0 < self.compaction_step_fraction <= 10.0:

@@ -40,7 +40,6 @@ from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
-from pagedllm.kv_dtypes import is_quantized
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsClose, SupportsDiskTier
@@ -391,7 +390,6 @@ class LLMEngine:
         tail given back; or grown in place). A shrink stops above what running requests
         hold (plus a block each) and the largest unfinished request's need, unless
         ``preempt``; the report says so. See ``engine/elastic.py``."""
-        self._check_resizable()
         return self.elastic.resize(num_bytes, preempt=preempt)
 
     def start_resize(
@@ -403,15 +401,7 @@ class LLMEngine:
     ) -> int:
         """Begin a resize carried out between the next steps in bounded slices, so running
         requests keep generating; ``on_done`` gets the report. Returns the resize's id."""
-        self._check_resizable()
         return self.elastic.start(num_bytes, preempt=preempt, on_done=on_done)
-
-    def _check_resizable(self) -> None:
-        if is_quantized(self.config.kv_cache_dtype):
-            raise ValueError(
-                f"resizing a KV cache of kv_cache_dtype={self.config.kv_cache_dtype!r} is not "
-                f"supported yet"
-            )
 
     def resize_report(self, resize_id: int) -> dict[str, Any] | None:
         """The report of a resize ``start_resize`` began, as a dict, once it is done

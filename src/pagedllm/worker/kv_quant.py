@@ -65,13 +65,7 @@ class QuantizedKVCache:
             dtype=spec.dtype,
             device=self.device,
         )
-        self.device_caches = [
-            tuple(
-                QuantizedCache(codec, *parts, stage=self._stage[layer, side])
-                for side, (codec, parts) in enumerate(zip(self.codecs, sides, strict=True))
-            )
-            for layer, sides in enumerate(self._allocate(num_blocks, self.device))
-        ]
+        self.device_caches = self._caches(self._allocate(num_blocks, self.device))
         self._host_parts = self._allocate(num_host_blocks, torch.device("cpu"))
         self._slot_of: dict[int, int] = {}  # open block id -> staging slot
         self._free_slots = list(range(INITIAL_STAGING_SLOTS - 1, -1, -1))
@@ -142,7 +136,24 @@ class QuantizedKVCache:
             self._drop(block_id)
 
     def resize(self, num_blocks: int) -> None:
-        raise NotImplementedError("resizing a quantized KV cache is not supported")
+        """Keep device blocks ``0 .. num_blocks - 1`` (those past a smaller size hold
+        nothing anyone reads: the core compacted them away): every pool part (data, scales,
+        minimums) re-allocated at the new size with the kept blocks copied. Staged rows stay
+        under their block ids; a slot of a dropped block is returned."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        for block_id in [b for b in self._slot_of if b >= num_blocks]:
+            self._drop(block_id)
+        kept = min(num_blocks, self.num_blocks)
+        layers = self._allocate(num_blocks, self.device)
+        for sides, caches in zip(layers, self.device_caches, strict=True):
+            for parts, cache in zip(sides, caches, strict=True):
+                for new, old in zip(
+                    [p for p in parts if p is not None], cache.parts(), strict=True
+                ):
+                    new[:kept].copy_(old[:kept])
+        self.device_caches = self._caches(layers)
+        self.num_blocks = num_blocks
 
     def release_blocks(self, block_ids: Collection[int], keep: Collection[int] = ()) -> None:
         """The scheduler freed ``block_ids``: return their staging slots, except those of
@@ -224,6 +235,16 @@ class QuantizedKVCache:
         assert len(held) + len(self._free_slots) == self.num_staging_slots
 
     # ---- internal -----------------------------------------------------------------------
+
+    def _caches(self, layers: list[tuple[tuple, tuple]]) -> list[tuple[QuantizedCache, ...]]:
+        """Each layer's (K, V) ``QuantizedCache`` over ``_allocate``'s parts and the staging."""
+        return [
+            tuple(
+                QuantizedCache(codec, *parts, stage=self._stage[layer, side])
+                for side, (codec, parts) in enumerate(zip(self.codecs, sides, strict=True))
+            )
+            for layer, sides in enumerate(layers)
+        ]
 
     def _allocate(self, num_blocks: int, device: torch.device) -> list[tuple[tuple, tuple]]:
         """Per layer, per side, the pool parts: (data, scale, minimum); zeros."""
