@@ -60,6 +60,20 @@ def test_env_reports_cpu_threads_kernels_and_every_route(tiny_model_dir, capsys)
         assert "paged_attention" in routes["attention"]
 
 
+def test_env_names_the_float32_route(tiny_model_dir, capsys):
+    assert main(["env", "--model", str(tiny_model_dir), "--dtype", "float32", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    routes, ops = env["routes"], layer_ops()
+    isa = "none" if ops is None else ops.small_gemm_f32_isa()
+    assert env["kernels"]["small_gemm_f32"] == isa
+    if isa == "none":
+        assert "small_gemm" not in routes["linears"]
+    else:  # AVX-512 or AVX2 + FMA: every linear on the own kernel, all layers in one call
+        assert routes["linears"].startswith(f"{num_linears(tiny_model_dir)} on own kernel")
+        assert f"small_gemm ({isa}) up to 256 rows, torch beyond" in routes["linears"]
+        assert routes["decode_loop"].startswith("fused C++: every layer in one call")
+
+
 def num_linears(model_dir) -> int:
     """qkv, o, gate_up and down per layer, and the LM head (tied or not)."""
     config = json.loads((model_dir / "config.json").read_text())

@@ -1,5 +1,6 @@
 """The small-batch linear kernel (csrc/small_gemm*.cpp) against torch: bf16 on each route this
-CPU has (the AMX tile unit, AVX-512-bf16 dot products), float32 with AVX-512."""
+CPU has (the AMX tile unit, AVX-512-bf16 dot products), float32 on each of its routes (AVX-512,
+AVX2 with FMA), which give the same bits."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedllm.model.llama import Linear
 
 ops = kernel_ops.layer_ops()
 BF16_ROUTES = ["amx", "avx512_bf16"]
+F32_ROUTES = ["avx512", "avx2"]
 
 
 @pytest.fixture(params=BF16_ROUTES)
@@ -31,6 +33,26 @@ def bf16_route(request):
 
 
 on_bf16_routes = pytest.mark.usefixtures("bf16_route")
+
+
+@pytest.fixture(params=F32_ROUTES)
+def f32_route(request):
+    """Runs the test on one float32 route, capped with set_small_gemm_f32_isa; skips where
+    this CPU (or the build) lacks it."""
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    saved = ops.set_small_gemm_f32_isa(request.param)
+    try:
+        if ops.small_gemm_f32_isa() != request.param:
+            pytest.skip(
+                f"this CPU has no {request.param} (float32 runs {ops.small_gemm_f32_isa()})"
+            )
+        yield request.param
+    finally:
+        ops.set_small_gemm_f32_isa(saved)
+
+
+on_f32_routes = pytest.mark.usefixtures("f32_route")
 
 
 def bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -123,11 +145,9 @@ def test_not_packed_where_it_does_not_apply():
     assert pack_small_weight(bf16(32, 64, seed=0), None) is None  # no kernels
 
 
-@pytest.mark.skipif(
-    ops is None or not ops.small_gemm_available(False), reason="no C++ kernels or no AVX-512"
-)
-@pytest.mark.parametrize("n,k", [(16, 1), (48, 100), (768, 512), (512, 1536)])
-@pytest.mark.parametrize("m", [1, 7, 8, 9, 64, 65])
+@on_f32_routes
+@pytest.mark.parametrize("n,k", [(16, 1), (64, 40), (48, 100), (768, 512), (960, 576), (512, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 9, 15, 16, 17, 64, 65])
 def test_float32_matches_linear(m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)
     w, x, bias = (torch.randn(*s, generator=gen) for s in ((n, k), (m, k), (n,)))
@@ -139,6 +159,89 @@ def test_float32_matches_linear(m, n, k):
         torch.testing.assert_close(ops.small_gemm(x, packed, b), F.linear(x, w, b), **tol)
     wide = torch.randn(m, k + 8, generator=gen)[:, 3 : 3 + k]  # strided rows
     torch.testing.assert_close(ops.small_gemm(wide, packed), F.linear(wide.contiguous(), w), **tol)
+
+
+def float32_problem(n: int, k: int, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*s, generator=gen) for s in ((n, k), (m, k), (n,)))
+
+
+@on_f32_routes
+@pytest.mark.parametrize("n,k", [(48, 40), (576, 576), (960, 576), (576, 1536)])
+def test_float32_rows_do_not_depend_on_the_batch_or_threads(n, k):
+    # Each sum runs over K in order from zero whatever the register block and the thread's
+    # column range: row r of a batch has the bits of row r multiplied alone (what the fused
+    # decode path relies on when it computes only the rows it reads).
+    w, x, bias = float32_problem(n, k, 256, seed=n + k)
+    packed = ops.pack_small_gemm(w)
+    saved = torch.get_num_threads()
+    try:
+        for b in (None, bias):
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                batch = ops.small_gemm(x, packed, b)
+                part = ops.small_gemm(x[:37], packed, b)
+                assert torch.equal(part, batch[:37])
+                for r in (0, 5, 36):
+                    assert torch.equal(ops.small_gemm(x[r : r + 1], packed, b)[0], part[r])
+                assert torch.equal(ops.small_gemm(x[3:5], packed, b), part[3:5])
+                results.append(batch)
+            assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(saved)
+
+
+def in_order_fma_sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T as the kernels compute it: per output, from 0.0, one fused multiply-add per k
+    in increasing order (a float32 product is exact in float64, the sum rounded once to
+    float32: a double rounding could differ, about once in 2**28 terms), then + bias."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for t in range(x.shape[1]):
+        acc = (x[:, t, None].double() * w[None, :, t].double() + acc.double()).float()
+    return acc + (0.0 if bias is None else bias)
+
+
+@on_f32_routes
+@pytest.mark.parametrize("n,k", [(64, 40), (48, 576)])
+def test_float32_is_the_in_order_fma_sum(n, k):
+    # The arithmetic both ISAs share, so each gives the other's bits.
+    w, x, bias = float32_problem(n, k, 7, seed=n * k)
+    packed = ops.pack_small_gemm(w)
+    for b in (None, bias):
+        assert torch.equal(ops.small_gemm(x, packed, b), in_order_fma_sums(x, w, b))
+
+
+def test_float32_routes_give_the_same_bits():
+    if ops is None or ops.small_gemm_f32_isa() != "avx512":
+        pytest.skip("needs the AVX-512 float32 route beside the AVX2 one")
+    w, x, bias = float32_problem(960, 576, 37, seed=9)
+    packed = ops.pack_small_gemm(w)
+    best = ops.small_gemm(x, packed, bias)
+    saved = ops.set_small_gemm_f32_isa("avx2")
+    try:
+        if ops.small_gemm_f32_isa() != "avx2":
+            pytest.skip("built without the AVX2 float32 route")
+        assert torch.equal(ops.small_gemm(x, packed, bias), best)
+    finally:
+        ops.set_small_gemm_f32_isa(saved)
+
+
+def test_float32_route_cap_is_checked_and_restored():
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    best = ops.small_gemm_f32_isa()
+    packed = ops.pack_small_gemm(torch.randn(32, 64))
+    saved = ops.set_small_gemm_f32_isa("none")
+    try:
+        assert ops.small_gemm_f32_isa() == "none" and not ops.small_gemm_available(False)
+        with pytest.raises(RuntimeError, match="AVX-512 or AVX2 with FMA"):
+            ops.small_gemm(torch.randn(2, 64), packed)
+        with pytest.raises(RuntimeError, match="unknown ISA"):
+            ops.set_small_gemm_f32_isa("sse")
+    finally:
+        ops.set_small_gemm_f32_isa(saved)
+    assert ops.small_gemm_f32_isa() == best
 
 
 @on_bf16_routes

@@ -44,7 +44,10 @@ def make_runner(path, dtype: str, whole: bool) -> TorchModelRunner:
     runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64)
     path = loaded.model.fast_path
     if path is None or path.plan is None:
-        pytest.skip("no small_gemm for this dtype here (tile unit / AVX-512), or no kernels")
+        pytest.skip(
+            "no small_gemm for this dtype here (bf16: AMX or AVX-512-bf16; float32: AVX-512 "
+            "or AVX2), or no kernels"
+        )
     if not whole:
         path.plan = None
     return runner

@@ -69,6 +69,7 @@ def environment(model: str, dtype: str, attention_backend: str) -> dict[str, Any
         "kernels": {
             "library": build_status(),
             "small_gemm_bf16": ops.small_gemm_isa() if ops is not None else "none",
+            "small_gemm_f32": ops.small_gemm_f32_isa() if ops is not None else "none",
         },
         "model": loaded.name,
         "routes": {**routes.as_dict(), "dtype_reason": loaded.dtype_reason},
@@ -86,6 +87,7 @@ def format_environment(env: dict[str, Any]) -> str:
         f"torch: {env['torch']}",
         f"kernels: {kernels['library']}",
         f"small_gemm bf16 route: {kernels['small_gemm_bf16']}",
+        f"small_gemm float32 route: {kernels['small_gemm_f32']}",
         f"model: {env['model']}",
         "routes:",
     ]

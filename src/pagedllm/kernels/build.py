@@ -32,6 +32,7 @@ SOURCES = tuple(
         "small_gemm.cpp",
         "small_gemm_amx.cpp",
         "small_gemm_avx512.cpp",
+        "small_gemm_avx2.cpp",
         "decoder_layers.cpp",
         "gemma_layers.cpp",
         "quant_attention.cpp",

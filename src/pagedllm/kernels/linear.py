@@ -28,7 +28,7 @@ def small_gemm_max_rows(small: torch.Tensor) -> int:
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
     """The weight laid out for ``ops.small_gemm`` (``kernels/csrc/small_gemm.cpp``), or
     None where that kernel does not apply: bf16 needs the tile unit or AVX-512-bf16 and rows in 16s,
-    columns in 32s; float32 needs AVX-512 and rows in 16s."""
+    columns in 32s; float32 needs AVX-512 or AVX2 with FMA and rows in 16s."""
     bf16 = weight.dtype == torch.bfloat16
     if (
         ops is None

@@ -11,8 +11,9 @@ from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows
 
 
 def small_gemm_route(dtype: torch.dtype, ops: Any) -> str:
-    """The ISA ``small_gemm`` runs ``dtype`` on."""
-    return ops.small_gemm_isa() if dtype == torch.bfloat16 else "avx512"
+    """The ISA ``small_gemm`` runs ``dtype`` on: bf16 "amx" or "avx512_bf16", float32
+    "avx512" or "avx2" ("none" where it has none)."""
+    return ops.small_gemm_isa() if dtype == torch.bfloat16 else ops.small_gemm_f32_isa()
 
 
 def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:

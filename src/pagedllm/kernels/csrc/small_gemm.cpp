@@ -2,7 +2,8 @@
 // the order the kernel consumes them (small_gemm.h), so every thread streams one contiguous
 // range front to back. This file packs the weights, checks the arguments and dispatches to
 // one ISA variant: bf16 on the tile unit (small_gemm_amx.cpp) or with AVX-512-bf16 dot
-// products (small_gemm_avx512.cpp), float32 with AVX-512 FMAs.
+// products (small_gemm_avx512.cpp), float32 with FMAs on AVX-512 (small_gemm_avx512.cpp) or
+// AVX2 (small_gemm_avx2.cpp), which give the same bits.
 //
 // out = x @ w.T (+ bias): fp32 sums of bf16 products, rounded once to bf16 (as oneDNN).
 
@@ -61,9 +62,6 @@ Isa bf16_isa() {
   return Isa::none;
 }
 
-// bf16 needs the tile unit or AVX-512-bf16, float32 AVX-512.
-bool available(bool bf16) { return bf16 ? bf16_isa() != Isa::none : pagedllm_gemm::f32_built(); }
-
 std::string small_gemm_isa() { return isa_name(bf16_isa()); }
 
 // Caps the bf16 route at `isa` ("amx", "avx512_bf16" or "none"); returns the previous cap.
@@ -72,6 +70,51 @@ std::string set_small_gemm_isa(const std::string& isa) {
     if (isa == isa_name(static_cast<Isa>(i))) return isa_name(static_cast<Isa>(isa_cap().exchange(i)));
   }
   TORCH_CHECK(false, "set_small_gemm_isa: unknown ISA '", isa, "' (amx, avx512_bf16, none)");
+}
+
+// The float32 routes, best first, as for bf16; both give the same bits.
+enum class F32Isa { avx512 = 0, avx2 = 1, none = 2 };
+
+bool f32_ready(F32Isa isa) {
+  switch (isa) {
+    case F32Isa::avx512: return pagedllm_gemm::avx512_f32_built();
+    case F32Isa::avx2: return pagedllm_gemm::avx2_f32_built();
+    default: return false;
+  }
+}
+
+const char* f32_name(F32Isa isa) {
+  switch (isa) {
+    case F32Isa::avx512: return "avx512";
+    case F32Isa::avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+// The best float32 route allowed (set_small_gemm_f32_isa): tests run AVX2 on an AVX-512 CPU
+// to compare the two.
+std::atomic<int>& f32_cap() {
+  static std::atomic<int> cap{static_cast<int>(F32Isa::avx512)};
+  return cap;
+}
+
+F32Isa f32_isa() {
+  for (int i = f32_cap().load(); i < static_cast<int>(F32Isa::none); ++i)
+    if (f32_ready(static_cast<F32Isa>(i))) return static_cast<F32Isa>(i);
+  return F32Isa::none;
+}
+
+// bf16 needs the tile unit or AVX-512-bf16, float32 AVX-512 or AVX2 + FMA.
+bool available(bool bf16) { return bf16 ? bf16_isa() != Isa::none : f32_isa() != F32Isa::none; }
+
+std::string small_gemm_f32_isa() { return f32_name(f32_isa()); }
+
+// Caps the float32 route at `isa` ("avx512", "avx2" or "none"); returns the previous cap.
+std::string set_small_gemm_f32_isa(const std::string& isa) {
+  for (int i = 0; i <= static_cast<int>(F32Isa::none); ++i) {
+    if (isa == f32_name(static_cast<F32Isa>(i))) return f32_name(static_cast<F32Isa>(f32_cap().exchange(i)));
+  }
+  TORCH_CHECK(false, "set_small_gemm_f32_isa: unknown ISA '", isa, "' (avx512, avx2, none)");
 }
 
 at::Tensor pack_f32(const at::Tensor& w) {
@@ -111,9 +154,17 @@ at::Tensor pack_small_gemm(const at::Tensor& w) {
   return out;
 }
 
-// float32: the AVX-512 kernel.
+// The float32 kernel of `isa` (not none).
+void f32_gemm(F32Isa isa, const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n,
+              const float* bias, float* out) {
+  if (isa == F32Isa::avx512) return pagedllm_gemm::avx512_f32_gemm(x, lda, m, k, w, n, bias, out);
+  return pagedllm_gemm::avx2_f32_gemm(x, lda, m, k, w, n, bias, out);
+}
+
+// float32: the AVX-512 kernel, else the AVX2 one.
 at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(pagedllm_gemm::f32_built(), "small_gemm in float32 needs AVX-512");
+  const F32Isa isa = f32_isa();
+  TORCH_CHECK(isa != F32Isa::none, "small_gemm in float32 needs AVX-512 or AVX2 with FMA");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == COLS,
               "small_gemm: packed must come from pack_small_gemm");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * COLS;
@@ -124,8 +175,8 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const s
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  pagedllm_gemm::f32_gemm(x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), n,
-                          bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, out.data_ptr<float>());
+  f32_gemm(isa, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), n,
+           bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, out.data_ptr<float>());
   return out;
 }
 
@@ -298,6 +349,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("small_gemm_available(bool bf16=True) -> bool", &available);
   m.def("small_gemm_isa() -> str", &small_gemm_isa);
   m.def("set_small_gemm_isa(str isa) -> str", &set_small_gemm_isa);
+  m.def("small_gemm_f32_isa() -> str", &small_gemm_f32_isa);
+  m.def("set_small_gemm_f32_isa(str isa) -> str", &set_small_gemm_f32_isa);
   m.def("pack_small_gemm(Tensor w) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
   m.def("small_gemm_argmax(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");

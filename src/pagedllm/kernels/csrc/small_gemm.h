@@ -1,6 +1,7 @@
 // small_gemm's shared definitions: the packed weight layout, a bf16 problem after its checks,
 // and the ISA variants behind small_gemm.cpp's one dispatch (small_gemm_amx.cpp: the tile
-// unit; small_gemm_avx512.cpp: AVX-512-bf16 dot products and the float32 AVX-512 kernel).
+// unit; small_gemm_avx512.cpp: AVX-512-bf16 dot products and the float32 AVX-512 kernel;
+// small_gemm_avx2.cpp: the float32 AVX2 + FMA kernel).
 //
 // Packed bf16 layout of w [N, K]: [N / 16][K / 32][16][32] bf16 — for each group of 16
 // output columns, for each 32-wide slice of K, one tile whose row p holds, for each column
@@ -64,10 +65,14 @@ bool amx_built();
 bool avx512_bf16_built();
 bool amx_permitted();
 
-// float32 with AVX-512 FMAs: out = x @ w.T + bias (w packed [N / 16][K][16]); x [m, k] with
-// row stride lda, out [m, n] contiguous.
-bool f32_built();
-void f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
-              float* out);
+// float32: out = x @ w.T + bias (w packed [N / 16][K][16]); x [m, k] with row stride lda,
+// out [m, n] contiguous. One variant per ISA, the same bits from each: AVX-512
+// (small_gemm_avx512.cpp) and AVX2 + FMA (small_gemm_avx2.cpp).
+bool avx512_f32_built();
+void avx512_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n,
+                     const float* bias, float* out);
+bool avx2_f32_built();
+void avx2_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
+                   float* out);
 
 }  // namespace pagedllm_gemm

@@ -8,7 +8,8 @@
 // step loads GB weight lines and broadcasts one pair of each row. Every sum runs over K in
 // order from zero, so the result does not depend on the blocking or the thread count.
 //
-// float32: layout [N / 16][K][16], 8 rows x 32 columns per register block.
+// float32: layout [N / 16][K][16], 8 rows x 32 columns per register block; the same bits as
+// the AVX2 kernel (small_gemm_avx2.cpp).
 
 #include <ATen/Parallel.h>
 
@@ -195,11 +196,11 @@ void f32_rows(int64_t rows, const float* x, int64_t lda, int64_t k, const float*
 
 }  // namespace
 
-bool f32_built() { return true; }
+bool avx512_f32_built() { return true; }
 
 // Pairs of column groups per thread task, 8 rows per register block.
-void f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
-              float* out) {
+void avx512_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
+                     float* out) {
   const int64_t groups = n / COLS;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -218,9 +219,9 @@ void f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w,
 
 #else
 
-bool f32_built() { return false; }
-void f32_gemm(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, float*) {
-  TORCH_CHECK(false, "small_gemm: float32 needs AVX-512");
+bool avx512_f32_built() { return false; }
+void avx512_f32_gemm(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, float*) {
+  TORCH_CHECK(false, "small_gemm: built without AVX-512");
 }
 
 #endif
