@@ -726,6 +726,8 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     a.scale = static_cast<float>(scale);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     a.int8_fast = !plain && int8_fast(a.k, a.v, head_dim);
+#else
+    (void)plain;  // only the VNNI int8 path has a fast variant to turn off
 #endif
     run(a, seq_lens.size(0), num_kv_heads);
   };
