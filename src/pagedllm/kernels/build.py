@@ -40,7 +40,14 @@ SOURCES = tuple(
 # Included by the sources: part of the build's hash, not compiled on their own.
 HEADERS = tuple(
     CSRC / name
-    for name in ("amx.h", "vec.h", "small_gemm.h", "prefill_attention.h", "layer_groups.h")
+    for name in (
+        "amx.h",
+        "vec.h",
+        "small_gemm.h",
+        "paged_attention.h",
+        "prefill_attention.h",
+        "layer_groups.h",
+    )
 )
 
 

@@ -34,6 +34,7 @@
 #endif
 
 #include "amx.h"
+#include "paged_attention.h"
 #include "prefill_attention.h"
 #include "vec.h"
 
@@ -42,57 +43,12 @@ namespace {
 // How many blocks ahead of the one being read to prefetch.
 constexpr int64_t PREFETCH_AHEAD = 2;
 
-struct Task {
-  int64_t seq;
-  int64_t kv_head;
-  int64_t row_begin;
-  int64_t row_end;
-  int64_t cost;
-};
-
-template <typename T>
-struct Args {
-  const T* query;
-  int64_t q_stride_token;
-  int64_t q_stride_head;
-  const T* k_cache;
-  const T* v_cache;
-  int64_t cache_stride_block;  // elements between blocks
-  int64_t cache_stride_token;  // elements between tokens of a block
-  int64_t block_size;
-  const int32_t* block_tables;
-  int64_t bt_stride;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  T* out;
-  int64_t out_stride_token;
-  int64_t num_heads;
-  int64_t group;  // query heads per kv head
-  int64_t head_dim;
-  float scale;
-  int64_t window;  // sliding window in keys; 0: none
-  float softcap;   // 0: none
-  bool use_bf16_dot;  // query rows contiguous in head_dim, so pairs can be read in place
-  bool use_amx;       // scores on the tile unit (bf16, head_dim 64)
-};
-
+using pagedllm_attn::Args;
+using pagedllm_attn::first_key;
+using pagedllm_attn::Task;
+using pagedllm_attn::visible;
+using pagedllm_attn::Visible;
 using pagedllm_vec::to_float;
-
-// The first key position that query position `pos` sees: 0 without a window.
-inline int64_t first_key(int64_t window, int64_t pos) {
-  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-}
-
-// The keys query row `row` of a task sees, as [lo, hi) relative to the task's first key
-// `kmin` (the first key its first row sees).
-struct Visible {
-  int64_t lo;
-  int64_t hi;
-};
-template <typename T>
-inline Visible visible(const Args<T>& a, int64_t first_pos, int64_t row, int64_t kmin) {
-  return {first_key(a.window, first_pos + row) - kmin, first_pos + row + 1 - kmin};
-}
 
 // row[lo:hi] = cap * tanh(row / cap) (scalar: the portable path).
 inline void softcap_row_scalar(float* row, int64_t lo, int64_t hi, float cap) {
