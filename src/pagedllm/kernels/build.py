@@ -27,6 +27,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_attention.cpp",
+        "paged_attention_avx2.cpp",
         "prefill_attention.cpp",
         "cpu_ops.cpp",
         "small_gemm.cpp",

@@ -13,6 +13,8 @@
 // blocks before a task's first visible key are never read. Soft-capping (Gemma 2) passes
 // the scaled scores through cap * tanh(s / cap) before the softmax.
 // Only the sequences marked in `handled` are computed; the caller routes the others.
+// The vector paths here are AVX-512 (and the tile unit); a build without AVX-512 runs fp32
+// math on AVX2 + FMA (paged_attention_avx2.cpp) where it can, else the scalar path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +28,7 @@
 #include <limits>
 #include <optional>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -816,6 +819,9 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qbuf, acc;
+#if !defined(__AVX512F__)
+    pagedllm_attn::Avx2Scratch avx2_scratch;
+#endif
 #if defined(__AVX512BF16__)
     Bf16Buffers bf16_buffers;
     pagedllm_prefill::PrefillScratch prefill_scratch;
@@ -831,6 +837,11 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 #endif
     for (int64_t j = next.fetch_add(1); j < n; j = next.fetch_add(1))
     for (int64_t i = groups[j]; i < groups[j + 1]; ++i) {
+#if !defined(__AVX512F__)
+      // Without AVX-512: the whole run (its kv heads read together) on AVX2 + FMA, where the
+      // build has them and the head_dim is one of theirs.
+      if (i == groups[j] && pagedllm_attn::attend_avx2(a, tasks.data() + i, groups[j + 1] - i, avx2_scratch)) break;
+#endif
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1006,6 +1017,16 @@ void merge_attention(at::Tensor out, const at::Tensor& o1, const at::Tensor& lse
   }
 }
 
+// The vector unit of the kernel's fp32 path in this build (for the route's wording): "avx512",
+// "avx2" (AVX2 + FMA, head_dim 32/64/128/256) or "scalar".
+std::string paged_attention_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return pagedllm_attn::avx2_built() ? "avx2" : "scalar";
+#endif
+}
+
 // Whether bf16 head_dim-64 work may use the tile unit (built with AMX and allowed by the OS).
 bool amx_available() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1023,6 +1044,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "Tensor seq_lens, Tensor query_start_loc, Tensor handled, float scale, int rows_per_task, "
       "bool fast_bf16=True, bool use_amx=True, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("amx_available() -> bool", &amx_available);
+  m.def("paged_attention_isa() -> str", &paged_attention_isa);
   m.def("merge_attention(Tensor(a!) out, Tensor o1, Tensor lse1, Tensor o2, Tensor lse2) -> ()");
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "vec.h"
 
@@ -60,5 +61,28 @@ template <typename T>
 inline Visible visible(const Args<T>& a, int64_t first_pos, int64_t row, int64_t kmin) {
   return {first_key(a.window, first_pos + row) - kmin, first_pos + row + 1 - kmin};
 }
+
+// ---- AVX2 + FMA path (paged_attention_avx2.cpp).
+
+// A thread's scratch for the AVX2 path, reused across its tasks.
+struct Avx2Scratch {
+  pagedllm_vec::LineVector<float> query;   // the task's query vectors, scaled, fp32
+  pagedllm_vec::LineVector<float> scores;  // [query vector][key], rows padded to 8 keys
+  pagedllm_vec::LineVector<float> acc;     // [query vector][head_dim]: sums over V
+  pagedllm_vec::LineVector<float> rows;    // bf16 K/V rows converted to fp32
+  pagedllm_vec::LineVector<float> inv_sum;  // 1 / softmax denominator per query vector
+  std::vector<int64_t> offsets;            // element offset of each context row (token)
+  std::vector<int64_t> head_offsets;       // element offset of each kv head within a row
+  std::vector<const float*> row_ptrs;      // fp32 rows of a chunk of V
+};
+
+// Whether this build has the AVX2 path (compiled with AVX2 and FMA).
+bool avx2_built();
+
+// tasks[0, n) on the AVX2 path: tasks of one sequence and range of query rows, in increasing
+// kv head order (a run of task_groups). False (nothing written) where the path does not
+// apply: a build without AVX2/FMA, or a head_dim other than 32, 64, 128, 256.
+template <typename T>
+bool attend_avx2(const Args<T>& a, const Task* tasks, int64_t n, Avx2Scratch& scratch);
 
 }  // namespace pagedllm_attn
