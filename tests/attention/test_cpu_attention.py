@@ -500,3 +500,128 @@ def test_flash_prompt_kernel_windows_and_softcap(kind):
     shapes = [(200, 200), (150, 400), (20, 90)]
     step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=kind.sliding_window or 0)
     check_against_reference(flash_backend(), step, kind)
+
+
+def avx2_backend(**kwargs) -> CpuAttention:
+    """The kernel with every query length routed to it, on its AVX2 + FMA path
+    (paged_attention_avx2.cpp); skips where this build runs fp32 on another path."""
+    if not HAS_EXTENSION:
+        pytest.skip("C++ kernel did not build")
+    backend = CpuAttention(use_extension=True, max_kernel_query_len=10**9, **kwargs)
+    if backend.fp32_isa != "avx2":
+        pytest.skip(
+            f"this build's fp32 kernel path is {backend.fp32_isa}, not AVX2 "
+            "(AVX-512 builds keep their own; the AVX2 path needs AVX2 + FMA)"
+        )
+    return backend
+
+
+def check_on_kernel(backend, step, monkeypatch, kind: AttentionKind = FULL_ATTENTION) -> None:
+    """check_against_reference, and every query row computed by the kernel (none by SDPA)."""
+    calls = []
+    monkeypatch.setattr(cpu, "_prefill_sdpa", lambda *a, **k: calls.append("sdpa"))
+    check_against_reference(backend, step, kind)
+    assert calls == []
+
+
+# The AVX2 path's tiles: 1, 2 and 3 query vectors per tile (groups 1, 3, 4, 8 give every mix),
+# head dims 32 to 256.
+AVX2_LAYOUTS = [
+    (4, 4, 64),
+    (9, 3, 64),
+    (8, 2, 64),
+    (8, 1, 64),
+    (4, 4, 128),
+    (6, 2, 128),
+    (8, 2, 128),
+    (16, 2, 128),
+    (4, 2, 32),
+    (2, 1, 256),
+]
+AVX2_IDS = [
+    "g1-d64",
+    "g3-d64",
+    "g4-d64",
+    "g8-d64",
+    "g1-d128",
+    "g3-d128",
+    "g4-d128",
+    "g8-d128",
+    "g2-d32",
+    "g2-d256",
+]
+# Decodes on both sides of block edges and over many blocks, short chunks after cached prefixes
+# (ending mid-block and on an edge), short whole prompts, a one-token context.
+AVX2_SHAPES = [(1, n) for n in (1, 7, 16, 17, 130, 300)] + [(3, 50), (16, 40), (5, 21), (16, 16)]
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), AVX2_LAYOUTS, ids=AVX2_IDS)
+def test_avx2_decode_and_short_chunks(block_size, num_heads, num_kv_heads, head_dim, monkeypatch):
+    step = make_step(
+        AVX2_SHAPES,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=block_size + head_dim + num_heads,
+    )
+    check_on_kernel(avx2_backend(), step, monkeypatch)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 64)],
+    ids=["g1-d64", "g3-d64", "g4-d128", "g8-d64"],
+)
+@pytest.mark.parametrize("kind", WINDOW_KINDS, ids=WINDOW_IDS)
+def test_avx2_windows_and_softcap(block_size, num_heads, num_kv_heads, head_dim, kind, monkeypatch):
+    step = make_step(
+        WINDOW_SHAPES,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=60 + block_size,
+    )
+    check_on_kernel(avx2_backend(), step, monkeypatch, kind)
+
+
+@pytest.mark.parametrize("rows_per_task", [1, 3, 4, 16, 64])
+@pytest.mark.parametrize("kind", [FULL_ATTENTION, AttentionKind(sliding_window=40, softcap=5.0)])
+def test_avx2_row_tasks(rows_per_task, kind, monkeypatch):
+    # Tasks of one to many query rows (row ranges ending mid-block, rows that see different
+    # keys), long prompts and chunks after a prefix.
+    shapes = [(37, 90), (64, 64), (5, 200), (1, 33), (130, 400)]
+    step = make_step(shapes, block_size=16, num_heads=9, num_kv_heads=3, seed=rows_per_task)
+    check_on_kernel(avx2_backend(rows_per_task=rows_per_task), step, monkeypatch, kind)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 2, 128), (4, 2, 32), (2, 1, 256)],
+    ids=["g3-d64", "g4-d128", "g2-d32", "g2-d256"],
+)
+def test_avx2_bf16_cache(block_size, num_heads, num_kv_heads, head_dim, monkeypatch):
+    # bf16 storage, widened to fp32 on the AVX2 path.
+    step = make_step(
+        AVX2_SHAPES,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=block_size + head_dim,
+    )
+    check_on_kernel(avx2_backend(), step, monkeypatch)
+    kind = AttentionKind(sliding_window=20, softcap=3.0)
+    check_on_kernel(avx2_backend(), step, monkeypatch, kind)
+
+
+def test_avx2_route_is_named():
+    backend = avx2_backend()
+    assert "C++ paged_attention (AVX2 fp32)" in backend.route(torch.float32)
+    kind = AttentionKind(sliding_window=8)
+    assert backend.kind_route(torch.float32, kind).startswith("C++ paged_attention (AVX2 fp32)")

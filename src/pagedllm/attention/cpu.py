@@ -61,6 +61,9 @@ LONG_QUERY_MAX_SEQ_LEN = 2048
 # this many query rows. The measurements behind these limits: docs/performance.md.
 DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
+# The kernel's fp32 path (``paged_attention_isa``) in the route's words. AVX2: head_dim 32, 64,
+# 128 and 256 (other head dims stay scalar), fp32 or bf16 caches, without AVX-512.
+FP32_ROUTES = {"avx512": "AVX-512 fp32", "avx2": "AVX2 fp32", "scalar": "scalar fp32"}
 # A chunk after a cached prefix goes to SDPA as two calls (prefix, chunk) merged by their
 # log-sum-exp once it has at least this many (query, key) pairs; below, the second call and
 # the merge cost more than the masked work they save (benchmarks/attention.py shapes).
@@ -115,6 +118,10 @@ class CpuAttention:
         self.rows_per_task = rows_per_task
         self.bf16_dot = bf16_dot
         self.amx = amx and self._op is not None and bool(torch.ops.pagedllm.amx_available())
+        # The kernel's fp32 path in this build: "avx512", "avx2" or "scalar".
+        self.fp32_isa = (
+            str(torch.ops.pagedllm.paged_attention_isa()) if self._op is not None else None
+        )
         # The kernel's bf16 dot products (vdpbf16ps) without the tile unit.
         self.dot_products = self._op is not None and cpu_info().bf16_dot
         # (meta, long_max, route) of the step in progress: see _route.
@@ -184,7 +191,7 @@ class CpuAttention:
         elif bf16_dots and self.dot_products:
             isa, long_max = "AVX-512-bf16", DOT_LONG_QUERY_MAX_SEQ_LEN
         else:
-            isa, long_max = "AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32", 0
+            isa, long_max = self._fp32_route(), 0
         kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
@@ -198,12 +205,16 @@ class CpuAttention:
         isa = (
             "AVX-512-bf16"
             if self.bf16_dot and dtype == torch.bfloat16 and self.dot_products
-            else ("AVX-512 fp32" if "avx512f" in cpu_info().flags else "scalar fp32")
+            else self._fp32_route()
         )
         return (
             f"C++ paged_attention ({isa}), every query length: blocks before the window "
             "are not read"
         )
+
+    def _fp32_route(self) -> str:
+        """The kernel's fp32 arithmetic in words, as this build runs it."""
+        return FP32_ROUTES.get(self.fp32_isa or "", "scalar fp32")
 
     def _forward_quantized(
         self,

@@ -27,6 +27,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_attention.cpp",
+        "paged_attention_avx2.cpp",
         "prefill_attention.cpp",
         "cpu_ops.cpp",
         "small_gemm.cpp",
@@ -41,7 +42,14 @@ SOURCES = tuple(
 # Included by the sources: part of the build's hash, not compiled on their own.
 HEADERS = tuple(
     CSRC / name
-    for name in ("amx.h", "vec.h", "small_gemm.h", "prefill_attention.h", "layer_groups.h")
+    for name in (
+        "amx.h",
+        "vec.h",
+        "small_gemm.h",
+        "paged_attention.h",
+        "prefill_attention.h",
+        "layer_groups.h",
+    )
 )
 
 

@@ -13,6 +13,8 @@
 // blocks before a task's first visible key are never read. Soft-capping (Gemma 2) passes
 // the scaled scores through cap * tanh(s / cap) before the softmax.
 // Only the sequences marked in `handled` are computed; the caller routes the others.
+// The vector paths here are AVX-512 (and the tile unit); a build without AVX-512 runs fp32
+// math on AVX2 + FMA (paged_attention_avx2.cpp) where it can, else the scalar path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +28,7 @@
 #include <limits>
 #include <optional>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -34,6 +37,7 @@
 #endif
 
 #include "amx.h"
+#include "paged_attention.h"
 #include "prefill_attention.h"
 #include "vec.h"
 
@@ -42,57 +46,12 @@ namespace {
 // How many blocks ahead of the one being read to prefetch.
 constexpr int64_t PREFETCH_AHEAD = 2;
 
-struct Task {
-  int64_t seq;
-  int64_t kv_head;
-  int64_t row_begin;
-  int64_t row_end;
-  int64_t cost;
-};
-
-template <typename T>
-struct Args {
-  const T* query;
-  int64_t q_stride_token;
-  int64_t q_stride_head;
-  const T* k_cache;
-  const T* v_cache;
-  int64_t cache_stride_block;  // elements between blocks
-  int64_t cache_stride_token;  // elements between tokens of a block
-  int64_t block_size;
-  const int32_t* block_tables;
-  int64_t bt_stride;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  T* out;
-  int64_t out_stride_token;
-  int64_t num_heads;
-  int64_t group;  // query heads per kv head
-  int64_t head_dim;
-  float scale;
-  int64_t window;  // sliding window in keys; 0: none
-  float softcap;   // 0: none
-  bool use_bf16_dot;  // query rows contiguous in head_dim, so pairs can be read in place
-  bool use_amx;       // scores on the tile unit (bf16, head_dim 64)
-};
-
+using pagedllm_attn::Args;
+using pagedllm_attn::first_key;
+using pagedllm_attn::Task;
+using pagedllm_attn::visible;
+using pagedllm_attn::Visible;
 using pagedllm_vec::to_float;
-
-// The first key position that query position `pos` sees: 0 without a window.
-inline int64_t first_key(int64_t window, int64_t pos) {
-  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-}
-
-// The keys query row `row` of a task sees, as [lo, hi) relative to the task's first key
-// `kmin` (the first key its first row sees).
-struct Visible {
-  int64_t lo;
-  int64_t hi;
-};
-template <typename T>
-inline Visible visible(const Args<T>& a, int64_t first_pos, int64_t row, int64_t kmin) {
-  return {first_key(a.window, first_pos + row) - kmin, first_pos + row + 1 - kmin};
-}
 
 // row[lo:hi] = cap * tanh(row / cap) (scalar: the portable path).
 inline void softcap_row_scalar(float* row, int64_t lo, int64_t hi, float cap) {
@@ -860,6 +819,9 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qbuf, acc;
+#if !defined(__AVX512F__)
+    pagedllm_attn::Avx2Scratch avx2_scratch;
+#endif
 #if defined(__AVX512BF16__)
     Bf16Buffers bf16_buffers;
     pagedllm_prefill::PrefillScratch prefill_scratch;
@@ -875,6 +837,11 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
 #endif
     for (int64_t j = next.fetch_add(1); j < n; j = next.fetch_add(1))
     for (int64_t i = groups[j]; i < groups[j + 1]; ++i) {
+#if !defined(__AVX512F__)
+      // Without AVX-512: the whole run (its kv heads read together) on AVX2 + FMA, where the
+      // build has them and the head_dim is one of theirs.
+      if (i == groups[j] && pagedllm_attn::attend_avx2(a, tasks.data() + i, groups[j + 1] - i, avx2_scratch)) break;
+#endif
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1050,6 +1017,16 @@ void merge_attention(at::Tensor out, const at::Tensor& o1, const at::Tensor& lse
   }
 }
 
+// The vector unit of the kernel's fp32 path in this build (for the route's wording): "avx512",
+// "avx2" (AVX2 + FMA, head_dim 32/64/128/256) or "scalar".
+std::string paged_attention_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return pagedllm_attn::avx2_built() ? "avx2" : "scalar";
+#endif
+}
+
 // Whether bf16 head_dim-64 work may use the tile unit (built with AMX and allowed by the OS).
 bool amx_available() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1067,6 +1044,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "Tensor seq_lens, Tensor query_start_loc, Tensor handled, float scale, int rows_per_task, "
       "bool fast_bf16=True, bool use_amx=True, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("amx_available() -> bool", &amx_available);
+  m.def("paged_attention_isa() -> str", &paged_attention_isa);
   m.def("merge_attention(Tensor(a!) out, Tensor o1, Tensor lse1, Tensor o2, Tensor lse2) -> ()");
 }
 
