@@ -185,8 +185,8 @@ def test_long_context_decode_bf16(make_backend):
 
 # Forces each route of a long chunk after a cached prefix: (kernel context limit, least work
 # for the two-call SDPA). (0, 0): two SDPA calls merged by log-sum-exp for every chunk;
-# (0, huge): one masked SDPA call; (huge, 0): the kernel wherever it has the tile unit or
-# (bf16) AVX-512-bf16 dot products.
+# (0, huge): one masked SDPA call; (huge, 0): the kernel wherever it has the tile unit,
+# (bf16) AVX-512-bf16 dot products or (fp32) the AVX2 path.
 PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
 
 
@@ -197,6 +197,7 @@ PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
 def test_prefix_routes(make_backend, dtype, block_size, route, monkeypatch):
     monkeypatch.setattr(cpu, "LONG_QUERY_MAX_SEQ_LEN", route[0])
     monkeypatch.setattr(cpu, "DOT_LONG_QUERY_MAX_SEQ_LEN", route[0])
+    monkeypatch.setattr(cpu, "AVX2_LONG_QUERY_MAX_SEQ_LEN", route[0])
     monkeypatch.setattr(cpu, "SPLIT_MIN_WORK", route[1])
     # Prefixes ending mid-block and on a block edge, one-token prefixes, whole prompts and
     # decodes in the same step; tables padded past the last block.
@@ -402,6 +403,8 @@ def test_window_reads_no_block_before_it(dtype):
 
 @pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
 def test_windowed_layers_give_every_query_to_the_kernel(monkeypatch):
+    # Full layers here send long prompts to SDPA (the AVX2 path's context limit off).
+    monkeypatch.setattr(cpu, "AVX2_LONG_QUERY_MAX_SEQ_LEN", 0)
     calls = []
     monkeypatch.setattr(cpu, "_prefill_sdpa", lambda *a, **k: calls.append("sdpa"))
     monkeypatch.setattr(cpu, "paged_attention", lambda *a, **k: calls.append("reference"))
@@ -503,11 +506,12 @@ def test_flash_prompt_kernel_windows_and_softcap(kind):
 
 
 def avx2_backend(**kwargs) -> CpuAttention:
-    """The kernel with every query length routed to it, on its AVX2 + FMA path
-    (paged_attention_avx2.cpp); skips where this build runs fp32 on another path."""
+    """The kernel with every query length routed to it (unless kwargs say otherwise), on its
+    AVX2 + FMA path (paged_attention_avx2.cpp); skips where this build runs fp32 on another
+    path."""
     if not HAS_EXTENSION:
         pytest.skip("C++ kernel did not build")
-    backend = CpuAttention(use_extension=True, max_kernel_query_len=10**9, **kwargs)
+    backend = CpuAttention(use_extension=True, **{"max_kernel_query_len": 10**9, **kwargs})
     if backend.fp32_isa != "avx2":
         pytest.skip(
             f"this build's fp32 kernel path is {backend.fp32_isa}, not AVX2 "
@@ -625,3 +629,28 @@ def test_avx2_route_is_named():
     assert "C++ paged_attention (AVX2 fp32)" in backend.route(torch.float32)
     kind = AttentionKind(sliding_window=8)
     assert backend.kind_route(torch.float32, kind).startswith("C++ paged_attention (AVX2 fp32)")
+
+
+def test_avx2_long_fp32_prompts_go_to_the_kernel_up_to_its_context_limit(monkeypatch):
+    backend = avx2_backend(max_kernel_query_len=cpu.MAX_KERNEL_QUERY_LEN)
+    sdpa = []
+    real = cpu._prefill_sdpa
+
+    def record(*args):  # the sequences SDPA takes (its 9th argument), then SDPA
+        sdpa.append(args[8])
+        real(*args)
+
+    monkeypatch.setattr(cpu, "_prefill_sdpa", record)
+    # Whole prompts and chunks after a prefix, up to the limit and past it, and a decode.
+    limit = cpu.AVX2_LONG_QUERY_MAX_SEQ_LEN
+    shapes = [(300, 300), (200, limit), (64, limit + 1), (1, 1200)]
+    step = make_step(shapes, block_size=16, num_heads=9, num_kv_heads=3, seed=3)
+    check_against_reference(backend, step)
+    assert sdpa == [[2]]  # only the chunk over a context past the limit
+    assert f"every query over a context of up to {limit} tokens" in backend.route(torch.float32)
+    _, _, _, k_cache, v_cache, meta, _ = step
+    assert backend.kernel_step(torch.float32, 9, 64, k_cache, v_cache, meta) is None
+    within = make_step(shapes[:2], block_size=16, num_heads=9, num_kv_heads=3, seed=4)
+    _, _, _, k_cache, v_cache, meta, _ = within
+    ks = backend.kernel_step(torch.float32, 9, 64, k_cache, v_cache, meta)
+    assert ks is not None and ks.rows_per_task == cpu.AVX2_ROWS_PER_TASK

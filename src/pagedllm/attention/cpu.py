@@ -9,7 +9,8 @@ to a pure-torch path with the same results.
 Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
 64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens, or bf16 dot products without
 the tile unit (``DOT_LONG_QUERY_MAX_SEQ_LEN``; head_dim 64 and 128 then take the flash prompt
-path of ``kernels/csrc/prefill_attention.cpp``); otherwise to
+path of ``kernels/csrc/prefill_attention.cpp``), or float32 on the AVX2 path (no AVX-512,
+``AVX2_LONG_QUERY_MAX_SEQ_LEN``); otherwise to
 ``scaled_dot_product_attention``, whose CPU flash kernel uses the bf16 matrix units: a whole
 prompt attends to its own fresh K/V directly; a chunk after a cached prefix attends to the
 prefix (read through the block table: one ``index_select`` copy) and to its own fresh K/V
@@ -61,6 +62,13 @@ LONG_QUERY_MAX_SEQ_LEN = 2048
 # this many query rows. The measurements behind these limits: docs/performance.md.
 DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
+# On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries of any length go to the
+# kernel while their context is at most this long, in tasks of this many query rows. One core,
+# SmolLM2's and model (a)'s heads, 64-512-token chunks: the kernel took 0.65-0.75x SDPA's time
+# at a 300-token context, 0.9-1.15x at 1024, 1.1-1.3x at 2048 (its score rows outgrow L2).
+AVX2_LONG_QUERY_MAX_SEQ_LEN = 1024
+AVX2_ROWS_PER_TASK = 16
+AVX2_HEAD_DIMS = (32, 64, 128, 256)
 # The kernel's fp32 path (``paged_attention_isa``) in the route's words. AVX2: head_dim 32, 64,
 # 128 and 256 (other head dims stay scalar), fp32 or bf16 caches, without AVX-512.
 FP32_ROUTES = {"avx512": "AVX-512 fp32", "avx2": "AVX2 fp32", "scalar": "scalar fp32"}
@@ -192,6 +200,8 @@ class CpuAttention:
             isa, long_max = "AVX-512-bf16", DOT_LONG_QUERY_MAX_SEQ_LEN
         else:
             isa, long_max = self._fp32_route(), 0
+            if dtype == torch.float32 and self.fp32_isa == "avx2":
+                long_max = AVX2_LONG_QUERY_MAX_SEQ_LEN  # head_dim 32-256
         kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
@@ -318,6 +328,11 @@ class CpuAttention:
             rows = max(1, 16 // group) * ROW_TILES_PER_TASK
         elif bf16_dots and self.dot_products:
             long_max, rows = DOT_LONG_QUERY_MAX_SEQ_LEN, DOT_ROWS_PER_TASK
+        elif dtype == torch.float32 and self.fp32_isa == "avx2" and head_dim in AVX2_HEAD_DIMS:
+            long_max = AVX2_LONG_QUERY_MAX_SEQ_LEN
+            # Decode and short chunks keep small tasks: more of them for the threads.
+            short = meta.max_query_len <= self.max_kernel_query_len
+            rows = ROWS_PER_TASK if short else AVX2_ROWS_PER_TASK
         else:
             long_max, rows = 0, ROWS_PER_TASK
         if not kind.is_full:

@@ -186,7 +186,10 @@ struct Prefetcher {
   void step() {
     for (int64_t i = 0; i < per_step && row < end; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(cache + off[row]) + 64 * line, _MM_HINT_T0);
-      if (++line == lines) line = 0, ++row;
+      if (++line == lines) {
+        line = 0;
+        ++row;
+      }
     }
   }
   void drain() {
