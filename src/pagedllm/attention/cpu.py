@@ -64,8 +64,9 @@ DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
 # On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries of any length go to the
 # kernel while their context is at most this long, in tasks of this many query rows. One core,
-# SmolLM2's and model (a)'s heads, 64-512-token chunks: the kernel took 0.65-0.75x SDPA's time
-# at a 300-token context, 0.9-1.15x at 1024, 1.1-1.3x at 2048 (its score rows outgrow L2).
+# SmolLM2's and model (a)'s heads, 64-512-token chunks: the kernel took 0.57-0.75x the time of
+# SDPA per sequence at a 300-token context, 0.7-0.95x at 512, 0.9-1.15x at 1024 and 1.1-1.2x
+# for 512-token chunks at 2048 (its rows of scores outgrow L2): docs/performance.md.
 AVX2_LONG_QUERY_MAX_SEQ_LEN = 1024
 AVX2_ROWS_PER_TASK = 16
 AVX2_HEAD_DIMS = (32, 64, 128, 256)
