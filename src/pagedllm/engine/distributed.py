@@ -90,10 +90,14 @@ def free_port() -> int:
 
 
 def uses_shared_memory(config: EngineConfig) -> bool:
-    """Whether the ranks gather through shared memory: all on one CPU machine, and not
-    told to use gloo. (Every machine decides the same: nnodes and device are shared.)"""
-    one_machine = config.nnodes == 1 and config.device.startswith("cpu")
-    return one_machine and config.tp_collective != "gloo"
+    """Whether the ranks gather through shared memory: all on one CPU machine, and told
+    "shm", or "auto" where /dev/shm is writable. (Ranks on other machines decide the same:
+    nnodes and device are shared; config validation refuses "shm" across machines.)"""
+    from pagedllm.engine.shm_collective import shm_available
+
+    if config.nnodes != 1 or not config.device.startswith("cpu"):
+        return False
+    return config.tp_collective == "shm" or (config.tp_collective == "auto" and shm_available())
 
 
 def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[Any, Any]:

@@ -3,21 +3,22 @@
 Gloo's all-gather over loopback costs about half a millisecond a call, whatever the size,
 and a decode step makes 4 per layer. Ranks that share a machine can instead exchange
 pieces through memory: each rank owns one file under ``/dev/shm`` (two slots of
-``capacity`` bytes), and one control file holds a line per rank (sequence counter, pid,
+``capacity`` bytes), and one control file holds a line per rank (call counters, pid,
 buffer generation and capacity).
 
 A call, on every rank: write my piece into slot ``call % 2`` of my buffer, publish
 ``call`` in my counter, wait until every counter reached ``call``, copy the peers' pieces
-out, publish ``call`` as done. The two slots keep a fast rank from overwriting a piece a slow rank still reads: a
-rank can only reach call ``k + 2`` (slot ``k % 2`` again) after every rank published
-``k + 1``, which each does only after it finished copying call ``k``'s pieces. (x86 keeps
-stores in order, so a counter is never seen before the piece written ahead of it.)
+out, publish ``call`` as done. The two slots keep a fast rank from overwriting a piece a
+slow rank still reads: a rank can only reach call ``k + 2`` (slot ``k % 2`` again) after
+every rank published ``k + 1``, which each does only after it finished copying call
+``k``'s pieces. (x86 keeps stores in order, so a counter is never seen before the piece
+written ahead of it; ``shm_available`` says no elsewhere.)
 
 A piece larger than the buffer grows it: every rank sees the same shapes, so every rank
-grows at the same call. The owner waits until every peer is done with the previous call,
-maps a new, larger file (generation + 1) and publishes its generation before its counter;
-peers open it when they read that call. The owner
-unlinks the file's name one call later, once every peer has passed (and so opened it).
+grows at the same call. The owner waits until every peer is done with the previous call
+(its done line), maps a new, larger file (generation + 1) and publishes its generation
+before its counter; peers open it when they read that call. The owner unlinks the file's
+name one call later, once every peer has passed (and so opened it).
 
 Names are unlinked as soon as every rank has opened them (Linux keeps an unlinked file's
 pages while it is mapped), so a crash leaves nothing in ``/dev/shm``; ``close`` removes
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import secrets
 import time
 from collections.abc import Callable
@@ -54,6 +56,13 @@ LIVENESS_S = 0.5  # how often a waiting rank checks that its peers' processes li
 def new_base_name() -> str:
     """A name no other group on this machine uses (rank 0 picks it)."""
     return f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def shm_available() -> bool:
+    """Whether the collective can run here: x86-64 (whose stores stay in order, which the
+    counters rely on) with a writable /dev/shm."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 def leftover_names() -> list[str]:
@@ -174,6 +183,11 @@ class ShmCollective:
         rank 0 names the files and tells the others; all map them, then unlink them."""
         import torch.distributed as dist
 
+        if not shm_available():
+            raise RuntimeError(
+                f"the shared-memory collective needs x86-64 and a writable {SHM_DIR} "
+                f"(this is {platform.machine()}); use tp_collective 'gloo'"
+            )
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         box = [new_base_name() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
