@@ -1,5 +1,6 @@
-"""What tensor parallelism costs on this machine: step time at TP=1 and TP=2, and the
-collectives' share of a step (all-gathers between layers, the step broadcast).
+"""What tensor parallelism costs on this machine: step time at TP=1 and TP=2 (gathers over
+gloo and over shared memory), and the collectives' share of a step (all-gathers between
+layers, the step broadcast).
 
 On a 2-core machine TP=2 cannot be faster than one rank with both cores: the same work is
 split in two, plus the gathers. What this measures is their cost, which is what a larger
@@ -9,7 +10,11 @@ checkpoint built here (``--hidden``, ``--layers``, ...: KV heads that divide by 
 
 - ``tp1-2t``: one rank, 2 threads (the whole machine);
 - ``tp1-1t``: one rank, 1 thread (one rank's share of the machine);
-- ``tp2``:    two ranks over gloo, 1 thread each.
+- ``tp2-gloo``: two ranks gathering over gloo, 1 thread each;
+- ``tp2-shm``:  two ranks gathering through shared memory, 1 thread each.
+
+The two TP=2 configurations run one after the other (a process holds one process group),
+each alternated with the TP=1 ones, which so run twice the rounds.
 
 Workloads: ``decode`` (``--batch`` prompts of 32 tokens, ``--max-tokens`` greedy tokens)
 and ``prefill`` (``--batch`` prompts of ``--prompt-len`` tokens, one token each). Per run:
@@ -38,21 +43,26 @@ from pagedllm.engine.llm import LLM  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.testing import make_tiny_checkpoint  # noqa: E402
 
-CONFIGS = {"tp1-2t": (1, 2), "tp1-1t": (1, 1), "tp2": (2, 1)}
+# name: (ranks, threads per rank, tp_collective)
+CONFIGS = {
+    "tp1-2t": (1, 2, "auto"),
+    "tp1-1t": (1, 1, "auto"),
+    "tp2-gloo": (2, 1, "gloo"),
+    "tp2-shm": (2, 1, "shm"),
+}
 
 
-def build_engines(path: Path, args: argparse.Namespace) -> dict[str, LLM]:
-    return {
-        name: LLM(
-            model=str(path),
-            dtype=args.dtype,
-            tensor_parallel_size=tp,
-            num_threads=threads,
-            kv_cache_memory=512 << 20,
-            max_model_len=2048,
-        )
-        for name, (tp, threads) in CONFIGS.items()
-    }
+def build_engine(path: Path, args: argparse.Namespace, name: str) -> LLM:
+    tp, threads, collective = CONFIGS[name]
+    return LLM(
+        model=str(path),
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        num_threads=threads,
+        tp_collective=collective,
+        kv_cache_memory=512 << 20,
+        max_model_len=2048,
+    )
 
 
 def one_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -99,7 +109,6 @@ def main() -> None:
         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         vocab_size=args.vocab, max_position_embeddings=4096,
     )  # fmt: skip
-    engines = build_engines(path, args)
     workloads = {
         "decode": ([[100 + i + j for j in range(32)] for i in range(args.batch)], args.max_tokens),
         "prefill": (
@@ -110,16 +119,28 @@ def main() -> None:
     results: dict[str, dict[str, list[dict[str, float]]]] = {
         w: {c: [] for c in CONFIGS} for w in workloads
     }
+    single = {name: build_engine(path, args, name) for name in ("tp1-2t", "tp1-1t")}
+    # One process group per process: the TP=2 engines take turns, each alternated with
+    # the TP=1 ones over its rounds (so tp1 gets twice the rounds).
+    for name in ("tp2-gloo", "tp2-shm"):
+        engines = {**single, name: build_engine(path, args, name)}
+        run_rounds(engines, workloads, args.rounds, results)
+        engines[name].engine.close()
+    for llm in single.values():
+        llm.engine.close()
+    report(results, args)
+
+
+def run_rounds(
+    engines: dict[str, LLM], workloads: dict[str, Any], rounds: int, results: dict[str, Any]
+) -> None:
     for llm in engines.values():  # warm-up: kernels built, buffers sized
         for prompts, max_tokens in workloads.values():
             one_run(llm, prompts[:2], min(max_tokens, 4))
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for workload, (prompts, max_tokens) in workloads.items():
             for name, llm in engines.items():
                 results[workload][name].append(one_run(llm, prompts, max_tokens))
-    for llm in engines.values():
-        llm.engine.close()
-    report(results, args)
 
 
 def med(runs: list[dict[str, float]], key: str) -> tuple[float, float, float]:
@@ -128,34 +149,41 @@ def med(runs: list[dict[str, float]], key: str) -> tuple[float, float, float]:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    from pagedllm.kernels.probe import cpu_info
+
+    cpu = cpu_info()
     print(f"random Llama-shaped model: hidden {args.hidden}, {args.heads} heads / "
           f"{args.kv_heads} KV heads, intermediate {args.intermediate}, {args.layers} layers, "
-          f"vocab {args.vocab}, {args.dtype}; AMD EPYC 2 cores (avx512_bf16, no AMX); "
+          f"vocab {args.vocab}, {args.dtype}; {cpu.model}, {cpu.num_cpus} CPUs ({cpu.isa}); "
           f"batch {args.batch}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
-    print(f"{'workload':<8} {'config':<7} {'ms/step':>20} {'gather ms/step':>20} "
-          f"{'gathers':>8} {'KiB/step':>9} {'bcast ms/step':>14}")  # fmt: skip
+    print(f"{'workload':<8} {'config':<8} {'ms/step':>20} {'gather ms/step':>20} "
+          f"{'gathers':>8} {'us/gather':>9} {'KiB/step':>9} {'bcast ms/step':>14}")  # fmt: skip
     summary: dict[str, Any] = {}
     for workload, by_config in results.items():
         for name, runs in by_config.items():
             ms = med(runs, "ms_per_step")
-            line = f"{workload:<8} {name:<7} {ms[0]:>8.2f} ({ms[1]:.2f}-{ms[2]:.2f})"
+            line = f"{workload:<8} {name:<8} {ms[0]:>8.2f} ({ms[1]:.2f}-{ms[2]:.2f})"
             entry = {"ms_per_step": ms}
             if "gather_ms_per_step" in runs[0]:
                 g = med(runs, "gather_ms_per_step")
                 b = med(runs, "broadcast_ms_per_step")
+                per_call = 1000 * g[0] / runs[0]["gathers_per_step"]
                 line += (f" {g[0]:>8.2f} ({g[1]:.2f}-{g[2]:.2f}) "
-                         f"{runs[0]['gathers_per_step']:>8.0f} "
+                         f"{runs[0]['gathers_per_step']:>8.0f} {per_call:>9.1f} "
                          f"{runs[0]['gather_kib_per_step']:>9.0f} {b[0]:>14.3f}")  # fmt: skip
                 entry.update(gather_ms_per_step=g, broadcast_ms_per_step=b,
+                             gather_us_per_call=per_call,
                              gathers_per_step=runs[0]["gathers_per_step"],
                              gather_kib_per_step=runs[0]["gather_kib_per_step"])  # fmt: skip
             print(line)
             summary[f"{workload}/{name}"] = entry
-        tp2 = [r["ms_per_step"] for r in by_config["tp2"]]
-        one = [r["ms_per_step"] for r in by_config["tp1-2t"]]
-        ratio = statistics.median(a / b for a, b in zip(tp2, one, strict=True))
-        print(f"{workload}: tp2 / tp1-2t step time x{ratio:.2f} (median of per-round ratios)")
-        summary[f"{workload}/tp2_over_tp1_2t"] = ratio
+        for phase, name in enumerate(("tp2-gloo", "tp2-shm")):
+            tp2 = [r["ms_per_step"] for r in by_config[name]]
+            one = [r["ms_per_step"] for r in by_config["tp1-2t"]][phase * len(tp2) :][: len(tp2)]
+            ratio = statistics.median(a / b for a, b in zip(tp2, one, strict=True))
+            print(f"{workload}: {name} / tp1-2t step time x{ratio:.2f} "
+                  "(median of per-round ratios)")  # fmt: skip
+            summary[f"{workload}/{name}_over_tp1_2t"] = ratio
     print(json.dumps({"bench": "tensor_parallel", "args": vars(args), "results": summary}))
 
 

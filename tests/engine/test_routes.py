@@ -33,6 +33,7 @@ def test_env_reports_cpu_threads_kernels_and_every_route(tiny_model_dir, capsys)
     assert env["cpu"]["model"] == cpu.model and env["cpu"]["isa"] == cpu.isa
     assert set(env["cpu"]["flags"]) <= cpu.flags
     assert env["threads"]["torch"] >= 1
+    assert "gloo across machines" in env["tensor_parallel_gathers"]  # shm here, or why not
     routes = env["routes"]
     assert list(routes) == ROUTE_NAMES
     assert (

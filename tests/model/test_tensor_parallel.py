@@ -1,7 +1,8 @@
-"""Tensor parallelism: TP=2 over gloo gives TP=1's tokens and float32 logits bit for bit.
+"""Tensor parallelism: TP=2 (gathers over shared memory or gloo) gives TP=1's tokens and
+float32 logits bit for bit.
 
-Each engine runs in its own process with a timeout (the two ranks talk over gloo on
-loopback), so a broken collective fails the test instead of hanging it.
+Each engine runs in its own process with a timeout (the two ranks talk over shared memory
+or gloo on loopback), so a broken collective fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.engine.shm_collective import leftover_names
 from pagedllm.model.tensor_parallel import shard_range
 from pagedllm.testing import make_tiny_checkpoint
 
@@ -33,10 +35,17 @@ def _run(path: Path, tp: int, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tp2_tokens_and_logits_equal_tp1(tmp_path: Path, arch: str):
+@pytest.mark.parametrize(
+    ("arch", "collective"),
+    [("llama", "shm"), ("qwen2", "auto"), ("qwen3", "auto"), ("llama", "gloo")],
+)
+def test_tp2_tokens_and_logits_equal_tp1(tmp_path: Path, arch: str, collective: str):
+    before = set(leftover_names())
     path = make_tiny_checkpoint(tmp_path / arch, arch)
-    one, two = _run(path, 1), _run(path, 2)
+    one, two = _run(path, 1), _run(path, 2, "--tp-collective", collective)
+    kind = "gloo" if collective == "gloo" else "shared memory"  # auto: one machine, CPU
+    assert two["collective"] == kind and f"gathers over {kind}" in two["decode_route"]
+    assert set(leftover_names()) - before == set()  # every name unlinked
     # the workload covers what it claims to: prefix hits, preemption, n=2
     assert one["cached_tokens"] > 0 and one["preemptions"] > 0
     assert len(one["tokens"][-1]) == 2
@@ -72,6 +81,7 @@ def test_two_machines_launched_apart_equal_one_rank(tmp_path: Path):
             node1.kill()
             node1.wait()
     one = _run(path, 1)
+    assert two["collective"] == "gloo"  # auto across machines
     assert one["cached_tokens"] > 0 and one["preemptions"] > 0
     assert two["tokens"] == one["tokens"]
     assert two["logits"] == one["logits"]
@@ -111,3 +121,18 @@ def test_shard_ranges_cover_the_vocabulary_on_tile_boundaries():
     ranges = [shard_range(320 + 3, 2, r, 16) for r in range(2)]
     assert ranges == [(0, 176), (176, 323)]
     assert [shard_range(64, 4, r) for r in range(4)] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+
+
+def test_tp_collective_is_checked_against_the_machines():
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.distributed import uses_shared_memory
+
+    with pytest.raises(ValueError, match="tp_collective must be one of"):
+        EngineConfig(model="m", tp_collective="mpi")
+    with pytest.raises(ValueError, match="'shm' needs every rank on one CPU machine"):
+        EngineConfig(model="m", tensor_parallel_size=2, nnodes=2, master_port=29500,
+                     tp_collective="shm")  # fmt: skip
+    across = EngineConfig(model="m", tensor_parallel_size=2, nnodes=2, master_port=29500)
+    assert not uses_shared_memory(across)  # auto keeps gloo across machines
+    assert uses_shared_memory(EngineConfig(model="m", tensor_parallel_size=2))
+    assert not uses_shared_memory(EngineConfig(model="m", tp_collective="gloo"))

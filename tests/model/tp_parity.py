@@ -1,8 +1,9 @@
 """Run one workload through ``LLM(tensor_parallel_size=N)`` and print what it produced.
 
-``python tp_parity.py CHECKPOINT N [MASTER_PORT]`` prints one JSON line: every request's
-tokens, the sha256 of every logits tensor the runner computed (in order, float32 bytes),
-their count, and the engine's prefix hits and preemptions. ``test_tensor_parallel.py`` runs
+``python tp_parity.py CHECKPOINT N [MASTER_PORT] [--tp-collective auto|shm|gloo]`` prints
+one JSON line: every request's tokens, the sha256 of every logits tensor the runner
+computed (in order, float32 bytes), their count, the engine's prefix hits and preemptions,
+and which collective gathered (``kind``) and the decode route that names it. ``test_tensor_parallel.py`` runs
 it for N=1 and N=2 in fresh processes (with a timeout) and compares. With MASTER_PORT this
 is machine 0 of two (``nnodes=2``, one rank each): the other rank is started apart, as
 ``pagedllm serve --node-rank 1``.
@@ -15,7 +16,7 @@ import json
 import sys
 
 
-def main(path: str, tp: int, master_port: int | None = None) -> None:
+def main(path: str, tp: int, master_port: int | None = None, collective: str = "auto") -> None:
     import torch
 
     from pagedllm.engine.llm import LLM
@@ -31,6 +32,7 @@ def main(path: str, tp: int, master_port: int | None = None) -> None:
         tensor_parallel_size=tp,
         num_threads=1,
         distributed_timeout_s=60,
+        tp_collective=collective,
         **({} if master_port is None else {"nnodes": 2, "master_port": master_port}),
     )
     runner = llm.engine.runner
@@ -65,11 +67,23 @@ def main(path: str, tp: int, master_port: int | None = None) -> None:
                 "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
                 "preemptions": stats.num_preemptions,
                 "resized": [grown.blocks_after, shrunk.blocks_after, shrunk.blocks_moved],
+                "collective": getattr(model, "comm", None) and model.comm.kind,
+                "decode_route": llm.engine.routes.decode_loop if llm.engine.routes else None,
             }
         )
     )
     llm.engine.close()
 
 
+def parse(argv: list[str]) -> tuple[str, int, int | None, str]:
+    collective = "auto"
+    if "--tp-collective" in argv:
+        at = argv.index("--tp-collective")
+        collective = argv[at + 1]
+        argv = argv[:at] + argv[at + 2 :]
+    port = int(argv[2]) if len(argv) > 2 else None
+    return argv[0], int(argv[1]), port, collective
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), *(int(a) for a in sys.argv[3:]))
+    main(*parse(sys.argv[1:]))

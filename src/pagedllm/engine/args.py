@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
-from pagedllm.engine.config import DEFAULT_KV_OFFLOAD_SPACE_GIB, DTYPES, EngineConfig
+from pagedllm.engine.config import (
+    DEFAULT_KV_OFFLOAD_SPACE_GIB,
+    DTYPES,
+    TP_COLLECTIVES,
+    EngineConfig,
+)
 from pagedllm.kv_dtypes import KV_CACHE_DTYPES
 from pagedllm.planner.presets import parse_size as _parse_size
 
@@ -179,6 +184,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--master-addr", default="127.0.0.1", help="machine 0's address")
     dist.add_argument("--master-port", type=int, default=None,
                       help="rendezvous port on machine 0 (default on one machine: any free)")  # fmt: skip
+    dist.add_argument("--tp-collective", default="auto", choices=TP_COLLECTIVES,
+                      help="how ranks gather activations: shm (shared memory, one CPU "
+                      "machine), gloo, or auto (shm where it can run)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -213,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        tp_collective=getattr(args, "tp_collective", "auto"),
         device=args.device,
         num_threads=getattr(args, "num_threads", None),
         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),

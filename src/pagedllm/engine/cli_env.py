@@ -73,7 +73,21 @@ def environment(model: str, dtype: str, attention_backend: str) -> dict[str, Any
         },
         "model": loaded.name,
         "routes": {**routes.as_dict(), "dtype_reason": loaded.dtype_reason},
+        "tensor_parallel_gathers": tensor_parallel_gathers(),
     }
+
+
+def tensor_parallel_gathers() -> str:
+    """How tensor-parallel ranks would gather here (``--tp-collective auto``)."""
+    from pagedllm.engine.shm_collective import SHM_DIR, shm_available
+
+    if shm_available():
+        free = os.statvfs(SHM_DIR)
+        gib = free.f_bavail * free.f_frsize / (1 << 30)
+        local = f"shared memory ({SHM_DIR}, {gib:.1f} GiB free)"
+    else:
+        local = f"gloo (no shared memory here: needs x86-64 and a writable {SHM_DIR})"
+    return f"{local} for ranks on this CPU machine; gloo across machines, NCCL on CUDA"
 
 
 def format_environment(env: dict[str, Any]) -> str:
@@ -88,6 +102,7 @@ def format_environment(env: dict[str, Any]) -> str:
         f"kernels: {kernels['library']}",
         f"small_gemm bf16 route: {kernels['small_gemm_bf16']}",
         f"small_gemm float32 route: {kernels['small_gemm_f32']}",
+        f"tensor-parallel gathers: {env['tensor_parallel_gathers']}",
         f"model: {env['model']}",
         "routes:",
     ]

@@ -16,6 +16,10 @@ DEFAULT_KV_OFFLOAD_SPACE_GIB = 16.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The names pagedllm.attention.select.get_backend accepts (kept here so config stays torch-free).
 ATTENTION_BACKENDS = ("auto", "cpu", "reference")
+# How tensor-parallel ranks gather activations: "shm" through shared memory (ranks on one
+# CPU machine), "gloo" (NCCL on CUDA) through torch.distributed; "auto" picks shm where
+# it can run.
+TP_COLLECTIVES = ("auto", "shm", "gloo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout_s: float = 300.0
+    tp_collective: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_positive("block_size", self.block_size)
@@ -157,6 +162,15 @@ class EngineConfig:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be positive")
+        if self.tp_collective not in TP_COLLECTIVES:
+            raise ValueError(
+                f"tp_collective must be one of {TP_COLLECTIVES}, got {self.tp_collective!r}"
+            )
+        if self.tp_collective == "shm" and (self.nnodes > 1 or not self.device.startswith("cpu")):
+            raise ValueError(
+                "tp_collective 'shm' needs every rank on one CPU machine "
+                f"(nnodes 1, device cpu; got nnodes {self.nnodes}, device {self.device!r})"
+            )
 
     @staticmethod
     def _check_positive(name: str, value: object) -> None:

@@ -7,7 +7,9 @@ ranks then run the same ``TorchModelRunner.execute`` on their shard
 sampled tokens go back to the scheduler. Every rank holds its KV heads' share of every
 block under the same block ids, so the scheduler's block tables mean the same everywhere.
 
-Collectives: gloo on CPU, NCCL on CUDA (the step records always travel over a gloo group).
+Collectives: on one CPU machine the activations' all-gathers go through shared memory
+(``shm_collective.ShmCollective``, ``tp_collective`` "auto" or "shm"), else gloo on CPU and
+NCCL on CUDA; the step records always travel over a gloo group.
 Processes: ``torch.multiprocessing`` (spawn) for this machine's ranks; across machines the
 torchrun-style rendezvous (``nnodes``, ``node_rank``, ``master_addr``, ``master_port``):
 machine 0 runs the engine and its local ranks, every other machine runs
@@ -50,6 +52,7 @@ class TorchCollective:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.kind = dist.get_backend(group)  # "gloo" or "nccl", for the routes
         # What the gathers cost this rank (waiting for the slowest rank included):
         # benchmarks/tensor_parallel.py reads and resets them.
         self.num_calls = 0
@@ -65,12 +68,16 @@ class TorchCollective:
         self.num_bytes += x.numel() * x.element_size()
         return parts
 
+    def close(self) -> None:
+        """Nothing of its own: the process group goes with ``destroy_process_group``."""
+
 
 class LocalCollective:
     """One rank alone (TP=1 through the tensor-parallel code, for tests)."""
 
     rank = 0
     world_size = 1
+    kind = "none"
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
@@ -82,8 +89,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[TorchCollective, Any]:
-    """Join the process group; (the tensor group, the gloo group for step records)."""
+def uses_shared_memory(config: EngineConfig) -> bool:
+    """Whether the ranks gather through shared memory: all on one CPU machine, and told
+    "shm", or "auto" where /dev/shm is writable. (Ranks on other machines decide the same:
+    nnodes and device are shared; config validation refuses "shm" across machines.)"""
+    from pagedllm.engine.shm_collective import shm_available
+
+    if config.nnodes != 1 or not config.device.startswith("cpu"):
+        return False
+    return config.tp_collective == "shm" or (config.tp_collective == "auto" and shm_available())
+
+
+def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[Any, Any]:
+    """Join the process group; (the activations' collective, the gloo group for step
+    records: None when the process group itself is gloo)."""
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
@@ -93,6 +112,10 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[TorchC
         timeout=timedelta(seconds=config.distributed_timeout_s),
     )
     control = None if backend == "gloo" else dist.new_group(backend="gloo")
+    if uses_shared_memory(config):
+        from pagedllm.engine.shm_collective import ShmCollective
+
+        return ShmCollective.setup(control, config.distributed_timeout_s), control
     return TorchCollective(), control
 
 
@@ -143,7 +166,9 @@ def start_tensor_parallel(
         comm, control = init_rank(config, 0, port)
         broadcast_object(config, control)
         loaded = shard_loaded(loaded, comm)
-        runner = TensorParallelRunner(build_runner(config, loaded.model), processes, control)
+        runner = TensorParallelRunner(
+            build_runner(config, loaded.model), processes, control, comm=comm
+        )
         runner.send_sizes()
     except BaseException:
         for process in processes:
@@ -165,10 +190,13 @@ class TensorParallelRunner:
 
     supports_multi_step = True
 
-    def __init__(self, runner: Any, processes: list[Any], control: Any) -> None:
+    def __init__(
+        self, runner: Any, processes: list[Any], control: Any, *, comm: Any = None
+    ) -> None:
         self.runner = runner
         self.processes = processes
         self.control = control
+        self.comm = comm  # the activations' collective, closed with the group
         self.vocab_size = runner.vocab_size
         self.block_size = runner.block_size
         self.num_blocks = runner.num_blocks
@@ -222,6 +250,8 @@ class TensorParallelRunner:
             process.join(30)
             if process.is_alive():
                 process.kill()
+        if self.comm is not None:
+            self.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -282,6 +312,7 @@ def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: i
     # Leave without tearing the group down: rank 0 may have closed its side already, and
     # gloo's teardown then aborts the process (std::terminate), an exit status a worker
     # machine's launcher reports as a failure. The system frees it all.
+    comm.close()
     logging.shutdown()
     os._exit(0)
 

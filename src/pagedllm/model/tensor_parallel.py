@@ -221,7 +221,8 @@ class TensorParallelModel(nn.Module):
     def routes(self) -> Routes:
         """The single rank's routes, under tensor parallelism."""
         inner = self.inner.routes()
-        ranks = f"tensor parallel over {self.comm.world_size} ranks"
+        kind = getattr(self.comm, "kind", "torch.distributed")
+        ranks = f"tensor parallel over {self.comm.world_size} ranks, gathers over {kind}"
         return dataclasses.replace(
             inner,
             decode_loop=f"{inner.decode_loop} ({ranks})",
