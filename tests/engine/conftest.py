@@ -98,6 +98,30 @@ def run_all(engine: LLMEngine, limit: int = 10_000) -> dict[str, Any]:
     raise AssertionError("engine did not finish")
 
 
+def run_with_resizes(
+    engine: LLMEngine, schedule: dict[int, int], check: Callable[[], None] | None = None
+) -> tuple[dict[str, Any], set[int]]:
+    """Step until idle, starting a resize to ``schedule[step]`` blocks before those steps:
+    the final output of each request by id, and every pool size seen. Checks the manager's
+    invariants (and ``check``) after each step."""
+    block = engine.runner.kv_block_bytes
+    final: dict[str, Any] = {}
+    sizes = {engine.runner.num_blocks}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in schedule:
+            engine.start_resize(schedule[step] * block)
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        engine.kv.check_invariants()
+        if check is not None:
+            check()
+        sizes.add(engine.runner.num_blocks)
+        step += 1
+    return final, sizes
+
+
 @pytest.fixture
 def model_engine(tiny_model_dir: Path, engines: list[LLMEngine]) -> Callable[..., LLMEngine]:
     """``model_engine(**EngineConfig fields)``: an engine on the tiny random Llama, in float32

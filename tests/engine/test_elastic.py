@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tests.engine.conftest import run_all
+from tests.engine.conftest import run_all, run_with_resizes
 from tests.engine.test_engine_fake import reference
 
 from pagedllm.engine.elastic import ElasticPolicy, LoadView
@@ -205,18 +205,8 @@ def test_greedy_tokens_of_a_real_model_survive_resizes_mid_generation(
         engine = model_engine(num_blocks=96, block_size=4, max_model_len=64)
         for i, ids in enumerate(prompts):
             engine.add_request(str(i), ids, params)
-        block = engine.runner.kv_block_bytes
         schedule = {3: 40, 7: 96, 9: 30, 14: 120, 18: 36} if resize else {}
-        final: dict[str, Any] = {}
-        step = 0
-        while engine.has_unfinished_requests():
-            if step in schedule:
-                engine.start_resize(schedule[step] * block)
-            for output in engine.step():
-                if output.finished:
-                    final[output.request_id] = output
-            engine.kv.check_invariants()
-            step += 1
+        final, _ = run_with_resizes(engine, schedule)
         if resize:
             assert engine.elastic.last_report is not None
             assert engine.runner.num_blocks == engine.kv.num_blocks

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.conftest import run_all
+from tests.engine.conftest import run_all, run_with_resizes
 from tests.engine.test_engine_model import BASE, VARIANTS, generate, prompts
 
 from pagedllm.core.outputs import ScheduledSequence
@@ -172,22 +172,13 @@ def test_a_quantized_cache_resized_mid_generation_changes_no_token(
         engine = model_engine(num_blocks=96, kv_cache_dtype=kv_cache_dtype, **BASE)
         for i, ids in enumerate(batch):
             engine.add_request(str(i), ids, params)
-        block = engine.runner.kv_block_bytes
         schedule = {3: 40, 7: 96, 9: 30, 14: 120, 18: 36} if resize else {}
-        final = {}
-        sizes = {engine.runner.num_blocks}
-        step = 0
-        while engine.has_unfinished_requests():
-            if step in schedule:
-                engine.start_resize(schedule[step] * block)
-            for output in engine.step():
-                if output.finished:
-                    final[output.request_id] = output
-            engine.kv.check_invariants()
+
+        def check() -> None:
             engine.runner.kv_cache.check_invariants()
             assert engine.runner.num_blocks == engine.kv.num_blocks
-            sizes.add(engine.runner.num_blocks)
-            step += 1
+
+        final, sizes = run_with_resizes(engine, schedule, check)
         if resize:  # shrunk below the start (live blocks moved) and grown past it
             assert min(sizes) < 96 < max(sizes), sizes
         return [tuple(final[str(i)].outputs[0].token_ids) for i in range(len(batch))]
