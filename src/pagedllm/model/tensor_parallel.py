@@ -49,6 +49,7 @@ class Collective(Protocol):
 
     rank: int
     world_size: int
+    kind: str  # how the pieces travel, in the routes' words ("gloo", "shared memory", ...)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x`` (same shape on all ranks), in rank order."""
@@ -221,8 +222,7 @@ class TensorParallelModel(nn.Module):
     def routes(self) -> Routes:
         """The single rank's routes, under tensor parallelism."""
         inner = self.inner.routes()
-        kind = getattr(self.comm, "kind", "torch.distributed")
-        ranks = f"tensor parallel over {self.comm.world_size} ranks, gathers over {kind}"
+        ranks = f"tensor parallel over {self.comm.world_size} ranks, gathers over {self.comm.kind}"
         return dataclasses.replace(
             inner,
             decode_loop=f"{inner.decode_loop} ({ranks})",
