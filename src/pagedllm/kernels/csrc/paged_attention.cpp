@@ -48,6 +48,7 @@ constexpr int64_t PREFETCH_AHEAD = 2;
 
 using pagedllm_attn::Args;
 using pagedllm_attn::first_key;
+using pagedllm_attn::row_offsets;
 using pagedllm_attn::Task;
 using pagedllm_attn::visible;
 using pagedllm_attn::Visible;
@@ -445,21 +446,6 @@ struct Bf16Buffers {
   alignas(64) uint32_t amx_b[4 * 16 * 16];
   alignas(64) float amx_out[4 * 16 * 16];
 };
-
-// Element offset of context rows kmin..kmax-1 of one kv head (same for K and V), at
-// [0, kmax - kmin): the table entries before kmin's block are never read.
-template <typename T>
-const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmin, int64_t kmax,
-                           std::vector<int64_t>& offsets) {
-  offsets.resize(kmax - kmin);
-  const int64_t bfirst = kmin / a.block_size;
-  for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
-    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
-    const int64_t n = std::min(a.block_size, kmax - b0);
-    for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n; ++o) offsets[b0 + o - kmin] = base + o * a.cache_stride_token;
-  }
-  return offsets.data();
-}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // dst[t] = bf16(exp(row[t] - mx)) for the n keys a row sees, 0 for the rest of [0, kmax);

@@ -76,6 +76,21 @@ struct Avx2Scratch {
   std::vector<const float*> row_ptrs;      // fp32 rows of a chunk of V
 };
 
+// Element offset of context rows kmin..kmax-1 of one kv head (same for K and V), at
+// [0, kmax - kmin): the table entries before kmin's block are never read.
+template <typename T>
+const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmin, int64_t kmax,
+                           std::vector<int64_t>& offsets) {
+  offsets.resize(kmax - kmin);
+  const int64_t bfirst = kmin / a.block_size;
+  for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
+    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
+    const int64_t n = std::min(a.block_size, kmax - b0);
+    for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n; ++o) offsets[b0 + o - kmin] = base + o * a.cache_stride_token;
+  }
+  return offsets.data();
+}
+
 // Whether this build has the AVX2 path (compiled with AVX2 and FMA).
 bool avx2_built();
 

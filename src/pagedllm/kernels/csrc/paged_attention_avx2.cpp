@@ -148,21 +148,6 @@ inline __m256 load_reg(const float* p) {
 
 // ---- Context rows.
 
-// Element offset of context rows kmin..kmax-1 of one kv head (same for K and V), at
-// [0, kmax - kmin): the table entries before kmin's block are never read.
-template <typename T>
-const int64_t* row_offsets(const Args<T>& a, const int32_t* table, int64_t kv_off, int64_t kmin, int64_t kmax,
-                           std::vector<int64_t>& offsets) {
-  offsets.resize(kmax - kmin);
-  const int64_t bfirst = kmin / a.block_size;
-  for (int64_t bi = bfirst, b0 = bfirst * a.block_size; b0 < kmax; b0 += a.block_size, ++bi) {
-    const int64_t base = table[bi] * a.cache_stride_block + kv_off;
-    const int64_t n = std::min(a.block_size, kmax - b0);
-    for (int64_t o = std::max<int64_t>(0, kmin - b0); o < n; ++o) offsets[b0 + o - kmin] = base + o * a.cache_stride_token;
-  }
-  return offsets.data();
-}
-
 // The cache lines of context rows, prefetched a few at a time between the loads of the rows
 // being read (`step` in the tiles' inner loops). A key group's lines at once (96 for 3 kv
 // heads of 64 dims) outnumber L1's miss buffers: the burst held up the loads behind it until
