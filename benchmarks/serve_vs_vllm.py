@@ -8,7 +8,9 @@ interpreter) on the same model and dtype, then runs rounds: in each, every serve
 ``--ignore-eos``; round r uses seed ``--seed`` + r for every server, so the prompts of a
 round are the same and no round finds the previous one's prompts in a prefix cache; the
 order follows the seed's parity, so rounds split across runs with ``--seed r --rounds 1``
-alternate as well).
+alternate as well). Only the server under test runs: the others are paused whole (SIGSTOP
+to their process group) for its turn and for the offline timing, so that no idle server
+takes CPU from the measured one.
 Without ``--vllm`` pagedllm alone is driven by a client of ours (httpx) with the same
 request pattern (random token-id prompts, streamed completions, the same concurrency).
 
@@ -30,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -114,13 +117,29 @@ def wait_healthy(
 
 
 class Server:
-    """A server process on 127.0.0.1:port, its log in a file; stopped with SIGTERM."""
+    """A server process on 127.0.0.1:port, its log in a file; stopped with SIGTERM.
+
+    It runs in a process group of its own so that it can be paused whole (SIGSTOP) while
+    another server is measured: an idle server's processes (a polling engine core, OpenMP
+    threads spinning) would otherwise take CPU from the one under test on a small machine."""
 
     def __init__(self, name: str, command: list[str], port: int, log_dir: Path, env: dict):
         self.name, self.port = name, port
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # fmt: skip
+        self.paused = False
+
+    def pause(self) -> None:
+        if self.proc.poll() is None and not self.paused:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
 
     @property
     def base_url(self) -> str:
@@ -130,6 +149,7 @@ class Server:
         wait_healthy(self.base_url, self.proc, timeout, self.name, self._tail)
 
     def stop(self) -> None:
+        self.resume()  # a stopped process only acts on SIGTERM once continued
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -292,12 +312,15 @@ def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Pa
         warm = Workload(work.input_len, 16, min(8, work.num_prompts), work.max_concurrency)
         for server in servers:  # first requests pay one-time costs
             drive(args, server, model, tokenizer, warm, seed=10_000)
+            server.pause()
         for r in range(args.rounds):
             seed = args.seed + r
             # By the seed's parity: rounds split across runs (--seed r --rounds 1) alternate too.
             order = servers if seed % 2 == 0 else servers[::-1]
-            for server in order:
+            for server in order:  # only the server under test runs; the others are paused
+                server.resume()
                 result = drive(args, server, model, tokenizer, work, seed)
+                server.pause()
                 results[server.name].append(result)
                 _log_round(r, server.name, result)
             if not args.no_offline:
