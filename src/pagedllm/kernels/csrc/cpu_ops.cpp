@@ -20,7 +20,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -37,6 +37,13 @@ using pagedllm_vec::tail_mask;
 #endif
 #if defined(__AVX512BF16__)
 using pagedllm_vec::to_bf16;
+#endif
+// AVX2 machines without AVX-512: float32 rows get 8-lane vectors, bf16 the scalar code.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_OPS_AVX2 1
+using pagedllm_vec::exp256;
+using pagedllm_vec::hsum;
+using pagedllm_vec::lanes;
 #endif
 
 template <typename T>
@@ -175,6 +182,74 @@ void dispatch_float_types(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
+#if defined(PAGEDLLM_OPS_AVX2)
+// Whole 8-lane vectors with plain loads and stores, the tail with masked ones (a masked store
+// is microcoded on AMD Zen: slow enough to double a row's time if every vector took one).
+// f(i, m, whole) handles lanes [i, i + 8) under mask m (all lanes, and whole, but at the tail).
+template <typename F>
+inline void for_lanes(int64_t n, F&& f) {
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) f(i, all, true);
+  if (i < n) f(i, lanes(n - i), false);
+}
+
+inline __m256 load8(const float* p, __m256i m, bool whole) {
+  return whole ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m);
+}
+
+inline void store8(float* p, __m256 v, __m256i m, bool whole) {
+  if (whole) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, m, v);
+  }
+}
+
+// One float32 row of rms_norm_rows on 8-lane vectors.
+inline void rms_norm_row_avx2(const float* x, float* residual, const float* weight, float* out, int64_t hidden,
+                              float eps) {
+  __m256 ss = _mm256_setzero_ps();
+  for_lanes(hidden, [&](int64_t i, __m256i m, bool whole) {
+    __m256 v = load8(x + i, m, whole);
+    if (residual) {
+      v = _mm256_add_ps(v, load8(residual + i, m, whole));
+      store8(residual + i, v, m, whole);
+    }
+    ss = _mm256_fmadd_ps(v, v, ss);
+  });
+  const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum(ss) / static_cast<float>(hidden) + eps));
+  const float* read = residual ? residual : x;
+  for_lanes(hidden, [&](int64_t i, __m256i m, bool whole) {
+    const __m256 y = _mm256_mul_ps(load8(read + i, m, whole), inv);
+    store8(out + i, _mm256_mul_ps(load8(weight + i, m, whole), y), m, whole);
+  });
+}
+
+// One head of rope_one in float32: each product and the sum rounded as the torch expression.
+inline void rope_head_avx2(float* v, const float* c, const float* s, int64_t half) {
+  for_lanes(half, [&](int64_t i, __m256i m, bool whole) {
+    const __m256 x1 = load8(v + i, m, whole), x2 = load8(v + half + i, m, whole);
+    const __m256 a1 = _mm256_mul_ps(x1, load8(c + i, m, whole));
+    const __m256 b1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + i, m, whole));
+    const __m256 a2 = _mm256_mul_ps(x2, load8(c + half + i, m, whole));
+    const __m256 b2 = _mm256_mul_ps(x1, load8(s + half + i, m, whole));
+    store8(v + i, _mm256_add_ps(a1, b1), m, whole);
+    store8(v + half + i, _mm256_add_ps(a2, b2), m, whole);
+  });
+}
+
+// One float32 row of silu_mul: silu(g) = g / (1 + e^-g).
+inline void silu_mul_row_avx2(const float* g, const float* u, float* o, int64_t inter) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for_lanes(inter, [&](int64_t i, __m256i m, bool whole) {
+    const __m256 gv = load8(g + i, m, whole);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    store8(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load8(u + i, m, whole)), m, whole);
+  });
+}
+#endif
+
 // out = weight * to_T(x * rsqrt(mean(x^2) + eps)); with `residual`: first residual += x
 // (rounded to T) and the norm reads the new residual. x, residual, out: [rows, hidden].
 template <typename T>
@@ -205,6 +280,12 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
         store16(dst + i, _mm512_mul_ps(load16m(weight + i, m), y), m);
       }
 #else
+#if defined(PAGEDLLM_OPS_AVX2)
+      if constexpr (std::is_same_v<T, float>) {
+        rms_norm_row_avx2(xr, src, weight, dst, hidden, eps);
+        continue;
+      }
+#endif
       float ss = 0.0f;
       for (int64_t i = 0; i < hidden; ++i) {
         float v = to_float(xr[i]);
@@ -285,6 +366,12 @@ void rope_one(at::Tensor& x, const T* cos, const T* sin) {
           store16(v + half + i, _mm512_add_ps(a2, b2), m);
         }
 #else
+#if defined(PAGEDLLM_OPS_AVX2)
+        if constexpr (std::is_same_v<T, float>) {
+          rope_head_avx2(v, c, s, half);
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_float(v[i]), x2 = to_float(v[half + i]);
           const float a1 = to_float(static_cast<T>(x1 * to_float(c[i])));
@@ -341,6 +428,12 @@ at::Tensor silu_mul(const at::Tensor& x) {
           store16(o + i, _mm512_mul_ps(silu, load16m(u + i, m)), m);
         }
 #else
+#if defined(PAGEDLLM_OPS_AVX2)
+        if constexpr (std::is_same_v<T, float>) {
+          silu_mul_row_avx2(g, u, o, inter);
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < inter; ++i) {
           const float gv = to_float(g[i]);
           const float silu = to_float(static_cast<T>(gv / (1.0f + std::exp(-gv))));
