@@ -176,7 +176,7 @@ def test_each_query_reads_sealed_blocks_before_its_own_and_its_own_exactly(
     # Two full blocks sealed (or only block 1, block 0 kept), the third open.
     assert cache.num_open_blocks == (2 if first_block else 1)
     if first_block:
-        assert torch.equal(cache.device_caches[1][0].stage[cache._slot_of[5]], keys[:BLOCK])
+        assert torch.equal(cache.device_caches[0][0].stage[cache._slot_of[5]], keys[:BLOCK])
 
 
 def test_copies_and_swaps_move_scales_and_staged_rows() -> None:
