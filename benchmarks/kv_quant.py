@@ -278,7 +278,13 @@ class DecodeCase:
 
 
 def decode_case(
-    kv: str, geo: dict[str, int], num_heads: int, batch: int, context: int, dtype: torch.dtype
+    kv: str,
+    geo: dict[str, int],
+    num_heads: int,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    first_block: bool = False,
 ) -> DecodeCase:
     gen = torch.Generator().manual_seed(0)
     per_seq = context // BLOCK_SIZE + 1
@@ -287,7 +293,8 @@ def decode_case(
     random.Random(0).shuffle(ids)
     quantization = None if kv in ("bfloat16", "auto") else kv
     spec = KVCacheSpec(
-        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, dtype, quantization=quantization
+        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, dtype,
+        quantization=quantization, unquantized_first_block=first_block,
     )  # fmt: skip
     cache = make_kv_cache(spec, num_blocks)
     shape = (num_blocks, BLOCK_SIZE, geo["num_kv_heads"], geo["head_dim"])
@@ -302,6 +309,11 @@ def decode_case(
         ScheduledSequence(f"s{i}", (1,), context, tuple(ids[i * per_seq : (i + 1) * per_seq]))
         for i in range(batch)
     ]
+    if first_block:  # each sequence's block 0 staged, as the disk tier loads one
+        element = torch.empty((), dtype=dtype).element_size()
+        staged = torch.randn(spec.staging_bytes_per_slot // element, generator=gen).to(dtype)
+        row = staged.view(torch.uint8).numpy()
+        cache.write_blocks([seq.block_table[0] for seq in scheduled], [row] * batch)
     head_dim, kv_heads = geo["head_dim"], geo["num_kv_heads"]
     qkv = (
         torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype),
@@ -330,10 +342,14 @@ def measure_attention(
     results: dict[str, dict[str, dict]] = {}
     for context, batch in args.contexts:
         label = f"{batch}x{context}"
-        cases = {
-            kv: decode_case(kv, geo, num_heads, batch, context, dtype)
-            for kv in ("bfloat16", *args.kv_dtypes)
-        }
+        cases = {"bfloat16": decode_case("bfloat16", geo, num_heads, batch, context, dtype)}
+        for case in quality_cases(args.kv_dtypes, args.first_block):
+            first = case.first_block
+            if first is None:
+                first = case.kv_dtype in UNQUANTIZED_FIRST_BLOCK_DTYPES
+            cases[case.label] = decode_case(
+                case.kv_dtype, geo, num_heads, batch, context, dtype, first
+            )
         times: dict[str, list[float]] = {kv: [] for kv in cases}
         for _ in range(args.rounds):
             for kv, case in cases.items():
@@ -454,7 +470,7 @@ def print_tables(results: dict) -> None:
             for kv, r in rows.items():
                 lo, hi = r["vs_bf16_range"]
                 print(
-                    f"{label:<10} {kv:<10} {r['ms']:>8.3f} {r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
+                    f"{label:<10} {kv:<16} {r['ms']:>8.3f} {r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
                 )
     if "serving" in results:
         print("\nstandard workload at a KV budget that makes the model dtype's cache preempt")
