@@ -10,6 +10,10 @@ For each dtype (``--kv-dtypes``, against the model dtype's own cache):
   most likely token (top-1 agreement) and the top ``K`` (mean KL(model dtype || dtype) over the
   top-K tokens both return plus one bucket for the rest of the vocabulary: a lower bound of
   the full KL that approaches it as K grows; the quality gate in the tests uses full logits).
+  ``--first-block both`` measures each dtype with its first block (logical block 0, the
+  attention sink) unquantized and quantized (``kv_cache_unquantized_first_block``; by default
+  the engine's choice); ``--full-logits`` adds the full-logit KL, top-1 and ΔPPL of the same
+  texts teacher-forced through the runner (``pagedllm.worker.quality``).
 - **capacity**: bytes per token (scales included) and blocks for ``--kv-cache-memory``.
 - **decode attention**: one decode step through every layer's ``CpuAttention.forward``
   (the step's K/V write included) over contexts of 2k and 8k tokens on shuffled blocks, the
@@ -53,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention.select import get_backend  # noqa: E402
 from pagedllm.core.outputs import ScheduledSequence, TokenLogprob  # noqa: E402
-from pagedllm.kv_dtypes import kv_bytes_per_block  # noqa: E402
+from pagedllm.kv_dtypes import UNQUANTIZED_FIRST_BLOCK_DTYPES, kv_bytes_per_block  # noqa: E402
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.worker.input_batch import build_input_batch  # noqa: E402
 from pagedllm.worker.kv_cache import KVCacheSpec, make_kv_cache  # noqa: E402
@@ -135,10 +139,40 @@ def text_prompts(model: Path, count: int, tokens: int) -> list[list[int]]:
     return [ids[i * tokens : (i + 1) * tokens] for i in range(count)]
 
 
+@dataclass(frozen=True, slots=True)
+class QualityCase:
+    """A cache to measure: ``kv_dtype`` with ``first_block`` (None: the engine's default)."""
+
+    label: str
+    kv_dtype: str
+    first_block: bool | None = None
+
+
+def quality_cases(kv_dtypes: Sequence[str], first_block: str) -> list[QualityCase]:
+    if first_block == "default":
+        return [QualityCase(kv, kv) for kv in kv_dtypes]
+    return [
+        QualityCase(f"{kv} b0={'full' if keep else 'quant'}", kv, keep)
+        for kv in kv_dtypes
+        for keep in (True, False)
+    ]
+
+
 def prompt_logprobs(
-    model: Path, dtype: str, kv_dtype: str, prompts: list[list[int]], top_k: int
+    model: Path,
+    dtype: str,
+    kv_dtype: str,
+    prompts: list[list[int]],
+    top_k: int,
+    first_block: bool | None = None,
 ) -> list[tuple[TokenLogprob | None, ...]]:
-    llm = LLM(model=str(model), dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=256 << 20)
+    llm = LLM(
+        model=str(model),
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_unquantized_first_block=first_block,
+        kv_cache_memory=256 << 20,
+    )
     params = SamplingParams(max_tokens=1, prompt_logprobs=top_k)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = [o.prompt_logprobs for o in outputs]
@@ -150,10 +184,52 @@ def prompt_logprobs(
 def measure_quality(args: argparse.Namespace, model: Path) -> dict[str, Quality]:
     prompts = text_prompts(model, args.texts, args.text_tokens)
     reference = prompt_logprobs(model, args.dtype, "auto", prompts, args.top_k)
-    return {
-        kv: compare(reference, prompt_logprobs(model, args.dtype, kv, prompts, args.top_k))
-        for kv in args.kv_dtypes
-    }
+    results = {}
+    for case in quality_cases(args.kv_dtypes, args.first_block):
+        test = prompt_logprobs(
+            model, args.dtype, case.kv_dtype, prompts, args.top_k, case.first_block
+        )
+        results[case.label] = compare(reference, test)
+    return results
+
+
+def measure_full_logits(args: argparse.Namespace, model: Path) -> dict[str, Quality]:
+    """Full-logit KL, top-1 and perplexity per case, the texts teacher-forced through a
+    runner of the case's cache (the quality gate's construction), pooled over the texts."""
+    from pagedllm.model.loader import load_model
+    from pagedllm.worker.model_runner import TorchModelRunner
+    from pagedllm.worker.quality import compare as compare_logits
+    from pagedllm.worker.quality import text_logits
+
+    loaded = load_model(str(model), args.dtype, get_backend("cpu"))
+    prompts = text_prompts(model, args.texts, args.text_tokens)
+
+    def logits(kv_dtype: str, first_block: bool) -> list[torch.Tensor]:
+        runner = TorchModelRunner(
+            loaded.model, block_size=BLOCK_SIZE, num_blocks=-(-args.text_tokens // BLOCK_SIZE),
+            kv_cache_dtype=kv_dtype, unquantized_first_block=first_block,
+        )  # fmt: skip
+        return [text_logits(runner, ids) for ids in prompts]
+
+    reference = logits("auto", False)
+    results = {}
+    for case in quality_cases(args.kv_dtypes, args.first_block):
+        first = case.first_block
+        if first is None:
+            first = case.kv_dtype in UNQUANTIZED_FIRST_BLOCK_DTYPES
+        reports = [
+            compare_logits(ref, test, ids[1:])
+            for ref, test, ids in zip(reference, logits(case.kv_dtype, first), prompts, strict=True)
+        ]
+        n = sum(r.num_positions for r in reports)
+        results[case.label] = Quality(
+            n,
+            math.exp(sum(math.log(r.ppl_reference) * r.num_positions for r in reports) / n),
+            math.exp(sum(math.log(r.ppl) * r.num_positions for r in reports) / n),
+            sum(r.mean_kl * r.num_positions for r in reports) / n,
+            sum(r.top1_agreement * r.num_positions for r in reports) / n,
+        )
+    return results
 
 
 # ---------------------------------------------------------------- capacity
@@ -202,7 +278,13 @@ class DecodeCase:
 
 
 def decode_case(
-    kv: str, geo: dict[str, int], num_heads: int, batch: int, context: int, dtype: torch.dtype
+    kv: str,
+    geo: dict[str, int],
+    num_heads: int,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    first_block: bool = False,
 ) -> DecodeCase:
     gen = torch.Generator().manual_seed(0)
     per_seq = context // BLOCK_SIZE + 1
@@ -211,7 +293,8 @@ def decode_case(
     random.Random(0).shuffle(ids)
     quantization = None if kv in ("bfloat16", "auto") else kv
     spec = KVCacheSpec(
-        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, dtype, quantization=quantization
+        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, dtype,
+        quantization=quantization, unquantized_first_block=first_block,
     )  # fmt: skip
     cache = make_kv_cache(spec, num_blocks)
     shape = (num_blocks, BLOCK_SIZE, geo["num_kv_heads"], geo["head_dim"])
@@ -226,6 +309,11 @@ def decode_case(
         ScheduledSequence(f"s{i}", (1,), context, tuple(ids[i * per_seq : (i + 1) * per_seq]))
         for i in range(batch)
     ]
+    if first_block:  # each sequence's block 0 staged, as the disk tier loads one
+        element = torch.empty((), dtype=dtype).element_size()
+        staged = torch.randn(spec.staging_bytes_per_slot // element, generator=gen).to(dtype)
+        row = staged.view(torch.uint8).numpy()
+        cache.write_blocks([seq.block_table[0] for seq in scheduled], [row] * batch)
     head_dim, kv_heads = geo["head_dim"], geo["num_kv_heads"]
     qkv = (
         torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype),
@@ -254,10 +342,14 @@ def measure_attention(
     results: dict[str, dict[str, dict]] = {}
     for context, batch in args.contexts:
         label = f"{batch}x{context}"
-        cases = {
-            kv: decode_case(kv, geo, num_heads, batch, context, dtype)
-            for kv in ("bfloat16", *args.kv_dtypes)
-        }
+        cases = {"bfloat16": decode_case("bfloat16", geo, num_heads, batch, context, dtype)}
+        for case in quality_cases(args.kv_dtypes, args.first_block):
+            first = case.first_block
+            if first is None:
+                first = case.kv_dtype in UNQUANTIZED_FIRST_BLOCK_DTYPES
+            cases[case.label] = decode_case(
+                case.kv_dtype, geo, num_heads, batch, context, dtype, first
+            )
         times: dict[str, list[float]] = {kv: [] for kv in cases}
         for _ in range(args.rounds):
             for kv, case in cases.items():
@@ -349,12 +441,18 @@ def parse_contexts(text: str) -> list[tuple[int, int]]:
 
 
 def print_tables(results: dict) -> None:
-    if "quality" in results:
-        print("\nquality vs the model dtype's cache (prompt logprobs, top-K bucket KL)")
-        print(f"{'dtype':<10} {'positions':>9} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'top-1':>7}")
-        for kv, q in results["quality"].items():
+    titles = {
+        "quality": "prompt logprobs, top-K bucket KL",
+        "quality_full_logits": "teacher-forced, full-logit KL",
+    }
+    for part, title in titles.items():
+        if part not in results:
+            continue
+        print(f"\nquality vs the model dtype's cache ({title})")
+        print(f"{'dtype':<16} {'positions':>9} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'top-1':>7}")
+        for kv, q in results[part].items():
             print(
-                f"{kv:<10} {q['positions']:>9} {q['ppl']:>8.3f} {q['delta_ppl']:>+8.3f} "
+                f"{kv:<16} {q['positions']:>9} {q['ppl']:>8.3f} {q['delta_ppl']:>+8.3f} "
                 f"{q['mean_kl']:>9.2e} {q['top1']:>7.2%}"
             )
     if "capacity" in results:
@@ -372,7 +470,7 @@ def print_tables(results: dict) -> None:
             for kv, r in rows.items():
                 lo, hi = r["vs_bf16_range"]
                 print(
-                    f"{label:<10} {kv:<10} {r['ms']:>8.3f} {r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
+                    f"{label:<10} {kv:<16} {r['ms']:>8.3f} {r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
                 )
     if "serving" in results:
         print("\nstandard workload at a KV budget that makes the model dtype's cache preempt")
@@ -387,6 +485,20 @@ def print_tables(results: dict) -> None:
             )
 
 
+def quality_rows(quality: dict[str, Quality]) -> dict[str, dict]:
+    return {
+        label: {
+            "positions": q.positions,
+            "ppl_reference": q.ppl_reference,
+            "ppl": q.ppl,
+            "delta_ppl": q.delta_ppl,
+            "mean_kl": q.mean_kl,
+            "top1": q.top1,
+        }
+        for label, q in quality.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -396,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--texts", type=int, default=2)
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument("--top-k", type=int, default=100)
+    parser.add_argument(
+        "--first-block",
+        choices=("default", "both"),
+        default="default",
+        help="quality: each dtype as the engine defaults, or with block 0 unquantized and not",
+    )
+    parser.add_argument("--full-logits", action="store_true", help="quality: full-logit KL too")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes (capacity)")
     parser.add_argument("--attention-dtype", default="bfloat16")
     parser.add_argument("--contexts", default="2048x8,8192x2", help="CONTEXTxBATCH,...")
@@ -422,18 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     geo = geometry(model)
     results: dict = {"model": args.model, "cpu_threads": torch.get_num_threads()}
     if "quality" in parts:
-        quality = measure_quality(args, model)
-        results["quality"] = {
-            kv: {
-                "positions": q.positions,
-                "ppl_reference": q.ppl_reference,
-                "ppl": q.ppl,
-                "delta_ppl": q.delta_ppl,
-                "mean_kl": q.mean_kl,
-                "top1": q.top1,
-            }
-            for kv, q in quality.items()
-        }
+        results["quality"] = quality_rows(measure_quality(args, model))
+        if args.full_logits:
+            results["quality_full_logits"] = quality_rows(measure_full_logits(args, model))
     if "capacity" in parts:
         results["capacity"] = capacity(args.kv_dtypes, geo, args.kv_cache_memory)
     if "attention" in parts:

@@ -17,13 +17,19 @@ Per token, per layer and KV head, for head_dim ``D`` and block size ``B`` (K and
     fp8_e4m3, fp8_e5m2   2 x D              8-bit floats, no scale (vLLM's default scale 1)
 
 The quantized formats quantize a block when it fills ("seal"): the open block of each
-sequence stays in the model's dtype in a staging block outside the pool until then.
+sequence stays in the model's dtype in a staging block outside the pool until then. With
+``kv_cache_unquantized_first_block`` (the default for the formats in
+``UNQUANTIZED_FIRST_BLOCK_DTYPES``), each sequence's first block is never sealed: one more
+staging block a sequence, and per cached-free first block (at most ``max_num_seqs``).
 """
 
 from __future__ import annotations
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "fp8_e4m3", "fp8_e5m2")
 QUANTIZED_KV_DTYPES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+# Formats that keep each sequence's first block unquantized unless told otherwise
+# (docs/performance.md: half of int4's divergence comes from the first 16 tokens).
+UNQUANTIZED_FIRST_BLOCK_DTYPES = ("int4",)
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Scales and minimums are stored as float16.
 SCALE_BYTES = 2

@@ -19,8 +19,13 @@ BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def spec(quantization: str, dtype: torch.dtype = torch.float32) -> KVCacheSpec:
-    return KVCacheSpec(2, KV_HEADS, DIM, BLOCK, dtype, quantization=quantization)
+def spec(
+    quantization: str, dtype: torch.dtype = torch.float32, first_block: bool = False
+) -> KVCacheSpec:
+    return KVCacheSpec(
+        2, KV_HEADS, DIM, BLOCK, dtype, quantization=quantization,
+        unquantized_first_block=first_block,
+    )  # fmt: skip
 
 
 def test_int8_round_trip_error_is_at_most_half_a_step() -> None:
@@ -114,23 +119,28 @@ def _step(cache, scheduled, key, value, query):
     return out, batch.meta
 
 
-def _expected(query, keys, values, first: int, codec_k, codec_v) -> torch.Tensor:
+def _expected(
+    query, keys, values, first: int, codec_k, codec_v, first_block: bool = False
+) -> torch.Tensor:
     """Row by row: query at position p sees blocks before its own through the codec and its
-    own block's rows up to p exactly."""
+    own block's rows up to p exactly (with ``first_block``, block 0 exactly too)."""
     rows = []
     for j in range(query.shape[0]):
         p = first + j
         own = p // BLOCK * BLOCK
-        sealed_k = keys[:own].view(-1, BLOCK, KV_HEADS, DIM)
-        sealed_v = values[:own].view(-1, BLOCK, KV_HEADS, DIM)
+        exact = min(own, BLOCK) if first_block else 0
+        sealed_k = keys[exact:own].view(-1, BLOCK, KV_HEADS, DIM)
+        sealed_v = values[exact:own].view(-1, BLOCK, KV_HEADS, DIM)
         k = torch.cat(
             (
+                keys[:exact],
                 codec_k.decode(*codec_k.encode(sealed_k), torch.float32).flatten(0, 1),
                 keys[own : p + 1],
             )
         )
         v = torch.cat(
             (
+                values[:exact],
                 codec_v.decode(*codec_v.encode(sealed_v), torch.float32).flatten(0, 1),
                 values[own : p + 1],
             )
@@ -144,26 +154,29 @@ def _expected(query, keys, values, first: int, codec_k, codec_v) -> torch.Tensor
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e5m2"])
 @pytest.mark.parametrize("chunks", [(11,), (3, 5, 1, 1, 1), (4, 7)])
+@pytest.mark.parametrize("first_block", [False, True])
 def test_each_query_reads_sealed_blocks_before_its_own_and_its_own_exactly(
-    quantization: str, chunks: tuple[int, ...]
+    quantization: str, chunks: tuple[int, ...], first_block: bool
 ) -> None:
     torch.manual_seed(0)
     total = sum(chunks)
     keys, values = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
     queries = torch.randn(total, HEADS, DIM)
-    cache = QuantizedKVCache(spec(quantization), num_blocks=8)
+    cache = QuantizedKVCache(spec(quantization, first_block=first_block), num_blocks=8)
     table = (5, 2, 7)
     start = 0
     for n in chunks:
         seq = ScheduledSequence("a", tuple(range(n)), start, table)
         rows = slice(start, start + n)
         out, _ = _step(cache, [seq], keys[rows], values[rows], queries[rows])
-        expected = _expected(queries[rows], keys, values, start, *cache.codecs)
+        expected = _expected(queries[rows], keys, values, start, *cache.codecs, first_block)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         start += n
         cache.check_invariants()
-    # Two full blocks sealed, the third open: one staging slot held.
-    assert cache.num_open_blocks == 1
+    # Two full blocks sealed (or only block 1, block 0 kept), the third open.
+    assert cache.num_open_blocks == (2 if first_block else 1)
+    if first_block:
+        assert torch.equal(cache.device_caches[0][0].stage[cache._slot_of[5]], keys[:BLOCK])
 
 
 def test_copies_and_swaps_move_scales_and_staged_rows() -> None:
@@ -231,14 +244,19 @@ def test_full_precision_specs_make_plain_caches() -> None:
     assert isinstance(make_kv_cache(spec("int8"), 4), QuantizedKVCache)
 
 
-def _kernel_step_pair(quantization: str, dtype: torch.dtype, block: int, seed: int):
+def _kernel_step_pair(
+    quantization: str, dtype: torch.dtype, block: int, seed: int, first_block: bool = False
+):
     """Two caches filled with the same sequences (several steps: prompt chunks, then decode),
     and the last step's inputs: (caches, scheduled, query, key, value)."""
     from pagedllm.attention.cpu import CpuAttention
 
     torch.manual_seed(seed)
     heads, kv_heads, dim = 6, 2, 64
-    kv_spec = KVCacheSpec(1, kv_heads, dim, block, dtype, quantization=quantization)
+    kv_spec = KVCacheSpec(
+        1, kv_heads, dim, block, dtype, quantization=quantization,
+        unquantized_first_block=first_block,
+    )  # fmt: skip
     caches = [QuantizedKVCache(kv_spec, num_blocks=64) for _ in range(2)]
     tables = {"a": tuple(range(0, 40, 2)), "b": tuple(range(41, 61)), "c": (63, 1, 3, 5)}
     lengths = {"a": 70, "b": 37, "c": block * 2 + 1}
@@ -264,16 +282,19 @@ def _kernel_step_pair(quantization: str, dtype: torch.dtype, block: int, seed: i
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [16, 4])
+@pytest.mark.parametrize("first_block", [False, True])
 def test_the_fused_kernel_matches_dequantize_then_attend(
-    quantization: str, dtype: torch.dtype, block: int
+    quantization: str, dtype: torch.dtype, block: int, first_block: bool
 ) -> None:
     """The C++ kernel against the reference path, step by step, over prompt chunks that
-    start mid-block, prefix reads and decode."""
+    start mid-block, prefix reads and decode (block 0 sealed, or read from staging)."""
     from pagedllm.kernels.build import load_library
 
     if not load_library():
         pytest.skip("the C++ kernels could not be built")
-    caches, steps, kernel = _kernel_step_pair(quantization, dtype, block, seed=3)
+    caches, steps, kernel = _kernel_step_pair(
+        quantization, dtype, block, seed=3, first_block=first_block
+    )
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for scheduled, q, k, v in steps:
         outs = []
@@ -287,7 +308,10 @@ def test_the_fused_kernel_matches_dequantize_then_attend(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_integer_path_matches_the_plain_path(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("first_block", [False, True])
+def test_the_int8_integer_path_matches_the_plain_path(
+    dtype: torch.dtype, first_block: bool
+) -> None:
     """int8 K/V: the VNNI path (int16 queries and probabilities) against the kernel's own
     fp32 path over the same cache and step."""
     from pagedllm.kernels.build import load_library
@@ -297,7 +321,7 @@ def test_the_int8_integer_path_matches_the_plain_path(dtype: torch.dtype) -> Non
         pytest.skip("the C++ kernels could not be built")
     if not {"avx512bw", "avx512_vnni"} <= cpu_info().flags:
         pytest.skip("the int8 integer path needs AVX-512 BW and VNNI")
-    caches, steps, _ = _kernel_step_pair("int8", dtype, 16, seed=4)
+    caches, steps, _ = _kernel_step_pair("int8", dtype, 16, seed=4, first_block=first_block)
     cache = caches[0]
     for scheduled, q, k, v in steps:
         batch = build_input_batch(scheduled, 16)
@@ -311,9 +335,72 @@ def test_the_int8_integer_path_matches_the_plain_path(dtype: torch.dtype) -> Non
             torch.ops.pagedllm.quant_attention(
                 out, q, k_cache.data, k_cache.scale, None, 0, v_cache.data, v_cache.scale,
                 None, 0, k_window, v_window, meta.block_tables.int(), meta.seq_lens.int(),
-                meta.query_start_loc.int(), meta.quant.window_start, 0.125, plain,
+                meta.query_start_loc.int(), meta.quant.window_start, k_cache.stage,
+                v_cache.stage, meta.quant.first_slots, 0.125, plain,
             )  # fmt: skip
             outs.append(out)
         cache.finish_step()
         tolerance = 2e-4 if dtype == torch.float32 else 1.6e-2
         torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
+
+
+def test_an_unquantized_first_block_moves_with_its_rows() -> None:
+    """Block 0 kept in full precision: copy, swap out and in, the disk tier's rows and a
+    resize all carry its staged rows under its block id; reads through the moved blocks give
+    the same bits."""
+    torch.manual_seed(2)
+    cache = QuantizedKVCache(spec("int4", first_block=True), num_blocks=8, num_host_blocks=4)
+    keys, values = torch.randn(6, KV_HEADS, DIM), torch.randn(6, KV_HEADS, DIM)
+    queries = torch.randn(6, HEADS, DIM)
+    seq = ScheduledSequence("a", tuple(range(6)), 0, (1, 3))  # block 1 full but kept, 3 open
+    reference, _ = _step(cache, [seq], keys, values, queries)
+    assert sorted(cache._slot_of) == [1, 3]
+    cache.copy_blocks([(1, 6)])
+    cache.swap_out([(6, 0), (3, 2)])
+    cache.release_blocks([1, 3, 6])
+    assert cache.num_open_blocks == 0
+    cache.swap_in([(0, 4), (2, 5)])
+    assert sorted(cache._slot_of) == [4, 5]
+    again = ScheduledSequence("a", (5,), 5, (4, 5))
+    out, _ = _step(cache, [again], keys[5:], values[5:], queries[5:])
+    assert torch.equal(out, reference[5:])
+    # The disk tier's row of a first block is its staged rows; written back, it is staged.
+    rows = cache.read_blocks([4])
+    assert [len(row) for row in rows] == [cache.first_block_nbytes]
+    cache.write_blocks([7], rows)
+    assert sorted(cache._slot_of) == [4, 5, 7]
+    out, _ = _step(
+        cache, [ScheduledSequence("a", (5,), 5, (7, 5))], keys[5:], values[5:], queries[5:]
+    )
+    assert torch.equal(out, reference[5:])
+    cache.resize(6)  # block 7 goes, and its slot with it
+    assert sorted(cache._slot_of) == [4, 5]
+    cache.check_invariants()
+
+
+def test_first_blocks_are_kept_only_at_logical_block_zero() -> None:
+    cache = QuantizedKVCache(spec("int8", first_block=True), num_blocks=8)
+    keys = torch.randn(9, KV_HEADS, DIM)
+    q = torch.randn(9, HEADS, DIM)
+    _, meta = _step(cache, [ScheduledSequence("a", tuple(range(9)), 0, (6, 2, 4))], keys, keys, q)
+    assert sorted(cache._slot_of) == [4, 6]  # block 2 (logical 1) sealed, 4 open
+    assert meta.quant.first_slots_list == [cache._slot_of[6]]
+    plain = QuantizedKVCache(spec("int8"), num_blocks=8)
+    _, meta = _step(plain, [ScheduledSequence("a", tuple(range(9)), 0, (6, 2, 4))], keys, keys, q)
+    assert list(plain._slot_of) == [4] and meta.quant.first_slots.numel() == 0
+
+
+def test_a_copy_that_grows_the_staging_keeps_its_rows() -> None:
+    """Every slot held, then a copy-on-write: the copy takes a slot of the grown stage and
+    its rows land there (not in the stage it replaced)."""
+    cache = QuantizedKVCache(spec("int8"), num_blocks=64)
+    start = cache.num_staging_slots
+    seqs = [ScheduledSequence(str(i), (1,), 0, (i,)) for i in range(start)]
+    keys = torch.randn(start, KV_HEADS, DIM)
+    _step(cache, seqs, keys, keys, torch.randn(start, HEADS, DIM))
+    assert cache.num_staging_slots == start
+    cache.copy_blocks([(3, 40)])
+    assert cache.num_staging_slots == 2 * start
+    k_stage = cache.device_caches[0][0].stage
+    assert torch.equal(k_stage[cache._slot_of[40], 0], keys[3])
+    cache.check_invariants()

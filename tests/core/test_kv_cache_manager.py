@@ -410,8 +410,9 @@ def test_block_table_tuple_is_the_same_object_until_the_table_changes():
 
 
 def test_released_block_ids_in_release_order():
-    """The worker learns which device blocks were freed (a quantized cache drops their
-    staged rows): exactly the blocks whose ref count reached zero, in order, once."""
+    """The worker learns which device blocks nobody reads any more (a quantized cache drops
+    their staging slots), in order, once: an unhashed block when its ref count reaches zero,
+    a hashed one when it leaves the prefix index."""
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert kv.take_released_block_ids() == ()
     a = make_request("a", range(100, 110))  # blocks 0, 1, 2 (2 partial)
@@ -420,10 +421,12 @@ def test_released_block_ids_in_release_order():
     kv.free(parent)
     assert kv.take_released_block_ids() == ()  # c1 still holds them
     kv.free(a)
-    assert kv.take_released_block_ids() == (2, 1, 0)
+    assert kv.take_released_block_ids() == (2,)  # 1 and 0 stay cached-free
     assert kv.take_released_block_ids() == ()
     kv.free(child)
-    assert kv.take_released_block_ids() == (4, 3)
+    assert kv.take_released_block_ids() == (4,)  # 3 (full, hashed) stays cached-free
+    assert kv.evict_cached_blocks() == 3
+    assert kv.take_released_block_ids() == (1, 0, 3)  # least recently released first
 
 
 def test_prompt_logprob_requests_take_no_prefix_hit():

@@ -65,9 +65,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
         num_disk_blocks=st.sampled_from([0, 0, 2, 8, 64]),
         window=st.sampled_from([None, None, 1, 3, 6]),
+        first_cap=st.sampled_from([None, None, 0, 1, 3]),
     )
     def setup(
-        self, num_blocks, block_size, num_host_blocks, caching, watermark, num_disk_blocks, window
+        self,
+        num_blocks,
+        block_size,
+        num_host_blocks,
+        caching,
+        watermark,
+        num_disk_blocks,
+        window,
+        first_cap,
     ) -> None:
         self.window = window
         self.kv = KVCacheManager(
@@ -78,7 +87,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             watermark=watermark,
             disk=DiskTier(num_disk_blocks) if num_disk_blocks else None,
             sliding_window=window,
+            max_cached_first_blocks=first_cap,
         )
+        self.readable: set[int] = set()  # referenced or cached-free after the last rule
         self.disk: dict[bytes, dict[int, int]] = {}  # block hash -> slot offset -> token
         self.bs = block_size
         # The fake KV cache: slot -> token id. Freed blocks keep stale contents,
@@ -308,6 +319,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block_id in pool.hashed_blocks():
             stored = tuple(self.device.get((block_id, off)) for off in range(self.bs))
             assert stored == pool.block_token_ids(block_id), f"cached block {block_id}"
+
+    @invariant()
+    def blocks_nobody_reads_are_released(self) -> None:
+        """A block that stopped being readable (referenced or cached-free) is among the
+        blocks the worker is told were released since (it drops their staging slots)."""
+        if not hasattr(self, "kv"):
+            return
+        pool = self.kv.pool
+        released = set(self.kv.take_released_block_ids())
+        readable = {
+            b for b in range(pool.num_blocks) if pool.ref_count(b) or pool.is_cached_free(b)
+        }
+        assert self.readable - readable <= released, (self.readable - readable, released)
+        self.readable = readable
 
     @invariant()
     def manager_consistent(self) -> None:

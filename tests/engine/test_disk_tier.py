@@ -200,15 +200,23 @@ def test_the_prefix_lookup_has_no_side_effect(tier_engine: Callable[..., LLMEngi
     engine.kv.free(Request("probe", second))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "first_block"),
+    [("auto", None), ("int8", None), ("int8", True), ("int4", None), ("int4", False),
+     ("fp8_e4m3", None)],
+)  # fmt: skip
 def test_torch_runner_restores_kv_bit_identical(
-    model_engine: Callable[..., LLMEngine], tmp_path: Path, kv_cache_dtype: str
+    model_engine: Callable[..., LLMEngine],
+    tmp_path: Path,
+    kv_cache_dtype: str,
+    first_block: bool | None,
 ) -> None:
-    # A quantized cache's blocks go to disk with their scales (and minimums); read back,
-    # data, scales and the tokens that follow are what the engine had before.
+    # A quantized cache's blocks go to disk with their scales (and minimums), an
+    # unquantized first block (int4's default) as its full-precision rows; read back, data,
+    # scales, staged rows and the tokens that follow are what the engine had before.
     def kv_digest(engine: LLMEngine, block_ids: list[int]) -> str:
-        data = engine.runner.kv_cache.read_blocks(block_ids)
-        return hashlib.sha256(data.tobytes()).hexdigest()
+        rows = engine.runner.kv_cache.read_blocks(block_ids)
+        return hashlib.sha256(b"".join(row.tobytes() for row in rows)).hexdigest()
 
     common = dict(
         block_size=BS,
@@ -216,6 +224,7 @@ def test_torch_runner_restores_kv_bit_identical(
         max_model_len=64,
         dtype="bfloat16",
         kv_cache_dtype=kv_cache_dtype,
+        kv_cache_unquantized_first_block=first_block,
     )
     engine = model_engine(kv_offload_dir=str(tmp_path / "kv"), **common)
     prompt = conversation(10, 33)
@@ -232,14 +241,23 @@ def test_torch_runner_restores_kv_bit_identical(
     restarted.step()
     assert restarted.scheduler.requests["r"].num_cached_tokens == 32
     assert kv_digest(restarted, restarted.kv.block_table("r")[:8]) == written
+    first = restarted.kv.block_table("r")[0]
+    kept = restarted.config.unquantized_first_block
+    assert kept == (kv_cache_dtype == "int4" if first_block is None else first_block)
+    assert (first in getattr(restarted.runner.kv_cache, "_slot_of", {})) == kept
     assert run_all(restarted)["r"].outputs[0].token_ids == expected
+    if kv_cache_dtype != "auto":  # the first block's layout is part of the store's identity
+        with pytest.raises(ValueError, match="another model or KV layout.*first_block"):
+            flipped = {**common, "kv_cache_unquantized_first_block": not kept}
+            model_engine(kv_offload_dir=str(tmp_path / "kv"), **flipped)
     # The first difference found is named: the weights' dtype, or (float K/V) the K/V dtype.
     named = "kv_dtype" if kv_cache_dtype == "auto" else "weights"
     with pytest.raises(ValueError, match=f"another model or KV layout.*{named}"):
         model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "dtype": "float32"})
     other = "int8" if kv_cache_dtype == "auto" else "auto"
     with pytest.raises(ValueError, match="another model or KV layout"):
-        model_engine(kv_offload_dir=str(tmp_path / "kv"), **{**common, "kv_cache_dtype": other})
+        other_dtype = {**common, "kv_cache_dtype": other, "kv_cache_unquantized_first_block": None}
+        model_engine(kv_offload_dir=str(tmp_path / "kv"), **other_dtype)
     assert os.listdir(tmp_path / "kv")
 
 

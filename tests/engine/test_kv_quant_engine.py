@@ -25,49 +25,109 @@ def baselines() -> dict[str, list]:
     return {}
 
 
+def check_slots(engine: LLMEngine) -> None:
+    """Every staging slot is held by a block someone can read: a referenced one, or a
+    cached-free first block (at most max_num_seqs of them); once idle, only the latter."""
+    cache, pool = engine.runner.kv_cache, engine.kv.pool
+    cache.check_invariants()
+    engine.kv.check_invariants()
+    # Blocks released by the last step reach the worker with the next step's output.
+    held = set(cache._slot_of) - set(pool.pending_released())
+    cached_first = {b for b in pool.cached_free_order() if pool.is_first_block(b)}
+    assert all(pool.ref_count(b) > 0 or b in cached_first for b in held), held
+    assert pool.num_cached_first_blocks <= engine.config.max_num_seqs
+    if not engine.scheduler.has_unfinished_requests():
+        kept = cached_first if engine.config.unquantized_first_block else set()
+        assert held == kept
+
+
+# (kv_cache_dtype, kv_cache_unquantized_first_block): int4 keeps first blocks by default.
+QUANT_CASES = [("int8", None), ("int8", True), ("int4", None), ("int4", False)]
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize(("kv_cache_dtype", "first_block"), QUANT_CASES)
 def test_quantized_tokens_do_not_depend_on_paging(
-    kv_cache_dtype: str, name: str, baselines: dict, model_engine: Callable[..., LLMEngine]
+    kv_cache_dtype: str,
+    first_block: bool | None,
+    name: str,
+    baselines: dict,
+    model_engine: Callable[..., LLMEngine],
 ) -> None:
-    """Each query reads the blocks before its own sealed and its own in full precision,
-    whatever the chunking, preemption, swapping or prefix hits: the same greedy tokens."""
-    if kv_cache_dtype not in baselines:
-        engine = model_engine(
-            num_blocks=256, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, **BASE
-        )
-        baselines[kv_cache_dtype] = generate(engine)
-    engine = model_engine(**VARIANTS[name], kv_cache_dtype=kv_cache_dtype, **BASE)
-    assert generate(engine) == baselines[kv_cache_dtype]
+    """Each query reads the blocks before its own sealed (or block 0 unquantized) and its
+    own in full precision, whatever the chunking, preemption, swapping or prefix hits: the
+    same greedy tokens."""
+    quant = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_unquantized_first_block=first_block)
+    key = (kv_cache_dtype, first_block)
+    if key not in baselines:
+        engine = model_engine(num_blocks=256, enable_prefix_caching=False, **quant, **BASE)
+        baselines[key] = generate(engine)
+    engine = model_engine(**VARIANTS[name], **quant, **BASE)
+    assert generate(engine) == baselines[key]
     if "tiny" in name:
         assert engine.get_stats().num_preemptions > 0
     if name in ("prefix-cache", "multi-step-4"):
-        assert generate(engine) == baselines[kv_cache_dtype]
+        assert generate(engine) == baselines[key]
         assert engine.get_stats().cache.prefix_hits_tokens > 0
-    engine.runner.kv_cache.check_invariants()
+    check_slots(engine)
 
 
-def test_parallel_samples_share_a_staged_block(model_engine: Callable[..., LLMEngine]) -> None:
-    """n=4 forks share the prompt's open block; copy-on-write copies its staged rows."""
-    prompt = prompts()[4]  # 26 tokens: 6 full blocks of 4 and 2 staged rows
+def test_the_first_block_option_changes_what_block_0_reads(
+    model_engine: Callable[..., LLMEngine],
+) -> None:
+    """int4 with and without the unquantized first block: the logits of a query past block
+    0 differ (the option reaches attention), those of a query in block 0 do not."""
+    rng = random.Random(2)
+    prompt = tuple(rng.randrange(256) for _ in range(9))
+    logits = []
+    for first_block in (True, False):
+        runner = model_engine(
+            num_blocks=16, kv_cache_dtype="int4", kv_cache_unquantized_first_block=first_block,
+            **BASE,
+        ).runner  # fmt: skip
+        logits.append(runner.row_logits([ScheduledSequence("a", prompt, 0, (3, 1, 2))]))
+    assert torch.equal(logits[0][:4], logits[1][:4])
+    assert not torch.equal(logits[0][4:], logits[1][4:])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("prompt_len", [26, 3])
+def test_parallel_samples_share_a_staged_block(
+    model_engine: Callable[..., LLMEngine], kv_cache_dtype: str, prompt_len: int
+) -> None:
+    """n=4 forks share the prompt's open block; copy-on-write copies its staged rows. A
+    3-token prompt's open block is also its first block (int4 keeps it unquantized after it
+    fills): each fork's copy carries its rows."""
+    prompt = prompts()[4][:prompt_len]  # 26 tokens: 6 full blocks of 4 and 2 staged rows
     params = SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
     results = []
-    for kv_cache_dtype, extra in (("int8", {}), ("int8", {"enable_prefix_caching": False})):
+    for extra in ({}, {"enable_prefix_caching": False}):
         engine = model_engine(num_blocks=64, kv_cache_dtype=kv_cache_dtype, **extra, **BASE)
         engine.add_request("n4", prompt, params)
         results.append([c.token_ids for c in run_all(engine)["n4"].outputs])
+        check_slots(engine)
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "first_block"),
+    [("int8", None), ("int8", True), ("int4", None), ("int4", False), ("fp8_e5m2", None)],
+)
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_a_prefix_hit_gives_the_logits_a_recomputation_gives(
-    kv_cache_dtype: str, backend: str, model_engine: Callable[..., LLMEngine]
+    kv_cache_dtype: str,
+    first_block: bool | None,
+    backend: str,
+    model_engine: Callable[..., LLMEngine],
 ) -> None:
-    """Bit for bit: the hit reads the very sealed blocks the recomputation writes and reads
-    (and a prompt in chunks reads them too)."""
+    """Bit for bit: the hit reads the very sealed blocks (and unquantized first block) the
+    recomputation writes and reads (and a prompt in chunks reads them too)."""
     runner = model_engine(
-        num_blocks=64, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, **BASE
+        num_blocks=64,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_unquantized_first_block=first_block,
+        attention_backend=backend,
+        **BASE,
     ).runner
     rng = random.Random(1)
     prompt = tuple(rng.randrange(256) for _ in range(30))
@@ -82,17 +142,48 @@ def test_a_prefix_hit_gives_the_logits_a_recomputation_gives(
     assert torch.equal(whole, chunked)
 
 
-def test_staging_slots_are_returned(model_engine: Callable[..., LLMEngine]) -> None:
-    """Released blocks give their staging slots back: many requests in a row, few held."""
-    engine = model_engine(num_blocks=64, kv_cache_dtype="int8", **BASE)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_staging_slots_are_returned(
+    model_engine: Callable[..., LLMEngine], kv_cache_dtype: str
+) -> None:
+    """Released blocks give their staging slots back: many requests in a row, few held
+    (int4: plus each distinct prompt's cached first block, at most max_num_seqs)."""
+    engine = model_engine(num_blocks=64, kv_cache_dtype=kv_cache_dtype, max_num_seqs=3, **BASE)
     cache = engine.runner.kv_cache
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     for i in range(40):
         engine.add_request(str(i), prompts()[i % 5], params)
         run_all(engine)
-        assert cache.num_open_blocks <= 2
+        kept = engine.kv.pool.num_cached_first_blocks if kv_cache_dtype == "int4" else 0
+        assert kept <= cache.num_open_blocks <= kept + 2 and kept <= 3
+        check_slots(engine)
     assert cache.num_staging_slots == 16
-    cache.check_invariants()
+
+
+def test_cached_first_blocks_are_evicted_past_max_num_seqs(
+    model_engine: Callable[..., LLMEngine],
+) -> None:
+    """Distinct prompts, two at a time: each leaves its first block cached-free holding a
+    slot until a third would exceed max_num_seqs; the oldest then leaves the prefix cache
+    (its next request recomputes it) and gives its slot back."""
+    engine = model_engine(num_blocks=64, kv_cache_dtype="int4", max_num_seqs=2, **BASE)
+    pool = engine.kv.pool
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    distinct = [[40 * k + j for j in range(6)] for k in range(3)]  # three first blocks
+    firsts = []
+    for i in range(3):
+        engine.add_request(str(i), distinct[i], params)
+        engine.step()
+        firsts.append(engine.kv.block_table(str(i))[0])
+        run_all(engine)
+    assert [b for b in pool.cached_free_order() if pool.is_first_block(b)] == firsts[1:]
+    assert firsts[0] in pool.pending_released()
+    check_slots(engine)
+    engine.add_request("again", distinct[0], params)
+    engine.step()
+    assert engine.scheduler.requests["again"].num_cached_tokens == 0
+    run_all(engine)
+    check_slots(engine)
 
 
 def test_prompt_logprobs_score_every_prompt_token(model_engine: Callable[..., LLMEngine]) -> None:
@@ -143,6 +234,28 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
         EngineConfig(kv_cache_dtype="int3")
 
 
+def test_the_unquantized_first_block_option() -> None:
+    import argparse
+
+    from pagedllm.engine.args import add_engine_arguments, config_from_args
+
+    assert EngineConfig(kv_cache_dtype="int4").unquantized_first_block
+    assert not EngineConfig(kv_cache_dtype="int8").unquantized_first_block
+    assert EngineConfig(
+        kv_cache_dtype="int8", kv_cache_unquantized_first_block=True
+    ).unquantized_first_block
+    assert not EngineConfig(kv_cache_dtype="auto").unquantized_first_block
+    with pytest.raises(ValueError, match="needs a quantized kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="bfloat16", kv_cache_unquantized_first_block=True)
+    with pytest.raises(TypeError, match="bool"):
+        EngineConfig(kv_cache_dtype="int4", kv_cache_unquantized_first_block="yes")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-cache-dtype", "int4", "--no-kv-cache-unquantized-first-block"])
+    assert not config_from_args(args).unquantized_first_block
+    assert config_from_args(parser.parse_args(["--kv-cache-dtype", "int4"])).unquantized_first_block
+
+
 def test_startup_report_counts_scales_and_staging(tiny_model_dir: Path) -> None:
     from pagedllm.engine.config import EngineConfig
 
@@ -154,6 +267,14 @@ def test_startup_report_counts_scales_and_staging(tiny_model_dir: Path) -> None:
         engine.startup_report
     )
     assert "open block stays in the model's dtype" in engine.startup_report
+    assert "first block" not in engine.startup_report
+    int4 = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="int4", kv_cache_memory=1 << 20)
+    )
+    staged = int4.runner.spec.staging_bytes_per_slot
+    assert "first block (tokens 0-15) stays in the model's dtype" in int4.startup_report
+    assert f"up to 2 x 256 x {staged:,} bytes" in int4.startup_report
+    int4.close()
     stats = engine.get_stats()
     assert stats.kv_cache_dtype == "int8" and stats.kv_bytes_per_token == spec.bytes_per_token
     assert engine.runner.num_blocks == (1 << 20) // spec.bytes_per_block
@@ -163,6 +284,7 @@ def test_startup_report_counts_scales_and_staging(tiny_model_dir: Path) -> None:
 def test_a_quantized_cache_resized_mid_generation_changes_no_token(
     model_engine: Callable[..., LLMEngine], kv_cache_dtype: str
 ) -> None:
+    # int4 keeps first blocks unquantized: compaction moves them with their staged rows.
     # Shrinks compact live blocks (data, scales and open blocks' staged rows move with
     # them) and release the tail; grows add zeroed blocks. Tokens equal an undisturbed run.
     batch = [[(7 * i + j) % 90 + 3 for j in range(5 + 3 * i)] for i in range(6)]
@@ -175,7 +297,7 @@ def test_a_quantized_cache_resized_mid_generation_changes_no_token(
         schedule = {3: 40, 7: 96, 9: 30, 14: 120, 18: 36} if resize else {}
 
         def check() -> None:
-            engine.runner.kv_cache.check_invariants()
+            check_slots(engine)
             assert engine.runner.num_blocks == engine.kv.num_blocks
 
         final, sizes = run_with_resizes(engine, schedule, check)

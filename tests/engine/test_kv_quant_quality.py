@@ -18,17 +18,28 @@ from pagedllm.worker.quality import QualityReport, compare, text_logits
 
 TEXT = Path(__file__).parents[2] / "benchmarks" / "data" / "public_domain.txt"
 NUM_TOKENS = 512
+# Each case: (kv_cache_dtype, first block unquantized); "int4" is the engine's default
+# (block 0 unquantized), "int4-all" quantizes every block.
+CASES = {
+    "int8": ("int8", False),
+    "int4": ("int4", True),
+    "int4-all": ("int4", False),
+    "fp8_e4m3": ("fp8_e4m3", False),
+    "fp8_e5m2": ("fp8_e5m2", False),
+}
 # (max mean KL, min top-1 agreement, max |delta PPL|), measured on these 512 tokens with a
 # margin (docs/performance.md has the figures); the benchmark's goals are tighter and wider.
 DEFAULT_BOUNDS = {
     "int8": (1.6e-3, 0.975, 0.05),
-    "int4": (3e-2, 0.92, 0.5),
+    "int4": (1.6e-2, 0.955, 0.5),
+    "int4-all": (3e-2, 0.92, 0.5),
     "fp8_e4m3": (2.5e-2, 0.92, 0.8),
     "fp8_e5m2": (8e-2, 0.88, 0.6),
 }
 TINY_BOUNDS = {
     "int8": (1e-6, 0.995, 0.1),
-    "int4": (1e-4, 0.93, 1.0),
+    "int4": (2e-5, 0.95, 0.6),
+    "int4-all": (1e-4, 0.93, 1.0),
     "fp8_e4m3": (2e-5, 0.98, 0.5),
     "fp8_e5m2": (5e-5, 0.96, 1.0),
 }
@@ -49,20 +60,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return loaded, bounds, token_ids, reference
 
 
-def _runner(loaded, kv_cache_dtype: str) -> TorchModelRunner:
+def _runner(loaded, kv_cache_dtype: str, first_block: bool = False) -> TorchModelRunner:
     blocks = -(-NUM_TOKENS // 16)
     return TorchModelRunner(
-        loaded.model, block_size=16, num_blocks=blocks, kv_cache_dtype=kv_cache_dtype
+        loaded.model,
+        block_size=16,
+        num_blocks=blocks,
+        kv_cache_dtype=kv_cache_dtype,
+        unquantized_first_block=first_block,
     )
 
 
-@pytest.mark.parametrize("kv_cache_dtype", list(DEFAULT_BOUNDS))
-def test_lossy_formats_stay_within_their_bounds(kv_cache_dtype: str, setup: tuple) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_lossy_formats_stay_within_their_bounds(case: str, setup: tuple) -> None:
     loaded, bounds, token_ids, reference = setup
-    report = compare(
-        reference, text_logits(_runner(loaded, kv_cache_dtype), token_ids), token_ids[1:]
-    )
-    max_kl, min_top1, max_delta_ppl = bounds[kv_cache_dtype]
+    runner = _runner(loaded, *CASES[case])
+    report = compare(reference, text_logits(runner, token_ids), token_ids[1:])
+    max_kl, min_top1, max_delta_ppl = bounds[case]
     assert report.mean_kl <= max_kl, report
     assert report.top1_agreement >= min_top1, report
     assert abs(report.delta_ppl) <= max_delta_ppl, report

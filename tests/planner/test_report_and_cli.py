@@ -190,3 +190,33 @@ def test_planner_imports_no_torch():
 def test_every_device_preset_plans(memory, capsys):
     assert main(["plan", "--model", "Mistral-7B", "--memory", memory, "--context-len", "4096"]) == 0
     assert "verdict:" in capsys.readouterr().out
+
+
+def test_plan_counts_an_unquantized_first_block(capsys):
+    """int4 keeps each sequence's first block in the model's dtype by default: the plan
+    names its bytes (Llama-3.1-8B in bf16: 131,072 B/token x 16); int8 does not, unless
+    asked; the flag turns int4's off."""
+    common = ("--model", "Llama-3.1-8B", "--memory", "80", "--reserve", "1")
+    plan = _plan_json(capsys, *common, "--kv-dtype", "int4")
+    assert plan["first_block_bytes"] == 131_072 * 16
+    assert _plan_json(capsys, *common, "--kv-dtype", "int8")["first_block_bytes"] is None
+    asked = _plan_json(capsys, *common, "--kv-dtype", "int8", "--kv-cache-unquantized-first-block")
+    assert asked["first_block_bytes"] == 131_072 * 16
+    off = ("--kv-dtype", "int4", "--no-kv-cache-unquantized-first-block")
+    assert _plan_json(capsys, *common, *off)["first_block_bytes"] is None
+    assert main(["plan", *common, "--kv-dtype", "int4"]) == 0
+    assert "+ 2,097,152 bytes a sequence: its first block unquantized" in capsys.readouterr().out
+
+
+def test_startup_report_counts_unquantized_first_blocks():
+    report = startup_report(
+        SMOL, 0.5, 16, 1000, 2048, max_num_seqs=4, kv_cache_dtype="int4",
+        staging_block_bytes=368_640, unquantized_first_block=True,
+    )  # fmt: skip
+    assert "first block (tokens 0-15) stays in the model's dtype" in report
+    assert "up to 2 x 4 x 368,640 bytes = 3MiB" in report
+    plain = startup_report(
+        SMOL, 0.5, 16, 1000, 2048, max_num_seqs=4, kv_cache_dtype="int4",
+        staging_block_bytes=368_640,
+    )  # fmt: skip
+    assert "first block" not in plain

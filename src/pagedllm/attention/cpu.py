@@ -264,6 +264,9 @@ class CpuAttention:
             _int32(meta.seq_lens),
             _int32(meta.query_start_loc),
             step.window_start,
+            k_cache.stage,
+            v_cache.stage,
+            step.first_slots,
             scale,
         )
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -9,7 +9,12 @@ precision, whatever the chunking::
     read as  [ sealed  |  sealed  | full precision, positions <= p ]
 
 So a token's K/V and logits do not depend on how its prompt was chunked, and a prefix-cache
-hit reads exactly the sealed blocks a recomputation writes and reads.
+hit reads exactly the sealed blocks a recomputation writes and reads. A cache may keep each
+sequence's first block (logical block 0, the attention sink) unquantized: it is never
+sealed, and queries past it read it from its staging slot (``QuantStep.first_slots``)::
+
+    block        0                 1          2 (p's block)
+    read as  [ full precision |  sealed  | full precision, positions <= p ]
 
 A step (``QuantStep``, built by the worker, the same for every layer) gathers each
 sequence's *touched* blocks (the blocks its new tokens fall in) into a full-precision
@@ -222,6 +227,10 @@ class QuantStep:
     keep_slots: torch.Tensor  # [k] int64: their staging slots
     window_start: torch.Tensor  # [num_seqs] int32
     window_start_list: list[int]
+    # [num_seqs] int32: the staging slot of each sequence's block 0 when the cache keeps
+    # first blocks unquantized; empty when block 0 is sealed like the others.
+    first_slots: torch.Tensor
+    first_slots_list: list[int]
 
 
 def write_step(
@@ -287,6 +296,7 @@ def forward_reference(
         meta.seq_lens_list,
         step.window_start_list,
         scale,
+        step.first_slots_list,
     )
 
 
@@ -301,11 +311,13 @@ def attend_reference(
     seq_lens: list[int],
     window_start: list[int],
     scale: float,
+    first_slots: list[int] = (),
 ) -> torch.Tensor:
     """Plain dequantize-then-attend, one query block at a time: the ground truth.
 
     Query rows in block b of their sequence attend to blocks 0..b-1 read from the pool
     (dequantized) and to block b's rows up to their own position read from the window.
+    With ``first_slots`` (one a sequence), block 0 is read from that staging slot instead.
     """
     block_size = k_window.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_window.shape[2]
@@ -315,8 +327,10 @@ def attend_reference(
         first = seq_len - query_len
         first_block, last_block = first // block_size, (seq_len - 1) // block_size
         table = block_tables[i, :last_block]
-        k_sealed = k_cache.read(table).flatten(0, 1)
-        v_sealed = v_cache.read(table).flatten(0, 1)
+        k_sealed, v_sealed = k_cache.read(table), v_cache.read(table)
+        if first_slots and last_block > 0:
+            k_sealed[0], v_sealed[0] = k_cache.stage[first_slots[i]], v_cache.stage[first_slots[i]]
+        k_sealed, v_sealed = k_sealed.flatten(0, 1), v_sealed.flatten(0, 1)
         for b in range(first_block, last_block + 1):
             lo, hi = max(first, b * block_size), min(seq_len, (b + 1) * block_size)
             w = window_start[i] + b - first_block

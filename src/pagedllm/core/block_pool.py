@@ -12,6 +12,11 @@ Every block is in exactly one of three states::
 ``allocate`` takes plain free blocks first, then evicts cached-free blocks least
 recently released first. Callers release a finished request's blocks in reverse
 table order, so its tail is evicted before its (more often shared) head.
+
+A *first block* is a hashed block with no parent (logical block 0 of every table that
+holds it). With ``max_cached_first_blocks``, at most that many first blocks stay
+cached-free: one more evicts the least recently released of them (a quantized cache keeps
+first blocks in full precision, one staging slot each, so their number must be bounded).
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ class BlockPool:
     ``events``: where registrations and removals from the index are logged (a router's
     feed, ``core/cache_events.py``); None logs nothing. ``track_released``: keep the ids of
     blocks released since the last ``take_released`` (the worker drops per-block state it
-    keeps outside the pool, such as a quantized cache's staged open blocks)."""
+    keeps outside the pool, such as a quantized cache's staging slots): a block is released
+    when nobody can read its contents any more, so when its ref count reaches zero if it is
+    not hashed, else when it leaves the prefix index (evicted, dropped, or moved away).
+    ``max_cached_first_blocks``: the bound on cached-free first blocks (None: no bound)."""
 
     def __init__(
         self,
@@ -44,9 +52,12 @@ class BlockPool:
         *,
         events: CacheEventLog | None = None,
         track_released: bool = False,
+        max_cached_first_blocks: int | None = None,
     ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if max_cached_first_blocks is not None and max_cached_first_blocks < 0:
+            raise ValueError(f"max_cached_first_blocks must be >= 0, got {max_cached_first_blocks}")
         self.num_blocks = num_blocks
         # Blocks at or above the limit are on their way out (a shrink in progress): once
         # free they are retired instead of handed out again.
@@ -62,6 +73,8 @@ class BlockPool:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self._block_hash_inputs: dict[int, tuple[bytes | None, tuple]] = {}
         self._retired: set[int] = set()
+        self.max_cached_first_blocks = max_cached_first_blocks
+        self._cached_first: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.events = events
 
     # ---- public API -----------------------------------------------------------------
@@ -74,6 +87,11 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         return len(self._cached_free)
+
+    @property
+    def num_cached_first_blocks(self) -> int:
+        """Cached-free first blocks (at most ``max_cached_first_blocks``)."""
+        return len(self._cached_first)
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,6 +114,7 @@ class BlockPool:
             else:
                 block_id = self._cached_free.popitem(last=False)[0]
                 self._unregister(block_id)
+                self._note_released(block_id)
             self._ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -144,6 +163,7 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 if block_id in self._cached_free:
                     del self._cached_free[block_id]
+                    self._cached_first.pop(block_id, None)
                 else:
                     del self._free[block_id]
             self._ref_counts[block_id] += 1
@@ -160,11 +180,11 @@ class BlockPool:
                 raise ValueError(f"decref of unreferenced block {block_id}")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                if self._released is not None:
-                    self._released.append(block_id)
                 if block_id in self._block_hash:
-                    self._cached_free[block_id] = None
-                elif block_id < self.limit:
+                    self._cache(block_id)
+                    continue
+                self._note_released(block_id)
+                if block_id < self.limit:
                     self._free[block_id] = None
                 else:
                     self._retired.add(block_id)
@@ -173,19 +193,28 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def take_released(self) -> tuple[int, ...]:
-        """Blocks released (ref count to zero) since the last call, in order; () when the
-        pool does not track them."""
+        """Blocks released (their contents read by nobody any more: see the class doc)
+        since the last call, in order; () when the pool does not track them."""
         if not self._released:
             return ()
         released = tuple(self._released)
         self._released.clear()
         return released
 
+    def pending_released(self) -> tuple[int, ...]:
+        """What the next ``take_released`` returns, without taking it."""
+        return tuple(self._released or ())
+
     def block_hash(self, block_id: int) -> bytes | None:
         return self._block_hash.get(block_id)
 
     def is_cached_free(self, block_id: int) -> bool:
         return block_id in self._cached_free
+
+    def is_first_block(self, block_id: int) -> bool:
+        """Whether the block is hashed with no parent (logical block 0 of its tables)."""
+        inputs = self._block_hash_inputs.get(block_id)
+        return inputs is not None and inputs[0] is None
 
     def evict(self, n: int | None = None) -> list[int]:
         """Evict up to ``n`` (default: all) cached-free blocks, LRU first; they become free."""
@@ -275,12 +304,14 @@ class BlockPool:
                 self._block_tokens[dst] = self._block_tokens.pop(src)
                 self._block_hash_inputs[dst] = self._block_hash_inputs.pop(src)
             renamed[src] = dst
+            self._note_released(src)
             if src < self.limit:
                 self._free[src] = None
             else:
                 self._retired.add(src)
         if any(src in self._cached_free for src in renamed):
             self._cached_free = OrderedDict.fromkeys(renamed.get(b, b) for b in self._cached_free)
+            self._cached_first = OrderedDict.fromkeys(renamed.get(b, b) for b in self._cached_first)
 
     def truncate(self) -> None:
         """Drop every block at or above the limit; they must all be retired."""
@@ -343,6 +374,10 @@ class BlockPool:
             is_free = block_id in free or block_id in cached or block_id in retired
             assert is_free == (count == 0), f"block {block_id}: ref_count {count}, free={is_free}"
         assert all(b in self._block_hash for b in cached), "cached-free block without hash"
+        first = [b for b in cached if self.is_first_block(b)]
+        assert set(first) == set(self._cached_first), "cached-free first blocks mismatch"
+        bound = self.max_cached_first_blocks
+        assert bound is None or len(first) <= bound, "too many cached-free first blocks"
         assert not any(b in self._block_hash for b in free | retired), "free block still hashed"
         assert len(self._hash_to_block) == len(self._block_hash)
         for block_hash, block_id in self._hash_to_block.items():
@@ -358,15 +393,34 @@ class BlockPool:
 
     # ---- internal -------------------------------------------------------------------
 
+    def _cache(self, block_id: int) -> None:
+        """A hashed block's last reference is gone: cached-free, most recently used; a
+        first block past ``max_cached_first_blocks`` evicts the oldest cached first block."""
+        self._cached_free[block_id] = None
+        if not self.is_first_block(block_id):
+            return
+        self._cached_first[block_id] = None
+        bound = self.max_cached_first_blocks
+        if bound is not None and len(self._cached_first) > bound:
+            oldest = next(iter(self._cached_first))
+            del self._cached_free[oldest]
+            self._forget(oldest)
+
+    def _note_released(self, block_id: int) -> None:
+        if self._released is not None:
+            self._released.append(block_id)
+
     def _forget(self, block_id: int) -> None:
         """An evicted cached-free block: out of the index, free (retired past the limit)."""
         self._unregister(block_id)
+        self._note_released(block_id)
         if block_id < self.limit:
             self._free[block_id] = None
         else:
             self._retired.add(block_id)
 
     def _unregister(self, block_id: int) -> None:
+        self._cached_first.pop(block_id, None)
         block_hash = self._block_hash.pop(block_id, None)
         if block_hash is not None:
             del self._hash_to_block[block_hash]

@@ -149,9 +149,10 @@ class DevicePoolViews:
     num_blocks: int
 
     def take_released_block_ids(self) -> tuple[int, ...]:
-        """Device blocks released since the last call (their ref count reached zero): the
-        worker drops per-block state it keeps outside the pool (a quantized cache's
-        staged open blocks)."""
+        """Device blocks released since the last call (nobody reads their contents any
+        more: the ref count reached zero, or for a hashed block, it left the prefix index):
+        the worker drops per-block state it keeps outside the pool (a quantized cache's
+        staging slots)."""
         return self.pool.take_released()
 
     def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
@@ -254,8 +255,11 @@ class KVCacheManager(DevicePoolViews):
         pool: BlockPool | None = None,
         null_block: int | None = None,
         hash_salt: tuple = (),
+        max_cached_first_blocks: int | None = None,
     ) -> None:
-        """``pool``, ``null_block``, ``hash_salt``: for one group of a model whose layers
+        """``max_cached_first_blocks``: ``BlockPool``'s bound on cached-free first blocks
+        (a quantized cache that keeps first blocks in full precision). ``pool``,
+        ``null_block``, ``hash_salt``: for one group of a model whose layers
         are grouped (``core/hybrid_kv.py``): the pool every group shares, its window
         placeholder, and what tells this group's block hashes from the others' (the same
         tokens hold other layers' K/V in each group)."""
@@ -276,7 +280,12 @@ class KVCacheManager(DevicePoolViews):
         # The device pool's prefix index changes, for routers (core/cache_events.py).
         if pool is None:
             self.events = CacheEventLog()
-            pool = BlockPool(num_blocks, events=self.events, track_released=True)
+            pool = BlockPool(
+                num_blocks,
+                events=self.events,
+                track_released=True,
+                max_cached_first_blocks=max_cached_first_blocks,
+            )
         else:
             self.events = pool.events if pool.events is not None else CacheEventLog()
         self.pool = pool

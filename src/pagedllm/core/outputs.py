@@ -69,8 +69,9 @@ class SchedulerOutput:
     4. ``block_copies`` (src -> dst device blocks, copy-on-write),
     5. the forward pass over ``scheduled``, then sampling.
     ``finished_request_ids`` lets the worker drop per-request state (generators);
-    ``released_block_ids`` (device blocks freed since the last output) per-block state kept
-    outside the pool, after the moves and except for blocks the moves just wrote.
+    ``released_block_ids`` (device blocks whose contents nobody reads any more, since the
+    last output: ``BlockPool.take_released``) per-block state kept outside the pool, after
+    the moves and except for blocks the moves just wrote.
 
     ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
     scheduled sequence is a greedy decode of one token whose block table already holds

@@ -61,6 +61,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache format: auto (the model's dtype), a float type, or quantized: int8 "
         "(~1.9x the tokens of bf16), int4 (~3x), fp8_e4m3 / fp8_e5m2 (2x, scale 1)",
     )
+    group.add_argument(
+        "--kv-cache-unquantized-first-block",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a quantized KV cache keeps each sequence's first block (its first "
+        "--block-size tokens, the attention sink) in the model's dtype: about half of "
+        "int4's divergence, for one full-precision block per sequence and per cached "
+        "first block (at most --max-num-seqs); default: on for int4, off otherwise",
+    )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument(
         "--kv-cache-memory",
@@ -195,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_unquantized_first_block=getattr(args, "kv_cache_unquantized_first_block", None),
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory[0] if args.kv_cache_memory else None,
         kv_cache_memory_max=args.kv_cache_memory[1] if args.kv_cache_memory else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.scheduler import PREEMPTION_MODES
-from pagedllm.kv_dtypes import check_kv_cache_dtype
+from pagedllm.kv_dtypes import UNQUANTIZED_FIRST_BLOCK_DTYPES, check_kv_cache_dtype, is_quantized
 
 GIB = 1 << 30
 # Without --kv-cache-memory or --memory-fraction: enough for a few long sessions of
@@ -40,6 +40,9 @@ class EngineConfig:
     # The KV cache's storage format (pagedllm.kv_dtypes): "auto" (the model's dtype),
     # "float32", "bfloat16", "float16", "int8", "int4", "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
+    # A quantized cache keeps each sequence's first block (logical block 0, the attention
+    # sink) in the model's dtype; None: on for int4, off for the other formats.
+    kv_cache_unquantized_first_block: bool | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     memory_fraction: float | None = None
@@ -145,6 +148,23 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        first = self.kv_cache_unquantized_first_block
+        if first is not None and not isinstance(first, bool):
+            raise TypeError(
+                f"kv_cache_unquantized_first_block must be a bool or None, got {first!r}"
+            )
+        if first and not is_quantized(self.kv_cache_dtype):
+            raise ValueError(
+                "kv_cache_unquantized_first_block needs a quantized kv_cache_dtype "
+                f"(int8, int4, fp8_e4m3, fp8_e5m2), got {self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def unquantized_first_block(self) -> bool:
+        """Whether the cache keeps first blocks unquantized (the default resolved)."""
+        if self.kv_cache_unquantized_first_block is None:
+            return self.kv_cache_dtype in UNQUANTIZED_FIRST_BLOCK_DTYPES
+        return self.kv_cache_unquantized_first_block
 
     def _check_distributed(self) -> None:
         self._check_positive("tensor_parallel_size", self.tensor_parallel_size)

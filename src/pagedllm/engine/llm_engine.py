@@ -276,7 +276,12 @@ class LLMEngine:
         else:
             runner = build_runner(config, loaded.model)
         # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
-        spec = kv_cache_spec(loaded.model, config.block_size, config.kv_cache_dtype)
+        spec = kv_cache_spec(
+            loaded.model,
+            config.block_size,
+            config.kv_cache_dtype,
+            config.unquantized_first_block,
+        )
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
         engine = cls(
             config,
@@ -564,6 +569,7 @@ class LLMEngine:
             runner.kv_fingerprint(),
             block_size=runner.block_size,
             payload_nbytes=runner.block_nbytes,
+            first_payload_nbytes=runner.first_block_nbytes,
         )
         capacity = int(config.kv_offload_space * GIB) // store.file_nbytes
         if capacity == 0:
@@ -911,6 +917,7 @@ class LLMEngine:
             engine_bytes_per_token=_kv_bytes_per_token(self.runner),
             kv_cache_dtype=_kv_cache_dtype_name(self.runner),
             staging_block_bytes=_staging_block_bytes(self.runner),
+            unquantized_first_block=self.config.unquantized_first_block,
             step_tokens=self.scheduler.config.max_num_batched_tokens,
         )
         if self.routes is None:
@@ -963,6 +970,8 @@ def _kv_manager(
         watermark=config.watermark,
         disk=disk,
         sliding_window=None if layout is None else layout.windows[0],
+        # Each cached-free first block keeps a staging slot: as many as running sequences.
+        max_cached_first_blocks=config.max_num_seqs if config.unquantized_first_block else None,
     )
 
 
@@ -1030,7 +1039,9 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
     from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
     from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec
 
-    spec = kv_cache_spec(model, config.block_size, config.kv_cache_dtype)
+    spec = kv_cache_spec(
+        model, config.block_size, config.kv_cache_dtype, config.unquantized_first_block
+    )
     num_host_blocks = config.num_host_blocks
     if num_host_blocks is None:
         num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
@@ -1038,6 +1049,7 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
         block_size=config.block_size,
         num_host_blocks=num_host_blocks,
         kv_cache_dtype=config.kv_cache_dtype,
+        unquantized_first_block=config.unquantized_first_block,
     )
     if config.num_blocks is not None:
         return TorchModelRunner(model, num_blocks=config.num_blocks, **common)

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, UNQUANTIZED_FIRST_BLOCK_DTYPES
 from pagedllm.planner import capacity as cap
 from pagedllm.planner.presets import (
     GIB,
@@ -60,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="cache dtype; auto = bf16 (fp32 for fp32 models); the engine's quantized "
         "formats int8, int4, fp8_e4m3, fp8_e5m2 count their scales",
+    )
+    m.add_argument(
+        "--kv-cache-unquantized-first-block",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a quantized cache keeps each sequence's first block in the weights' dtype "
+        "(as the engine's flag; default: on for int4): counted per sequence beside the pool",
     )
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     m.add_argument(
@@ -276,9 +284,24 @@ def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]
         "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
         "kv_bytes_per_token": cap.kv_bytes_per_token(spec, kv_bytes, args.tp),
         "kv_formula": cap.kv_formula(spec, kv_bytes, args.tp),
+        "first_block_bytes": _first_block_bytes(args, spec, kv_dtype, weight_dtype),
         "budget": asdict(budget),
         "budget_given": args.kv_cache_memory is not None,
     }
+
+
+def _first_block_bytes(
+    args: argparse.Namespace, spec: ModelSpec, kv_dtype: str, weight_dtype: str
+) -> int | None:
+    """Bytes a sequence's unquantized first block takes beside the pool (its pool block
+    stays allocated), or None when the cache does not keep one: the engine's rule."""
+    keep = getattr(args, "kv_cache_unquantized_first_block", None)
+    if keep is None:
+        keep = kv_dtype in UNQUANTIZED_FIRST_BLOCK_DTYPES
+    if not keep or kv_dtype not in QUANTIZED_KV_DTYPES:
+        return None
+    element = 4 if dtype_bytes(weight_dtype) == 4 else 2  # staging: the compute dtype
+    return cap.kv_bytes_per_token(spec, element, args.tp) * args.block_size
 
 
 def _model_figures(spec: ModelSpec, max_model_len: int) -> dict[str, Any]:
@@ -393,6 +416,16 @@ def _row(geometry: cap.CacheGeometry, workload: cap.Workload, max_model_len: int
     return {"label": workload.label, "mean_length": workload.mean_length, **asdict(conc)}
 
 
+def _first_block_lines(plan: dict[str, Any]) -> list[str]:
+    first = plan.get("first_block_bytes")
+    if not first:
+        return []
+    return [
+        f"            + {first:,} bytes a sequence: its first block unquantized, in the "
+        "model's dtype beside the pool (and per cached first block)"
+    ]
+
+
 def render(plan: dict[str, Any]) -> str:
     """The plan as text: figures, formula, table, verdict, recommendations with reasons."""
     model, device, budget, geo = plan["model"], plan["device"], plan["budget"], plan["geometry"]
@@ -403,6 +436,7 @@ def render(plan: dict[str, Any]) -> str:
         f"  model     {model['attention'].upper()}, {model['num_layers']} layers, "
         f"{model['params'] / 1e9:.2f}B parameters, max_model_len {model['max_model_len']:,}",
         f"  KV/token  {plan['kv_formula']}",
+        *_first_block_lines(plan),
         f"  weights   {model['params'] / 1e9:.2f}B x {plan['dtypes']['weights']} / tp = "
         f"{budget['weight_bytes'] / GIB:.2f} GiB per device ({budget['weight_bytes'] / mem:.0%} of memory)",
     ]

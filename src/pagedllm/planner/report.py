@@ -121,6 +121,7 @@ def startup_report(
     engine_bytes_per_token: int | None = None,
     kv_cache_dtype: str | None = None,
     staging_block_bytes: int | None = None,
+    unquantized_first_block: bool = False,
     step_tokens: int = 2048,
 ) -> str:
     """The KV-cache lines the engine prints at start-up.
@@ -135,7 +136,9 @@ def startup_report(
     to say whether the cache is too large. ``kv_cache_dtype`` names the format (a
     quantized one counts its scales in ``kv_dtype_bytes``); ``staging_block_bytes``, for a
     quantized cache, is one open block in the model's dtype: a line says how much staging
-    ``max_num_seqs`` open blocks may take beside the pool.
+    ``max_num_seqs`` open blocks may take beside the pool; with ``unquantized_first_block``
+    another line counts the first blocks kept in that dtype (one per running sequence, and
+    up to ``max_num_seqs`` cached-free ones in the prefix cache).
     """
     f = startup_figures(
         model_config,
@@ -177,7 +180,23 @@ def startup_report(
             f"(staging beside the pool, taken as needed: {most}"
             f"{staging_block_bytes:,} bytes{total})"
         )
+    if staging_block_bytes and unquantized_first_block:
+        lines.append(_first_block_line(staging_block_bytes, block_size, max_num_seqs))
     return "\n".join(lines)
+
+
+def _first_block_line(block_bytes: int, block_size: int, max_num_seqs: int | None) -> str:
+    """What keeping first blocks unquantized costs beside the pool (their pool blocks stay
+    allocated, unused, so each one costs a full-precision block more)."""
+    most = ""
+    if max_num_seqs:
+        most = f": up to 2 x {max_num_seqs:,} x {block_bytes:,} bytes = "
+        most += _size(2 * max_num_seqs * block_bytes)
+    return (
+        f"KV cache: each sequence's first block (tokens 0-{block_size - 1}) stays in the "
+        f"model's dtype, never quantized (one per running sequence and per cached first "
+        f"block{most}; {block_bytes / block_size:,.0f} bytes per token of those blocks)"
+    )
 
 
 def _window_lines(f: StartupFigures) -> list[str]:

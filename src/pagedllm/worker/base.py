@@ -38,6 +38,9 @@ class SupportsDiskTier(Protocol):
     writes its blocks as bytes (``disk_store.BlockBytes``) through an attached store."""
 
     block_nbytes: int  # bytes of one block on disk
+    # Bytes of a block kept in another layout (a quantized cache's unquantized first
+    # block: its full-precision rows), or None when every block is ``block_nbytes``.
+    first_block_nbytes: int | None
 
     def kv_fingerprint(self) -> dict[str, Any]:
         """What the blocks' bytes depend on (model, weights, dtype, KV layout)."""

@@ -7,7 +7,9 @@ load and drop); this module moves the bytes. Layout::
       store.json                 0600  format version + fingerprint of model and KV layout
       blocks/ab/<64 hex>.kv      0600  one block; the name is its hash (salt included)
 
-A block file is ``header | token ids (int64 x block_size) | payload`` where the header
+A block file is ``header | token ids (int64 x block_size) | payload`` where the payload
+is ``payload_nbytes`` long, or ``first_payload_nbytes`` for a block the cache keeps in
+another layout (a quantized cache's unquantized first block: its rows say which), and the header
 holds a magic, the format, the block size, the payload size, the store's fingerprint
 digest, the block hash, and an xxh3-128 checksum over everything else in the file. A
 missing, truncated or corrupt file, or one whose hash or tokens differ from what was
@@ -57,12 +59,13 @@ DiskBlock = tuple[int, bytes, tuple[int, ...]]  # (device block, block hash, tok
 class BlockBytes(Protocol):
     """A KV cache whose blocks can be read and written as flat bytes (one row a block)."""
 
-    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        """A snapshot ``[len(block_ids), block_nbytes]`` uint8 (a copy, not a view)."""
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray | list[np.ndarray]:
+        """A snapshot ``[len(block_ids), block_nbytes]`` uint8 (a copy, not a view); or a
+        list of uint8 rows where some blocks take the other payload size."""
         ...
 
-    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
-        """Overwrite the blocks with the rows of ``data`` ``[n, block_nbytes]`` uint8."""
+    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray | list[np.ndarray]) -> None:
+        """Overwrite the blocks with the rows of ``data`` (``read_blocks``' layouts)."""
         ...
 
 
@@ -95,12 +98,16 @@ class DiskKVStore:
         *,
         block_size: int,
         payload_nbytes: int,
+        first_payload_nbytes: int | None = None,
     ) -> None:
         if block_size <= 0 or payload_nbytes <= 0:
             raise ValueError("block_size and payload_nbytes must be positive")
+        if first_payload_nbytes is not None and first_payload_nbytes <= 0:
+            raise ValueError("first_payload_nbytes must be positive")
         self.path = Path(path).expanduser().resolve()
         self.block_size = block_size
         self.payload_nbytes = payload_nbytes
+        self._payload_sizes = {payload_nbytes, first_payload_nbytes or payload_nbytes}
         self.fingerprint = {"format": FORMAT_VERSION, **dict(fingerprint)}
         canonical = json.dumps(self.fingerprint, sort_keys=True, default=str).encode()
         self.digest = hashlib.sha256(canonical).digest()
@@ -113,7 +120,7 @@ class DiskKVStore:
         self._counts = dict.fromkeys(("written", "read", "loads", "corrupt", "write_errors"), 0)
         self._load_seconds = 0.0
         self._made_dirs: set[str] = set()
-        self._staging = np.empty((0, payload_nbytes), np.uint8)
+        self._staging = np.empty((0, max(self._payload_sizes)), np.uint8)
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-disk")
         self._writer.daemon = True
         self._writer.start()
@@ -157,15 +164,21 @@ class DiskKVStore:
             return ()
         start = time.perf_counter()
         data = self._staging_rows(len(loads))
-        good, failed = [], []
+        good, failed, sizes = [], [], []
         for i, (block_id, block_hash, token_ids) in enumerate(loads):
-            if self._read(block_hash, _token_bytes(token_ids, self.block_size), data[i]):
+            nbytes = self._read(block_hash, _token_bytes(token_ids, self.block_size), data[i])
+            if nbytes:
                 good.append(i)
+                sizes.append(nbytes)
             else:
                 failed.append(block_id)
         if good:
-            rows = data if len(good) == len(loads) else data[good]
-            blocks.write_blocks([loads[i][0] for i in good], rows)
+            block_ids = [loads[i][0] for i in good]
+            if set(sizes) == {self.payload_nbytes}:
+                rows = data[:, : self.payload_nbytes]
+                blocks.write_blocks(block_ids, rows if len(good) == len(loads) else rows[good])
+            else:
+                blocks.write_blocks(block_ids, [data[i, :n] for i, n in zip(good, sizes)])
         self._counts["loads"] += 1
         self._load_seconds += time.perf_counter() - start
         return tuple(failed)
@@ -175,7 +188,8 @@ class DiskKVStore:
         pages: fresh memory would pay a page fault every 4 KiB of every load."""
         if self._staging.shape[0] < n:
             rows = max(n, 2 * self._staging.shape[0])
-            self._staging_arena = BlockArena([((self.payload_nbytes,), torch.uint8)], rows, rows)
+            width = max(self._payload_sizes)
+            self._staging_arena = BlockArena([((width,), torch.uint8)], rows, rows)
             self._staging = self._staging_arena.tensors[0].numpy()
         return self._staging[:n]
 
@@ -255,33 +269,37 @@ class DiskKVStore:
             f"empty this one to start over"
         )
 
-    def _read(self, block_hash: bytes, tokens: bytes, row: np.ndarray) -> bool:
+    def _read(self, block_hash: bytes, tokens: bytes, row: np.ndarray) -> int:
+        """The block's payload into the start of ``row``: its length, 0 for a miss."""
         with self._lock:
             pending = self._pending.get(block_hash)
         if pending is not None:
             if pending[0] != tokens:
-                return False
-            row[:] = pending[1]
+                return 0
+            payload = pending[1]
+            row[: len(payload)] = payload
             self._counts["read"] += 1
-            return True
+            return len(payload)
         path = self.block_path(block_hash)
         try:
             with open(path, "rb", buffering=0) as handle:
-                if os.fstat(handle.fileno()).st_size != self.file_nbytes:
+                nbytes = os.fstat(handle.fileno()).st_size - _PREFIX_NBYTES - len(tokens)
+                if nbytes not in self._payload_sizes:
                     raise _Corrupt
                 head = bytearray(_PREFIX_NBYTES + len(tokens))
-                if handle.readinto(head) != len(head) or handle.readinto(row) != len(row):
+                payload = row[:nbytes]
+                if handle.readinto(head) != len(head) or handle.readinto(payload) != nbytes:
                     raise _Corrupt
-            self._check(head, block_hash, tokens, row)
+            self._check(head, block_hash, tokens, payload)
             os.utime(path)  # least recently used order survives a restart
         except FileNotFoundError:
-            return False
+            return 0
         except (_Corrupt, OSError):
             self._counts["corrupt"] += 1
             self._queue.put(("drop", block_hash))
-            return False
+            return 0
         self._counts["read"] += 1
-        return True
+        return nbytes
 
     def _check(self, head: bytearray, block_hash: bytes, tokens: bytes, row: np.ndarray) -> None:
         magic, version, block_size, nbytes, digest, file_hash = _HEADER.unpack_from(head)
@@ -290,7 +308,7 @@ class DiskKVStore:
             magic != _MAGIC
             or version != FORMAT_VERSION
             or block_size != self.block_size
-            or nbytes != self.payload_nbytes
+            or nbytes != len(row)
             or digest != self.digest
             or file_hash != block_hash
             or head[_PREFIX_NBYTES:] != tokens
@@ -320,7 +338,7 @@ class DiskKVStore:
             return
         tokens, payload = pending
         header = _HEADER.pack(
-            _MAGIC, FORMAT_VERSION, self.block_size, self.payload_nbytes, self.digest, block_hash
+            _MAGIC, FORMAT_VERSION, self.block_size, len(payload), self.digest, block_hash
         )
         checksum = _CHECKSUM.pack(_checksum(header, tokens, payload))
         path = self.block_path(block_hash)

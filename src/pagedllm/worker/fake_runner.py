@@ -111,6 +111,9 @@ class FakeModelRunner:
         """Bytes of one block on the disk tier (a token id per slot, int64)."""
         return 8 * self.block_size
 
+    # Every block in one layout.
+    first_block_nbytes: int | None = None
+
     def kv_fingerprint(self) -> dict[str, Any]:
         return {"runner": "fake", "vocab_size": self.vocab_size, "block_size": self.block_size}
 

@@ -39,7 +39,9 @@ class KVCacheSpec:
 
     ``dtype`` is the cache's element type, or with ``quantization`` (a quantized
     ``kv_cache_dtype``: ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``) the full-precision
-    type of open blocks and dequantized reads (the model's).
+    type of open blocks and dequantized reads (the model's). ``unquantized_first_block``
+    (quantized only): logical block 0 of every table is never sealed; it keeps its staging
+    slot, and attention reads it in full precision.
     """
 
     num_layers: int
@@ -57,6 +59,7 @@ class KVCacheSpec:
     # ``layer_slots[l]`` (of the blocks in its group's tables). Empty: layer l is slot l.
     layer_slots: tuple[int, ...] = ()
     layer_groups: tuple[int, ...] = ()  # each model layer's group (empty: one group)
+    unquantized_first_block: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -69,6 +72,8 @@ class KVCacheSpec:
                 "a quantized KV cache does not take models mixing sliding-window and "
                 "full-attention layers yet (use kv_cache_dtype auto, float32 or bfloat16)"
             )
+        if self.unquantized_first_block and self.quantization is None:
+            raise ValueError("unquantized_first_block needs a quantized kv_cache_dtype")
         if self.quantization is not None:
             if self.latent:
                 raise ValueError("a quantized KV cache does not take latent (MLA) layers")
@@ -81,6 +86,7 @@ class KVCacheSpec:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         quantization: str | None = None,
+        unquantized_first_block: bool = False,
     ) -> KVCacheSpec:
         """From a ``ModelConfig`` (HF field names)."""
         mla = config.mla  # type: ignore[attr-defined]
@@ -104,6 +110,7 @@ class KVCacheSpec:
             block_size=block_size,
             dtype=dtype,
             quantization=quantization,
+            unquantized_first_block=unquantized_first_block,
             layer_slots=layout.layer_slots if grouped else (),
             layer_groups=layout.layer_groups if grouped else (),
         )

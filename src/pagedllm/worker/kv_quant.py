@@ -14,6 +14,12 @@ Staging grows on demand (doubling), one slot per open block: at most one per run
 sequence, plus one per sequence whose step seals its old open block and opens another.
 A host block's staged rows stay until a swap-out writes that host block again (the manager
 may move a host copy in more than once), so at most one entry per host block.
+
+With ``spec.unquantized_first_block``, logical block 0 of every table is never sealed: it
+keeps its slot while anyone can read it (held by a table, or cached-free in the prefix
+index, which bounds those: ``BlockPool``'s ``max_cached_first_blocks``), and attention
+reads it from staging. Copies, swaps, resizes and the disk tier move it with its rows; its
+disk row is its staged rows (``first_block_nbytes`` bytes), not the sealed layout.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class QuantizedKVCache:
         self._free_slots = list(range(INITIAL_STAGING_SLOTS - 1, -1, -1))
         self._host_stage: dict[int, torch.Tensor] = {}  # host block -> [L, 2, B, H, D]
         self._sealing: list[int] = []  # blocks sealed this step that still hold a slot
+        if self.first_block_nbytes == spec.bytes_per_block:
+            # write_blocks tells a first block's disk row from a sealed one by its length.
+            raise ValueError("this geometry's sealed and staged blocks have the same size")
 
     # ---- the KVCache interface ----------------------------------------------------------
 
@@ -80,8 +89,16 @@ class QuantizedKVCache:
 
     @property
     def num_open_blocks(self) -> int:
-        """Blocks holding a staging slot now."""
+        """Blocks holding a staging slot now (open blocks and unquantized first blocks)."""
         return len(self._slot_of)
+
+    @property
+    def first_block_nbytes(self) -> int | None:
+        """Bytes of an unquantized first block's disk row (its staged rows, every layer),
+        or None when first blocks are sealed like the others."""
+        if not self.spec.unquantized_first_block:
+            return None
+        return self._stage[:, :, 0].numel() * self._stage.element_size()
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device blocks src -> dst with their scales and staged rows (all sources are
@@ -98,7 +115,7 @@ class QuantizedKVCache:
         for d in {d for _, d in pairs}:
             self._drop(d)
         for rows, d in staged:
-            self._stage[:, :, self._take_slot(d)] = rows
+            self._put(d, rows)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device block, host block) pairs; an open block's staged rows go along."""
@@ -118,7 +135,7 @@ class QuantizedKVCache:
             # Kept: the manager may move the same host copy in again (a shared block).
             rows = self._host_stage.get(host_block)
             if rows is not None:
-                self._stage[:, :, self._take_slot(device_block)] = rows.to(self.device)
+                self._put(device_block, rows)
 
     @property
     def device_tensors(self) -> list[torch.Tensor]:
@@ -126,14 +143,38 @@ class QuantizedKVCache:
         side): what the disk tier stores of a (sealed) block."""
         return [part for layer in self.device_caches for side in layer for part in side.parts()]
 
-    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Sealed device blocks as flat bytes, one row a block (``KVCache.read_blocks``)."""
-        return read_blocks_reference(self.device_tensors, block_ids)
+    def read_blocks(self, block_ids: Sequence[int]) -> np.ndarray | list[np.ndarray]:
+        """Device blocks as flat bytes, one row a block (``KVCache.read_blocks``): sealed
+        blocks in the pool's layout; an unquantized first block (one holding a staging
+        slot: the disk tier stores only full blocks) as its staged rows, so then a list of
+        rows of two lengths."""
+        keep_first = self.spec.unquantized_first_block
+        staged = [keep_first and b in self._slot_of for b in block_ids]
+        if not any(staged):
+            return read_blocks_reference(self.device_tensors, block_ids)
+        rows = list(read_blocks_reference(self.device_tensors, block_ids))
+        for i, block_id in enumerate(block_ids):
+            if staged[i]:
+                rows[i] = self._staged_bytes(self._slot_of[block_id])
+        return rows
 
-    def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
-        write_blocks_reference(self.device_tensors, block_ids, data)
-        for block_id in block_ids:
+    def write_blocks(
+        self, block_ids: Sequence[int], data: np.ndarray | Sequence[np.ndarray]
+    ) -> None:
+        """Rows of ``read_blocks``' layouts: each row's length says which (a first block's
+        staged rows take a staging slot)."""
+        first_nbytes = self.first_block_nbytes
+        sealed = [i for i, row in enumerate(data) if len(row) != first_nbytes]
+        if len(sealed) == len(block_ids):
+            write_blocks_reference(self.device_tensors, block_ids, np.asarray(data))
+        elif sealed:
+            rows = np.stack([data[i] for i in sealed])
+            write_blocks_reference(self.device_tensors, [block_ids[i] for i in sealed], rows)
+        for i, block_id in enumerate(block_ids):
             self._drop(block_id)
+            if len(data[i]) == first_nbytes:
+                rows = torch.from_numpy(np.ascontiguousarray(data[i]))
+                self._put(block_id, rows.view(self._stage.dtype).view(self._stage[:, :, 0].shape))
 
     def resize(self, num_blocks: int) -> None:
         """Keep device blocks ``0 .. num_blocks - 1`` (those past a smaller size hold
@@ -177,6 +218,8 @@ class QuantizedKVCache:
         seal_blocks: list[int] = []
         keep_window: list[int] = []
         keep_slots: list[int] = []
+        first_slots: list[int] = []
+        keep_first = self.spec.unquantized_first_block
         num_window = 0
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             first = seq_len - query_len
@@ -188,7 +231,7 @@ class QuantizedKVCache:
             for b in range(first_block, last_block + 1):
                 w = num_window + b - first_block
                 block_id = int(tables[i, b])
-                if (b + 1) * block_size <= seq_len:
+                if (b + 1) * block_size <= seq_len and not (keep_first and b == 0):
                     seal_window.append(w)
                     seal_blocks.append(block_id)
                     if block_id in self._slot_of:
@@ -199,6 +242,8 @@ class QuantizedKVCache:
                     slot = self._slot_of.get(block_id)
                     keep_window.append(w)
                     keep_slots.append(self._take_slot(block_id) if slot is None else slot)
+            if keep_first:
+                first_slots.append(self._staged_slot(int(tables[i, 0])))
             num_window += last_block - first_block + 1
         starts = np.asarray(window_start, dtype=np.int64)
         first_blocks = (np.asarray(seq_lens) - np.asarray(query_lens)) // block_size
@@ -219,6 +264,8 @@ class QuantizedKVCache:
             keep_slots=_long(keep_slots, device),
             window_start=torch.tensor(window_start, dtype=torch.int32, device=device),
             window_start_list=window_start,
+            first_slots=torch.tensor(first_slots, dtype=torch.int32, device=device),
+            first_slots_list=first_slots,
         )
 
     def finish_step(self) -> None:
@@ -285,6 +332,17 @@ class QuantizedKVCache:
             # The scheduler never resumes writing a block mid-way without its earlier rows.
             raise RuntimeError(f"open block {block_id} has no staged rows")
         return slot
+
+    def _staged_bytes(self, slot: int) -> np.ndarray:
+        """A slot's rows, every layer, K and V, as flat bytes (a copy)."""
+        rows = self._stage[:, :, slot].to("cpu", copy=True).reshape(-1)
+        return rows.view(torch.uint8).numpy()
+
+    def _put(self, block_id: int, rows: torch.Tensor) -> None:
+        """Stage ``rows`` [L, 2, B, H, D] under ``block_id`` in a fresh slot (taken before
+        the stage is indexed: taking one may grow, and so replace, the stage)."""
+        slot = self._take_slot(block_id)
+        self._stage[:, :, slot] = rows.to(self.device)
 
     def _take_slot(self, block_id: int) -> int:
         if not self._free_slots:

@@ -49,7 +49,8 @@ class TorchModelRunner:
     kv_caches, meta) -> hidden`` and ``compute_logits(hidden, *, float32=True) -> logits``;
     it must carry a ``config`` (``ModelConfig``). ``kv_cache_dtype``: ``"auto"`` (the
     model's dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, or a quantized format
-    (``"int8"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``worker/kv_quant.py``).
+    (``"int8"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``worker/kv_quant.py``);
+    ``unquantized_first_block``: a quantized cache keeps logical block 0 in full precision.
     """
 
     # Runs ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding).
@@ -63,13 +64,14 @@ class TorchModelRunner:
         num_blocks: int,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        unquantized_first_block: bool = False,
         sampler: Sampler | None = None,
         optimize: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.spec = kv_cache_spec(model, block_size, kv_cache_dtype)
+        self.spec = kv_cache_spec(model, block_size, kv_cache_dtype, unquantized_first_block)
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache = make_kv_cache(self.spec, num_blocks, num_host_blocks, self.device)
         self.sampler = sampler or Sampler()
@@ -98,6 +100,7 @@ class TorchModelRunner:
         memory_fraction: float | None = None,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        unquantized_first_block: bool = False,
         sampler: Sampler | None = None,
         optimize: bool = True,
     ) -> TorchModelRunner:
@@ -118,6 +121,7 @@ class TorchModelRunner:
             num_blocks=num_blocks,
             num_host_blocks=num_host_blocks,
             kv_cache_dtype=kv_cache_dtype,
+            unquantized_first_block=unquantized_first_block,
             sampler=sampler,
             optimize=optimize,
         )
@@ -131,10 +135,15 @@ class TorchModelRunner:
         """Bytes of one block's K/V on the disk tier."""
         return self.spec.bytes_per_block
 
+    @property
+    def first_block_nbytes(self) -> int | None:
+        """Bytes of an unquantized first block on the disk tier (None: none kept so)."""
+        return self.spec.staging_bytes_per_slot if self.spec.unquantized_first_block else None
+
     def kv_fingerprint(self) -> dict[str, Any]:
         """What a disk store's blocks depend on: the model (config and a digest of its
         weights) and the KV layout."""
-        return {
+        fingerprint = {
             "runner": "torch",
             "model": asdict(self.config),
             "weights": self._weights_digest,
@@ -142,6 +151,9 @@ class TorchModelRunner:
             "block_size": self.block_size,
             "block_shape": [self.spec.num_layers, 2, *self.spec.block_shape],
         }
+        if self.spec.unquantized_first_block:
+            fingerprint["first_block"] = str(self.spec.dtype)  # stored unquantized
+        return fingerprint
 
     def attach_disk_store(self, store: DiskKVStore) -> None:
         self.disk_store = store
@@ -179,6 +191,7 @@ class TorchModelRunner:
             # After the moves: blocks they just wrote keep what they hold.
             written = {d for _, d in scheduler_output.block_copies}
             written.update(d for _, d in scheduler_output.swap_in)
+            written.update(d for d, _, _ in scheduler_output.disk.loads if d not in failed_loads)
             self.kv_cache.release_blocks(scheduler_output.released_block_ids, keep=written)
         scheduled = scheduler_output.scheduled
         if scheduled and scheduler_output.num_steps > 1:
@@ -353,7 +366,14 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def kv_cache_spec(model: torch.nn.Module, block_size: int, kv_cache_dtype: str) -> KVCacheSpec:
+def kv_cache_spec(
+    model: torch.nn.Module,
+    block_size: int,
+    kv_cache_dtype: str,
+    unquantized_first_block: bool = False,
+) -> KVCacheSpec:
     """The cache's spec for ``model`` under ``kv_cache_dtype`` (``"auto"``: the model's dtype)."""
     dtype, quantization = cache_dtypes(kv_cache_dtype, next(model.parameters()).dtype)
-    return KVCacheSpec.from_model_config(model.config, block_size, dtype, quantization)
+    return KVCacheSpec.from_model_config(
+        model.config, block_size, dtype, quantization, unquantized_first_block
+    )

@@ -21,6 +21,10 @@
 // their maximum) and multiply V's int8 rows, two keys per instruction. The plain path
 // (dequantize into fp32 rows, then fp32 dots) serves every other format, machines without
 // VNNI, and the own block; the Python dequantize-then-attend path is the ground truth.
+//
+// A cache that keeps first blocks unquantized passes `first_slots` (one per sequence, else
+// empty): block 0 of the table is then read in full precision from that staging slot, after
+// the sealed blocks on the int8 path (it keeps its states fresh), in table order otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -76,6 +80,10 @@ struct Args {
   const int32_t* seq_lens;
   const int32_t* query_start;
   const int32_t* window_start;
+  const T* k_stage;  // [slots, B, H, D]: unquantized first blocks
+  const T* v_stage;
+  int64_t stage_slot, stage_token, stage_head;
+  const int32_t* first_slots;  // null: block 0 is sealed like the others
   int64_t block_size, head_dim, group;
   float scale;
   bool int8_fast;  // int8 K and V through attend_int8_block (`plain` turns it off)
@@ -589,6 +597,24 @@ void finish_state(const Args<T>& a, const Task& task, const Rows& r, int64_t hea
     }
 }
 
+// Every query of the task over the sequence's unquantized first block (its staging slot).
+template <typename T>
+void attend_first_block(const Args<T>& a, const Task& task, State* states, float* kf, float* vf,
+                        const int64_t* limit, int64_t nq) {
+  const int64_t B = a.block_size, D = a.head_dim;
+  const int64_t slot = a.first_slots[task.seq];
+  for (int64_t h = 0; h < task.heads; ++h) {
+    for (int64_t t = 0; t < B; ++t) {
+      const int64_t off = slot * a.stage_slot + t * a.stage_token + (task.kv_head + h) * a.stage_head;
+      for (int64_t d = 0; d < D; ++d) {
+        kf[t * D + d] = to_float(a.k_stage[off + d]);
+        vf[t * D + d] = to_float(a.v_stage[off + d]);
+      }
+    }
+    attend_block(states[h], kf, vf, limit, nq, D);
+  }
+}
+
 template <typename T>
 void run_task(const Args<T>& a, const Task& task, std::vector<State>& states, std::vector<float>& kf,
               std::vector<float>& vf) {
@@ -598,17 +624,25 @@ void run_task(const Args<T>& a, const Task& task, std::vector<State>& states, st
   for (int64_t h = 0; h < task.heads; ++h) start_state(a, r, task.kv_head + h, states[h]);
   const int32_t* table = a.tables + task.seq * a.table_stride;
   std::vector<int64_t> limit(r.nq, B);
+  // Blocks [sealed0, task.block) of the table are sealed; block 0 may be unquantized.
+  const bool first_staged = a.first_slots != nullptr && task.block > 0;
+  const int64_t sealed0 = first_staged ? 1 : 0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (a.int8_fast && task.block > 0) {
-    attend_int8_sealed(states.data(), a.k, a.v, table, task.block, task.kv_head, task.heads, B, r.nq, D);
+  if (a.int8_fast && task.block > sealed0) {
+    attend_int8_sealed(states.data(), a.k, a.v, table + sealed0, task.block - sealed0, task.kv_head, task.heads, B,
+                       r.nq, D);
+    if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
   } else
 #endif
+  {
+    if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
     for (int64_t h = 0; h < task.heads; ++h)
-      for (int64_t j = 0; j < task.block; ++j) {
+      for (int64_t j = sealed0; j < task.block; ++j) {
         dequantize(a.k, table[j], task.kv_head + h, B, D, kf.data());
         dequantize(a.v, table[j], task.kv_head + h, B, D, vf.data());
         attend_block(states[h], kf.data(), vf.data(), limit.data(), r.nq, D);
       }
+  }
   for (int64_t h = 0; h < task.heads; ++h)
     finish_state(a, task, r, task.kv_head + h, states[h], kf.data(), vf.data(), limit);
 }
@@ -683,7 +717,8 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t k_kind, const at::Tensor& v_data, const std::optional<at::Tensor>& v_scale,
                      const std::optional<at::Tensor>& v_min, int64_t v_kind, const at::Tensor& k_window,
                      const at::Tensor& v_window, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, const at::Tensor& window_start, double scale, bool plain) {
+                     const at::Tensor& query_start_loc, const at::Tensor& window_start, const at::Tensor& k_stage,
+                     const at::Tensor& v_stage, const at::Tensor& first_slots, double scale, bool plain) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, H, D] alike");
   TORCH_CHECK(query.scalar_type() == out.scalar_type() && query.scalar_type() == k_window.scalar_type() &&
                   k_window.scalar_type() == v_window.scalar_type(),
@@ -698,6 +733,20 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "metadata must be int32, unit stride");
   const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = k_window.size(2);
   TORCH_CHECK(head_dim == k_window.size(3) && head_dim <= 512 && head_dim % 2 == 0, "bad head_dim");
+  const bool staged_first = first_slots.numel() > 0;
+  if (staged_first) {
+    TORCH_CHECK(first_slots.scalar_type() == at::kInt && first_slots.dim() == 1 &&
+                    first_slots.size(0) == seq_lens.size(0) && first_slots.is_contiguous(),
+                "first_slots must be int32, one per sequence");
+    TORCH_CHECK(k_stage.dim() == 4 && k_stage.sizes() == v_stage.sizes() && k_stage.strides() == v_stage.strides() &&
+                    k_stage.scalar_type() == query.scalar_type() && v_stage.scalar_type() == query.scalar_type() &&
+                    k_stage.size(1) == k_window.size(1) && k_stage.size(2) == num_kv_heads &&
+                    k_stage.size(3) == head_dim && k_stage.stride(3) == 1,
+                "stages must be [slots, B, H, D] in the query's dtype, rows contiguous");
+    const int32_t* slots = first_slots.data_ptr<int32_t>();
+    for (int64_t i = 0; i < first_slots.size(0); ++i)
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < k_stage.size(0), "first slot out of range");
+  }
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
   auto dispatch = [&](auto tag) {
     using T = decltype(tag);
@@ -720,6 +769,14 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     a.seq_lens = seq_lens.data_ptr<int32_t>();
     a.query_start = query_start_loc.data_ptr<int32_t>();
     a.window_start = window_start.data_ptr<int32_t>();
+    if (staged_first) {
+      a.k_stage = k_stage.data_ptr<T>();
+      a.v_stage = v_stage.data_ptr<T>();
+      a.stage_slot = k_stage.stride(0);
+      a.stage_token = k_stage.stride(1);
+      a.stage_head = k_stage.stride(2);
+      a.first_slots = first_slots.data_ptr<int32_t>();
+    }
     a.block_size = k_window.size(1);
     a.head_dim = head_dim;
     a.group = num_heads / num_kv_heads;
@@ -744,7 +801,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "quant_attention(Tensor(a!) out, Tensor query, Tensor k_data, Tensor? k_scale, Tensor? k_min, "
       "int k_kind, Tensor v_data, Tensor? v_scale, Tensor? v_min, int v_kind, Tensor k_window, "
       "Tensor v_window, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor window_start, float scale, bool plain=False) -> ()");
+      "Tensor window_start, Tensor k_stage, Tensor v_stage, Tensor first_slots, float scale, "
+      "bool plain=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_attention", &quant_attention); }
