@@ -35,6 +35,29 @@ def test_flags_and_defaults():
     assert args.served_model_name == "x" and args.block_size == 8
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], (512, 256, cli.SERVER_MAX_PREFILL_MS_WHILE_DECODING)),
+        (["--max-prefill-tokens-while-decoding", "64"], (512, 64, None)),
+        (["--max-prefill-ms-while-decoding", "50"], (512, 256, 50.0)),
+        (
+            ["--max-num-batched-tokens", "2048"],
+            (2048, 256, cli.SERVER_MAX_PREFILL_MS_WHILE_DECODING),
+        ),
+        (["--no-enable-chunked-prefill"], (None, None, None)),
+    ],
+)
+def test_scheduling_defaults_set_the_prompt_slice_in_time_unless_a_cap_is_given(flags, expected):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(flags)
+    cli.apply_server_scheduling_defaults(args)
+    got = (args.max_num_batched_tokens, args.max_prefill_tokens_while_decoding,
+           args.max_prefill_ms_while_decoding)  # fmt: skip
+    assert got == expected
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -117,7 +117,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most prompt tokens in a step that also decodes: shorter gaps between a "
-        "stream's tokens while prompts arrive (default: the step's budget)",
+        "stream's tokens while prompts arrive (default: the step's budget; pagedllm serve: "
+        "set from --max-prefill-ms-while-decoding)",
+    )
+    group.add_argument(
+        "--max-prefill-ms-while-decoding",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the same cap in time: the engine keeps it at the power of two of prompt tokens "
+        "nearest to MS milliseconds of prompt work, from the steps it times (pagedllm serve: "
+        "128 unless --max-prefill-tokens-while-decoding is given)",
     )
     group.add_argument(
         "--enable-prefix-caching",
@@ -216,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_scheduler_steps=args.num_scheduler_steps,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
+        max_prefill_ms_while_decoding=getattr(args, "max_prefill_ms_while_decoding", None),
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_inflight_sharing=args.enable_inflight_sharing,

@@ -53,6 +53,10 @@ class EngineConfig:
     # Most prompt tokens in a step that also decodes (None: max_num_batched_tokens); see
     # core.scheduler.SchedulerConfig.
     max_prefill_tokens_while_decoding: int | None = None
+    # Or in time: the engine keeps the cap at about this many milliseconds of prompt work,
+    # from the steps it measures (engine/prefill_slice.py; max_prefill_tokens_while_decoding,
+    # if given too, is the cap until the first prompt step has been timed).
+    max_prefill_ms_while_decoding: float | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Requests arriving together share a prefix in flight: one computes it, the others
@@ -102,6 +106,11 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 self._check_positive(name, getattr(self, name))
+        ms = self.max_prefill_ms_while_decoding
+        if ms is not None and (
+            isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0
+        ):
+            raise ValueError(f"max_prefill_ms_while_decoding must be positive, got {ms!r}")
         for name in ("num_blocks", "num_host_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -40,6 +40,7 @@ from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
+from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsClose, SupportsDiskTier
@@ -98,6 +99,9 @@ class EngineStats:
     # None for a runner without a KV spec (the fake runner).
     kv_cache_dtype: str | None = None
     kv_bytes_per_token: float | None = None
+    # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
+    # measured step times with max_prefill_ms_while_decoding); None: the step's budget.
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass(slots=True)
@@ -208,6 +212,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(model_config)
         self.disk_store, disk = self._open_disk_tier(config, runner)
         self.kv = _kv_manager(config, runner, model_config, disk)
+        self._slice_tuner = _slice_tuner(config, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -479,7 +484,9 @@ class LLMEngine:
         failed: list[_Group] = []
         culprits: dict[str, Exception] = {}
         try:
+            started = time.perf_counter()
             result = self.runner.execute(forward)
+            self._time_prompt_slice(forward, time.perf_counter() - started)
         except Exception as exc:
             logger.warning("step failed (%s); retrying its sequences one by one", _describe(exc))
             result, culprits = self._retry_alone(forward)
@@ -499,6 +506,24 @@ class LLMEngine:
             if group is not None:
                 touched[group.request_id] = group
         return list(touched.values())
+
+    def _time_prompt_slice(self, forward: SchedulerOutput, seconds: float) -> None:
+        """With ``max_prefill_ms_while_decoding``: the step's time to the tuner, and the
+        scheduler's prompt-token cap to what it answers."""
+        if self._slice_tuner is None:
+            return
+        prompt_tokens = sum(len(s.token_ids) for s in forward.scheduled if len(s.token_ids) > 1)
+        self._slice_tuner.observe(prompt_tokens, seconds / forward.num_steps)
+        cap = self._slice_tuner.cap()
+        config = self.scheduler.config
+        if cap is not None and cap != config.max_prefill_tokens_while_decoding:
+            logger.debug("prompt tokens in a decoding step: %d", cap)
+            self.scheduler.config = replace(config, max_prefill_tokens_while_decoding=cap)
+
+    @property
+    def max_prefill_tokens_while_decoding(self) -> int | None:
+        """The scheduler's prompt-token cap for a step that also decodes, as it is now."""
+        return self.scheduler.config.max_prefill_tokens_while_decoding
 
     @property
     def num_steps(self) -> int:
@@ -526,6 +551,7 @@ class LLMEngine:
             num_requests_failed=c["failed"],
             num_requests_aborted=c["aborted"],
             kv_cache_usage=self.kv.usage,
+            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
             max_model_len=self.max_model_len,
             cache=self.kv.stats(),
             num_inflight_shared_tokens=s.num_inflight_shared_tokens,
@@ -1059,3 +1085,10 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
     return TorchModelRunner.from_budget(
         model, kv_cache_memory=budget, memory_fraction=config.memory_fraction, **common
     )
+
+
+def _slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:
+    if config.max_prefill_ms_while_decoding is None or not config.enable_chunked_prefill:
+        return None
+    largest = max(config.resolved_max_num_batched_tokens(max_model_len), SMALLEST_CAP)
+    return PrefillSliceTuner(config.max_prefill_ms_while_decoding / 1000, largest)

@@ -75,6 +75,8 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         },
         "running": stats.num_running,
         "waiting": stats.num_waiting,
+        # The scheduler's prompt-token cap for a step that also decodes (None: the budget).
+        "max_prefill_tokens_while_decoding": stats.max_prefill_tokens_while_decoding,
         "swapped": stats.num_swapped,
         "preemptions": {
             "recompute": stats.num_preemptions_recompute,

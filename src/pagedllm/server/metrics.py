@@ -52,6 +52,13 @@ class _StatsCollector(Collector):
             yield _gauge(f"kv_{name}", f"KV cache {name.replace('_', ' ')}.", r[name])
         yield _gauge("kv_cache_usage", "Fraction of KV blocks held by live requests.", r["usage"])
         yield _gauge("kv_block_size", "Tokens per KV block.", r["block_size"])
+        cap = r.get("max_prefill_tokens_while_decoding")
+        if cap is not None:
+            yield _gauge(
+                "max_prefill_tokens_while_decoding",
+                "Most prompt tokens in a step that also decodes, as the scheduler has it now.",
+                cap,
+            )
         yield _gauge("kv_host_blocks_used", "Host (swap) blocks in use.", r["host_blocks_used"])
         yield _labelled_gauge("kv_waste_tokens", "KV tokens wasted, by kind.", r["waste"], "tokens")
         yield _labelled_gauge(
