@@ -19,6 +19,10 @@
 //  - the weighted sum takes keys in chunks whose V rows (all the run's heads) stay in L1 while
 //    every tile of query vectors passes over them, a tile being 3 (or 2) query vectors x 32
 //    dims.
+//
+// The rows of a score per query vector and key outgrow L2 for long prompts: tasks of prompt
+// rows (FLASH_MIN_VECTORS query vectors or more) go to prefill_attention_avx2.cpp's online
+// softmax instead. exp and soft-capping: vec_avx2.h.
 
 #include "paged_attention.h"
 
@@ -31,8 +35,19 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "vec_avx2.h"
+
 namespace pagedllm_attn {
 namespace {
+
+using pagedllm_vec::exp256;
+using pagedllm_vec::load_reg;
+using pagedllm_vec::softcap256;
+
+// Tasks of at least this many query vectors (rows x group: prompt rows) go to the flash
+// prompt path (prefill_attention_avx2.cpp), one task at a time; smaller ones (decode, short
+// chunks) to the two passes here.
+constexpr int64_t FLASH_MIN_VECTORS = 16;
 
 // Keys per scores group: 2 tiles of 4.
 constexpr int64_t KEY_GROUP = 8;
@@ -67,38 +82,6 @@ Heads run_heads(const Task* tasks, int64_t n, std::vector<int64_t>& offsets) {
 }
 
 // ---- Vector math.
-
-// exp(x), Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, so r is exact),
-// e^r by its degree-7 minimax polynomial, 2^n through the exponent bits. Within 1 ulp of the
-// correctly rounded e^x for x in [-87.3, 88] (every 64th float there), as std::exp; x is
-// clamped to that range (below it, e^x < 2^-126: a softmax term after subtracting the
-// maximum that cannot change its sum).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// cap * tanh(x / cap) (Gemma 2's soft-capping); tanh(y) = sign(y) (1 - 2 / (e^2|y| + 1)).
-inline __m256 softcap256(__m256 x, float cap) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 e = exp256(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(2.0f / cap)));
-  const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
-  return _mm256_mul_ps(_mm256_or_ps(th, _mm256_and_ps(x, sign)), _mm256_set1_ps(cap));
-}
 
 // Lanes [0, n) of 8 as a maskload/maskstore mask.
 inline __m256i lanes(int64_t n) {
@@ -135,15 +118,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// A load kept in a register. Without the empty asm GCC folds the load into every FMA that
-// uses the value (once per query vector): AVX2 code here is bound by loads (two per cycle at
-// best), and the folded copies cost 25-30% of the dot products.
-inline __m256 load_reg(const float* p) {
-  __m256 x = _mm256_loadu_ps(p);
-  __asm__("" : "+x"(x));
-  return x;
 }
 
 // ---- Context rows.
@@ -471,6 +445,11 @@ bool avx2_built() { return true; }
 
 template <typename T>
 bool attend_avx2(const Args<T>& a, const Task* tasks, int64_t n, Avx2Scratch& scratch) {
+  if ((tasks[0].row_end - tasks[0].row_begin) * a.group >= FLASH_MIN_VECTORS) {
+    for (int64_t i = 0; i < n; ++i)
+      if (!attend_flash_avx2(a, tasks[i], scratch.flash)) return false;  // all or none: head_dim
+    return true;
+  }
   switch (a.head_dim) {
     case 32:
       attend<T, 32>(a, tasks, n, scratch);
