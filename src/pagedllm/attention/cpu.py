@@ -63,9 +63,9 @@ LONG_QUERY_MAX_SEQ_LEN = 2048
 # this many query rows. The measurements behind these limits: docs/performance.md.
 DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
-# On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries over a context of up to
-# this many tokens go to the kernel (every one: no limit), in tasks of AVX2_ROWS_PER_TASK query
-# rows. Tasks of 16 query vectors or more (rows x group) take its online-softmax prompt path
+# On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries of any length over a
+# context of up to this many tokens go to the kernel (sys.maxsize: every one), in tasks of
+# AVX2_ROWS_PER_TASK query rows. Tasks of 16 query vectors or more (rows x group) take its online-softmax prompt path
 # (prefill_attention_avx2.cpp), whose scratch does not grow with the context; the two-pass path
 # before it lost to SDPA past ~1k tokens. Measurements: docs/performance.md.
 AVX2_LONG_QUERY_MAX_SEQ_LEN = sys.maxsize
@@ -204,12 +204,12 @@ class CpuAttention:
             isa, long_max = self._fp32_route(), 0
             if dtype == torch.float32 and self.fp32_isa == "avx2":
                 long_max = AVX2_LONG_QUERY_MAX_SEQ_LEN  # head_dim 32-256
-        kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
-        if long_max == sys.maxsize:
+        if long_max == sys.maxsize:  # the AVX2 path's prompt rows: prefill_attention_avx2.cpp
             return (
                 f"C++ paged_attention ({isa}): every query, batched; prompt rows in blocks of keys "
                 "with an online softmax (head_dim 32-256; other head sizes: SDPA per prompt)"
             )
+        kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
         return kernel + "; longer prompts: SDPA per sequence"
