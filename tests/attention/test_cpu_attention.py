@@ -631,8 +631,23 @@ def test_avx2_route_is_named():
     assert backend.kind_route(torch.float32, kind).startswith("C++ paged_attention (AVX2 fp32)")
 
 
-def test_avx2_long_fp32_prompts_go_to_the_kernel_up_to_its_context_limit(monkeypatch):
-    backend = avx2_backend(max_kernel_query_len=cpu.MAX_KERNEL_QUERY_LEN)
+def test_avx2_fp32_prompts_over_any_context_are_one_batched_kernel_call(monkeypatch):
+    backend = avx2_prompt_backend()
+    # Whole prompts and chunks after a prefix on both sides of the old 1024-token limit, and
+    # a decode: every one in the kernel.
+    shapes = [(300, 300), (200, 1024), (64, 1025), (1, 1200), (40, 2000)]
+    step = make_step(shapes, block_size=16, num_heads=9, num_kv_heads=3, seed=3)
+    check_on_kernel(backend, step, monkeypatch)
+    assert "every query, batched" in backend.route(torch.float32)
+    _, _, _, k_cache, v_cache, meta, _ = step
+    ks = backend.kernel_step(torch.float32, 9, 64, k_cache, v_cache, meta)
+    assert ks is not None and ks.rows_per_task == cpu.AVX2_ROWS_PER_TASK
+
+
+def test_avx2_context_limit_sends_longer_prompts_to_sdpa(monkeypatch):
+    # The route's limit, where one is set: sequences over a longer context go to SDPA.
+    monkeypatch.setattr(cpu, "AVX2_LONG_QUERY_MAX_SEQ_LEN", 1024)
+    backend = avx2_prompt_backend()
     sdpa = []
     real = cpu._prefill_sdpa
 
@@ -641,16 +656,132 @@ def test_avx2_long_fp32_prompts_go_to_the_kernel_up_to_its_context_limit(monkeyp
         real(*args)
 
     monkeypatch.setattr(cpu, "_prefill_sdpa", record)
-    # Whole prompts and chunks after a prefix, up to the limit and past it, and a decode.
-    limit = cpu.AVX2_LONG_QUERY_MAX_SEQ_LEN
-    shapes = [(300, 300), (200, limit), (64, limit + 1), (1, 1200)]
+    shapes = [(300, 300), (200, 1024), (64, 1025), (1, 1200)]
     step = make_step(shapes, block_size=16, num_heads=9, num_kv_heads=3, seed=3)
     check_against_reference(backend, step)
     assert sdpa == [[2]]  # only the chunk over a context past the limit
-    assert f"every query over a context of up to {limit} tokens" in backend.route(torch.float32)
+    assert "every query over a context of up to 1024 tokens" in backend.route(torch.float32)
     _, _, _, k_cache, v_cache, meta, _ = step
     assert backend.kernel_step(torch.float32, 9, 64, k_cache, v_cache, meta) is None
-    within = make_step(shapes[:2], block_size=16, num_heads=9, num_kv_heads=3, seed=4)
-    _, _, _, k_cache, v_cache, meta, _ = within
-    ks = backend.kernel_step(torch.float32, 9, 64, k_cache, v_cache, meta)
-    assert ks is not None and ks.rows_per_task == cpu.AVX2_ROWS_PER_TASK
+
+
+def avx2_prompt_backend(**kwargs) -> CpuAttention:
+    """The AVX2 path with the backend's own routing: prompt steps in 16-row tasks, whose tasks
+    of 16 query vectors or more (rows x group) take the online-softmax prompt path
+    (prefill_attention_avx2.cpp), the rest (decodes, a prompt's last few rows with group 1)
+    the two passes; skips where this build runs fp32 on another path."""
+    return avx2_backend(max_kernel_query_len=cpu.MAX_KERNEL_QUERY_LEN, **kwargs)
+
+
+# The prompt path's tiles (1, 2 and 3 slices of 8 query vectors, padded lanes for groups 3 and
+# 9 x 1), head dims 32 to 256.
+AVX2_PROMPT_LAYOUTS = [
+    (4, 4, 64),
+    (9, 3, 64),
+    (8, 2, 64),
+    (8, 1, 64),
+    (6, 2, 128),
+    (4, 2, 32),
+    (2, 1, 256),
+]
+AVX2_PROMPT_IDS = ["g1-d64", "g3-d64", "g4-d64", "g8-d64", "g3-d128", "g2-d32", "g2-d256"]
+# Both sides of its 64-key blocks (a row's first block, the diagonal block, a short last
+# block), whole prompts, chunks after cached prefixes ending mid-block, decodes beside them.
+AVX2_PROMPT_SHAPES = [
+    (63, 63),
+    (64, 64),
+    (65, 65),
+    (129, 129),
+    (40, 104),
+    (70, 200),
+    (17, 81),
+    (1, 77),
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), AVX2_PROMPT_LAYOUTS, ids=AVX2_PROMPT_IDS
+)
+def test_avx2_prompt_path_across_key_blocks(
+    block_size, num_heads, num_kv_heads, head_dim, monkeypatch
+):
+    step = make_step(
+        AVX2_PROMPT_SHAPES,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=70 + block_size + head_dim,
+    )
+    check_on_kernel(avx2_prompt_backend(), step, monkeypatch)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_avx2_prompt_path_past_the_old_context_limit(block_size, monkeypatch):
+    # SmolLM2's heads over contexts past 1024 tokens (where SDPA took them before): whole
+    # prompts, long and short chunks after a cached prefix, a decode.
+    shapes = [(1100, 1100), (300, 1500), (64, 2100), (17, 1040), (1, 1200)]
+    step = make_step(shapes, block_size=block_size, num_heads=9, num_kv_heads=3, seed=80)
+    check_on_kernel(avx2_prompt_backend(), step, monkeypatch)
+
+
+@pytest.mark.parametrize("rows_per_task", [1, 5, 16, 37, 64])
+def test_avx2_prompt_path_row_tasks(rows_per_task, monkeypatch):
+    # Tasks of few and many rows (up to 64 rows x 4 = 256 query vectors: many tiles), ranges
+    # ending mid-block; one row (4 query vectors) stays on the two passes.
+    shapes = [(300, 1100), (130, 130), (1, 50)]
+    step = make_step(shapes, block_size=16, seed=rows_per_task)
+    check_on_kernel(avx2_prompt_backend(rows_per_task=rows_per_task), step, monkeypatch)
+
+
+@pytest.mark.parametrize("block_size", [7, 16])
+@pytest.mark.parametrize("kind", WINDOW_KINDS, ids=WINDOW_IDS)
+def test_avx2_prompt_path_windows_and_softcap(block_size, kind, monkeypatch):
+    # Windows narrower and wider than a 64-key block over prompts and chunks long enough
+    # that rows leave blocks behind them, and a prompt past the old context limit.
+    shapes = [(200, 200), (150, 400), (20, 90), (1, 300), (1100, 1100)]
+    step = make_step(shapes, block_size=block_size, num_heads=9, num_kv_heads=3, seed=90)
+    check_on_kernel(avx2_prompt_backend(), step, monkeypatch, kind)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 2, 128), (4, 2, 32)],
+    ids=["g3-d64", "g4-d128", "g2-d32"],
+)
+def test_avx2_prompt_path_bf16_cache(num_heads, num_kv_heads, head_dim, monkeypatch):
+    # bf16 storage, widened to fp32 a block at a time.
+    shapes = [*AVX2_PROMPT_SHAPES, (100, 1100)]
+    step = make_step(
+        shapes,
+        block_size=16,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim,
+    )
+    # bf16 queries take the kernel here with every query routed to it (16-row tasks: the
+    # prompt path).
+    backend = avx2_backend(rows_per_task=16)
+    check_on_kernel(backend, step, monkeypatch)
+    check_on_kernel(backend, step, monkeypatch, AttentionKind(sliding_window=50, softcap=4.0))
+
+
+def test_avx2_prompt_path_ignores_unwritten_cache_rows(monkeypatch):
+    # Cache rows past each context (the rest of its last block, the table's padding columns)
+    # hold NaN: the prompt path must never multiply them in, not even by a zero weight.
+    query, key, value, k_cache, v_cache, meta, scale = make_step(
+        [(33, 33), (50, 71), (70, 135), (3, 9)], block_size=16, num_heads=9, num_kv_heads=3, seed=4
+    )
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(4)
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        for p in range(s_len - q_len):  # the cached prefixes hold real values
+            block = int(meta.block_tables[i, p // 16])
+            k_cache[block, p % 16] = torch.randn(k_cache.shape[2:], generator=gen)
+            v_cache[block, p % 16] = torch.randn(v_cache.shape[2:], generator=gen)
+    step = (query, key, value, k_cache, v_cache, meta, scale)
+    check_on_kernel(avx2_prompt_backend(), step, monkeypatch)

@@ -9,7 +9,8 @@ to a pure-torch path with the same results.
 Long query chunks (prefill) go to the kernel too when it has the tile unit (bf16, head_dim
 64) and the context is at most ``LONG_QUERY_MAX_SEQ_LEN`` tokens, or bf16 dot products without
 the tile unit (``DOT_LONG_QUERY_MAX_SEQ_LEN``; head_dim 64 and 128 then take the flash prompt
-path of ``kernels/csrc/prefill_attention.cpp``), or float32 on the AVX2 path (no AVX-512,
+path of ``kernels/csrc/prefill_attention.cpp``), or float32 on the AVX2 path (no AVX-512;
+every query, prompt rows on the flash path of ``kernels/csrc/prefill_attention_avx2.cpp``:
 ``AVX2_LONG_QUERY_MAX_SEQ_LEN``); otherwise to
 ``scaled_dot_product_attention``, whose CPU flash kernel uses the bf16 matrix units: a whole
 prompt attends to its own fresh K/V directly; a chunk after a cached prefix attends to the
@@ -62,12 +63,12 @@ LONG_QUERY_MAX_SEQ_LEN = 2048
 # this many query rows. The measurements behind these limits: docs/performance.md.
 DOT_LONG_QUERY_MAX_SEQ_LEN = 32768
 DOT_ROWS_PER_TASK = 32
-# On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries of any length go to the
-# kernel while their context is at most this long, in tasks of this many query rows. One core,
-# SmolLM2's and model (a)'s heads, 64-512-token chunks: the kernel took 0.57-0.75x the time of
-# SDPA per sequence at a 300-token context, 0.7-0.95x at 512, 0.9-1.15x at 1024 and 1.1-1.2x
-# for 512-token chunks at 2048 (its rows of scores outgrow L2): docs/performance.md.
-AVX2_LONG_QUERY_MAX_SEQ_LEN = 1024
+# On the AVX2 fp32 path (no AVX-512; head_dim 32-256), float32 queries of any length over a
+# context of up to this many tokens go to the kernel (sys.maxsize: every one), in tasks of
+# AVX2_ROWS_PER_TASK query rows. Tasks of 16 query vectors or more (rows x group) take its online-softmax prompt path
+# (prefill_attention_avx2.cpp), whose scratch does not grow with the context; the two-pass path
+# before it lost to SDPA past ~1k tokens. Measurements: docs/performance.md.
+AVX2_LONG_QUERY_MAX_SEQ_LEN = sys.maxsize
 AVX2_ROWS_PER_TASK = 16
 AVX2_HEAD_DIMS = (32, 64, 128, 256)
 # The kernel's fp32 path (``paged_attention_isa``) in the route's words. AVX2: head_dim 32, 64,
@@ -203,6 +204,11 @@ class CpuAttention:
             isa, long_max = self._fp32_route(), 0
             if dtype == torch.float32 and self.fp32_isa == "avx2":
                 long_max = AVX2_LONG_QUERY_MAX_SEQ_LEN  # head_dim 32-256
+        if long_max == sys.maxsize:  # the AVX2 path's prompt rows: prefill_attention_avx2.cpp
+            return (
+                f"C++ paged_attention ({isa}): every query, batched; prompt rows in blocks of keys "
+                "with an online softmax (head_dim 32-256; other head sizes: SDPA per prompt)"
+            )
         kernel = f"C++ paged_attention ({isa}): queries of up to {self.max_kernel_query_len} tokens"
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"

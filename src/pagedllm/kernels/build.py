@@ -29,6 +29,7 @@ SOURCES = tuple(
         "paged_attention.cpp",
         "paged_attention_avx2.cpp",
         "prefill_attention.cpp",
+        "prefill_attention_avx2.cpp",
         "cpu_ops.cpp",
         "small_gemm.cpp",
         "small_gemm_amx.cpp",
@@ -45,6 +46,7 @@ HEADERS = tuple(
     for name in (
         "amx.h",
         "vec.h",
+        "vec_avx2.h",
         "small_gemm.h",
         "paged_attention.h",
         "prefill_attention.h",

@@ -25,6 +25,7 @@
 #endif
 
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace {
 

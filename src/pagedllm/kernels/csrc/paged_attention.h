@@ -64,6 +64,20 @@ inline Visible visible(const Args<T>& a, int64_t first_pos, int64_t row, int64_t
 
 // ---- AVX2 + FMA path (paged_attention_avx2.cpp).
 
+// A thread's scratch for the AVX2 prompt path (prefill_attention_avx2.cpp), reused across
+// its tasks. Lanes are the task's query vectors, padded to a multiple of 8.
+struct FlashScratch {
+  pagedllm_vec::LineVector<float> query;    // [head_dim][lanes]: the queries, scaled, fp32
+  pagedllm_vec::LineVector<float> acc;      // [head_dim][lanes]: unnormalised outputs
+  pagedllm_vec::LineVector<float> probs;    // [key][a tile's lanes]: scores, then exp(score - max)
+  pagedllm_vec::LineVector<float> row_max;  // [lanes]: running max of the scores
+  pagedllm_vec::LineVector<float> row_sum;  // [lanes]: running sum of the exps
+  pagedllm_vec::LineVector<float> rows;     // a block of bf16 K and V rows widened to fp32
+  std::vector<int32_t> lo, hi;              // [lanes]: the keys each lane sees, [lo, hi)
+  std::vector<int64_t> offsets;             // element offset of each context row of the kv head
+  std::vector<const float*> key_rows;       // fp32 K, then V, rows of a block
+};
+
 // A thread's scratch for the AVX2 path, reused across its tasks.
 struct Avx2Scratch {
   pagedllm_vec::LineVector<float> query;   // the task's query vectors, scaled, fp32
@@ -74,6 +88,7 @@ struct Avx2Scratch {
   std::vector<int64_t> offsets;            // element offset of each context row (token)
   std::vector<int64_t> head_offsets;       // element offset of each kv head within a row
   std::vector<const float*> row_ptrs;      // fp32 rows of a chunk of V
+  FlashScratch flash;                      // for prompt tasks
 };
 
 // Element offset of context rows kmin..kmax-1 of one kv head (same for K and V), at
@@ -99,5 +114,11 @@ bool avx2_built();
 // apply: a build without AVX2/FMA, or a head_dim other than 32, 64, 128, 256.
 template <typename T>
 bool attend_avx2(const Args<T>& a, const Task* tasks, int64_t n, Avx2Scratch& scratch);
+
+// One task on the AVX2 prompt path (an online softmax over blocks of keys); false (nothing
+// written) where it does not apply: a build without AVX2/FMA, or a head_dim other than 32,
+// 64, 128, 256. attend_avx2 sends it the tasks of prompt rows.
+template <typename T>
+bool attend_flash_avx2(const Args<T>& a, const Task& task, FlashScratch& scratch);
 
 }  // namespace pagedllm_attn

@@ -19,6 +19,10 @@
 //  - the weighted sum takes keys in chunks whose V rows (all the run's heads) stay in L1 while
 //    every tile of query vectors passes over them, a tile being 3 (or 2) query vectors x 32
 //    dims.
+//
+// The rows of a score per query vector and key outgrow L2 for long prompts: tasks of prompt
+// rows (FLASH_MIN_VECTORS query vectors or more) go to prefill_attention_avx2.cpp's online
+// softmax instead. exp, soft-capping, lane masks and horizontal sums: vec_avx2.h.
 
 #include "paged_attention.h"
 
@@ -31,6 +35,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "vec_avx2.h"
+
 namespace pagedllm_attn {
 namespace {
 
@@ -38,7 +44,13 @@ using pagedllm_vec::exp256;
 using pagedllm_vec::hmax;
 using pagedllm_vec::hsum;
 using pagedllm_vec::lanes;
+using pagedllm_vec::load_reg;
 using pagedllm_vec::softcap256;
+
+// Tasks of at least this many query vectors (rows x group: prompt rows) go to the flash
+// prompt path (prefill_attention_avx2.cpp), one task at a time; smaller ones (decode, short
+// chunks) to the two passes here.
+constexpr int64_t FLASH_MIN_VECTORS = 16;
 
 // Keys per scores group: 2 tiles of 4.
 constexpr int64_t KEY_GROUP = 8;
@@ -90,15 +102,6 @@ inline __m256 hsum8(const __m256* a) {
 inline __m128 hsum4(const __m256* a) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// A load kept in a register. Without the empty asm GCC folds the load into every FMA that
-// uses the value (once per query vector): AVX2 code here is bound by loads (two per cycle at
-// best), and the folded copies cost 25-30% of the dot products.
-inline __m256 load_reg(const float* p) {
-  __m256 x = _mm256_loadu_ps(p);
-  __asm__("" : "+x"(x));
-  return x;
 }
 
 // ---- Context rows.
@@ -426,6 +429,11 @@ bool avx2_built() { return true; }
 
 template <typename T>
 bool attend_avx2(const Args<T>& a, const Task* tasks, int64_t n, Avx2Scratch& scratch) {
+  if ((tasks[0].row_end - tasks[0].row_begin) * a.group >= FLASH_MIN_VECTORS) {
+    for (int64_t i = 0; i < n; ++i)
+      if (!attend_flash_avx2(a, tasks[i], scratch.flash)) return false;  // all or none: head_dim
+    return true;
+  }
   switch (a.head_dim) {
     case 32:
       attend<T, 32>(a, tasks, n, scratch);
