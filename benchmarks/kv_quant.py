@@ -16,9 +16,12 @@ For each dtype (``--kv-dtypes``, against the model dtype's own cache):
   texts teacher-forced through the runner (``pagedllm.worker.quality``).
 - **capacity**: bytes per token (scales included) and blocks for ``--kv-cache-memory``.
 - **decode attention**: one decode step through every layer's ``CpuAttention.forward``
-  (the step's K/V write included) over contexts of 2k and 8k tokens on shuffled blocks, the
-  model's attention shape; medians of ``--rounds`` rounds, the dtypes taking turns, and each
-  dtype's time over bf16's in the same round (median and range of those ratios).
+  (the step's K/V write included; ``--attention-layers`` of them where memory is short) over
+  contexts of 2k and 8k tokens on shuffled blocks, the model's attention shape, queries in
+  ``--attention-dtype``; full-precision caches of each ``--plain-kv-dtypes`` (the plain
+  kernel) against the quantized ones (``quant_attention``); medians of ``--rounds`` rounds,
+  the dtypes taking turns, and each dtype's time over bf16's in the same round (median and
+  range of those ratios).
 - **serving**: the standard workload (64 requests, prompts of randint(64, 512) tokens,
   randint(32, 256) outputs, greedy, ignore_eos; ``throughput.standard_workload``) with a KV
   budget of ``--workload-kv-memory`` bytes, small enough that the model dtype's cache
@@ -57,7 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention.select import get_backend  # noqa: E402
 from pagedllm.core.outputs import ScheduledSequence, TokenLogprob  # noqa: E402
-from pagedllm.kv_dtypes import UNQUANTIZED_FIRST_BLOCK_DTYPES, kv_bytes_per_block  # noqa: E402
+from pagedllm.kv_dtypes import (  # noqa: E402
+    FLOAT_BYTES,
+    UNQUANTIZED_FIRST_BLOCK_DTYPES,
+    kv_bytes_per_block,
+)
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.worker.input_batch import build_input_batch  # noqa: E402
 from pagedllm.worker.kv_cache import KVCacheSpec, make_kv_cache  # noqa: E402
@@ -286,21 +293,25 @@ def decode_case(
     dtype: torch.dtype,
     first_block: bool = False,
 ) -> DecodeCase:
+    """``kv``: a full-precision cache dtype (``float32``, ``bfloat16``; ``auto`` is
+    ``dtype``) or a quantized one (open blocks in ``dtype``); queries and K/V rows in ``dtype``."""
     gen = torch.Generator().manual_seed(0)
     per_seq = context // BLOCK_SIZE + 1
     num_blocks = batch * per_seq
     ids = list(range(num_blocks))
     random.Random(0).shuffle(ids)
-    quantization = None if kv in ("bfloat16", "auto") else kv
+    plain = kv == "auto" or kv in FLOAT_BYTES
+    quantization = None if plain else kv
+    cache_dtype = getattr(torch, kv) if kv in FLOAT_BYTES else dtype
     spec = KVCacheSpec(
-        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, dtype,
+        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], BLOCK_SIZE, cache_dtype,
         quantization=quantization, unquantized_first_block=first_block,
     )  # fmt: skip
     cache = make_kv_cache(spec, num_blocks)
     shape = (num_blocks, BLOCK_SIZE, geo["num_kv_heads"], geo["head_dim"])
     for sides in cache.device_caches:
         for side in sides:
-            rows = torch.randn(shape, generator=gen).to(dtype)
+            rows = torch.randn(shape, generator=gen).to(cache_dtype)
             if quantization is None:
                 side.copy_(rows)
             else:
@@ -339,10 +350,14 @@ def measure_attention(
     args: argparse.Namespace, geo: dict[str, int], num_heads: int
 ) -> dict[str, dict[str, dict]]:
     dtype = getattr(torch, args.attention_dtype)
+    geo = {**geo, "num_layers": min(geo["num_layers"], args.attention_layers or geo["num_layers"])}
     results: dict[str, dict[str, dict]] = {}
     for context, batch in args.contexts:
         label = f"{batch}x{context}"
-        cases = {"bfloat16": decode_case("bfloat16", geo, num_heads, batch, context, dtype)}
+        cases = {
+            kv: decode_case(kv, geo, num_heads, batch, context, dtype)
+            for kv in ("bfloat16", *args.plain_kv_dtypes)
+        }
         for case in quality_cases(args.kv_dtypes, args.first_block):
             first = case.first_block
             if first is None:
@@ -364,6 +379,7 @@ def summary(seconds: list[float], baseline: list[float]) -> dict:
     ratios = [s / b for s, b in zip(seconds, baseline, strict=True)]
     return {
         "ms": statistics.median(seconds) * 1e3,
+        "ms_range": [min(seconds) * 1e3, max(seconds) * 1e3],
         "vs_bf16": statistics.median(ratios),
         "vs_bf16_range": [min(ratios), max(ratios)],
     }
@@ -463,14 +479,18 @@ def print_tables(results: dict) -> None:
                 f"{kv:<10} {c['bytes_per_token']:>12,.0f} {c['blocks']:>8} {c['blocks_vs_bf16']:>7.2f}x"
             )
     if "attention" in results:
+        setup = results["attention_setup"]
         print(
-            "\ndecode attention, one step through every layer (ms; ratio to bf16, median [range])"
+            f"\ndecode attention, one step through {setup['layers']} layers, {setup['dtype']} "
+            "queries (ms; ratio to bf16, median [range])"
         )
         for label, rows in results["attention"].items():
             for kv, r in rows.items():
                 lo, hi = r["vs_bf16_range"]
+                fast, slow = r["ms_range"]
                 print(
-                    f"{label:<10} {kv:<16} {r['ms']:>8.3f} {r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
+                    f"{label:<10} {kv:<16} {r['ms']:>8.3f} [{fast:.3f}, {slow:.3f}] "
+                    f"{r['vs_bf16']:>6.2f}x [{lo:.2f}, {hi:.2f}]"
                 )
     if "serving" in results:
         print("\nstandard workload at a KV budget that makes the model dtype's cache preempt")
@@ -516,7 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--full-logits", action="store_true", help="quality: full-logit KL too")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes (capacity)")
-    parser.add_argument("--attention-dtype", default="bfloat16")
+    parser.add_argument("--attention-dtype", default="bfloat16", help="the model's dtype")
+    parser.add_argument(
+        "--plain-kv-dtypes", default="bfloat16", help="full-precision caches (attention)"
+    )
+    parser.add_argument(
+        "--attention-layers", type=int, default=0, help="layers per step (0: the model's)"
+    )
     parser.add_argument("--contexts", default="2048x8,8192x2", help="CONTEXTxBATCH,...")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=0.3)
@@ -528,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.kv_dtypes = [kv for kv in args.kv_dtypes.split(",") if kv]
     args.serving_kv_dtypes = [kv for kv in args.serving_kv_dtypes.split(",") if kv]
+    args.plain_kv_dtypes = [kv for kv in args.plain_kv_dtypes.split(",") if kv]
     args.contexts = parse_contexts(args.contexts)
     parts = args.parts.split(",")
     unknown = set(parts) - set(PARTS)
@@ -547,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     if "capacity" in parts:
         results["capacity"] = capacity(args.kv_dtypes, geo, args.kv_cache_memory)
     if "attention" in parts:
+        results["attention_setup"] = {
+            "dtype": args.attention_dtype,
+            "layers": min(geo["num_layers"], args.attention_layers or geo["num_layers"]),
+        }
         results["attention"] = measure_attention(args, geo, config.num_attention_heads)
     if "serving" in parts:
         results["serving"] = measure_serving(args, model)

@@ -245,14 +245,19 @@ def test_full_precision_specs_make_plain_caches() -> None:
 
 
 def _kernel_step_pair(
-    quantization: str, dtype: torch.dtype, block: int, seed: int, first_block: bool = False
+    quantization: str,
+    dtype: torch.dtype,
+    block: int,
+    seed: int,
+    first_block: bool = False,
+    dim: int = 64,
 ):
     """Two caches filled with the same sequences (several steps: prompt chunks, then decode),
     and the last step's inputs: (caches, scheduled, query, key, value)."""
     from pagedllm.attention.cpu import CpuAttention
 
     torch.manual_seed(seed)
-    heads, kv_heads, dim = 6, 2, 64
+    heads, kv_heads = 6, 2
     kv_spec = KVCacheSpec(
         1, kv_heads, dim, block, dtype, quantization=quantization,
         unquantized_first_block=first_block,
@@ -279,21 +284,15 @@ def _kernel_step_pair(
     return caches, steps, CpuAttention(use_extension=True)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [16, 4])
-@pytest.mark.parametrize("first_block", [False, True])
-def test_the_fused_kernel_matches_dequantize_then_attend(
-    quantization: str, dtype: torch.dtype, block: int, first_block: bool
+def _check_kernel_against_reference(
+    quantization: str, dtype: torch.dtype, block: int, dim: int = 64, first_block: bool = False
 ) -> None:
-    """The C++ kernel against the reference path, step by step, over prompt chunks that
-    start mid-block, prefix reads and decode (block 0 sealed, or read from staging)."""
     from pagedllm.kernels.build import load_library
 
     if not load_library():
         pytest.skip("the C++ kernels could not be built")
     caches, steps, kernel = _kernel_step_pair(
-        quantization, dtype, block, seed=3, first_block=first_block
+        quantization, dtype, block, seed=3, first_block=first_block, dim=dim
     )
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for scheduled, q, k, v in steps:
@@ -305,6 +304,77 @@ def test_the_fused_kernel_matches_dequantize_then_attend(
             outs.append(backend.forward(q, k, v, k_cache, v_cache, batch.meta, 0.125))
             cache.finish_step()
         torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 4])
+@pytest.mark.parametrize("first_block", [False, True])
+def test_the_fused_kernel_matches_dequantize_then_attend(
+    quantization: str, dtype: torch.dtype, block: int, first_block: bool
+) -> None:
+    """The C++ kernel against the reference path, step by step, over prompt chunks that
+    start mid-block, prefix reads and decode (a decode step's 3 query vectors a kv head
+    read sealed blocks in place; a prompt chunk's widen them once; block 0 sealed, or read
+    from staging)."""
+    _check_kernel_against_reference(quantization, dtype, block, first_block=first_block)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dim", [8, 12, 32, 40, 128])
+@pytest.mark.parametrize("block", [16, 5])
+def test_the_fused_kernel_matches_for_other_head_dims_and_blocks(
+    quantization: str, dim: int, block: int
+) -> None:
+    """Head dims the vector paths tile differently (8 channels a vector; int4 V in groups of
+    32, or of the whole head for 8, 12 and 40; 12 is no multiple of 8 and takes the plain
+    loops) and a block size that is no multiple of the 4-key tile."""
+    _check_kernel_against_reference(quantization, torch.float32, block, dim)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3"])
+def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(quantization: str) -> None:
+    """Decode rows of the fused kernel: alone or batched with other sequences, on one thread
+    or two, each row's output is the same, bit for bit."""
+    from pagedllm.kernels.build import load_library
+
+    if not load_library():
+        pytest.skip("the C++ kernels could not be built")
+    caches, steps, kernel = _kernel_step_pair(quantization, torch.float32, 16, seed=5)
+    cache = caches[0]
+    for scheduled, q, k, v in steps[:-1]:  # fill the cache: prompt chunks
+        batch = build_input_batch(scheduled, 16)
+        batch.meta.quant = cache.plan_step(batch.meta)
+        kernel.forward(q, k, v, *cache.device_caches[0], batch.meta, 0.125)
+        cache.finish_step()
+    # Each sequence decodes one more token (its open block staged; nothing seals), again and
+    # again: the same inputs each time.
+    tables = {seq.request_id: seq.block_table for seq in steps[0][0]}
+    done = {"a": 69, "b": 37, "c": 33}
+    q = torch.randn(3, 6, 64)
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+
+    def decode(names: list[str], threads: int) -> torch.Tensor:
+        rows = [list(done).index(name) for name in names]
+        scheduled = [ScheduledSequence(n, (1,), done[n], tables[n]) for n in names]
+        batch = build_input_batch(scheduled, 16)
+        batch.meta.quant = cache.plan_step(batch.meta)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = kernel.forward(
+                q[rows], k[rows], v[rows], *cache.device_caches[0], batch.meta, 0.125
+            )
+        finally:
+            torch.set_num_threads(before)
+        cache.finish_step()
+        return out
+
+    together = decode(["a", "b", "c"], 2)
+    for i, name in enumerate(done):
+        for threads in (1, 2):
+            assert torch.equal(decode([name], threads)[0], together[i])
+    assert torch.equal(decode(["c", "a"], 1), together[[2, 0]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,6 +43,7 @@ namespace {
 using pagedllm_vec::exp256;
 using pagedllm_vec::hmax;
 using pagedllm_vec::hsum;
+using pagedllm_vec::hsum4;
 using pagedllm_vec::lanes;
 using pagedllm_vec::load_reg;
 using pagedllm_vec::softcap256;
@@ -84,7 +85,7 @@ Heads run_heads(const Task* tasks, int64_t n, std::vector<int64_t>& offsets) {
   return {offsets.data(), n, (span + 63) / 64, ahead, chunk};
 }
 
-// ---- Vector math.
+// ---- Vector math (exp256, lanes, hsum4, hmax, hsum: vec.h).
 
 // The sums of the 8 lanes of each of a[0..7], as the 8 lanes of one vector in that order.
 inline __m256 hsum8(const __m256* a) {
@@ -98,11 +99,6 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// The sums of the 8 lanes of each of a[0..3], as the 4 lanes of one vector.
-inline __m128 hsum4(const __m256* a) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // ---- Context rows.
 

@@ -25,6 +25,11 @@
 // A cache that keeps first blocks unquantized passes `first_slots` (one per sequence, else
 // empty): block 0 of the table is then read in full precision from that staging slot, after
 // the sealed blocks on the int8 path (it keeps its states fresh), in table order otherwise.
+//
+// Without AVX-512 (AVX2 + FMA + F16C, head_dim a multiple of 8; `plain` turns it off) every
+// format reads its sealed blocks in place, the codes widened to fp32 in registers as the
+// dot products and the weighted sum use them (attend_sealed_avx2), and the own block takes
+// the same fp32 tiles.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,9 +50,13 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
 #endif
 
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace {
 
@@ -87,6 +96,7 @@ struct Args {
   int64_t block_size, head_dim, group;
   float scale;
   bool int8_fast;  // int8 K and V through attend_int8_block (`plain` turns it off)
+  bool avx2;       // the AVX2 path (attend_sealed_avx2; `plain` turns it off)
 };
 
 // kv heads [kv_head, kv_head + heads) of one query block of one sequence.
@@ -215,6 +225,12 @@ struct State {
   std::vector<float> q16_scale, scores, v_scale, p_scale;
   std::vector<int16_t> p16;
   std::vector<int32_t> acc_i;
+  // The AVX2 path (attend_sealed_avx2): scores and probabilities [nq][width] (width: the
+  // block size rounded up to 8), each query's rescale factor for the block, int4 K's scaled
+  // queries [nq][D] and constants, K's row or channel scales, the value coefficients
+  // [nq][groups][width] and constants [nq][groups].
+  int64_t width = 0;
+  std::vector<float> rescale, kq, q_bias, k_scale, coef, v_bias;
 };
 
 #if defined(__AVX512F__)
@@ -537,6 +553,443 @@ void attend_int8_sealed(State* states, const Side& ks, const Side& vs, const int
 }
 #endif
 
+#if defined(QUANT_AVX2)
+// ---- AVX2 + FMA (machines without AVX-512): sealed blocks read in place.
+//
+// Each row's codes are widened to fp32 8 channels at a time as the dot products and the
+// weighted sum read them (exactly: int8, nibbles and fp8 are all floats), and the format's
+// scales enter once per row, group or channel rather than once per element:
+//   int8 K   s[t] = scale[t] * (q . k8[t])
+//   int4 K   s[t] = (q * scale) . k4[t] + q . minimum            (per channel over the block)
+//   int8 V   acc += sum_t (p[t] scale[t]) v8[t]
+//   int4 V   acc_g += sum_t (p[t] scale[t][g]) v4[t]_g + sum_t p[t] minimum[t][g]   (group g)
+//   fp8      e5m2 is the upper byte of an fp16; e4m3 moved into an fp16 is 2^-8 of itself.
+// A task with many query vectors (a prompt chunk) would widen each row once per query tile;
+// it widens each block once into a buffer instead: the same codes, the same arithmetic, the
+// same bits. Tiles: up to 3 query vectors x 4 keys of dot products (12 of AVX2's 16
+// registers hold the sums), 3 query vectors x 16 channels of the weighted sum.
+
+constexpr int64_t QUERY_TILE = 3;
+constexpr int64_t KEY_TILE = 4;
+constexpr int64_t STREAM_MAX_QUERIES = 2 * QUERY_TILE;  // more: widen each block once
+constexpr int64_t AVX2_AHEAD = 2;                       // sealed blocks prefetched ahead
+
+using pagedllm_vec::exp256;
+using pagedllm_vec::hmax;
+using pagedllm_vec::hsum;
+using pagedllm_vec::hsum4;
+using pagedllm_vec::lanes;
+
+// Each XRows gives channels [8c, 8c + 8) of row t of one head of one block as 8 floats, and
+// ask(t) asks for row t of the same head of a block to be read later (if any): one line per
+// row read, as widen_rows does.
+struct FloatRows {
+  const float* base;
+  int64_t stride;  // floats
+  __m256 operator()(int64_t t, int64_t c) const { return _mm256_loadu_ps(base + t * stride + 8 * c); }
+  void ask(int64_t) const {}
+};
+
+struct ByteRows {
+  const uint8_t* base;
+  int64_t stride;       // bytes
+  const uint8_t* next;  // the head's rows in the block read AVX2_AHEAD blocks later, or null
+  int64_t row_bytes;
+  void ask(int64_t t) const {
+    if (next)
+      for (int64_t l = 0; l < row_bytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * stride + l), _MM_HINT_T0);
+  }
+};
+
+struct Int8Rows : ByteRows {
+  __m256 operator()(int64_t t, int64_t c) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + t * stride + 8 * c));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+};
+
+// Byte i holds channels 2i (low nibble) and 2i + 1: lane j of 4 bytes read as an int32 is
+// that int shifted right by 4j.
+struct Int4Rows : ByteRows {
+  __m256 operator()(int64_t t, int64_t c) const {
+    int32_t bits;
+    std::memcpy(&bits, base + t * stride + 4 * c, sizeof(bits));
+    const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(bits), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(0xF)));
+  }
+};
+
+struct E5m2Rows : ByteRows {
+  __m256 operator()(int64_t t, int64_t c) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + t * stride + 8 * c));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+  }
+};
+
+// Sign to bit 15, exponent and mantissa to bits 13..7: an fp16 (subnormals included) of
+// 2^-8 times the value. 0x7F and 0xFF (e4m3's NaNs) would read as +-480; the codec
+// saturates and never writes them.
+struct E4m3Rows : ByteRows {
+  __m256 operator()(int64_t t, int64_t c) const {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + t * stride + 8 * c)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.0f));
+  }
+};
+
+// n fp16 values `stride` apart as floats in out[0, n), zeros in out[n, padded) (padded: a
+// multiple of 8). The halves are gathered in a register: built in memory, 16 bits at a time,
+// the vector read back waits for every store.
+inline void halves(const c10::Half* p, int64_t stride, int64_t n, int64_t padded, float* out) {
+  for (int64_t i = 0; i < padded; i += 8) {
+    const int64_t m = n - i;
+    const c10::Half* at = p + std::min(i, n) * stride;
+    __m128i bits;
+    if (stride == 1 && m >= 8) {
+      bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    } else {
+      bits = _mm_setzero_si128();
+      if (m > 0) bits = _mm_insert_epi16(bits, at[0].x, 0);
+      if (m > 1) bits = _mm_insert_epi16(bits, at[stride].x, 1);
+      if (m > 2) bits = _mm_insert_epi16(bits, at[2 * stride].x, 2);
+      if (m > 3) bits = _mm_insert_epi16(bits, at[3 * stride].x, 3);
+      if (m > 4) bits = _mm_insert_epi16(bits, at[4 * stride].x, 4);
+      if (m > 5) bits = _mm_insert_epi16(bits, at[5 * stride].x, 5);
+      if (m > 6) bits = _mm_insert_epi16(bits, at[6 * stride].x, 6);
+      if (m > 7) bits = _mm_insert_epi16(bits, at[7 * stride].x, 7);
+    }
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(bits));
+  }
+}
+
+// The terms of a block's scores: s[t] = (q[qi] . rows[t]) * row_scale[t] + q_bias[qi]
+// (null: no such term); q: [nq][dim].
+struct KeyTerms {
+  const float* q;
+  const float* row_scale;
+  const float* q_bias;
+};
+
+// The terms of a block's weighted sum, per group of `group` channels: coefficients
+// p[t] * row_scale[g][t] and the constant sum_t p[t] row_min[g][t] (null: none).
+struct ValueTerms {
+  const float* row_scale;
+  const float* row_min;
+  int64_t groups, group;
+};
+
+// The scores of NQ query vectors (`dim` apart) against keys [t0, t0 + 4) into out (rows
+// `width` apart). A key at or past n reads row t0 instead, its sums unused: every key's
+// sum is the same whichever tile took it.
+template <int NQ, class Rows>
+inline void score_tile(const Rows& rows, const float* q, int64_t dim, int64_t t0, int64_t n, float* out,
+                       int64_t width, bool ask) {
+  __m256 acc[KEY_TILE][NQ];
+  int64_t t[KEY_TILE];
+  for (int64_t i = 0; i < KEY_TILE; ++i) {
+    t[i] = t0 + i < n ? t0 + i : t0;
+    if (ask && t0 + i < n) rows.ask(t0 + i);
+    for (int j = 0; j < NQ; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < dim / 8; ++c) {
+    __m256 qv[NQ];
+    for (int j = 0; j < NQ; ++j) qv[j] = _mm256_loadu_ps(q + j * dim + 8 * c);
+    for (int64_t i = 0; i < KEY_TILE; ++i) {
+      const __m256 k = rows(t[i], c);
+      for (int j = 0; j < NQ; ++j) acc[i][j] = _mm256_fmadd_ps(qv[j], k, acc[i][j]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j) {
+    const __m256 sums[KEY_TILE] = {acc[0][j], acc[1][j], acc[2][j], acc[3][j]};
+    _mm_storeu_ps(out + j * width + t0, hsum4(sums));
+  }
+}
+
+// The dot products of every query with keys [0, limit[qi]) (rows of st.scores).
+template <class Rows>
+void score_rows(const Rows& rows, const float* q, State& st, const int64_t* limit, int64_t nq, int64_t dim) {
+  const int64_t width = st.width;
+  for (int64_t q0 = 0; q0 < nq; q0 += QUERY_TILE) {
+    const int64_t m = std::min(QUERY_TILE, nq - q0);
+    const int64_t n = *std::max_element(limit + q0, limit + q0 + m);
+    float* out = st.scores.data() + q0 * width;
+    const float* qt = q + q0 * dim;
+    for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE) {
+      if (m == 3)
+        score_tile<3>(rows, qt, dim, t0, n, out, width, q0 == 0);
+      else if (m == 2)
+        score_tile<2>(rows, qt, dim, t0, n, out, width, q0 == 0);
+      else
+        score_tile<1>(rows, qt, dim, t0, n, out, width, q0 == 0);
+    }
+  }
+}
+
+// Scores to the block's terms, then the online softmax of each query over keys [0,
+// limit[qi]): st.probs holds exp(s - max) there and zeros up to width, st.rescale the factor
+// its earlier sums take.
+void softmax_rows(State& st, const KeyTerms& kt, const int64_t* limit, int64_t nq) {
+  const int64_t width = st.width;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t n = std::max<int64_t>(limit[qi], 0);
+    float* s = st.scores.data() + qi * width;
+    float* p = st.probs.data() + qi * width;
+    const __m256 bias = _mm256_set1_ps(kt.q_bias ? kt.q_bias[qi] : 0.0f);
+    __m256 vmax = neg_inf;
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256i m = lanes(n - t);
+      __m256 x = _mm256_maskload_ps(s + t, m);
+      if (kt.row_scale) x = _mm256_mul_ps(x, _mm256_loadu_ps(kt.row_scale + t));
+      if (kt.q_bias) x = _mm256_add_ps(x, bias);
+      x = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(m));
+      _mm256_storeu_ps(s + t, x);
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    const float old = st.max[qi];
+    const float mx = std::max(old, hmax(vmax));
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < width; t += 8) {
+      const __m256 live = _mm256_castsi256_ps(lanes(n - t));
+      const __m256 e = t < n ? _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), live)
+                             : _mm256_setzero_ps();
+      _mm256_storeu_ps(p + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    const float c = old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(old - mx);
+    st.sum[qi] = st.sum[qi] * c + hsum(vsum);
+    st.max[qi] = n > 0 ? mx : old;
+    st.rescale[qi] = n > 0 ? c : 1.0f;
+  }
+}
+
+// acc[j] (channels [8 c0, 8 c0 + 8 NC)) = acc[j] * c[j] + sum_{t < n} coef[j][t] rows[t]
+// (+ bias[j]).
+template <int NQ, int NC, class Rows>
+inline void value_tile(const Rows& rows, const float* const* coef, const float* c, const float* bias, int64_t n,
+                       int64_t c0, float* const* acc, bool ask) {
+  __m256 a[NQ][NC];
+  for (int j = 0; j < NQ; ++j)
+    for (int k = 0; k < NC; ++k) a[j][k] = _mm256_mul_ps(_mm256_loadu_ps(acc[j] + 8 * (c0 + k)), _mm256_set1_ps(c[j]));
+  for (int64_t t = 0; t < n; ++t) {
+    if (ask) rows.ask(t);
+    __m256 v[NC];
+    for (int k = 0; k < NC; ++k) v[k] = rows(t, c0 + k);
+    for (int j = 0; j < NQ; ++j) {
+      const __m256 w = _mm256_broadcast_ss(coef[j] + t);
+      for (int k = 0; k < NC; ++k) a[j][k] = _mm256_fmadd_ps(w, v[k], a[j][k]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int k = 0; k < NC; ++k) {
+      if (bias) a[j][k] = _mm256_add_ps(a[j][k], _mm256_set1_ps(bias[j]));
+      _mm256_storeu_ps(acc[j] + 8 * (c0 + k), a[j][k]);
+    }
+}
+
+// `ask`: the group's first tile asks for the rows ahead.
+template <int NQ, class Rows>
+void value_group(const Rows& rows, const float* const* coef, const float* c, const float* bias, int64_t n,
+                 int64_t first, int64_t last, float* const* acc, bool ask) {
+  int64_t ch = first;
+  for (; ch + 2 <= last; ch += 2) value_tile<NQ, 2>(rows, coef, c, bias, n, ch, acc, ask && ch == first);
+  if (ch < last) value_tile<NQ, 1>(rows, coef, c, bias, n, ch, acc, ask && ch == first);
+}
+
+// The probabilities' coefficients and constants for the value terms (st.coef [nq][groups]
+// [width], st.v_bias [nq][groups]), then acc = acc * rescale + the block's weighted rows.
+template <class Rows>
+void value_rows(const Rows& rows, const ValueTerms& vt, State& st, const int64_t* limit, int64_t nq,
+                int64_t dim) {
+  const int64_t width = st.width, G = vt.groups;
+  if (vt.row_scale) {
+    st.coef.resize(nq * G * width);
+    for (int64_t qi = 0; qi < nq; ++qi)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < width; t += 8)
+          _mm256_storeu_ps(st.coef.data() + (qi * G + g) * width + t,
+                           _mm256_mul_ps(_mm256_loadu_ps(st.probs.data() + qi * width + t),
+                                         _mm256_loadu_ps(vt.row_scale + g * width + t)));
+  }
+  if (vt.row_min) {
+    st.v_bias.resize(nq * G);
+    for (int64_t qi = 0; qi < nq; ++qi)
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 b = _mm256_setzero_ps();
+        for (int64_t t = 0; t < width; t += 8)
+          b = _mm256_fmadd_ps(_mm256_loadu_ps(st.probs.data() + qi * width + t),
+                              _mm256_loadu_ps(vt.row_min + g * width + t), b);
+        st.v_bias[qi * G + g] = hsum(b);
+      }
+  }
+  for (int64_t q0 = 0; q0 < nq; q0 += QUERY_TILE) {
+    const int64_t m = std::min(QUERY_TILE, nq - q0);
+    const int64_t n = *std::max_element(limit + q0, limit + q0 + m);
+    if (n <= 0) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* coef[QUERY_TILE];
+      float* acc[QUERY_TILE];
+      float bias[QUERY_TILE];
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t qi = q0 + j;
+        coef[j] = vt.row_scale ? st.coef.data() + (qi * G + g) * width : st.probs.data() + qi * width;
+        acc[j] = st.acc.data() + qi * dim;
+        bias[j] = vt.row_min ? st.v_bias[qi * G + g] : 0.0f;
+      }
+      const float* c = st.rescale.data() + q0;
+      const float* b = vt.row_min ? bias : nullptr;
+      const int64_t first = g * vt.group / 8, last = (g + 1) * vt.group / 8;
+      const bool ask = q0 == 0 && g == 0;
+      if (m == 3)
+        value_group<3>(rows, coef, c, b, n, first, last, acc, ask);
+      else if (m == 2)
+        value_group<2>(rows, coef, c, b, n, first, last, acc, ask);
+      else
+        value_group<1>(rows, coef, c, b, n, first, last, acc, ask);
+    }
+  }
+}
+
+// Calls f with rows of one head of sealed block `block` of side s: read in place, or
+// widened into `buffer` first ([B][dim] floats) when `widen`. Each row read asks for the
+// same row of block `next` (if >= 0).
+template <class F>
+void with_rows(const Side& s, int64_t block, int64_t next, int64_t head, int64_t B, int64_t dim, bool widen,
+               float* buffer, F&& f) {
+  const ByteRows bytes{s.data + block * s.data_block + head * s.data_head, s.data_token,
+                       next >= 0 ? s.data + next * s.data_block + head * s.data_head : nullptr,
+                       s.kind == INT4_CHANNEL || s.kind == INT4_TOKEN ? dim / 2 : dim};
+  auto go = [&](const auto& rows) {
+    if (!widen) return f(rows);
+    for (int64_t t = 0; t < B; ++t) {
+      rows.ask(t);
+      for (int64_t c = 0; c < dim / 8; ++c) _mm256_storeu_ps(buffer + t * dim + 8 * c, rows(t, c));
+    }
+    f(FloatRows{buffer, dim});
+  };
+  if (s.kind == INT8)
+    go(Int8Rows{bytes});
+  else if (s.kind == INT4_CHANNEL || s.kind == INT4_TOKEN)
+    go(Int4Rows{bytes});
+  else if (s.kind == FP8_E4M3)
+    go(E4m3Rows{bytes});
+  else
+    go(E5m2Rows{bytes});
+}
+
+// The formats the fused path reads (K: int8, int4 per channel, fp8; V: int8, int4 per
+// token, fp8); another pairing is dequantized into fp32 rows first.
+inline bool fused_k(int64_t kind) { return kind != INT4_TOKEN; }
+inline bool fused_v(int64_t kind) { return kind != INT4_CHANNEL; }
+
+// Key terms of one head of sealed block `block` (int8's row scales; int4's scaled queries
+// and constants in st.kq and st.q_bias).
+KeyTerms key_terms(const Side& s, int64_t block, int64_t head, int64_t B, State& st, int64_t nq, int64_t dim) {
+  if (s.kind == INT8) {
+    st.k_scale.resize(st.width);
+    halves(s.scale + block * s.scale_block + head * s.scale_b, s.scale_a, B, st.width, st.k_scale.data());
+    return {st.q.data(), st.k_scale.data(), nullptr};
+  }
+  if (s.kind != INT4_CHANNEL) return {st.q.data(), nullptr, nullptr};
+  st.k_scale.resize(2 * dim);
+  float* scale = st.k_scale.data();
+  float* minimum = scale + dim;
+  halves(s.scale + block * s.scale_block + head * s.scale_a, s.scale_b, dim, dim, scale);
+  halves(s.minimum + block * s.scale_block + head * s.scale_a, s.scale_b, dim, dim, minimum);
+  st.kq.resize(nq * dim);
+  st.q_bias.resize(nq);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float* q = st.q.data() + qi * dim;
+    __m256 b = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      _mm256_storeu_ps(st.kq.data() + qi * dim + d, _mm256_mul_ps(qv, _mm256_loadu_ps(scale + d)));
+      b = _mm256_fmadd_ps(qv, _mm256_loadu_ps(minimum + d), b);
+    }
+    st.q_bias[qi] = hsum(b);
+  }
+  return {st.kq.data(), nullptr, st.q_bias.data()};
+}
+
+// Value terms of one head of sealed block `block` (int8's row scales; int4's scales and
+// minimums per token and group), [groups][width] with zeros past B.
+ValueTerms value_terms(const Side& s, int64_t block, int64_t head, int64_t B, State& st, int64_t dim) {
+  const int64_t width = st.width;
+  if (s.kind == INT8) {
+    st.v_scale.resize(width);
+    halves(s.scale + block * s.scale_block + head * s.scale_b, s.scale_a, B, width, st.v_scale.data());
+    return {st.v_scale.data(), nullptr, 1, dim};
+  }
+  if (s.kind != INT4_TOKEN) return {nullptr, nullptr, 1, dim};
+  const int64_t groups = dim / s.group;
+  st.v_scale.resize(2 * groups * width);
+  float* scale = st.v_scale.data();
+  float* minimum = scale + groups * width;
+  const int64_t at = block * s.scale_block + head * s.scale_b;
+  for (int64_t g = 0; g < groups; ++g) {
+    halves(s.scale + at + g * s.scale_c, s.scale_a, B, width, scale + g * width);
+    halves(s.minimum + at + g * s.scale_c, s.scale_a, B, width, minimum + g * width);
+  }
+  return {scale, minimum, groups, s.group};
+}
+
+// Blocks sit at random addresses, so the hardware prefetcher stops at every block edge: the
+// rows of a block to be read are asked for as rows are read (ByteRows::ask), its scales (a
+// few lines for all heads) here.
+inline void prefetch_scales(const Side& s, int64_t block) {
+  for (const c10::Half* part : {s.scale, s.minimum}) {
+    if (!part) continue;
+    const char* at = reinterpret_cast<const char*>(part + block * s.scale_block);
+    const int64_t bytes = s.scale_block * static_cast<int64_t>(sizeof(c10::Half));
+    for (int64_t l = 0; l < bytes + 63; l += 64) _mm_prefetch(at + std::min(l, bytes - 1), _MM_HINT_T0);
+  }
+}
+
+// Every query of the state (all of a block's B keys each) over one head of sealed block
+// `block`; kf and vf: [B][dim] floats of scratch.
+void attend_sealed_avx2(State& st, const Side& ks, const Side& vs, int64_t block, int64_t next, int64_t head,
+                        int64_t B, int64_t nq, int64_t dim, const int64_t* limit, float* kf, float* vf) {
+  st.width = (B + 7) / 8 * 8;
+  st.scores.resize(nq * st.width);
+  st.probs.resize(nq * st.width);
+  st.rescale.resize(nq);
+  const bool widen = nq > STREAM_MAX_QUERIES;
+  if (fused_k(ks.kind)) {
+    const KeyTerms kt = key_terms(ks, block, head, B, st, nq, dim);
+    with_rows(ks, block, next, head, B, dim, widen, kf,
+              [&](const auto& rows) { score_rows(rows, kt.q, st, limit, nq, dim); });
+    softmax_rows(st, kt, limit, nq);
+  } else {
+    dequantize(ks, block, head, B, dim, kf);
+    score_rows(FloatRows{kf, dim}, st.q.data(), st, limit, nq, dim);
+    softmax_rows(st, {st.q.data(), nullptr, nullptr}, limit, nq);
+  }
+  if (fused_v(vs.kind)) {
+    const ValueTerms vt = value_terms(vs, block, head, B, st, dim);
+    with_rows(vs, block, next, head, B, dim, widen, vf,
+              [&](const auto& rows) { value_rows(rows, vt, st, limit, nq, dim); });
+  } else {
+    dequantize(vs, block, head, B, dim, vf);
+    value_rows(FloatRows{vf, dim}, {nullptr, nullptr, 1, dim}, st, limit, nq, dim);
+  }
+}
+
+// Every query over keys/values [0, limit[qi]) of fp32 rows [n][dim] (the own block).
+void attend_floats_avx2(State& st, const float* keys, const float* values, const int64_t* limit, int64_t B,
+                        int64_t nq, int64_t dim) {
+  st.width = (B + 7) / 8 * 8;
+  st.scores.resize(nq * st.width);
+  st.probs.resize(nq * st.width);
+  st.rescale.resize(nq);
+  score_rows(FloatRows{keys, dim}, st.q.data(), st, limit, nq, dim);
+  softmax_rows(st, {st.q.data(), nullptr, nullptr}, limit, nq);
+  value_rows(FloatRows{values, dim}, {nullptr, nullptr, 1, dim}, st, limit, nq, dim);
+}
+#endif
+
 // The geometry of a task's queries: positions [lo, hi) of its sequence, nq query vectors.
 struct Rows {
   int64_t q0, first, lo, hi, nq;
@@ -587,7 +1040,12 @@ void finish_state(const Args<T>& a, const Task& task, const Rows& r, int64_t hea
   limit.resize(r.nq);
   for (int64_t p = r.lo; p < r.hi; ++p)
     for (int64_t g = 0; g < G; ++g) limit[(p - r.lo) * G + g] = p - task.block * B + 1;
-  attend_block(st, kf, vf, limit.data(), r.nq, D);
+#if defined(QUANT_AVX2)
+  if (a.avx2)
+    attend_floats_avx2(st, kf, vf, limit.data(), B, r.nq, D);
+  else
+#endif
+    attend_block(st, kf, vf, limit.data(), r.nq, D);
   for (int64_t p = r.lo; p < r.hi; ++p)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = (p - r.lo) * G + g;
@@ -634,6 +1092,23 @@ void run_task(const Args<T>& a, const Task& task, std::vector<State>& states, st
     if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
   } else
 #endif
+#if defined(QUANT_AVX2)
+  if (a.avx2) {
+    if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
+    // Block by block, the task's heads side by side: their rows share cache lines. Block j's
+    // reads ask for block j + AHEAD's rows (the first AHEAD blocks are read cold).
+    for (int64_t j = sealed0; j < task.block; ++j) {
+      const int64_t next = j + AVX2_AHEAD < task.block ? table[j + AVX2_AHEAD] : -1;
+      if (next >= 0) {
+        prefetch_scales(a.k, next);
+        prefetch_scales(a.v, next);
+      }
+      for (int64_t h = 0; h < task.heads; ++h)
+        attend_sealed_avx2(states[h], a.k, a.v, table[j], next, task.kv_head + h, B, r.nq, D, limit.data(),
+                           kf.data(), vf.data());
+    }
+  } else
+#endif
   {
     if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
     for (int64_t h = 0; h < task.heads; ++h)
@@ -657,10 +1132,10 @@ void run(const Args<T>& a, int64_t num_seqs, int64_t num_kv_heads) {
     const int64_t first = seq_len - (a.query_start[i + 1] - a.query_start[i]);
     if (seq_len > first) query_blocks += (seq_len - 1) / B - first / B + 1;
   }
-  // The int8 path reads a block's rows of all the task's heads together (they share cache
-  // lines and pages): as many heads a task as still leaves a task per thread.
+  // The int8 and AVX2 paths read a block's rows of all the task's heads together (they share
+  // cache lines and pages): as many heads a task as still leaves a task per thread.
   int64_t heads = 1;
-  if (a.int8_fast) {
+  if (a.int8_fast || a.avx2) {
     const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (threads + query_blocks - 1) / query_blocks));
     heads = (num_kv_heads + splits - 1) / splits;
   }
@@ -783,8 +1258,10 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     a.scale = static_cast<float>(scale);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     a.int8_fast = !plain && int8_fast(a.k, a.v, head_dim);
+#elif defined(QUANT_AVX2)
+    a.avx2 = !plain && head_dim % 8 == 0;
 #else
-    (void)plain;  // only the VNNI int8 path has a fast variant to turn off
+    (void)plain;  // no vector path to turn off
 #endif
     run(a, seq_lens.size(0), num_kv_heads);
   };

@@ -51,6 +51,12 @@ inline __m256 load_reg(const float* p) {
   return x;
 }
 
+// The sums of the 8 lanes of each of a[0..3], as the 4 lanes of one vector.
+inline __m128 hsum4(const __m256* a) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // Lanes [0, n) of 8 as a maskload/maskstore mask.
 inline __m256i lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
