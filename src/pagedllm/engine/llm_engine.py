@@ -483,14 +483,15 @@ class LLMEngine:
                 forward = self.scheduler.reject_loads(forward, moved.failed_loads)
         failed: list[_Group] = []
         culprits: dict[str, Exception] = {}
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
             result = self.runner.execute(forward)
-            self._time_prompt_slice(forward, time.perf_counter() - started)
         except Exception as exc:
             logger.warning("step failed (%s); retrying its sequences one by one", _describe(exc))
             result, culprits = self._retry_alone(forward)
             failed = self._fail_culprits(culprits)
+        else:  # a retried step's time says nothing of one forward's
+            self._time_prompt_slice(forward, time.perf_counter() - started)
         self._counters["steps"] += forward.num_steps
         num_computed = forward.num_batched_tokens
         if culprits:

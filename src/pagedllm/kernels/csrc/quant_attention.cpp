@@ -1092,31 +1092,30 @@ void run_task(const Args<T>& a, const Task& task, std::vector<State>& states, st
     if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
   } else
 #endif
-#if defined(QUANT_AVX2)
-  if (a.avx2) {
-    if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
-    // Block by block, the task's heads side by side: their rows share cache lines. Block j's
-    // reads ask for block j + AHEAD's rows (the first AHEAD blocks are read cold).
-    for (int64_t j = sealed0; j < task.block; ++j) {
-      const int64_t next = j + AVX2_AHEAD < task.block ? table[j + AVX2_AHEAD] : -1;
-      if (next >= 0) {
-        prefetch_scales(a.k, next);
-        prefetch_scales(a.v, next);
-      }
-      for (int64_t h = 0; h < task.heads; ++h)
-        attend_sealed_avx2(states[h], a.k, a.v, table[j], next, task.kv_head + h, B, r.nq, D, limit.data(),
-                           kf.data(), vf.data());
-    }
-  } else
-#endif
   {
     if (first_staged) attend_first_block(a, task, states.data(), kf.data(), vf.data(), limit.data(), r.nq);
-    for (int64_t h = 0; h < task.heads; ++h)
+#if defined(QUANT_AVX2)
+    if (a.avx2) {
+      // Block by block, the task's heads side by side: their rows share cache lines. Block j's
+      // reads ask for block j + AHEAD's rows (the first AHEAD blocks are read cold).
       for (int64_t j = sealed0; j < task.block; ++j) {
-        dequantize(a.k, table[j], task.kv_head + h, B, D, kf.data());
-        dequantize(a.v, table[j], task.kv_head + h, B, D, vf.data());
-        attend_block(states[h], kf.data(), vf.data(), limit.data(), r.nq, D);
+        const int64_t next = j + AVX2_AHEAD < task.block ? table[j + AVX2_AHEAD] : -1;
+        if (next >= 0) {
+          prefetch_scales(a.k, next);
+          prefetch_scales(a.v, next);
+        }
+        for (int64_t h = 0; h < task.heads; ++h)
+          attend_sealed_avx2(states[h], a.k, a.v, table[j], next, task.kv_head + h, B, r.nq, D, limit.data(),
+                             kf.data(), vf.data());
       }
+    } else
+#endif
+      for (int64_t h = 0; h < task.heads; ++h)
+        for (int64_t j = sealed0; j < task.block; ++j) {
+          dequantize(a.k, table[j], task.kv_head + h, B, D, kf.data());
+          dequantize(a.v, table[j], task.kv_head + h, B, D, vf.data());
+          attend_block(states[h], kf.data(), vf.data(), limit.data(), r.nq, D);
+        }
   }
   for (int64_t h = 0; h < task.heads; ++h)
     finish_state(a, task, r, task.kv_head + h, states[h], kf.data(), vf.data(), limit);
