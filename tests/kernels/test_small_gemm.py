@@ -167,18 +167,19 @@ def float32_problem(n: int, k: int, m: int, seed: int):
 
 
 @on_f32_routes
-@pytest.mark.parametrize("n,k", [(48, 40), (576, 576), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("n,k", [(48, 40), (576, 576), (960, 576), (576, 1536), (3072, 64)])
 def test_float32_rows_do_not_depend_on_the_batch_or_threads(n, k):
-    # Each sum runs over K in order from zero whatever the register block and the thread's
-    # column range: row r of a batch has the bits of row r multiplied alone (what the fused
-    # decode path relies on when it computes only the rows it reads).
+    # Each sum runs over K in order from zero whatever the register block and whichever
+    # thread takes its chunk of column groups (3072 columns: 192 groups in many chunks):
+    # row r of a batch has the bits of row r multiplied alone (what the fused decode path
+    # relies on when it computes only the rows it reads).
     w, x, bias = float32_problem(n, k, 256, seed=n + k)
     packed = ops.pack_small_gemm(w)
     saved = torch.get_num_threads()
     try:
         for b in (None, bias):
             results = []
-            for threads in (1, 2):
+            for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
                 batch = ops.small_gemm(x, packed, b)
                 part = ops.small_gemm(x[:37], packed, b)
@@ -187,7 +188,7 @@ def test_float32_rows_do_not_depend_on_the_batch_or_threads(n, k):
                     assert torch.equal(ops.small_gemm(x[r : r + 1], packed, b)[0], part[r])
                 assert torch.equal(ops.small_gemm(x[3:5], packed, b), part[3:5])
                 results.append(batch)
-            assert torch.equal(results[0], results[1])
+            assert all(torch.equal(results[0], r) for r in results[1:])
     finally:
         torch.set_num_threads(saved)
 

@@ -48,6 +48,7 @@ HEADERS = tuple(
         "vec.h",
         "vec_avx2.h",
         "small_gemm.h",
+        "parallel.h",
         "paged_attention.h",
         "prefill_attention.h",
         "layer_groups.h",

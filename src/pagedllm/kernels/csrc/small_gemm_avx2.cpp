@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel.h"
 #include "small_gemm.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -103,13 +104,14 @@ Blocking blocking_for(int64_t m) {
 
 bool avx2_f32_built() { return true; }
 
-// Each thread one contiguous range of column groups; within it, each block of groups meets
-// all rows before the next (its weights stay in L1/L2 between the row blocks).
+// Column groups in chunks to whichever thread is free (parallel.h); within a chunk, each
+// block of groups meets all rows before the next (its weights stay in L1/L2 between the row
+// blocks).
 void avx2_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
                    float* out) {
   const int64_t groups = n / COLS;
   const Blocking blocking = blocking_for(m);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  pagedllm_parallel::parallel_chunks(groups, blocking.groups, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; g += blocking.groups) {
       const int gb = static_cast<int>(std::min<int64_t>(blocking.groups, g1 - g));
       const float* wg = w + g * k * COLS;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "parallel.h"
 #include "small_gemm.h"
 
 namespace pagedllm_gemm {
@@ -198,11 +199,12 @@ void f32_rows(int64_t rows, const float* x, int64_t lda, int64_t k, const float*
 
 bool avx512_f32_built() { return true; }
 
-// Pairs of column groups per thread task, 8 rows per register block.
+// Pairs of column groups in chunks to whichever thread is free (parallel.h), 8 rows per
+// register block.
 void avx512_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
                      float* out) {
   const int64_t groups = n / COLS;
-  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  pagedllm_parallel::parallel_chunks((groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t g = 2 * p;
       for (int64_t r0 = 0; r0 < m; r0 += 8) {
