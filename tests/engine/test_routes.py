@@ -10,6 +10,7 @@ import torch
 from pagedllm.cli import main
 from pagedllm.engine.core import to_wire
 from pagedllm.engine.reports import cache_report, stats_from_wire
+from pagedllm.kernels.linear import SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS_F32_AVX2
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.kernels.probe import cpu_info
 from pagedllm.routes import Routes
@@ -71,7 +72,8 @@ def test_env_names_the_float32_route(tiny_model_dir, capsys):
         assert "small_gemm" not in routes["linears"]
     else:  # AVX-512 or AVX2 + FMA: every linear on the own kernel, all layers in one call
         assert routes["linears"].startswith(f"{num_linears(tiny_model_dir)} on own kernel")
-        assert f"small_gemm ({isa}) up to 256 rows, torch beyond" in routes["linears"]
+        rows = SMALL_GEMM_MAX_ROWS_F32_AVX2 if isa == "avx2" else SMALL_GEMM_MAX_ROWS
+        assert f"small_gemm ({isa}) up to {rows} rows, torch beyond" in routes["linears"]
         assert routes["decode_loop"].startswith("fused C++: every layer in one call")
 
 

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import ops as kernel_ops
-from pagedllm.kernels.linear import SMALL_GEMM_MAX_ROWS_BF16, pack_small_weight
+from pagedllm.kernels.linear import (
+    SMALL_GEMM_MAX_ROWS,
+    SMALL_GEMM_MAX_ROWS_BF16,
+    SMALL_GEMM_MAX_ROWS_F32_AVX2,
+    pack_small_weight,
+    small_gemm_max_rows,
+)
 from pagedllm.model.llama import Linear
 
 ops = kernel_ops.layer_ops()
@@ -243,6 +249,30 @@ def test_float32_route_cap_is_checked_and_restored():
     finally:
         ops.set_small_gemm_f32_isa(saved)
     assert ops.small_gemm_f32_isa() == best
+
+
+def test_float32_row_limit_follows_the_route():
+    # AVX2: the kernel takes prompt chunks up to its own limit (MKL's AVX2 sgemm is slower
+    # there); AVX-512: decode batches only.
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    layer = Linear(64, 48, bias=True)
+    layer.pack(ops)
+    saved = ops.set_small_gemm_f32_isa("avx2")
+    try:
+        if ops.small_gemm_f32_isa() != "avx2":
+            pytest.skip("this CPU has no AVX2 with FMA (small_gemm float32 runs none)")
+        assert small_gemm_max_rows(layer.small) == SMALL_GEMM_MAX_ROWS_F32_AVX2
+        x = torch.randn(SMALL_GEMM_MAX_ROWS_F32_AVX2, 64, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            got = layer(x)
+        # On the kernel each row has the bits of that row multiplied alone.
+        assert torch.equal(got[700:702], ops.small_gemm(x[700:702], layer.small, layer.bias))
+        ops.set_small_gemm_f32_isa("avx512")
+        if ops.small_gemm_f32_isa() == "avx512":
+            assert small_gemm_max_rows(layer.small) == SMALL_GEMM_MAX_ROWS
+    finally:
+        ops.set_small_gemm_f32_isa(saved)
 
 
 @on_bf16_routes

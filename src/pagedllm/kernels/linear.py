@@ -15,14 +15,21 @@ import torch.nn.functional as F
 # Up to this many rows (the default max_num_seqs: every decode batch), float32 linears run on
 # pagedllm's small-batch kernel, which streams decode-step weights faster than MKL; more rows
 # go to torch. bf16 goes on with the kernel up to its own limit (prompt chunks), beyond which
-# oneDNN is as fast or faster. The measurements: docs/performance.md (small_gemm).
+# oneDNN is as fast or faster; so does float32 on AVX2, where MKL's AVX2 sgemm is slower than
+# the kernel up to 1024 rows and level with it at 2048. The measurements: docs/performance.md
+# (small_gemm).
 SMALL_GEMM_MAX_ROWS = 256
 SMALL_GEMM_MAX_ROWS_BF16 = 1024
+SMALL_GEMM_MAX_ROWS_F32_AVX2 = 1024
 
 
 def small_gemm_max_rows(small: torch.Tensor) -> int:
     """The most rows ``small_gemm`` takes for a weight packed as ``small``."""
-    return SMALL_GEMM_MAX_ROWS_BF16 if small.dtype == torch.bfloat16 else SMALL_GEMM_MAX_ROWS
+    if small.dtype == torch.bfloat16:
+        return SMALL_GEMM_MAX_ROWS_BF16
+    if torch.ops.pagedllm.small_gemm_f32_isa() == "avx2":
+        return SMALL_GEMM_MAX_ROWS_F32_AVX2
+    return SMALL_GEMM_MAX_ROWS
 
 
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
