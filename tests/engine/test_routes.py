@@ -109,6 +109,34 @@ def test_engine_reports_routes_at_start_up_and_in_its_stats(model_engine):
     assert stats_from_wire(to_wire(engine.get_stats())).routes == routes  # to the server
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])
+def test_a_quantized_cache_names_the_quantized_kernel(model_engine, kv_cache_dtype):
+    """Over a quantized cache attention runs quant_attention, not paged_attention: the
+    start-up report and the stats say so."""
+    engine = model_engine(
+        block_size=4, num_blocks=32, max_model_len=64, kv_cache_dtype=kv_cache_dtype
+    )
+    attention = engine.get_stats().routes.attention
+    if layer_ops() is None:
+        assert attention.startswith(f"torch: {kv_cache_dtype} blocks dequantized")
+    else:
+        assert attention.startswith("C++ quant_attention (")
+        assert f"): {kv_cache_dtype} blocks read in place" in attention
+        if cpu_info().isa == "avx2":
+            assert "(AVX2 fp32, codes widened in registers" in attention
+    assert "paged_attention" not in attention
+    assert f"  attention: {attention}" in engine.startup_report
+
+
+def test_env_names_the_quantized_route(tiny_model_dir, capsys):
+    args = ["env", "--model", str(tiny_model_dir), "--dtype", "float32", "--json"]
+    assert main([*args, "--kv-cache-dtype", "int8"]) == 0
+    assert "quant_attention" in json.loads(capsys.readouterr().out)["routes"]["attention"]
+    assert main([*args, "--attention-backend", "reference", "--kv-cache-dtype", "int8"]) == 0
+    attention = json.loads(capsys.readouterr().out)["routes"]["attention"]
+    assert attention.startswith("reference (int8 blocks dequantized")
+
+
 def test_fake_runner_has_no_routes(fake_engine):
     engine = fake_engine()
     assert engine.get_stats().routes is None

@@ -122,6 +122,11 @@ class AttentionBackend(Protocol):
         start-up log, ``pagedllm env`` and ``/v1/cache``)."""
         ...
 
+    def quant_route(self, dtype: torch.dtype, quantization: str) -> str:
+        """``route`` over a cache quantized as ``quantization`` (``"int8"``, ``"int4"``,
+        ...): its sealed blocks are read through a dequantizing path, not the plain one."""
+        ...
+
     def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
         """``route`` for the layers of ``kind`` (a window or soft-capping may take
         another implementation than full attention)."""

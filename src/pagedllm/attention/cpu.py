@@ -74,6 +74,13 @@ AVX2_HEAD_DIMS = (32, 64, 128, 256)
 # The kernel's fp32 path (``paged_attention_isa``) in the route's words. AVX2: head_dim 32, 64,
 # 128 and 256 (other head dims stay scalar), fp32 or bf16 caches, without AVX-512.
 FP32_ROUTES = {"avx512": "AVX-512 fp32", "avx2": "AVX2 fp32", "scalar": "scalar fp32"}
+# quant_attention's vector path in this build (quant_attention_isa), in words.
+QUANT_ROUTES = {
+    "avx512_vnni": "AVX-512 fp32 over dequantized rows; int8 K/V on VNNI integer dot products",
+    "avx512": "AVX-512 fp32 over dequantized rows",
+    "avx2": "AVX2 fp32, codes widened in registers (head_dim a multiple of 8)",
+    "scalar": "scalar fp32 over dequantized rows",
+}
 # A chunk after a cached prefix goes to SDPA as two calls (prefix, chunk) merged by their
 # log-sum-exp once it has at least this many (query, key) pairs; below, the second call and
 # the merge cost more than the masked work they save (benchmarks/attention.py shapes).
@@ -213,6 +220,16 @@ class CpuAttention:
         if long_max:
             kernel += f" and every query over a context of up to {long_max} tokens, batched"
         return kernel + "; longer prompts: SDPA per sequence"
+
+    def quant_route(self, dtype: torch.dtype, quantization: str) -> str:
+        if self._quant is None or dtype not in (torch.float32, torch.bfloat16):
+            why = "C++ kernels unavailable" if self._quant is None else f"no C++ kernel for {dtype}"
+            return f"torch: {quantization} blocks dequantized, then SDPA per sequence ({why})"
+        isa = QUANT_ROUTES.get(str(torch.ops.pagedllm.quant_attention_isa()), "scalar fp32")
+        return (
+            f"C++ quant_attention ({isa}): {quantization} blocks read in place, each "
+            "query's open block in full precision; head_dim over 512: dequantized, then SDPA"
+        )
 
     def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
         if kind.is_full:

@@ -124,6 +124,9 @@ class ReferenceAttention:
     def route(self, dtype: torch.dtype) -> str:
         return "reference (gather through the block tables + SDPA, one sequence at a time)"
 
+    def quant_route(self, dtype: torch.dtype, quantization: str) -> str:
+        return f"reference ({quantization} blocks dequantized, then SDPA, one sequence at a time)"
+
     def kind_route(self, dtype: torch.dtype, kind: AttentionKind) -> str:
         if kind.is_full:
             return self.route(dtype)

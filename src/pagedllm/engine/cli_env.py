@@ -2,6 +2,7 @@
 
     pagedllm env                      # the default model, --dtype auto
     pagedllm env --model ./m --dtype float32 --json
+    pagedllm env --kv-cache-dtype int8   # attention's route over a quantized cache
 
 The CPU (model, the feature flags the kernels use, the CPUs this process may use), the
 threads (torch's intra-op threads and the OpenMP settings), the kernel library (where it was
@@ -18,6 +19,7 @@ import os
 from typing import Any
 
 from pagedllm.engine.config import DTYPES
+from pagedllm.kv_dtypes import KV_CACHE_DTYPES
 
 # OpenMP settings that change how the kernels' threads run beside other processes.
 OMP_VARIABLES = (
@@ -33,12 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="HF directory, .gguf file or 'default'")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "reference"))
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the cache's routes"
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
-def environment(model: str, dtype: str, attention_backend: str) -> dict[str, Any]:
-    """The report as plain data: cpu, threads, kernels and the model's routes."""
+def environment(
+    model: str, dtype: str, attention_backend: str, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
+    """The report as plain data: cpu, threads, kernels and the model's routes (over a
+    ``kv_cache_dtype`` cache)."""
     import torch
 
     from pagedllm.attention.select import get_backend
@@ -51,7 +59,9 @@ def environment(model: str, dtype: str, attention_backend: str) -> dict[str, Any
     cpu = cpu_info()
     ops = layer_ops()
     loaded = load_model(model, dtype, get_backend(attention_backend), load_tokenizer=False)
-    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=4)
+    runner = TorchModelRunner(
+        loaded.model, block_size=16, num_blocks=4, kv_cache_dtype=kv_cache_dtype
+    )
     routes = runner.routes()
     return {
         "cpu": {
@@ -117,6 +127,6 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    env = environment(args.model, args.dtype, args.attention_backend)
+    env = environment(args.model, args.dtype, args.attention_backend, args.kv_cache_dtype)
     print(json.dumps(env) if args.json else format_environment(env))
     return 0

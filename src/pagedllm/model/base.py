@@ -73,6 +73,8 @@ class CausalLM(Protocol):
         elsewhere."""
         ...
 
-    def routes(self) -> Routes:
-        """Which implementation runs each capability of this model's steps."""
+    def routes(self, kv_quantization: str | None = None) -> Routes:
+        """Which implementation runs each capability of this model's steps;
+        ``kv_quantization``: the cache's quantized format, if any (its attention runs
+        through another kernel)."""
         ...

@@ -306,7 +306,7 @@ class DecoderForCausalLM(nn.Module):
         runner takes the argmax of ``compute_logits``."""
         return None
 
-    def routes(self) -> Routes:
+    def routes(self, kv_quantization: str | None = None) -> Routes:
         """Which implementation runs each capability of this model's steps."""
         head = (
             self.lm_head.tensors
@@ -317,7 +317,10 @@ class DecoderForCausalLM(nn.Module):
         decode = (
             "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
         )
-        return describe_routes(self, self.backend, head, ops, decode, greedy_in_head=False)
+        return describe_routes(
+            self, self.backend, head, ops, decode, greedy_in_head=False,
+            kv_quantization=kv_quantization,
+        )  # fmt: skip
 
     def optimize_for_cpu(self) -> None:
         """Pack the linears (and a tied head) for the CPU kernels; a no-op elsewhere."""

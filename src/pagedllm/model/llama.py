@@ -73,16 +73,21 @@ def describe_routes(
     decode_loop: str,
     *,
     greedy_in_head: bool = True,
+    kv_quantization: str | None = None,
 ) -> Routes:
-    """A model's ``Routes``: its attention backend's, its ``Linear`` modules' (and a tied
-    head's), its decode loop and its greedy sampler (``greedy_in_head``: the model offers
-    ``greedy_tokens``)."""
+    """A model's ``Routes``: its attention backend's (over a cache quantized as
+    ``kv_quantization``, if any), its ``Linear`` modules' (and a tied head's), its decode
+    loop and its greedy sampler (``greedy_in_head``: the model offers ``greedy_tokens``)."""
     dtype = head.weight.dtype
     linears = [m.tensors for m in model.modules() if isinstance(m, Linear)]
     if not any(t.weight is head.weight for t in linears):
         linears.append(head)
     return Routes(
-        attention=backend.route(dtype),
+        attention=(
+            backend.route(dtype)
+            if kv_quantization is None
+            else backend.quant_route(dtype, kv_quantization)
+        ),
         windowed_attention=kinds_route(model, backend, dtype),
         linears=linear_route(linears, ops),
         decode_loop=decode_loop,
@@ -400,12 +405,14 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.head_ops.small_gemm_argmax(hidden, packed, bias)
 
-    def routes(self) -> Routes:
+    def routes(self, kv_quantization: str | None = None) -> Routes:
         """Which implementation runs each capability of this model's steps."""
         decode = (
             "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
         )
-        return describe_routes(self, self.backend, self._head(), self.head_ops, decode)
+        return describe_routes(
+            self, self.backend, self._head(), self.head_ops, decode, kv_quantization=kv_quantization
+        )
 
     def _head(self) -> LinearTensors:
         """The LM head's weight, bias and packed copies: the embedding's when the two are

@@ -219,9 +219,9 @@ class TensorParallelModel(nn.Module):
         """None: the argmax is taken of the gathered logits (``compute_logits``)."""
         return None
 
-    def routes(self) -> Routes:
+    def routes(self, kv_quantization: str | None = None) -> Routes:
         """The single rank's routes, under tensor parallelism."""
-        inner = self.inner.routes()
+        inner = self.inner.routes(kv_quantization)
         ranks = f"tensor parallel over {self.comm.world_size} ranks, gathers over {self.comm.kind}"
         return dataclasses.replace(
             inner,

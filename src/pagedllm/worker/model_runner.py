@@ -170,7 +170,7 @@ class TorchModelRunner:
 
     def routes(self) -> Routes:
         """The model's routes (attention, linears, decode loop, sampler) and its dtype."""
-        routes = self.model.routes()
+        routes = self.model.routes(self.spec.quantization)
         dtype = next(self.model.parameters()).dtype
         return replace(routes, dtype=str(dtype).removeprefix("torch."))
 

@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -1270,6 +1271,21 @@ void quant_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     dispatch(c10::BFloat16{});
 }
 
+// The vector path of this build (for the route's wording): "avx512_vnni" (int8 K and V on
+// integer dot products, fp32 tiles for the rest), "avx512", "avx2" (AVX2 + FMA + F16C,
+// head_dim a multiple of 8) or "scalar".
+std::string quant_attention_isa() {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx512_vnni";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(QUANT_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
@@ -1279,6 +1295,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor v_window, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor window_start, Tensor k_stage, Tensor v_stage, Tensor first_slots, float scale, "
       "bool plain=False) -> ()");
+  m.def("quant_attention_isa() -> str", &quant_attention_isa);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_attention", &quant_attention); }
