@@ -126,6 +126,8 @@ def test_a_quantized_cache_names_the_quantized_kernel(model_engine, kv_cache_dty
             assert "(AVX2 fp32, codes widened in registers" in attention
     assert "paged_attention" not in attention
     assert f"  attention: {attention}" in engine.startup_report
+    # The one-call decoder loop reads plain blocks only: a quantized step goes layer by layer.
+    assert "in one call" not in engine.get_stats().routes.decode_loop
 
 
 def test_env_names_the_quantized_route(tiny_model_dir, capsys):

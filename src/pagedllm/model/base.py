@@ -32,8 +32,9 @@ class FastPath(Protocol):
         own forward (only ``output_rows`` when given)."""
         ...
 
-    def route(self) -> str:
-        """How a decode step's layers run (for ``Routes.decode_loop``)."""
+    def route(self, kv_quantization: str | None = None) -> str:
+        """How a decode step's layers run (for ``Routes.decode_loop``), over a cache quantized
+        as ``kv_quantization`` if given."""
         ...
 
 

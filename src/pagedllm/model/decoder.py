@@ -315,7 +315,9 @@ class DecoderForCausalLM(nn.Module):
         )
         ops = self.ops if self.lm_head is None else self.lm_head.ops
         decode = (
-            "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
+            "module by module (torch ops)"
+            if self.fast_path is None
+            else self.fast_path.route(kv_quantization)
         )
         return describe_routes(
             self, self.backend, head, ops, decode, greedy_in_head=False,

@@ -75,11 +75,16 @@ class CpuFastPath:
         layers = [fused_layer_of(layer) for layer in model.layers]
         return cls(ops, layers, model.norm, RotaryTable(model.inv_freq))
 
-    def route(self) -> str:
+    def route(self, kv_quantization: str | None = None) -> str:
         if self.gather is not None:
             return "fused C++ ops layer by layer, gathers between the ranks' ops"
         if self.plan is None:
             return "fused C++ ops, layer by layer from Python (not every linear on small_gemm)"
+        if kv_quantization is not None:  # the one-call loop reads plain blocks only
+            return (
+                f"fused C++ ops, layer by layer from Python (a {kv_quantization} cache's "
+                "attention is not in the one-call loop)"
+            )
         return (
             "fused C++: every layer in one call (decoder_layers) when the attention kernel "
             "takes the step whole, else fused ops layer by layer"

@@ -104,7 +104,12 @@ class GemmaFastPath:
         local_rotary = rotary if local is model.inv_freq else RotaryTable(local)
         return cls(ops, plan, rotary, local_rotary, model.module_loop)
 
-    def route(self) -> str:
+    def route(self, kv_quantization: str | None = None) -> str:
+        if kv_quantization is not None:  # the one-call loop reads plain blocks only
+            return (
+                f"module by module (torch ops): a {kv_quantization} cache's attention is not "
+                "in the one-call loop"
+            )
         return (
             "fused C++: every Gemma layer in one call (gemma_layers) when the attention "
             "kernel takes the step whole, else module by module (torch ops)"

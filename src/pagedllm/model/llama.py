@@ -408,7 +408,9 @@ class LlamaForCausalLM(nn.Module):
     def routes(self, kv_quantization: str | None = None) -> Routes:
         """Which implementation runs each capability of this model's steps."""
         decode = (
-            "module by module (torch ops)" if self.fast_path is None else self.fast_path.route()
+            "module by module (torch ops)"
+            if self.fast_path is None
+            else self.fast_path.route(kv_quantization)
         )
         return describe_routes(
             self, self.backend, self._head(), self.head_ops, decode, kv_quantization=kv_quantization
