@@ -263,7 +263,9 @@ def test_float32_row_limit_follows_the_route():
         if ops.small_gemm_f32_isa() != "avx2":
             pytest.skip("this CPU has no AVX2 with FMA (small_gemm float32 runs none)")
         assert small_gemm_max_rows(layer.small) == SMALL_GEMM_MAX_ROWS_F32_AVX2
-        x = torch.randn(SMALL_GEMM_MAX_ROWS_F32_AVX2, 64, generator=torch.Generator().manual_seed(3))
+        x = torch.randn(
+            SMALL_GEMM_MAX_ROWS_F32_AVX2, 64, generator=torch.Generator().manual_seed(3)
+        )
         with torch.inference_mode():
             got = layer(x)
         # On the kernel each row has the bits of that row multiplied alone.
