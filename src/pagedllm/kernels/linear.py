@@ -93,7 +93,13 @@ def linear(
     ops: Any,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on the fastest form of the weight for x's row count."""
-    if small is not None and x.dim() == 2 and x.shape[0] <= small_gemm_max_rows(small):
+    # Every route takes at least SMALL_GEMM_MAX_ROWS: a decode batch never asks the library
+    # for its route (one dispatcher call per linear per step).
+    if (
+        small is not None
+        and x.dim() == 2
+        and (x.shape[0] <= SMALL_GEMM_MAX_ROWS or x.shape[0] <= small_gemm_max_rows(small))
+    ):
         return ops.small_gemm(x, small, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)
