@@ -203,12 +203,16 @@ class FakeEngineFactory:
     max_model_len: int = 128
     runner_kw: dict[str, Any] = field(default_factory=dict)
     engine_kw: dict[str, Any] = field(default_factory=dict)
+    startup_s: float = 0.0  # a slow start (a model load, a kernel build) before the engine
 
     def build_engine(self) -> Any:
+        import time
+
         from pagedllm.engine.config import EngineConfig
         from pagedllm.engine.llm_engine import LLMEngine
         from pagedllm.worker.fake_runner import FakeModelRunner
 
+        time.sleep(self.startup_s)
         tokenizer = self.load_tokenizer()
         runner_kw = {"allowed_token_ids": range(ord("a"), ord("z") + 1), **self.runner_kw}
         runner = FakeModelRunner(

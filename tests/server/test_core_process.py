@@ -163,3 +163,51 @@ def test_killed_core_fails_requests_cleanly_and_health_says_so(tokenizer_dir):
         assert engine.num_in_flight == 0 and engine.num_queued == 0
 
     _serve(tokenizer_dir, body, check_free=False, runner_kw={"step_delay_s": 0.02})
+
+
+# A server that starts its engine core (slowly), prints the core's pid, then waits.
+_SLOW_START = """
+import sys, time
+from pagedllm.engine.async_engine import _CoreProcess
+from pagedllm.testing import FakeEngineFactory
+core = _CoreProcess(FakeEngineFactory(sys.argv[1], startup_s=120.0))
+core.start("ipc:///tmp/pagedllm-test-unused-in", "ipc:///tmp/pagedllm-test-unused-out")
+print(core.process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_core_still_starting_exits_when_its_server_is_killed(tokenizer_dir):
+    """SIGKILL leaves the server no atexit: the core, still building its engine (no loop
+    yet to notice), must end by itself instead of loading a model for nobody."""
+    import subprocess
+    import sys
+    import time
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_START, tokenizer_dir], stdout=subprocess.PIPE, text=True
+    )
+    core_pid = None
+    try:
+        core_pid = int(server.stdout.readline())
+        time.sleep(0.5)
+        assert _running(core_pid)
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(core_pid), "the core outlived its killed server"
+    finally:
+        server.kill()
+        if core_pid is not None and _running(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

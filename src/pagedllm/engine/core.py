@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -379,6 +380,32 @@ def _check_parent(parent_pid: int | None) -> None:
         raise ServerGone
 
 
+class _exit_if_orphaned:
+    """While the engine starts (a model load or a kernel build: up to minutes, with no loop
+    to look), a thread ends the process if the server dies: nothing is in flight yet, and a
+    core whose server was killed must not live on, loading a model for nobody."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._watch, name="pagedllm-orphan-watch", daemon=True
+        )
+
+    def __enter__(self) -> None:
+        self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.done.wait(_PARENT_CHECK_S):
+            if os.getppid() != self.parent_pid:
+                logger.warning("the server process died while the engine core started; exiting")
+                os._exit(1)
+
+
 def _answer(outbox: Any, parent_pid: int | None, call_id: int, fn: Callable[[], Any]) -> bool:
     try:
         message = ["result", call_id, True, fn()]
@@ -402,7 +429,8 @@ def core_process_main(factory: EngineFactory, input_address: str, output_address
     context = zmq.Context()
     try:
         try:
-            core = EngineCore(factory.build_engine())
+            with _exit_if_orphaned(parent):
+                core = EngineCore(factory.build_engine())
         except BaseException as exc:
             outbox = context.socket(zmq.PUSH)
             outbox.connect(output_address)
