@@ -20,6 +20,11 @@ fabricated tokens, the same routing code; the shared-prefix workload and, with
 ``--tokens-per-hash`` ids) through 2 and 4 replicas, with the oracle that routes on every
 replica's true cache.
 
+``--variant NAME=FLAGS`` (repeatable) starts one set of replicas per variant, each with
+those extra ``pagedllm serve`` flags, and alternates the variants within every round (A/B
+on the same host drift): for example ``--variant pins= --variant
+nopins=--no-pin-waiting-prefixes``.
+
     .venv/bin/python benchmarks/router.py --replicas 4 --rounds 3 \\
         --trace ../shared/data/mooncake_synthetic_trace.jsonl
 """
@@ -68,6 +73,7 @@ class RunResult:
     replayed_error: float  # the same for the view replayed to each replica's lookup
     unreplayed: int  # answers the router could not replay
     requests_per_replica: list[int]
+    pins_given_up: int = 0  # the replicas' waiting requests' pins released for room
 
 
 def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
@@ -135,28 +141,57 @@ async def drive(base: str, prompts: list[list[int]], args: argparse.Namespace) -
     }
 
 
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """``NAME=FLAGS`` -> {NAME: flags split on spaces}; none given: one, no extra flags."""
+    variants = {}
+    for spec in specs or ["default="]:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant takes NAME=FLAGS, got {spec!r}")
+        variants[name] = flags.split()
+    return variants
+
+
 def run_real(args: argparse.Namespace) -> dict[str, list[RunResult]]:
-    ports = [free_port() for _ in range(args.replicas)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    variants = parse_variants(args.variant)
+    policies = args.policies.split(",")
     engine = ["--model", args.model, "--dtype", args.dtype, "--num-threads", "1",
               "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks)]  # fmt: skip
-    replicas = [start(["serve", *engine, "--port", str(p)]) for p in ports]
-    results: dict[str, list[RunResult]] = {p: [] for p in REAL_POLICIES}
+    urls: dict[str, list[str]] = {}
+    replicas: list[subprocess.Popen] = []
+    for name, flags in variants.items():
+        ports = [free_port() for _ in range(args.replicas)]
+        urls[name] = [f"http://127.0.0.1:{p}" for p in ports]
+        replicas += [start(["serve", *engine, *flags, "--port", str(p)]) for p in ports]
+    keys = [run_key(v, p, len(variants)) for v in variants for p in policies]
+    results: dict[str, list[RunResult]] = {key: [] for key in keys}
     try:
-        for url, proc in zip(urls, replicas, strict=True):
+        for url, proc in zip([u for us in urls.values() for u in us], replicas, strict=True):
             wait_healthy(url, proc, timeout=300)
         seed = 1000
         for _ in range(args.rounds):
-            for policy in REAL_POLICIES:
+            for policy in policies:
                 seed += 1
-                results[policy].append(real_run(args, urls, policy, workload(args, seed)))
-                print(f"  {policy}: {asdict(results[policy][-1])}", file=sys.stderr)
+                prompts = workload(args, seed)  # every variant gets the same prompts
+                for name in variants:
+                    key = run_key(name, policy, len(variants))
+                    results[key].append(real_run(args, urls[name], policy, prompts))
+                    print(f"  {key}: {asdict(results[key][-1])}", file=sys.stderr)
     finally:
         for proc in replicas:
             proc.terminate()
         for proc in replicas:
             proc.wait(60)
     return results
+
+
+def run_key(variant: str, policy: str, num_variants: int) -> str:
+    return f"{variant}/{policy}" if num_variants > 1 else policy
+
+
+def pins_given_up(urls: list[str]) -> int:
+    """The replicas' count of pins given up so far (0 from a replica that has none)."""
+    return sum(httpx.get(f"{url}/v1/cache").json().get("pins_given_up", 0) for url in urls)
 
 
 def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: list) -> RunResult:
@@ -167,7 +202,9 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, router, timeout=300)
+        given_up = pins_given_up(urls)
         out = asyncio.run(drive(base, prompts, args))
+        given_up = pins_given_up(urls) - given_up
     finally:
         router.terminate()
         router.wait(60)
@@ -185,6 +222,7 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
         replayed_error=abs(replayed - reported) / reported if reported else 0.0,
         unreplayed=sum(r["unreplayed_requests"] for r in replicas),
         requests_per_replica=[r["requests"] for r in replicas],
+        pins_given_up=given_up,
     )
 
 
@@ -213,28 +251,50 @@ def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) ->
           f"each; AMD EPYC 2 cores, avx512_bf16, no AMX), {args.tenants} tenants x "
           f"{args.requests_per_tenant} requests, prefix {args.prefix_len} tokens, "
           f"concurrency {args.concurrency}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
-    print(f"{'policy':<14} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "
-          f"{'out tok/s':>16} {'pred. err':>17} {'replay err':>10}")  # fmt: skip
+    print(f"{'policy':<22} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "
+          f"{'out tok/s':>16} {'pred. err':>17} {'replay err':>10} {'pins given up':>14}")  # fmt: skip
     summary = {}
     for policy, runs in results.items():
         hits = [r.hit_rate for r in runs]
         ttft = [r.ttft_mean_s for r in runs]
         tput = [r.output_tok_s for r in runs]
-        print(f"{policy:<14} {med(hits):>7.1%} ({min(hits):.0%}-{max(hits):.0%}) "
+        print(f"{policy:<22} {med(hits):>7.1%} ({min(hits):.0%}-{max(hits):.0%}) "
               f"{med(ttft):>8.3f} ({min(ttft):.2f}-{max(ttft):.2f}) "
               f"{med([r.ttft_p90_s for r in runs]):>11.3f} "
               f"{med(tput):>7.1f} ({min(tput):.0f}-{max(tput):.0f}) "
               f"{', '.join(f'{r.predicted_error:.2%}' for r in runs):>17} "
-              f"{max(r.replayed_error for r in runs):>10.2%}")  # fmt: skip
+              f"{max(r.replayed_error for r in runs):>10.2%} "
+              f"{', '.join(str(r.pins_given_up) for r in runs):>14}")  # fmt: skip
         summary[policy] = {"runs": [asdict(r) for r in runs]}
-    aware, rr = results["prefix_aware"], results["round_robin"]
-    ratio = med([a.hit_rate / max(b.hit_rate, 1e-9) for a, b in zip(aware, rr, strict=True)])
-    ttft_ratio = med([a.ttft_mean_s / b.ttft_mean_s for a, b in zip(aware, rr, strict=True)])
-    tput_ratio = med([a.output_tok_s / b.output_tok_s for a, b in zip(aware, rr, strict=True)])
-    print(f"prefix_aware / round_robin per round (median): hit rate x{ratio:.2f}, "
-          f"TTFT x{ttft_ratio:.2f}, output tok/s x{tput_ratio:.2f}")  # fmt: skip
-    summary["ratios"] = {"hit_rate": ratio, "ttft": ttft_ratio, "output_tok_s": tput_ratio}
+    for a_key, b_key in ratio_pairs(list(results)):
+        aware, other = results[a_key], results[b_key]
+        ratios = {
+            name: med([getattr(a, name) / max(getattr(b, name), 1e-9)
+                       for a, b in zip(aware, other, strict=True)])
+            for name in ("hit_rate", "ttft_mean_s", "output_tok_s")
+        }  # fmt: skip
+        print(f"{a_key} / {b_key} per round (median): hit rate x{ratios['hit_rate']:.2f}, "
+              f"TTFT x{ratios['ttft_mean_s']:.2f}, output tok/s x{ratios['output_tok_s']:.2f}")  # fmt: skip
+        summary[f"{a_key} / {b_key}"] = ratios
     return summary
+
+
+def ratio_pairs(keys: list[str]) -> list[tuple[str, str]]:
+    """prefix_aware over round_robin within each variant, and each variant over the first
+    for the same policy."""
+    pairs = []
+    prefix = [k.rpartition("/")[0] for k in keys if k.endswith("prefix_aware")]
+    for variant in prefix:
+        head = f"{variant}/" if variant else ""
+        if f"{head}round_robin" in keys:
+            pairs.append((f"{head}prefix_aware", f"{head}round_robin"))
+    variants = list(dict.fromkeys(k.rpartition("/")[0] for k in keys if "/" in k))
+    for variant in variants[1:]:
+        for key in keys:
+            first, _, policy = key.partition("/")
+            if first == variants[0]:
+                pairs.append((f"{variants[0]}/{policy}", f"{variant}/{policy}"))
+    return pairs
 
 
 def print_simulation(rows: list[dict[str, Any]]) -> None:
@@ -271,6 +331,10 @@ def main() -> None:
                         help="KV blocks per simulated replica for the trace")  # fmt: skip
     parser.add_argument("--event-delay", type=float, default=0.1,
                         help="simulated router's view of the caches lags by this (s)")  # fmt: skip
+    parser.add_argument("--policies", default=",".join(REAL_POLICIES),
+                        help="real replicas: comma-separated routing policies")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=FLAGS: a replica set with extra serve flags (repeatable)")  # fmt: skip
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--token-ms", type=float, default=0.05)
     args = parser.parse_args()

@@ -1,7 +1,8 @@
 """A Hypothesis state machine over the KV cache manager.
 
 It drives allocate / append / fork / copy-on-write / free / swap_out / swap_in /
-evict in random orders, keeps a fake KV store (one token id per slot, on both
+evict, and pins (a request arriving pins its cached prefix, waits, then is admitted,
+aborted, or gives its pin up), in random orders, keeps a fake KV store (one token id per slot, on both
 tiers, plus a disk of whole blocks by hash) that applies every copy, move, store and
 load the manager asks for, and after every rule checks the manager's invariants and
 that every request's computed tokens can be read back through its block table on its
@@ -11,6 +12,7 @@ tier. Disk files get lost at random: a load of one is a miss the manager is told
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -54,6 +56,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.running: dict[str, Request] = {}
         self.swapped: dict[str, Request] = {}
+        self.waiting: dict[str, Request] = {}  # arrived, pinned (maybe), not admitted
         self.disk: dict[bytes, dict[int, int]] = {}  # block hash -> slot offset -> token
         self.next_id = 0
 
@@ -189,6 +192,91 @@ class KVCacheMachine(RuleBasedStateMachine):
         request.num_computed_tokens = hit.num_tokens
         self.compute(request, num_new, allocation)
         self.running[request.request_id] = request
+
+    # ---- pins: arrive (pin), admit, abort, give up ---------------------------------
+
+    @rule(
+        data=st.data(),
+        suffix=st.lists(TOKENS, min_size=1, max_size=10),
+        salt=st.sampled_from([None, None, "tenant"]),
+    )
+    def arrive(self, data, suffix, salt) -> None:
+        # Often a running request's prompt: its blocks are cached, so there is a pin.
+        prompts = [r.prompt_token_ids for _, r in sorted(self.running.items())]
+        prefix = data.draw(st.sampled_from([*PREFIXES, *prompts]))
+        request = Request(self.new_id(), [*prefix, *suffix], cache_salt=salt)
+        expected = self.kv.get_computed_blocks(request).block_ids
+        assert self.kv.pin_prefix(request) == len(expected)
+        assert self.kv.pinned_block_ids(request.request_id) == list(expected)
+        if expected:
+            event("pinned a prefix")
+        self.waiting[request.request_id] = request
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, 20), admission=st.booleans())
+    def admit(self, data, chunk, admission) -> None:
+        request = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
+        pinned = self.kv.pinned_block_ids(request.request_id)
+        hit = self.kv.get_computed_blocks(request)
+        assert list(hit.block_ids[: len(pinned)]) == pinned, "a pinned block was lost"
+        num_new = min(chunk, request.num_tokens - hit.num_tokens)
+        before = snapshot(self.kv, self.all_ids())
+        allocation = self.kv.allocate_slots(request, num_new, hit, admission=admission)
+        if allocation is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            assert self.kv.pinned_block_ids(request.request_id) == pinned
+            return
+        del self.waiting[request.request_id]
+        assert self.kv.pinned_block_ids(request.request_id) == []
+        if pinned:
+            event("admitted on a pinned prefix")
+        if self.disk_io():
+            self.kv.free(request)
+            return
+        request.num_computed_tokens = hit.num_tokens
+        self.compute(request, num_new, allocation)
+        self.running[request.request_id] = request
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), by_free=st.booleans())
+    def abort_waiting(self, data, by_free) -> None:
+        request = self.waiting.pop(data.draw(st.sampled_from(sorted(self.waiting))))
+        if by_free:
+            self.kv.free(request)
+        else:
+            self.kv.release_pin(request)
+        assert self.kv.pinned_block_ids(request.request_id) == []
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def give_up_pins(self, data) -> None:
+        order = data.draw(st.permutations(sorted(self.waiting)))
+        requests = [self.waiting[rid] for rid in order]
+        pins = {rid: self.kv.pinned_block_ids(rid) for rid in order}
+        free_before = self.kv.pool.num_free_blocks
+        # Up to one block more than all the pins would free.
+        extra = data.draw(st.integers(0, self.freed_by(*pins.values()) + 1))
+        target = free_before + extra
+        released = self.kv.give_up_pins(requests, target)
+        pinned_in_order = [rid for rid in order if pins[rid]]
+        gone = [rid for rid in order if pins[rid] and not self.kv.pinned_block_ids(rid)]
+        assert gone == pinned_in_order[:released], "pins given up out of order"
+        if released:
+            event("gave up pins")
+            assert self.kv.pool.num_free_blocks >= target
+            # The last pin released held the blocks now unreferenced among its own.
+            last = sum(1 for b in pins[gone[-1]] if self.kv.pool.ref_count(b) == 0)
+            assert self.kv.pool.num_free_blocks - last < target, "one pin too many given up"
+        else:
+            assert self.kv.pool.num_free_blocks == free_before
+            # Either nothing was needed, or all of them would not have been enough.
+            kept = [pins[rid] for rid in pinned_in_order]
+            assert extra == 0 or free_before + self.freed_by(*kept) < target
+
+    def freed_by(self, *pins: list[int]) -> int:
+        """Blocks that releasing these pins would free: those only they hold."""
+        counts = Counter(b for pin in pins for b in pin)
+        return sum(1 for b, n in counts.items() if self.kv.pool.ref_count(b) == n)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=TOKENS, chunk=st.integers(1, 6))
@@ -335,6 +423,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.readable = readable
 
     @invariant()
+    def pinned_blocks_hold_the_prefix(self) -> None:
+        """A waiting request's pinned blocks hold its tokens, moves and evictions aside,
+        and are referenced (``manager_consistent`` counts the pins among the holders)."""
+        for request_id, request in self.waiting.items():
+            for i, block_id in enumerate(self.kv.pinned_block_ids(request_id)):
+                assert self.kv.pool.ref_count(block_id) > 0
+                tokens = tuple(request.all_token_ids[i * self.bs : (i + 1) * self.bs])
+                stored = tuple(self.device.get((block_id, off)) for off in range(self.bs))
+                assert stored == tokens, f"{request_id}: pinned block {block_id}"
+
+    @invariant()
     def manager_consistent(self) -> None:
         if hasattr(self, "kv"):
             self.kv.check_invariants()
@@ -361,11 +460,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = {rid: r.all_token_ids for rid, r in self.running.items()}
         report = waste(self.kv, tokens, next_request_len=5)
         placeholder = self.kv.null_block is not None
-        assert report.allocated_slots == (self.kv.pool.num_used_blocks - placeholder) * self.bs
+        pinned_only = self.kv.num_pinned_only_blocks
+        assert self.kv.stats().blocks_pinned == pinned_only
+        assert (
+            report.allocated_slots
+            == (self.kv.pool.num_used_blocks - placeholder - pinned_only) * self.bs
+        )
         assert 0 <= report.internal_tokens <= report.allocated_slots
         assert 0 <= report.duplication_tokens <= report.filled_slots
         assert report.external_tokens == 0
-        assert report.headroom_tokens == self.kv.pool.num_free_blocks * self.bs
+        assert report.headroom_tokens == (self.kv.pool.num_free_blocks + pinned_only) * self.bs
         assert self.kv.stats().blocks_free + self.kv.stats().blocks_retired == (
             self.kv.num_blocks - self.kv.pool.num_used_blocks - self.kv.pool.num_cached_free_blocks
         )

@@ -189,6 +189,49 @@ def test_replayed_cached_tokens_equal_reported_under_concurrency(make_harness):
     assert sum(h.llm.get_stats().num_inflight_waits for h in harnesses) > 0
 
 
+def test_a_queued_request_keeps_the_prefix_the_router_predicted(make_harness):
+    """A request routed on a fresh view waits in its replica's queue (one sequence at a
+    time) while a long request grows and evicts, least recently used first. Its prefix
+    was the LRU one: without pins it is evicted after routing and the prediction misses
+    all of it; pinned on arrival it survives (the long request evicts another tenant's
+    blocks instead), and the prediction made when routing is exact."""
+
+    def cached(pin: bool) -> tuple[int, dict]:
+        harness = make_harness(
+            num_blocks=16,
+            block_size=4,
+            max_model_len=64,
+            engine_kw={"max_num_seqs": 1, "pin_waiting_prefixes": pin},
+            runner_kw={"step_delay_s": 0.01},
+        )
+        app, _ = _router([harness])
+
+        async def body(client: httpx.AsyncClient) -> tuple[int, dict]:
+            router = app.state.router
+            for tenant in (0, 1):  # tenant 0's prefix first: the least recently used
+                await _complete(client, _prompt(tenant, 0))
+            long = asyncio.create_task(
+                _complete(client, [120, 121, 122, 123], max_tokens=40, ignore_eos=True)
+            )
+            while harness.llm.scheduler.stats().num_running == 0:
+                await asyncio.sleep(0.001)
+            await router.refresh_all()  # the view is exact when the next one is routed
+            out = await _complete(client, _prompt(0, 1))
+            await long
+            report = (await client.get("/v1/router")).json()["replicas"][0]
+            return out["usage"]["prompt_tokens_details"]["cached_tokens"], report
+
+        return _run(app, [harness], body)
+
+    unpinned, report = cached(pin=False)
+    assert unpinned == 0  # the long request's growth evicted the predicted prefix
+    assert report["predicted_cached_tokens"] == report["reported_cached_tokens"] + 20
+    pinned, report = cached(pin=True)
+    assert pinned == 20
+    assert report["predicted_cached_tokens"] == report["reported_cached_tokens"]
+    assert report["replayed_cached_tokens"] == report["reported_cached_tokens"]
+
+
 def test_prefix_aware_keeps_each_tenant_on_one_replica_round_robin_does_not(make_harness):
     def hit_tokens(policy: str) -> tuple[int, dict]:
         harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]

@@ -151,7 +151,14 @@ def waste(
     waste.
     """
     if isinstance(allocator, HybridKVCacheManager):
-        return _merged(group_wastes(allocator, token_ids, next_request_len))
+        merged = _merged(group_wastes(allocator, token_ids, next_request_len))
+        # The grouped manager holds the pins, not its groups: their blocks are free here.
+        pinned = (allocator.block_size,) * allocator.num_pinned_only_blocks
+        return replace(
+            merged,
+            headroom_tokens=merged.headroom_tokens + sum(pinned),
+            free_extents=merged.free_extents + pinned,
+        )
     view = allocator if isinstance(allocator, AllocatorView) else view_of(allocator)
     filled = _filled_per_unit(view)
     allocated = sum(view.units.values())
@@ -196,7 +203,8 @@ def _paged_view(kv: KVCacheManager) -> AllocatorView:
         reserve_len=None,
         units=units,
         layouts=layouts,
-        free_extents=(bs,) * kv.num_free_blocks,
+        # A block only waiting requests' pins hold gives way to any allocation: free here.
+        free_extents=(bs,) * (kv.num_free_blocks + kv.num_pinned_only_blocks),
     )
 
 

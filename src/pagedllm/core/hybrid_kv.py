@@ -83,6 +83,7 @@ class HybridKVCacheManager(DevicePoolViews):
         ]
         self.disk = None
         self.num_host_blocks = 0
+        self._pins: dict[str, list[int]] = {}
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -154,18 +155,19 @@ class HybridKVCacheManager(DevicePoolViews):
         watermark = int(self.watermark * self.num_blocks)
         if free_after < 0 or (admission and free_after < watermark):
             return None
-        # The hits are pinned while the groups allocate: a block one group takes from
+        # The hits are held while the groups allocate: a block one group takes from
         # the cached-free list must not be another group's hit.
-        pins = [b for hit in hits if hit is not None for b in hit.block_ids]
-        self.pool.incref(pins)
+        hit_ids = [b for hit in hits if hit is not None for b in hit.block_ids]
+        self.pool.incref(hit_ids)
         try:
             done = [
                 group.allocate_slots(request, num_new_tokens, hit)
                 for group, hit in zip(self.groups, hits, strict=True)
             ]
         finally:
-            self.pool.decref(pins)
+            self.pool.decref(hit_ids)
         assert all(a is not None for a in done), "counted room before allocating"
+        self.release_pin(request)  # the tables hold their own references now
         return Allocation(
             tuple(b for a in done for b in a.new_block_ids),  # type: ignore[union-attr]
             tuple(c for a in done for c in a.block_copies),  # type: ignore[union-attr]
@@ -197,6 +199,20 @@ class HybridKVCacheManager(DevicePoolViews):
             for group, hit in zip(self.groups, hits, strict=True)
         )
 
+    def free_blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+        *,
+        admission: bool = False,
+    ) -> int:
+        """Free blocks ``allocate_slots`` needs (``KVCacheManager.free_blocks_needed``)."""
+        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
+        if not num_blocks:
+            return 0
+        return num_blocks + (int(self.watermark * self.num_blocks) if admission else 0)
+
     def cache_full_blocks(self, request: Request) -> None:
         for group in self.groups:
             group.cache_full_blocks(request)
@@ -218,6 +234,7 @@ class HybridKVCacheManager(DevicePoolViews):
             group.fork(parent, child)
 
     def free(self, request: Request) -> None:
+        self.release_pin(request)
         for group in self.groups:
             group.free(request)
 
@@ -239,6 +256,9 @@ class HybridKVCacheManager(DevicePoolViews):
 
     def can_swap_in(self, request: Request) -> bool:
         return False
+
+    def blocks_to_swap_in(self, request: Request) -> int:
+        raise ValueError(f"request {request.request_id!r} is not swapped out")
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         raise ValueError(f"request {request.request_id!r} is not swapped out")
@@ -310,6 +330,7 @@ class HybridKVCacheManager(DevicePoolViews):
             prefix_queries_tokens=first.prefix_queries_tokens,
             prefix_hits_tokens=first.prefix_hits_tokens,
             blocks_retired=retired,
+            blocks_pinned=self.num_pinned_only_blocks,
             sliding_window=self.sliding_window,
             window_freed_blocks=sum(g.window_freed_blocks for g in groups),
             groups=groups,
@@ -344,4 +365,5 @@ class HybridKVCacheManager(DevicePoolViews):
                         assert owner.setdefault(block_id, index) == index, (
                             f"block {block_id} in groups {owner[block_id]} and {index}"
                         )
+        self.check_pins(held)
         check_held(self.pool, held)

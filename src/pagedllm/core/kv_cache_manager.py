@@ -31,7 +31,7 @@ their loads (``take_disk_ops``); a load the worker cannot do is handed back thro
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,6 +97,9 @@ class CacheStats:
     # Free blocks held back during a shrink (``core/compaction.py``): never handed out,
     # released when it ends; counted in ``blocks_total``, not in ``blocks_free``.
     blocks_retired: int = 0
+    # Of blocks_used: held only by waiting requests' pins (cached-free but for them; any
+    # allocation that needs them gets them: see ``DevicePoolViews``).
+    blocks_pinned: int = 0
     disk_blocks_total: int = 0  # the disk tier's capacity (0: no disk tier)
     disk_blocks_used: int = 0
     prefix_disk_hits_tokens: int = 0  # the share of prefix_hits_tokens loaded from disk
@@ -142,11 +145,111 @@ def check_held(pool: BlockPool, held: Counter[int]) -> None:
 
 class DevicePoolViews:
     """What a manager does with its device pool alone: the elastic pool's shrink and
-    grow, eviction, counts (shared by ``KVCacheManager`` and the grouped manager)."""
+    grow, eviction, counts, pins (shared by ``KVCacheManager`` and the grouped manager).
+
+    A *pin* is one reference a waiting request holds on each block of its cached prefix
+    (``pin_prefix``, when it arrives), so that eviction cannot take them while it waits
+    behind others: a pinned block is referenced, not cached-free. The pin ends when the
+    request is admitted (its table takes its own references first), leaves
+    (``release_pin``, ``free``), or gives way to an allocation that needs the room
+    (``give_up_pins``)::
+
+        arrives   pin_prefix     b0 b1 b2 cached -> ref +1 each (pinned)
+        waits                    eviction takes other blocks; b0..b2 stay
+        admitted  allocate_slots table [b0 b1 b2 new..]: ref +1, then the pin's -1
+    """
 
     pool: BlockPool
     host_pool: BlockPool
     num_blocks: int
+    null_block: int | None
+    _pins: dict[str, list[int]]  # request id -> the blocks its pin holds
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        raise NotImplementedError
+
+    # ---- pins: a waiting request's cached prefix -----------------------------------
+
+    def pin_prefix(self, request: Request) -> int:
+        """Pin the device blocks of the request's cached prefix (the blocks admission
+        would find now: ``get_computed_blocks``); returns how many. For a request that
+        holds no blocks yet."""
+        request_id = request.request_id
+        if request_id in self._pins:
+            raise ValueError(f"request {request_id!r} is already pinned")
+        hit = self.get_computed_blocks(request)
+        null = self.null_block
+        block_ids = [
+            b for table in (hit.block_ids, *hit.group_block_ids) for b in table if b != null
+        ]
+        if block_ids:
+            self.pool.incref(block_ids)
+            self._pins[request_id] = block_ids
+        return len(block_ids)
+
+    def release_pin(self, request: Request) -> int:
+        """End the request's pin (none: nothing happens); returns how many blocks it
+        held. A block nobody else holds becomes cached-free again, tail blocks first."""
+        block_ids = self._pins.pop(request.request_id, None)
+        if block_ids is None:
+            return 0
+        self.pool.decref(reversed(block_ids))
+        return len(block_ids)
+
+    def give_up_pins(self, requests: Iterable[Request], num_free_blocks: int) -> int:
+        """Release the pins of ``requests``, in the order given, until ``num_free_blocks``
+        blocks are free; returns how many pins it released. None when that many are free
+        already, or when even all of theirs would not make them free (a pin gives way
+        only where that makes the room)."""
+        pool = self.pool
+        if pool.num_free_blocks >= num_free_blocks:
+            return 0
+        pinned = [r for r in requests if r.request_id in self._pins]
+        if pool.num_free_blocks + self._num_freed_by(pinned) < num_free_blocks:
+            return 0
+        released = 0
+        for request in pinned:
+            self.release_pin(request)
+            released += 1
+            if pool.num_free_blocks >= num_free_blocks:
+                break
+        return released
+
+    @property
+    def num_pinned_requests(self) -> int:
+        return len(self._pins)
+
+    def pinned_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request's pin holds (a copy; empty if none)."""
+        return list(self._pins.get(request_id, ()))
+
+    def check_pins(self, held: Counter[int]) -> None:
+        """A pinned request holds no table and no block twice; adds the pins' blocks to
+        ``held`` (``check_invariants``)."""
+        tables = self.live_block_tables()
+        for request_id, block_ids in self._pins.items():
+            assert request_id not in tables, f"{request_id}: pinned and admitted"
+            assert block_ids and len(set(block_ids)) == len(block_ids), f"{request_id}: pin"
+            held.update(block_ids)
+
+    def live_block_tables(self) -> dict[str, list[int]]:
+        raise NotImplementedError
+
+    @property
+    def num_pinned_only_blocks(self) -> int:
+        """Blocks held by pins alone (cached-free but for them)."""
+        return self._num_freed_by_pins(self._pins.values())
+
+    def _num_freed_by(self, requests: Sequence[Request]) -> int:
+        """Blocks that releasing these requests' pins would make free."""
+        return self._num_freed_by_pins(self._pins[r.request_id] for r in requests)
+
+    def _num_freed_by_pins(self, pins: Iterable[list[int]]) -> int:
+        counts = Counter(b for block_ids in pins for b in block_ids)
+        ref_count = self.pool.ref_count
+        return sum(1 for b, n in counts.items() if ref_count(b) == n)
+
+    # ---- counts, eviction, resizing ------------------------------------------------
 
     def take_released_block_ids(self) -> tuple[int, ...]:
         """Device blocks released since the last call (nobody reads their contents any
@@ -180,6 +283,8 @@ class DevicePoolViews:
             return
         mapping = plan.mapping()
         self.pool.relocate(plan.moves)
+        for block_ids in self._pins.values():
+            remap_table(block_ids, mapping)
         self._blocks_relocated(mapping)
 
     def _blocks_relocated(self, mapping: dict[int, int]) -> None:
@@ -308,6 +413,7 @@ class KVCacheManager(DevicePoolViews):
         self._block_hashes: dict[str, list[bytes]] = {}
         self._pending_hashes: tuple[Request, list[bytes]] | None = None
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
+        self._pins: dict[str, list[int]] = {}
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
         self._prefix_disk_hits_tokens = 0
@@ -383,6 +489,7 @@ class KVCacheManager(DevicePoolViews):
                 self._tables[request_id] = []
                 self._table_changed(request_id)
                 self._adopt_pending_hashes(request)
+                self.release_pin(request)
             if total > self._num_slots.get(request_id, 0):
                 self._num_slots[request_id] = total
             return _NOTHING_NEW
@@ -415,6 +522,7 @@ class KVCacheManager(DevicePoolViews):
         self._tables[request_id] = table
         self._table_changed(request_id)
         self._adopt_pending_hashes(request)
+        self.release_pin(request)  # after the table took its references
         self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
         return Allocation(tuple(new_ids), tuple(copies))
 
@@ -429,6 +537,21 @@ class KVCacheManager(DevicePoolViews):
         if computed_blocks is None and self._fits_private_blocks(request, num_new_tokens):
             return 0
         return self._plan_allocation(request, num_new_tokens, computed_blocks).num_blocks
+
+    def free_blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+        *,
+        admission: bool = False,
+    ) -> int:
+        """Free blocks ``allocate_slots`` with these arguments needs to succeed: those it
+        takes, plus the watermark on admission (0: it takes none)."""
+        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
+        if not num_blocks:
+            return 0
+        return num_blocks + (self._watermark_blocks if admission else 0)
 
     def _fits_private_blocks(self, request: Request, num_new_tokens: int) -> bool:
         """The decode fast path's test: the new tokens land in blocks the request's table
@@ -621,6 +744,7 @@ class KVCacheManager(DevicePoolViews):
         it. Full hashed blocks stay findable as cached-free until evicted. Safe to call
         on a request that holds nothing."""
         request_id = request.request_id
+        self.release_pin(request)
         table = self._tables.pop(request_id, None)
         self._table_changed(request_id)
         if table:
@@ -685,8 +809,12 @@ class KVCacheManager(DevicePoolViews):
         return moves
 
     def can_swap_in(self, request: Request) -> bool:
+        return self.blocks_to_swap_in(request) <= self.pool.num_free_blocks
+
+    def blocks_to_swap_in(self, request: Request) -> int:
+        """Free device blocks ``swap_in`` takes (fresh ones, cached-free ones revived)."""
         _, num_new, num_revived = self._plan_swap_in(request)
-        return num_new + num_revived <= self.pool.num_free_blocks
+        return num_new + num_revived
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back to the device; returns the ``(host, device)``
@@ -799,6 +927,7 @@ class KVCacheManager(DevicePoolViews):
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
             blocks_retired=retired,
+            blocks_pinned=self.num_pinned_only_blocks,
             disk_blocks_total=self.disk.capacity if self.disk is not None else 0,
             disk_blocks_used=len(self.disk) if self.disk is not None else 0,
             prefix_disk_hits_tokens=self._prefix_disk_hits_tokens,
@@ -841,6 +970,7 @@ class KVCacheManager(DevicePoolViews):
         if self.null_block is not None:
             held[self.null_block] = 1  # the manager's own reference
         self.check_tables(held)
+        self.check_pins(held)
         check_held(self.pool, held)
 
     def check_tables(self, held: Counter[int]) -> None:

@@ -45,7 +45,7 @@ from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagedllm.core.hybrid_kv import HybridKVCacheManager
-    from pagedllm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+    from pagedllm.core.kv_cache_manager import Allocation, ComputedBlocks, KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -74,6 +74,10 @@ class SchedulerConfig:
     # requests wait for the whole step, so a smaller slice shortens their longest gaps
     # (tail inter-token latency); steps without decodes keep the full budget.
     max_prefill_tokens_while_decoding: int | None = None
+    # A request arriving pins the blocks of its cached prefix while it waits, so that
+    # eviction cannot take them from under it (``KVCacheManager.pin_prefix``); a pin gives
+    # way to any allocation that needs its room (``Scheduler._give_up_pins``).
+    pin_waiting_prefixes: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -126,6 +130,8 @@ class SchedulerStats:
     # another request) when the request first waited for them.
     num_inflight_shared_tokens: int = 0
     num_inflight_waits: int = 0
+    # Waiting requests' pins released to make room for another allocation.
+    num_pins_given_up: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -178,6 +184,7 @@ class Scheduler:
         self._inflight_waiters: dict[str, int] = {}
         self.num_inflight_shared_tokens = 0
         self.num_inflight_waits = 0
+        self.num_pins_given_up = 0
 
     # ------------------------------------------------------------------ public
 
@@ -188,6 +195,8 @@ class Scheduler:
         self.check_fits(request.num_prompt_tokens, self._max_tokens(request), self._n(request))
         self._enqueue(request)
         self.waiting.append(request)
+        if self.config.pin_waiting_prefixes:
+            self.kv.pin_prefix(request)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raise ``ValueError`` (with both numbers) for a request that can never fit."""
@@ -431,6 +440,11 @@ class Scheduler:
         self._requeue(victim)
         return victim
 
+    def release_pins(self) -> int:
+        """End every waiting request's pin (a shrink of the pool wants the room); returns
+        how many there were."""
+        return sum(1 for request in self.waiting if self.kv.release_pin(request))
+
     def max_blocks_needed(self) -> int:
         """Blocks the largest unfinished request holds at its longest: a pool smaller
         than this could never finish it."""
@@ -459,6 +473,7 @@ class Scheduler:
             num_preemptions_swap=self.num_preemptions["swap"],
             num_inflight_shared_tokens=self.num_inflight_shared_tokens,
             num_inflight_waits=self.num_inflight_waits,
+            num_pins_given_up=self.num_pins_given_up,
         )
 
     # --------------------------------------------------------------- running
@@ -507,6 +522,8 @@ class Scheduler:
             allocation = self.kv.allocate_slots(request, num_new)
             if allocation is not None:
                 return allocation.block_copies
+            if self._give_up_pins(None, self.kv.free_blocks_needed(request, num_new)):
+                continue  # waiting requests' pins make the room: nobody is preempted
             victim = max(self.running, key=self._victim_key)
             self._preempt(victim, step)
             if victim is request:
@@ -558,7 +575,9 @@ class Scheduler:
         for request in sorted(self.swapped, key=self._priority_key):
             if len(resumed) >= step.budget or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.kv.can_swap_in(request):
+            if not self.kv.can_swap_in(request) and not self._give_up_pins(
+                None, self.kv.blocks_to_swap_in(request)
+            ):
                 break
             moves = self.kv.swap_in(request)
             if moves is None:
@@ -595,11 +614,7 @@ class Scheduler:
             if num_new > step.budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, step.budget)
-            # With nothing running there is nobody to keep the watermark for, and
-            # keeping it could leave a large request waiting forever.
-            allocation = self.kv.allocate_slots(
-                request, num_new, computed, admission=bool(self.running)
-            )
+            allocation = self._admit(request, num_new, computed)
             if allocation is None:
                 break  # first come, first served: nobody overtakes the head
             self.waiting.remove(request)
@@ -613,6 +628,34 @@ class Scheduler:
             step.add(request, num_new, allocation.block_copies)
             if in_flight is not None:
                 in_flight.update(self._uncomputed_hashes(request))
+
+    def _admit(self, request: Request, num_new: int, computed: ComputedBlocks) -> Allocation | None:
+        """``allocate_slots`` for a waiting request's first tokens; when the room is
+        short, the pins of requests behind it give way first."""
+        # With nothing running there is nobody to keep the watermark for, and
+        # keeping it could leave a large request waiting forever.
+        admission = bool(self.running)
+        while True:
+            allocation = self.kv.allocate_slots(request, num_new, computed, admission=admission)
+            if allocation is not None:
+                return allocation
+            needed = self.kv.free_blocks_needed(request, num_new, computed, admission=admission)
+            if not self._give_up_pins(request, needed):
+                return None
+
+    def _give_up_pins(self, request: Request | None, num_free_blocks: int) -> bool:
+        """Make ``num_free_blocks`` blocks free by giving up the pins of waiting requests
+        other than ``request``, of those admitted last first (they would wait longest;
+        the next to run keep their prefix). False when it gave up none: the room was
+        there already, or all their pins would not make it."""
+        if not self.kv.num_pinned_requests:
+            return False
+        others = sorted(
+            (r for r in self.waiting if r is not request), key=self._priority_key, reverse=True
+        )
+        released = self.kv.give_up_pins(others, num_free_blocks)
+        self.num_pins_given_up += released
+        return released > 0
 
     def _in_flight_hashes(self) -> set[bytes] | None:
         """Hashes of the full blocks running requests have yet to compute (None: no
@@ -712,6 +755,8 @@ class Scheduler:
             return
         if request.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
             self.kv.free(request)
+        else:
+            self.kv.release_pin(request)  # a waiting request's
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)

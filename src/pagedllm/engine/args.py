@@ -148,6 +148,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests arriving together compute a shared prefix once (the others wait a "
         "step for its blocks)",
     )
+    group.add_argument(
+        "--pin-waiting-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a waiting request keeps its cached prefix from eviction until it runs (a pin "
+        "gives way to any allocation that needs the room)",
+    )
     group.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
     group.add_argument(
         "--swap-space",
@@ -230,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_inflight_sharing=args.enable_inflight_sharing,
+        pin_waiting_prefixes=args.pin_waiting_prefixes,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         kv_offload_dir=args.kv_offload_dir,

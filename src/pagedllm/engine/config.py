@@ -62,6 +62,9 @@ class EngineConfig:
     # Requests arriving together share a prefix in flight: one computes it, the others
     # wait a step for its blocks (see core/scheduler.py).
     enable_inflight_sharing: bool = True
+    # A waiting request pins its cached prefix until it is admitted (core/scheduler.py):
+    # what a router predicted from the replica's cache is still there when it runs.
+    pin_waiting_prefixes: bool = True
     preemption_mode: str = "auto"
     swap_space: float = 0.0
     num_host_blocks: int | None = None

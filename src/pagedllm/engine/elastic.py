@@ -298,6 +298,8 @@ class ElasticPool:
         if self._tally is not None:
             self._tally.limited_by = "superseded by another resize"
             self._complete(settle=True)
+        if requested < self.kv.num_blocks:
+            self.scheduler.release_pins()  # pinned prefixes are cached-free again: movable
         pool = self.kv.pool
         self._num_started += 1
         self._tally = ResizeTally(

@@ -83,6 +83,8 @@ class EngineStats:
     # arrived (in-flight sharing), and how many requests waited for such blocks.
     num_inflight_shared_tokens: int = 0
     num_inflight_waits: int = 0
+    # Waiting requests' pins on their cached prefix released for another's room.
+    num_pins_given_up: int = 0
     # Internal, external and duplication waste of the device tier now
     # (``core.accounting.waste``); computed by ``get_stats`` only.
     waste: WasteReport | None = None
@@ -222,6 +224,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_inflight_sharing=config.enable_inflight_sharing,
+                pin_waiting_prefixes=config.pin_waiting_prefixes,
                 num_scheduler_steps=config.num_scheduler_steps,
             ),
             self.kv,
@@ -557,6 +560,7 @@ class LLMEngine:
             cache=self.kv.stats(),
             num_inflight_shared_tokens=s.num_inflight_shared_tokens,
             num_inflight_waits=s.num_inflight_waits,
+            num_pins_given_up=s.num_pins_given_up,
             waste=waste(self.kv, *waste_inputs),
             group_waste=self._group_waste(waste_inputs),
             disk=self.disk_store.stats() if self.disk_store is not None else None,

@@ -40,6 +40,9 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         "blocks_used": cache.blocks_used,
         "blocks_cached_free": cache.blocks_cached_free,
         "blocks_free": cache.blocks_free,
+        # Of blocks_used: held only by waiting requests' pins on their cached prefix.
+        "blocks_pinned": cache.blocks_pinned,
+        "pins_given_up": stats.num_pins_given_up,
         "usage": cache.blocks_used / cache.blocks_total if cache.blocks_total else 0.0,
         "host_blocks_total": cache.host_blocks_total,
         "host_blocks_used": cache.host_blocks_used,

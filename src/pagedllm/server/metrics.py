@@ -48,7 +48,13 @@ class _StatsCollector(Collector):
                 "Accepted requests still waiting for their first token (bounded).",
                 server["queued"],
             )
-        for name in ("blocks_total", "blocks_used", "blocks_cached_free", "blocks_free"):
+        for name in (
+            "blocks_total",
+            "blocks_used",
+            "blocks_cached_free",
+            "blocks_free",
+            "blocks_pinned",
+        ):
             yield _gauge(f"kv_{name}", f"KV cache {name.replace('_', ' ')}.", r[name])
         yield _gauge("kv_cache_usage", "Fraction of KV blocks held by live requests.", r["usage"])
         yield _gauge("kv_block_size", "Tokens per KV block.", r["block_size"])
@@ -76,6 +82,11 @@ class _StatsCollector(Collector):
             "Prompt tokens not computed twice: found cached after waiting for another "
             "request that was computing them (in-flight sharing).",
             prefix["inflight_shared_tokens"],
+        )
+        yield _counter(
+            "kv_pins_given_up",
+            "Waiting requests' pins on their cached prefix released to make room.",
+            r["pins_given_up"],
         )
         disk = r.get("disk")
         if disk is not None:
