@@ -118,3 +118,20 @@ def test_without_the_option_the_cap_stays_as_given(fake_engine, letter_ids):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.max_prefill_tokens_while_decoding == 48
+
+
+def test_a_token_cap_given_with_the_time_is_the_most_the_engine_picks(fake_engine, letter_ids):
+    """64 ms at 2 ms a token would be 32 tokens; with a 16-token cap given too, 16 (the
+    server's defaults: 128 ms, at most 256 tokens)."""
+    engine = fake_engine(
+        num_blocks=256,
+        max_num_batched_tokens=256,
+        max_prefill_tokens_while_decoding=16,
+        max_prefill_ms_while_decoding=64.0,
+    )
+    engine.runner = _SlowPrompts(engine.runner)
+    engine.add_request("a", letter_ids[:1] * 100, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._slice_tuner.cap() == 16
+    assert engine.max_prefill_tokens_while_decoding == 16

@@ -118,7 +118,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most prompt tokens in a step that also decodes: shorter gaps between a "
         "stream's tokens while prompts arrive (default: the step's budget; pagedllm serve: "
-        "set from --max-prefill-ms-while-decoding)",
+        "set from --max-prefill-ms-while-decoding, at most 256)",
     )
     group.add_argument(
         "--max-prefill-ms-while-decoding",
@@ -126,8 +126,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MS",
         help="the same cap in time: the engine keeps it at the power of two of prompt tokens "
-        "nearest to MS milliseconds of prompt work, from the steps it times (pagedllm serve: "
-        "128 unless --max-prefill-tokens-while-decoding is given)",
+        "nearest to MS milliseconds of prompt work, from the steps it times, at most "
+        "--max-prefill-tokens-while-decoding where both are given (pagedllm serve: 128 ms, at "
+        "most 256 tokens, unless --max-prefill-tokens-while-decoding alone is given)",
     )
     group.add_argument(
         "--enable-prefix-caching",

@@ -55,7 +55,8 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = None
     # Or in time: the engine keeps the cap at about this many milliseconds of prompt work,
     # from the steps it measures (engine/prefill_slice.py; max_prefill_tokens_while_decoding,
-    # if given too, is the cap until the first prompt step has been timed).
+    # if given too, is the cap until the first prompt step has been timed, and the most the
+    # engine picks).
     max_prefill_ms_while_decoding: float | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -1095,5 +1095,9 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
 def _slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:
     if config.max_prefill_ms_while_decoding is None or not config.enable_chunked_prefill:
         return None
-    largest = max(config.resolved_max_num_batched_tokens(max_model_len), SMALLEST_CAP)
+    # A token cap given too is the most the tuner picks (and the cap until it has timed a step).
+    largest = config.resolved_max_num_batched_tokens(max_model_len)
+    if config.max_prefill_tokens_while_decoding is not None:
+        largest = min(largest, config.max_prefill_tokens_while_decoding)
+    largest = max(largest, SMALLEST_CAP)
     return PrefillSliceTuner(config.max_prefill_ms_while_decoding / 1000, largest)
