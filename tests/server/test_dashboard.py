@@ -31,6 +31,8 @@ def _check_consistent(report: dict[str, Any]) -> None:
         states, refs = report[state_key], report[ref_key]
         assert len(states) == len(refs) == total
         held = Counter(b for row in report["requests"] for b in row[table_key])
+        if tier == "device":  # waiting requests' pins hold references too
+            held.update(b for row in report["requests"] for b in row.get("pinned_blocks", []))
         for block_id in range(total):
             assert refs[block_id] == held[block_id], (tier, block_id, refs[block_id])
             assert (states[block_id] == U) == (refs[block_id] > 0), (tier, block_id)

@@ -159,6 +159,8 @@ def blocks_report(engine: Any) -> dict[str, Any]:
     for row in rows:
         # KV cache groups 1.. (local/global models): their tables beside group 0's.
         row["group_block_tables"] = [group.get(row["request_id"], []) for group in other_groups]
+        # A waiting request's pin (its cached prefix, held until admission): in ref_count too.
+        row["pinned_blocks"] = kv.pinned_block_ids(row["request_id"])
     # Tables of requests the scheduler no longer lists (should be none): still show them.
     for request_id in sorted(tables.keys() | host_tables.keys()):
         rows.append(
