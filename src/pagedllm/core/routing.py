@@ -41,6 +41,8 @@ from typing import Protocol
 from pagedllm.core.cache_events import REMOVED, STORED, CacheEvents
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+# How a router hears of a replica's cache events: pushed as they happen, or polled.
+CACHE_EVENT_FEEDS = ("stream", "poll")
 
 
 def predicted_cached_tokens(num_matched_blocks: int, block_size: int, num_tokens: int) -> int:
