@@ -21,9 +21,14 @@ fabricated tokens, the same routing code; the shared-prefix workload and, with
 replica's true cache.
 
 ``--variant NAME=FLAGS`` (repeatable) starts one set of replicas per variant, each with
-those extra ``pagedllm serve`` flags, and alternates the variants within every round (A/B
-on the same host drift): for example ``--variant pins= --variant
-nopins=--no-pin-waiting-prefixes``.
+those extra ``pagedllm serve`` flags, and alternates the variants within every round, their
+order reversed every other round (A/B on the same host drift): for example ``--variant pins= --variant
+nopins=--no-pin-waiting-prefixes``. ``--router-flags NAME=FLAGS`` gives variant NAME's
+routers extra ``pagedllm router`` flags: ``--variant stream= --variant poll=
+--router-flags poll=--cache-events=poll`` compares the pushed view with the polled one.
+Each misprediction is counted where the replica's index changed: *before arrival* (the
+view was behind when routing, or the index changed while the request travelled) or *in
+the queue* (``arrival_event_seq``, see server/router.py).
 
     .venv/bin/python benchmarks/router.py --replicas 4 --rounds 3 \\
         --trace ../shared/data/mooncake_synthetic_trace.jsonl
@@ -74,6 +79,8 @@ class RunResult:
     unreplayed: int  # answers the router could not replay
     requests_per_replica: list[int]
     pins_given_up: int = 0  # the replicas' waiting requests' pins released for room
+    before_arrival_error: float = 0.0  # the predicted error's share whose miss came before
+    in_queue_error: float = 0.0  # arrival / in the queue (of reported cached tokens)
 
 
 def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
@@ -143,8 +150,12 @@ async def drive(base: str, prompts: list[list[int]], args: argparse.Namespace) -
 
 def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     """``NAME=FLAGS`` -> {NAME: flags split on spaces}; none given: one, no extra flags."""
+    return parse_flags(specs or ["default="])
+
+
+def parse_flags(specs: list[str]) -> dict[str, list[str]]:
     variants = {}
-    for spec in specs or ["default="]:
+    for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not name:
             raise SystemExit(f"--variant takes NAME=FLAGS, got {spec!r}")
@@ -154,6 +165,9 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
 
 def run_real(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     variants = parse_variants(args.variant)
+    router_flags = parse_flags(args.router_flags)
+    if set(router_flags) - set(variants):
+        raise SystemExit(f"--router-flags names no --variant: {sorted(router_flags)}")
     policies = args.policies.split(",")
     engine = ["--model", args.model, "--dtype", args.dtype, "--num-threads", "1",
               "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks)]  # fmt: skip
@@ -169,13 +183,16 @@ def run_real(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         for url, proc in zip([u for us in urls.values() for u in us], replicas, strict=True):
             wait_healthy(url, proc, timeout=300)
         seed = 1000
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
+            # variants in turn, the order reversed every other round (A B, B A, ...)
+            order = list(variants)[:: -1 if round_index % 2 else 1]
             for policy in policies:
                 seed += 1
                 prompts = workload(args, seed)  # every variant gets the same prompts
-                for name in variants:
+                for name in order:
                     key = run_key(name, policy, len(variants))
-                    results[key].append(real_run(args, urls[name], policy, prompts))
+                    flags = router_flags.get(name, [])
+                    results[key].append(real_run(args, urls[name], policy, prompts, flags))
                     print(f"  {key}: {asdict(results[key][-1])}", file=sys.stderr)
     finally:
         for proc in replicas:
@@ -194,11 +211,13 @@ def pins_given_up(urls: list[str]) -> int:
     return sum(httpx.get(f"{url}/v1/cache").json().get("pins_given_up", 0) for url in urls)
 
 
-def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: list) -> RunResult:
+def real_run(
+    args: argparse.Namespace, urls: list[str], policy: str, prompts: list, flags: list[str]
+) -> RunResult:
     port = free_port()
     replica_flags = [flag for url in urls for flag in ("--replica", url)]
     router = start(["router", "--port", str(port), "--routing-policy", policy,
-                    "--tokenizer", args.model, *replica_flags])  # fmt: skip
+                    "--tokenizer", args.model, *replica_flags, *flags])  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, router, timeout=300)
@@ -212,6 +231,8 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
     predicted = sum(r["predicted_cached_tokens"] for r in replicas)
     replayed = sum(r["replayed_cached_tokens"] for r in replicas)
     reported = sum(r["reported_cached_tokens"] for r in replicas)
+    before = sum(r["missed_before_arrival_tokens"] for r in replicas)
+    queued = sum(r["missed_in_queue_tokens"] for r in replicas)
     return RunResult(
         policy=policy,
         hit_rate=out["hit_rate"],
@@ -223,6 +244,8 @@ def real_run(args: argparse.Namespace, urls: list[str], policy: str, prompts: li
         unreplayed=sum(r["unreplayed_requests"] for r in replicas),
         requests_per_replica=[r["requests"] for r in replicas],
         pins_given_up=given_up,
+        before_arrival_error=before / reported if reported else 0.0,
+        in_queue_error=queued / reported if reported else 0.0,
     )
 
 
@@ -252,7 +275,8 @@ def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) ->
           f"{args.requests_per_tenant} requests, prefix {args.prefix_len} tokens, "
           f"concurrency {args.concurrency}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
     print(f"{'policy':<22} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "
-          f"{'out tok/s':>16} {'pred. err':>17} {'replay err':>10} {'pins given up':>14}")  # fmt: skip
+          f"{'out tok/s':>16} {'pred. err':>17} {'replay err':>10} {'pins given up':>14} "
+          f"{'before arrival':>17} {'in queue':>17}")  # fmt: skip
     summary = {}
     for policy, runs in results.items():
         hits = [r.hit_rate for r in runs]
@@ -264,7 +288,9 @@ def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) ->
               f"{med(tput):>7.1f} ({min(tput):.0f}-{max(tput):.0f}) "
               f"{', '.join(f'{r.predicted_error:.2%}' for r in runs):>17} "
               f"{max(r.replayed_error for r in runs):>10.2%} "
-              f"{', '.join(str(r.pins_given_up) for r in runs):>14}")  # fmt: skip
+              f"{', '.join(str(r.pins_given_up) for r in runs):>14} "
+              f"{', '.join(f'{r.before_arrival_error:.2%}' for r in runs):>17} "
+              f"{', '.join(f'{r.in_queue_error:.2%}' for r in runs):>17}")  # fmt: skip
         summary[policy] = {"runs": [asdict(r) for r in runs]}
     for a_key, b_key in ratio_pairs(list(results)):
         aware, other = results[a_key], results[b_key]
@@ -335,6 +361,8 @@ def main() -> None:
                         help="real replicas: comma-separated routing policies")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=FLAGS: a replica set with extra serve flags (repeatable)")  # fmt: skip
+    parser.add_argument("--router-flags", action="append", default=[],
+                        help="NAME=FLAGS: extra router flags for variant NAME (repeatable)")  # fmt: skip
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--token-ms", type=float, default=0.05)
     args = parser.parse_args()

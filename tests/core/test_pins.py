@@ -70,6 +70,38 @@ def test_a_waiting_requests_prefix_survives_eviction_that_took_it_before() -> No
     s.kv.check_invariants()
 
 
+def test_arrival_event_seq_tells_a_queued_miss_from_one_before_arrival() -> None:
+    """The log's position at ``add_request`` (arrival) and at the prefix lookup
+    (admission): a view replayed to each finds what the index held then. Unpinned, W's
+    prefix is there at arrival and gone at lookup (a miss in the queue); pinned, both agree."""
+    from pagedllm.core.hashing import hash_request_blocks
+    from pagedllm.core.routing import ReplicaCacheView
+
+    def run(pin: bool) -> tuple[int | None, int | None, Request]:
+        s = make(num_blocks=6, budget=64, max_num_seqs=1)
+        s.config = replace(s.config, pin_waiting_prefixes=pin)
+        cache_prefixes(s, range(9), range(100, 109))
+        s.add_request(request("R", range(200, 203), max_tokens=12))
+        step(s)
+        waiting = request("W", [*range(8), 50])
+        s.add_request(waiting)
+        assert waiting.arrival_event_seq == s.kv.events.next_seq
+        run_to_end(s)
+        view = ReplicaCacheView()
+        view.reset(s.kv.events.epoch, 0, ())
+        view.apply(s.kv.events.since(0))
+        hashes = hash_request_blocks(waiting.prompt_token_ids, s.kv.block_size, ())
+        at_arrival = view.matched_blocks_at(hashes, waiting.arrival_event_seq)
+        at_lookup = view.matched_blocks_at(hashes, waiting.cache_event_seq)
+        return at_arrival, at_lookup, waiting
+
+    at_arrival, at_lookup, waiting = run(pin=False)
+    assert (at_arrival, at_lookup) == (2, 0) and waiting.num_cached_tokens == 0
+    assert waiting.arrival_event_seq < waiting.cache_event_seq
+    at_arrival, at_lookup, waiting = run(pin=True)
+    assert (at_arrival, at_lookup) == (2, 2) and waiting.num_cached_tokens == 8
+
+
 def test_b_the_head_gets_the_room_pins_behind_it_hold_newest_first() -> None:
     s = make(num_blocks=8, budget=64, max_num_seqs=1)
     cache_prefixes(s, range(9), range(100, 109))  # P0: blocks 0, 1; P1: 3, 4

@@ -164,6 +164,87 @@ class ASGIStream:
                 await self.chunks.put(None)
 
 
+class StreamingASGITransport(httpx.AsyncBaseTransport):
+    """``httpx.ASGITransport`` with a body that streams: each chunk reaches the client as
+    the app sends it (an endless event stream works), and closing the response
+    disconnects the app's request (``http.disconnect``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": request.method, "scheme": request.url.scheme,
+            "path": request.url.path, "raw_path": request.url.raw_path.split(b"?")[0],
+            "query_string": request.url.query, "root_path": "",
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "server": (request.url.host, request.url.port), "client": ("127.0.0.1", 5555),
+        }  # fmt: skip
+        stream = _AppBody(self.app, scope, body)
+        await stream.start()
+        return httpx.Response(stream.status, headers=stream.headers, stream=stream)
+
+
+class _AppBody(httpx.AsyncByteStream):
+    def __init__(self, app: Any, scope: dict[str, Any], body: bytes) -> None:
+        self.app, self.scope, self.body = app, scope, body
+        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.started = asyncio.Event()
+        self.disconnected = asyncio.Event()
+        self.status = 500
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.task: asyncio.Task | None = None
+        self._body_sent = False
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+        started = asyncio.create_task(self.started.wait())
+        await asyncio.wait({self.task, started}, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if not self.started.is_set():
+            self.task.result()  # the app raised before it answered
+            raise RuntimeError("the app ended without a response")
+
+    async def _run(self) -> None:
+        try:
+            await self.app(self.scope, self._receive, self._send)
+        finally:
+            await self.chunks.put(None)
+
+    async def _receive(self) -> dict[str, Any]:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.headers = message["status"], list(message.get("headers", []))
+            self.started.set()
+        elif message["type"] == "http.response.body" and message.get("body"):
+            await self.chunks.put(message["body"])
+
+    async def __aiter__(self):
+        while (chunk := await self.chunks.get()) is not None:
+            yield chunk
+        assert self.task is not None
+        try:
+            await self.task
+        except Exception as exc:  # the app broke off its answer: a lost connection
+            raise httpx.ReadError(f"the app failed: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        self.disconnected.set()
+        if self.task is not None and not self.task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), 5)
+            except TimeoutError:
+                self.task.cancel()
+
+
 def sse_events(body: bytes) -> list[Any]:
     """Split an SSE body into parsed events, checking the framing on the way."""
     assert body.endswith(b"data: [DONE]\n\n"), body[-200:]

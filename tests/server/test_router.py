@@ -15,7 +15,7 @@ import httpx
 
 from pagedllm.server.router import create_router_app
 
-from .conftest import sse_events, wait_pool_free
+from .conftest import StreamingASGITransport, sse_events, wait_pool_free
 
 PREFIXES = [list(range(97, 97 + 20)), list(range(100, 100 + 20)), list(range(103, 103 + 20))]
 
@@ -25,7 +25,7 @@ class KillableTransport(httpx.AsyncBaseTransport):
     fail to connect and a response being read raises ``ReadError`` after its first chunk."""
 
     def __init__(self, app: Any) -> None:
-        self.inner = httpx.ASGITransport(app=app)
+        self.inner = StreamingASGITransport(app)
         self.dead = False
 
     def kill(self) -> None:
@@ -88,7 +88,7 @@ def _run(router_app: Any, harnesses: list[Any], body: Any) -> Any:
                     await wait_pool_free(h.engine)
                 return result
             finally:
-                await router_app.state.router.client.aclose()
+                await router_app.state.router.stop()  # its feeds, then its client
                 for h in harnesses:
                     await h.engine.shutdown()
 
@@ -345,8 +345,9 @@ def test_chat_prompts_are_routed_by_their_rendered_tokens(make_harness):
 
 
 class HangingEventsTransport(KillableTransport):
-    """A replica whose cache-events endpoint stops answering (a hung or stopped process)
-    once ``hang()`` is called; completions would still be served."""
+    """A replica whose cache-events endpoints stop answering (a hung or stopped process)
+    once ``hung`` is set: a poll never answers, an open event stream sends nothing more
+    (not even its keep-alives); completions would still be served."""
 
     def __init__(self, app: Any) -> None:
         super().__init__(app)
@@ -354,9 +355,32 @@ class HangingEventsTransport(KillableTransport):
         self.never = asyncio.Event()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self.hung.is_set() and request.url.path == "/v1/cache/events":
+        events = request.url.path.startswith("/v1/cache/events")
+        if self.hung.is_set() and events:
             await self.never.wait()
-        return await super().handle_async_request(request)
+        response = await super().handle_async_request(request)
+        if not events:
+            return response
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_FreezingStream(response.stream, self),
+            request=request,
+        )
+
+
+class _FreezingStream(httpx.AsyncByteStream):
+    def __init__(self, inner: Any, transport: HangingEventsTransport) -> None:
+        self.inner, self.transport = inner, transport
+
+    async def __aiter__(self):
+        async for chunk in self.inner:
+            if self.transport.hung.is_set():
+                await self.transport.never.wait()
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def test_a_hung_replica_is_marked_unhealthy_and_does_not_stall_the_others(make_harness):
@@ -402,3 +426,236 @@ def test_a_hung_replica_is_marked_unhealthy_and_does_not_stall_the_others(make_h
     # Every request after the hang was noticed went to the replica that answers.
     assert replicas[0]["requests"] >= 3 + 1
     assert all(len(out["choices"][0]["text"]) for out in result["done"] + result["later"])
+
+
+def test_a_silent_event_stream_marks_its_replica_unhealthy_routing_goes_on(make_harness):
+    """Both views streamed; replica 1's stream then goes silent (no batch, no keep-alive):
+    within the poll timeout the router stops trusting it and sends everything to replica
+    0, whose stream keeps its view current meanwhile; no request waits on a feed."""
+    harnesses = [make_harness() for _ in range(2)]
+    transports = [HangingEventsTransport(h.app) for h in harnesses]
+    mounts = {f"http://replica{i}": t for i, t in enumerate(transports)}
+    client = httpx.AsyncClient(mounts=mounts, timeout=30)
+    app = create_router_app(
+        ["http://replica0", "http://replica1"],
+        tokenizer=harnesses[0].tokenizer,
+        policy="round_robin",
+        client=client,
+        poll_interval=0.01,
+        poll_timeout=0.3,
+    )
+
+    async def body(client: httpx.AsyncClient) -> dict:
+        return await asyncio.wait_for(steps(client), 30)
+
+    async def steps(client: httpx.AsyncClient) -> dict:
+        router = app.state.router
+        router.start()
+        await _until(lambda: all(r.streaming for r in router.replicas))
+        transports[1].hung.set()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await _until(lambda: not router.replicas[1].healthy)
+        noticed_s = loop.time() - started
+        seq = router.replicas[0].view.next_seq
+        later = [await _complete(client, _prompt(1, i)) for i in range(3)]
+        log = harnesses[0].llm.kv.events
+        await _until(lambda: router.replicas[0].view.next_seq == log.next_seq > seq)
+        report = (await client.get("/v1/router")).json()
+        return {"later": later, "report": report, "noticed_s": noticed_s}
+
+    result = _run(app, harnesses, body)
+    replicas = result["report"]["replicas"]
+    assert result["noticed_s"] < 2.0
+    assert replicas[0]["healthy"] and replicas[0]["event_stream"]
+    assert not replicas[1]["healthy"] and not replicas[1]["event_stream"]
+    assert replicas[0]["requests"] == 3 and replicas[1]["requests"] == 0
+    assert all(len(out["choices"][0]["text"]) for out in result["later"])
+
+
+async def _until(condition: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def _other_prompt(i: int) -> list[int]:
+    """40 ids no tenant shares: 10 full blocks of 4, most of a 16-block cache."""
+    return [65 + (7 * i + k) % 26 for k in range(40)]
+
+
+def test_a_replicas_event_stream_keeps_a_view_exact_without_a_poll(make_harness):
+    """``/v1/cache/events/stream``: a snapshot first, then every batch the engine logs
+    (registrations and evictions), keep-alives while idle; a view fed by it alone ends
+    equal to the replica's index."""
+    from pagedllm.core.cache_events import REMOVED
+    from pagedllm.core.routing import ReplicaCacheView
+    from pagedllm.server.cache_events import parse_events_reply
+
+    harness = make_harness(num_blocks=16, block_size=4, max_model_len=64)
+
+    async def main() -> dict:
+        transport = StreamingASGITransport(harness.app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://replica", timeout=30
+        ) as client:
+            bad = await client.get("/v1/cache/events/stream", params={"heartbeat": 0})
+            assert bad.status_code == 400
+            view, num_batches = ReplicaCacheView(), 0
+            params = {"heartbeat": 0.05}
+            async with client.stream("GET", "/v1/cache/events/stream", params=params) as stream:
+                lines = stream.aiter_lines()
+
+                async def next_reply() -> Any:
+                    while True:
+                        line = await asyncio.wait_for(anext(lines), 5)
+                        if line.startswith("data: "):
+                            return parse_events_reply(json.loads(line[6:]))
+
+                first = await next_reply()
+                assert first.snapshot == () and first.block_size == 4
+                view.reset(first.epoch, first.next_seq, first.snapshot)
+                for i in range(3):
+                    for prompt in (_prompt(i, 0), _other_prompt(i)):
+                        body = {"prompt": prompt, "max_tokens": 3}
+                        assert (await client.post("/v1/completions", json=body)).is_success
+                await wait_pool_free(harness.engine)
+                log = harness.llm.kv.events
+                while view.next_seq < log.next_seq:
+                    view.apply((await next_reply()).batch)
+                    num_batches += 1
+                idle = [await asyncio.wait_for(anext(lines), 5) for _ in range(4)]
+                assert ": keep-alive" in idle and not any(x.startswith("data") for x in idle)
+                kinds = [kind for kind, _ in log.since(0).events]
+                index = set(harness.llm.kv.pool.hashed_blocks().values())
+            await harness.engine.shutdown()
+            return {"view": view.hashes, "index": index, "kinds": kinds, "batches": num_batches}
+
+    result = asyncio.run(main())
+    assert result["view"] == result["index"] and result["index"]
+    assert REMOVED in result["kinds"] and result["batches"] > 1
+
+
+def test_a_streamed_view_is_current_when_routing_a_polled_one_a_poll_behind(make_harness):
+    """Tenant 0's prefix is cached on the replica, then traffic the router never sees
+    (straight to the replica) evicts it. Polled every 30 s, the router still believes
+    the prefix is there: 20 tokens predicted, 0 reported, the miss counted *before
+    arrival*. Streamed, its view follows the evictions with no poll and predicts 0."""
+
+    def run(feed: str) -> dict:
+        harness = make_harness(num_blocks=16, block_size=4, max_model_len=64)
+        app, _ = _router([harness], cache_events=feed, poll_interval=30)
+
+        async def body(client: httpx.AsyncClient) -> dict:
+            router = app.state.router
+            router.start()
+            await _complete(client, _prompt(0, 0))
+            first_block = router.replicas[0].view.hashes.copy()
+            direct = httpx.AsyncClient(
+                transport=StreamingASGITransport(harness.app), base_url="http://replica"
+            )
+            for i in range(3):
+                body = {"prompt": _other_prompt(i), "max_tokens": 3}
+                assert (await direct.post("/v1/completions", json=body)).is_success
+            await direct.aclose()
+            index = set(harness.llm.kv.pool.hashed_blocks().values())
+            assert first_block and not first_block & index  # tenant 0's blocks are gone
+            log = harness.llm.kv.events
+            if feed == "stream":
+                await _until(lambda: router.replicas[0].view.next_seq == log.next_seq)
+            out = await _complete(client, _prompt(0, 1))
+            report = (await client.get("/v1/router")).json()["replicas"][0]
+            return {"cached": out["usage"]["prompt_tokens_details"]["cached_tokens"], **report}
+
+        return _run(app, [harness], body)
+
+    polled = run("poll")
+    assert polled["cached"] == 0 and not polled["event_stream"]
+    assert polled["predicted_cached_tokens"] == polled["reported_cached_tokens"] + 20
+    assert polled["missed_before_arrival_tokens"] == 20 and polled["missed_in_queue_tokens"] == 0
+    streamed = run("stream")
+    assert streamed["cached"] == 0 and streamed["event_stream"]
+    assert streamed["predicted_cached_tokens"] == streamed["reported_cached_tokens"]
+    assert streamed["missed_before_arrival_tokens"] == streamed["missed_in_queue_tokens"] == 0
+    assert streamed["replayed_cached_tokens"] == streamed["reported_cached_tokens"]
+
+
+class ScriptedReplica:
+    """A replica's two event endpoints, scripted by the test: its index (epoch,
+    next_seq, hashes), a poll that answers a snapshot of it, and streams that send a
+    snapshot and then whatever the test queues (None ends the stream)."""
+
+    def __init__(self) -> None:
+        from fastapi import FastAPI
+
+        from pagedllm.server.cache_events import events_frame
+        from pagedllm.server.sse import EventStreamResponse
+
+        self.epoch, self.next_seq, self.hashes = "e1", 0, [b"\x01" * 32]
+        self.frames: asyncio.Queue[dict | None] = asyncio.Queue()
+        self.num_streams = 0
+        self.app = FastAPI()
+
+        @self.app.get("/v1/cache/events")
+        async def poll() -> dict:
+            return self.snapshot()
+
+        @self.app.get("/v1/cache/events/stream")
+        async def stream() -> Any:
+            self.num_streams += 1
+
+            async def frames() -> Any:
+                yield events_frame(self.snapshot())
+                while (batch := await self.frames.get()) is not None:
+                    yield events_frame(batch)
+
+            return EventStreamResponse(frames())
+
+    def snapshot(self) -> dict:
+        return {"epoch": self.epoch, "block_size": 4, "next_seq": self.next_seq,
+                "snapshot": [h.hex() for h in self.hashes]}  # fmt: skip
+
+    def batch(self, first_seq: int, events: list[tuple[str, bytes]]) -> dict:
+        return {"epoch": self.epoch, "block_size": 4, "first_seq": first_seq,
+                "next_seq": first_seq + len(events),
+                "events": [[kind, h.hex()] for kind, h in events]}  # fmt: skip
+
+
+def test_the_view_resyncs_from_a_snapshot_after_a_gap_and_after_a_restart():
+    replica = ScriptedReplica()
+    h = [bytes([i]) * 32 for i in range(1, 8)]
+    client = httpx.AsyncClient(mounts={"http://replica0": StreamingASGITransport(replica.app)})
+    app = create_router_app(["http://replica0"], tokenizer=None, client=client, poll_interval=0.01)
+
+    async def main() -> None:
+        router = app.state.router
+        view = router.replicas[0].view
+        router.start()
+        try:
+            await _until(lambda: router.replicas[0].streaming and view.hashes == {h[0]})
+            # in sequence: applied
+            replica.next_seq = 2
+            replica.hashes = [h[0], h[1]]
+            await replica.frames.put(replica.batch(0, [("+", h[1]), ("-", h[2])]))
+            await _until(lambda: view.next_seq == 2)
+            assert view.hashes == {h[0], h[1]}
+            # a gap (events 2-4 never came): the stream is dropped, a poll's snapshot
+            # puts the view right, a new stream follows on
+            replica.next_seq, replica.hashes = 6, [h[1], h[3], h[4]]
+            await replica.frames.put(replica.batch(5, [("+", h[4])]))
+            await _until(lambda: replica.num_streams == 2 and router.replicas[0].streaming)
+            assert (view.hashes, view.next_seq) == ({h[1], h[3], h[4]}, 6)
+            # the replica restarts (another epoch, its log from 0): the stream ends, the
+            # next read is a snapshot of the new index
+            replica.epoch, replica.next_seq, replica.hashes = "e2", 1, [h[5]]
+            await replica.frames.put(None)
+            await _until(lambda: view.epoch == "e2" and replica.num_streams == 3)
+            assert (view.hashes, view.next_seq) == ({h[5]}, 1)
+            assert router.replicas[0].healthy
+        finally:
+            await replica.frames.put(None)
+            await router.stop()
+
+    asyncio.run(main())

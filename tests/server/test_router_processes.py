@@ -1,5 +1,6 @@
 """The router across real process boundaries: two ``pagedllm serve`` replicas and
-``pagedllm router`` in their own processes; a replica killed mid-stream fails only its
+``pagedllm router`` in their own processes, the replicas' cache events pushed to it
+(engine core -> API process -> SSE -> router); a replica killed mid-stream fails only its
 stream, and the router sends it nothing more. ``serve --data-parallel-size 2`` comes up
 as a router over two replicas and takes them down with it."""
 
@@ -90,6 +91,14 @@ def _wait_in_flight(base: str, timeout: float = 60) -> int:
         time.sleep(0.02)
 
 
+def _wait_streaming(base: str, timeout: float = 30) -> None:
+    """Until the router has every replica's cache event stream open."""
+    deadline = time.monotonic() + timeout
+    while not all(r["event_stream"] for r in httpx.get(f"{base}/v1/router").json()["replicas"]):
+        assert time.monotonic() < deadline, "the router never opened the event streams"
+        time.sleep(0.05)
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -127,10 +136,13 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
         for url, proc in zip(urls, [router, *replicas], strict=True):
             _wait_healthy(url, proc)
         base = urls[0]
+        _wait_streaming(base)
         for i in range(2):
             for tenant in range(2):
                 _complete(base, tenant, i)
         report = httpx.get(f"{base}/v1/router").json()
+        assert report["cache_events"] == "stream"
+        assert all(r["event_stream"] for r in report["replicas"])
         served = [r["requests"] for r in report["replicas"]]
         assert sum(served) == 4
         assert [r["predicted_cached_tokens"] for r in report["replicas"]] == [
@@ -163,6 +175,15 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
             _complete(base, 0, 10 + i)
         report = httpx.get(f"{base}/v1/router").json()["replicas"]
         assert report[victim]["healthy"] is False and report[survivor]["healthy"] is True
+        assert report[victim]["event_stream"] is False and report[survivor]["event_stream"]
+        # the survivor's view, pushed across both boundaries, reaches its index exactly
+        index = httpx.get(f"{urls[1 + survivor]}/v1/cache/events").json()["snapshot"]
+        deadline = time.monotonic() + 10
+        while report[survivor]["cached_blocks"] != len(index):
+            assert time.monotonic() < deadline, (report[survivor], len(index))
+            time.sleep(0.02)
+            report = httpx.get(f"{base}/v1/router").json()["replicas"]
+        assert len(index) > 0
         assert report[survivor]["requests"] == served[survivor] + 3
         metrics = httpx.get(f"{base}/metrics").text
         assert f'pagedllm_router_replica_healthy{{replica="{urls[1 + victim]}"}} 0.0' in metrics

@@ -26,7 +26,11 @@ def _usage(prompt_tokens: int, completion_tokens: int, event_seq: Any = ANY) -> 
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0, "cache_event_seq": event_seq},
+        "prompt_tokens_details": {
+            "cached_tokens": 0,
+            "cache_event_seq": event_seq,
+            "arrival_event_seq": event_seq,  # nothing changed the index while it waited
+        },
     }
 
 

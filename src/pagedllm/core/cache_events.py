@@ -15,6 +15,7 @@ replica restarted) gets ``None`` from ``since`` and asks for a snapshot instead.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -61,6 +62,6 @@ class CacheEventLog:
         (or ``seq`` lies in the future: a reader of another epoch)."""
         if seq < self.first_seq or seq > self.next_seq:
             return None
-        skip = seq - self.first_seq
-        events = tuple(self._events)[skip:] if skip else tuple(self._events)
+        # From the newest end: a reader that keeps up asks for the last few of many.
+        events = tuple(itertools.islice(reversed(self._events), self.next_seq - seq))[::-1]
         return CacheEvents(self.epoch, seq, self.next_seq, events)

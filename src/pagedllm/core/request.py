@@ -9,6 +9,9 @@ Token ranges of a request (``num_tokens = len(all_token_ids)``)::
 ``cache_event_seq``: where the prefix cache's event log stood when that hit was looked
 up (``CacheEventLog.next_seq``): the hit is what the index held after the events before
 it, so a router replaying the replica's events to that point finds the same hit.
+``arrival_event_seq``: where the log stood when the request arrived (``add_request``), so
+a router can tell a miss that happened before the request reached the replica from one
+that happened while it waited in the queue.
 
 A step schedules ``k`` tokens starting at ``num_computed_tokens``; when the model
 has run, ``num_computed_tokens += k``. A decoding request has exactly one token
@@ -62,6 +65,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     cache_event_seq: int | None = None
+    arrival_event_seq: int | None = None
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

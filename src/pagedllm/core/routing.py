@@ -16,8 +16,9 @@ the next request of the same tenant follows the first, and expects those blocks 
 again). A pending hash the events never confirm is forgotten after a while.
 
 A prediction made at routing time can still miss: the replica may evict a block before
-the request reaches its scheduler (the view hears of it a poll later), or a pending
-block's owner may be preempted. So the engine reports where its event log stood when it
+the request reaches its scheduler (the view hears of it a message later when the
+replica pushes its events, a poll later when it is polled), or a pending block's owner
+may be preempted. So the engine reports where its event log stood when it
 looked the prefix up (``cache_event_seq``), and the view replays its last events back to
 that point (``matched_blocks_at``): the same hashes, the same log, the same hit, by
 construction. The router counts both: what it predicted when it routed, and the replay
@@ -41,6 +42,8 @@ from typing import Protocol
 from pagedllm.core.cache_events import REMOVED, STORED, CacheEvents
 
 ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+# How a router hears of a replica's cache events: pushed as they happen, or polled.
+CACHE_EVENT_FEEDS = ("stream", "poll")
 
 
 def predicted_cached_tokens(num_matched_blocks: int, block_size: int, num_tokens: int) -> int:

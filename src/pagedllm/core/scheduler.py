@@ -195,6 +195,7 @@ class Scheduler:
         self.check_fits(request.num_prompt_tokens, self._max_tokens(request), self._n(request))
         self._enqueue(request)
         self.waiting.append(request)
+        request.arrival_event_seq = self.kv.events.next_seq
         if self.config.pin_waiting_prefixes:
             self.kv.pin_prefix(request)
 
@@ -406,6 +407,7 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.cache_event_seq = parent.cache_event_seq
+        child.arrival_event_seq = parent.arrival_event_seq
         child.status = RequestStatus.RUNNING
         self.kv.fork(parent, child)
         self._enqueue(child)

@@ -8,6 +8,7 @@
     abort()        -- ["abort", ids] ----------->      or a thread (``in_thread``: tests,
     call_utility() -- ["utility", id, name, args]>      ``create_app(LLMEngine)``)
     reader task    <-- ["deltas", ...] ----------    one message per step: new token ids
+                   <-- ["events", batch] --------    cache events, once watch_cache_events
        RequestStream: detokenizes, keeps the text, hands out what is new
     core watcher   <-- the process/thread ended      every stream fails, /health says 503
 
@@ -74,6 +75,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OutputListener = Callable[[Sequence[RequestDelta], float], None]
+EventsListener = Callable[[dict[str, Any]], None]
 # Seconds the engine core may take to load its model and say "ready".
 DEFAULT_READY_TIMEOUT_S = 600.0
 # Seconds a stopping core gets to exit (its disk tier finishes queued writes) before it
@@ -199,6 +201,7 @@ class RequestStream:
         self.finished = False
         self.num_cached_tokens = 0
         self.cache_event_seq: int | None = None
+        self.arrival_event_seq: int | None = None
         self.error: str | None = None
         # RequestOutput.prompt_logprobs, once the core sends them (with the first tokens).
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
@@ -237,6 +240,7 @@ class RequestStream:
             self.request_id, self.prompt, self.prompt_token_ids, choices,
             self._got_final, self.num_cached_tokens, self.error,
             cache_event_seq=self.cache_event_seq, prompt_logprobs=self.prompt_logprobs,
+            arrival_event_seq=self.arrival_event_seq,
         )  # fmt: skip
 
     # Called on the event loop by the AsyncEngine.
@@ -250,6 +254,7 @@ class RequestStream:
                 choice.finish(seq.finish_reason, seq.stop_reason)
         self.num_cached_tokens = delta.num_cached_tokens
         self.cache_event_seq = delta.cache_event_seq
+        self.arrival_event_seq = delta.arrival_event_seq
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.error is not None:
@@ -401,6 +406,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0
         self._listeners: list[OutputListener] = []
+        self._events_listeners: list[EventsListener] = []
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._closing = False
@@ -458,6 +464,23 @@ class AsyncEngine:
     def add_listener(self, listener: OutputListener) -> None:
         """Call ``listener(deltas, arrival_time)`` on the loop after every step (metrics)."""
         self._listeners.append(listener)
+
+    async def watch_cache_events(self, listener: EventsListener) -> Callable[[], None]:
+        """Call ``listener(batch)`` on the loop with every batch of prefix-cache events the
+        core pushes (``EngineCore.pending_events``: contiguous, hashes as bytes) from now
+        on; returns the function that stops it. The core keeps pushing once asked."""
+        self._events_listeners.append(listener)
+        try:
+            await self.call_utility("watch_events")
+        except BaseException:
+            self._events_listeners.remove(listener)
+            raise
+
+        def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._events_listeners.remove(listener)
+
+        return stop
 
     def start(self) -> None:
         """Start reading the core's messages on the running loop (idempotent)."""
@@ -661,6 +684,12 @@ class AsyncEngine:
             self._deliver(decode_deltas(args[0]), time.monotonic())
         elif kind == "result":
             self._resolve(*args)
+        elif kind == "events":
+            for listener in list(self._events_listeners):
+                try:
+                    listener(args[0])
+                except Exception:
+                    logger.exception("cache events listener failed")
         elif kind == "dead":
             self._mark_dead(EngineClosedError(f"the engine core failed: {args[0]}"))
 

@@ -13,6 +13,7 @@ message loop, and the wire format between it and the server.
                   <-- output socket (PULL) --  ["ready", info]            (once, first)
                                                ["deltas", [request delta, ...]]  (per step)
                                                ["result", call_id, ok, value | error]
+                                               ["events", batch]   (once watched: see below)
                                                ["dead", message]          (the loop broke)
 
 Every message is one msgpack frame over ZeroMQ. A step sends each advanced request's
@@ -24,6 +25,14 @@ steps -- one of ``EngineCore.UTILITIES`` or else a public method of the ``LLMEng
 answers with its result made msgpack-able by ``to_wire`` (dataclasses become dicts, tuples
 and sets lists). A new engine feature that the server must reach needs a method and a
 route (``await engine.call_utility("name", arg)``), never a new message.
+
+Cache events (a router's feed): after the utility ``watch_events``, the core pushes
+``["events", batch]`` whenever the prefix cache's event log moved -- after the step's
+schedule (the evictions its allocations made, before the model runs) and after the step
+(the blocks it registered) -- so a reader's view lags the index by a message, not a poll.
+``batch`` is ``{"epoch", "first_seq", "next_seq", "events": [[kind, hash bytes], ...],
+"kv_usage", "num_running", "num_waiting"}``; successive batches are contiguous (a new
+``epoch`` means a new log: read a snapshot).
 """
 
 from __future__ import annotations
@@ -143,6 +152,7 @@ def encode_deltas(deltas: Sequence[RequestDelta]) -> list[Any]:
         [
             d.request_id, [_encode_seq(s) for s in d.seqs], d.finished, d.num_cached_tokens,
             d.error, d.cache_event_seq, _encode_logprobs(d.prompt_logprobs),
+            d.arrival_event_seq,
         ]
         for d in deltas
     ]  # fmt: skip
@@ -152,9 +162,10 @@ def decode_deltas(data: list[Any]) -> list[RequestDelta]:
     return [
         RequestDelta(
             request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error, event_seq,
-            _decode_logprobs(prompt_logprobs),
+            _decode_logprobs(prompt_logprobs), arrival_seq,
         )
-        for request_id, seqs, finished, cached, error, event_seq, prompt_logprobs in data
+        for request_id, seqs, finished, cached, error, event_seq, prompt_logprobs, arrival_seq
+        in data
     ]  # fmt: skip
 
 
@@ -206,11 +217,15 @@ class EngineCore:
     """
 
     # Core-level utilities; any other name is looked up on the LLMEngine.
-    UTILITIES = frozenset({"cache_report", "blocks_report", "events_report", "info"})
+    UTILITIES = frozenset(
+        {"cache_report", "blocks_report", "events_report", "watch_events", "info"}
+    )
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.num_step_failures = 0
+        # (epoch, next_seq) of the cache events pushed so far; None: nobody watches.
+        self._events_pushed: tuple[str, int] | None = None
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -236,9 +251,12 @@ class EngineCore:
         """Let the engine finish what must not be lost (the disk tier's queued writes)."""
         self.engine.close()
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
+        """One step; ``on_scheduled()`` runs after the schedule, before the model."""
         try:
-            return self.engine.step_deltas()
+            return self.engine.step_deltas(on_scheduled=on_scheduled)
+        except ServerGone:
+            raise
         except Exception as exc:
             logger.exception("engine step raised; failing the requests in flight")
             self.num_step_failures += 1
@@ -288,6 +306,39 @@ class EngineCore:
         from pagedllm.engine.reports import events_report
 
         return events_report(self.engine, epoch, since)
+
+    def watch_events(self) -> int:
+        """Push the cache events from now on (``pending_events``); the log's ``next_seq``."""
+        log = self.engine.kv.events
+        if self._events_pushed is None:
+            self._events_pushed = (log.epoch, log.next_seq)
+        return log.next_seq
+
+    def pending_events(self) -> dict[str, Any] | None:
+        """The batch of events logged since the last push (``events_pushed``), or None:
+        nothing new, or nobody watches."""
+        if self._events_pushed is None:
+            return None
+        log = self.engine.kv.events
+        epoch, seq = self._events_pushed
+        if epoch == log.epoch and seq == log.next_seq:
+            return None
+        # another epoch (a new log) starts from its oldest event; a reader resyncs anyway
+        batch = log.since(max(seq, log.first_seq) if epoch == log.epoch else log.first_seq)
+        assert batch is not None
+        scheduler = self.engine.scheduler
+        return {
+            "epoch": log.epoch,
+            "first_seq": batch.first_seq,
+            "next_seq": batch.next_seq,
+            "events": [[kind, block_hash] for kind, block_hash in batch.events],
+            "kv_usage": self.engine.kv.usage,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+        }
+
+    def events_pushed(self, batch: dict[str, Any]) -> None:
+        self._events_pushed = (batch["epoch"], batch["next_seq"])
 
 
 # ---------------------------------------------------------------- the loop
@@ -356,9 +407,30 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
             if not handlers[kind](*args):
                 return
         if core.has_unfinished_requests():
-            deltas = core.step()
+            deltas = core.step(on_scheduled=lambda: _push_events(core, outbox, None))
             if deltas:
                 send(outbox, pack(["deltas", encode_deltas(deltas)]), parent_pid)
+        _push_events(core, outbox, parent_pid)
+
+
+def _push_events(core: EngineCore, outbox: Any, parent_pid: int | None) -> None:
+    """Send the cache events logged since the last push, if anyone watches. With
+    ``parent_pid`` None (mid-step) only if the socket takes it now: a reader that is
+    behind gets them with the step's end instead of holding the step up."""
+    import zmq
+
+    batch = core.pending_events()
+    if batch is None:
+        return
+    frame = pack(["events", batch])
+    if parent_pid is None:
+        try:
+            outbox.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError:  # Again: full; anything else the step's end will meet
+            return
+    else:
+        send(outbox, frame, parent_pid)
+    core.events_pushed(batch)
 
 
 class ServerGone(Exception):

@@ -448,25 +448,38 @@ class LLMEngine:
             groups = [g for g in groups if g.finished]
         return [self._output_and_maybe_forget(g) for g in groups]
 
-    def step_deltas(self) -> list[RequestDelta]:
+    def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
         """Run one step for a caller that detokenizes itself (the server's engine core):
         per advanced request, the token ids and logprobs new since the last call and the
-        finish reasons. No text is decoded here unless a stop string must be looked for."""
-        return [self._delta_and_maybe_forget(g) for g in self._timed_step(lazy_text=True)]
+        finish reasons. No text is decoded here unless a stop string must be looked for.
+        ``on_scheduled()`` runs once the step is scheduled, before the model runs (the
+        core pushes the cache events of the schedule's evictions then)."""
+        groups = self._timed_step(lazy_text=True, on_scheduled=on_scheduled)
+        return [self._delta_and_maybe_forget(g) for g in groups]
 
-    def _timed_step(self, *, lazy_text: bool, final_text: bool = False) -> list[_Group]:
+    def _timed_step(
+        self,
+        *,
+        lazy_text: bool,
+        final_text: bool = False,
+        on_scheduled: Callable[[], None] | None = None,
+    ) -> list[_Group]:
         """The step of ``step`` and ``step_deltas``, between the elastic pool's hooks: the
         groups it failed, then those it advanced."""
         self.elastic.before_step()
         if not self.scheduler.has_unfinished_requests():
             return []
         started = time.perf_counter()
-        groups = self._step(lazy_text=lazy_text, final_text=final_text)
+        groups = self._step(lazy_text=lazy_text, final_text=final_text, on_scheduled=on_scheduled)
         self.elastic.after_step(time.perf_counter() - started, time.monotonic())
         return groups
 
-    def _step(self, *, lazy_text: bool, final_text: bool) -> list[_Group]:
+    def _step(
+        self, *, lazy_text: bool, final_text: bool, on_scheduled: Callable[[], None] | None = None
+    ) -> list[_Group]:
         scheduler_output = self.scheduler.schedule()
+        if on_scheduled is not None:
+            on_scheduled()
         forward = scheduler_output
         if scheduler_output.has_block_moves:
             # The moves run alone first: if they fail, nobody's cache can be trusted
@@ -713,6 +726,7 @@ class LLMEngine:
             error=group.error,
             cache_event_seq=first.request.cache_event_seq if first else None,
             prompt_logprobs=group.take_prompt_logprobs(),
+            arrival_event_seq=first.request.arrival_event_seq if first else None,
         )
 
     @staticmethod
@@ -752,6 +766,7 @@ class LLMEngine:
             error=group.error,
             prompt_logprobs=prompt_logprobs,
             cache_event_seq=first.request.cache_event_seq if first else None,
+            arrival_event_seq=first.request.arrival_event_seq if first else None,
         )
 
     @staticmethod

@@ -35,8 +35,9 @@ class RequestOutput:
     """A request's state after a step: prompt, its completions, whether all ended.
 
     ``num_cached_tokens``: prompt tokens served from the prefix cache at admission, and
-    ``cache_event_seq`` where the cache's event log stood when they were looked up
-    (``core/request.py``; a router checks its prediction against it).
+    ``cache_event_seq`` where the cache's event log stood when they were looked up and
+    ``arrival_event_seq`` where it stood when the request arrived (``core/request.py``; a
+    router checks its prediction against both).
     ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): one entry per
     prompt token, None for the first (vLLM's shape), else the token's ``TokenLogprob``
     with the top-k alternatives.
@@ -51,6 +52,7 @@ class RequestOutput:
     error: str | None = None
     cache_event_seq: int | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    arrival_event_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,4 @@ class RequestDelta:
     error: str | None = None
     cache_event_seq: int | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    arrival_event_seq: int | None = None

@@ -34,6 +34,7 @@ from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError
 from pagedllm.model.tokenizer import DecodeOnlyTokenizer
 from pagedllm.planner.cache_report import advice_for_log
 from pagedllm.planner.cachelog import CacheLog
+from pagedllm.server.cache_events import CacheEventFeed
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
@@ -43,6 +44,7 @@ from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ModelCard, ModelList
 from pagedllm.server.request_log import DEFAULT_MAX_RECORDS, RecentRequests
 from pagedllm.server.serving import ServerContext
+from pagedllm.server.sse import EventStreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         # A router's feed (server/cache_events.py), read in the core between two steps.
         body = await ctx.engine.call_utility("events_report", epoch, since)
         return JSONResponse(body)
+
+    feed = CacheEventFeed(ctx.engine, ctx.block_size)
+
+    @app.get("/v1/cache/events/stream")
+    async def cache_events_stream(
+        since: int = 0, epoch: str | None = None, heartbeat: float = 1.0
+    ) -> Response:
+        # The same feed, pushed as the core logs it (server/cache_events.py).
+        if not 0 < heartbeat <= 60:
+            raise bad_request("heartbeat must be in (0, 60] seconds", param="heartbeat")
+        return EventStreamResponse(feed.stream(epoch, since, heartbeat))
 
     @app.get("/v1/cache/advice")
     async def cache_advice(limit: int | None = None) -> Response:

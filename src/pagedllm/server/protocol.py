@@ -100,6 +100,8 @@ class PromptTokensDetails(_Response):
     # pagedllm: where the replica's cache event log stood when the cached prefix was
     # looked up (one prompt only), so a router can replay its view to that point.
     cache_event_seq: int | None = None
+    # ... and where it stood when the request arrived (its miss: before arrival, or queued)
+    arrival_event_seq: int | None = None
 
 
 class Usage(_Response):

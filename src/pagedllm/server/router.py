@@ -4,13 +4,27 @@ Each request is hashed with the engines' own block-hash chain (same tokenizer, t
 replicas' block size, the request's ``cache_salt``) and sent to the replica whose prefix
 cache holds most of it (``core/routing.py``), unless that replica is much busier than the
 idlest. The router's picture of every replica's cache comes from the replica's cache
-events (``GET /v1/cache/events``, polled, and re-read after each request it proxied), so
-it predicts the cached tokens each replica will report. Each answer says where the
-replica's event log stood when it looked the prefix up (``cache_event_seq``); the router
-replays its view to that point and counts that too (``replayed_cached_tokens``): it
-equals what the replica reports unless the two disagree on the hashes themselves, while
-the prediction made at routing time may also miss what changed in between (an eviction
-not heard of yet, a pending block whose owner was preempted).
+events, so it predicts the cached tokens each replica will report. By default each
+replica pushes them as its engine logs them (``GET /v1/cache/events/stream``, SSE: after
+a step's schedule and after the step), and the view is one message behind the replica's
+index, not one poll; ``cache_events="poll"`` reads ``GET /v1/cache/events`` every
+``poll_interval`` instead (and after each request it proxied), as the router also does
+for a replica without the stream, and between two streams::
+
+    per replica:  poll (health, catch-up: events or a snapshot) -> open the stream
+                  -> apply each batch (seq numbers: only what is new; a gap or another
+                     epoch: back to a poll, which answers a snapshot) -> stream ends or
+                     is silent past poll_timeout (no keep-alive) -> poll again
+
+Routing never waits on a feed: it reads the view as it stands. Each answer says where
+the replica's event log stood when the request arrived (``arrival_event_seq``) and when
+it looked the prefix up (``cache_event_seq``); the router replays its view to both points
+and counts the lookup replay (``replayed_cached_tokens``): it equals what the replica
+reports unless the two disagree on the hashes themselves. A prediction made at routing
+time can miss what changed between routing and lookup; the router says where: a miss
+whose replay at arrival already matches the report happened *before arrival* (the view
+was behind, or the index changed while the request travelled), any other *in the queue*
+(a pin given up, a pending block's owner preempted).
 
 A replica that fails (connection refused or lost mid-stream) fails only the requests it
 was serving: a non-streaming request that never reached it is retried on another replica,
@@ -46,13 +60,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.core.hashing import hash_request_blocks
 from pagedllm.core.routing import (
+    CACHE_EVENT_FEEDS,
     ReplicaCacheView,
     ReplicaState,
     RoutingPolicy,
     make_policy,
     predicted_cached_tokens,
 )
-from pagedllm.server.cache_events import parse_events_reply
+from pagedllm.server.cache_events import EventsReply, parse_events_reply
 from pagedllm.server.errors import APIError
 from pagedllm.server.sse import DONE
 
@@ -60,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 PROXIED_HEADERS = ("authorization", "x-request-id", "content-type")
 PENDING_TTL_S = 30.0  # a routed prompt not confirmed by events this long is forgotten
-POLL_TIMEOUT_S = 5.0  # a replica whose events poll takes longer is marked unhealthy
+POLL_TIMEOUT_S = 5.0  # a replica whose events poll (or stream) is silent longer: unhealthy
 
 
 @dataclass(slots=True)
@@ -80,6 +95,11 @@ class Replica:
     num_unreplayed: int = 0  # answers the view could not replay (no or too old a seq)
     reported_cached_tokens: int = 0
     reported_prompt_tokens: int = 0
+    missed_before_arrival_tokens: int = 0  # |predicted - reported| of mispredicted requests
+    missed_in_queue_tokens: int = 0  # ... split by where the index changed (module doc)
+    streaming: bool = False  # its event stream is open
+    has_stream: bool = True  # False: the replica answered 404 (an older server): polled
+    view_time: float = 0.0  # when the view was last known current (a read, a keep-alive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +146,21 @@ class RouterMetrics:
             labels,
             registry=r,
         )
+        self.missed = Counter(
+            "pagedllm_router_missed_cached_tokens",
+            "|predicted - reported| cached tokens of mispredicted requests, by where the "
+            "replica's index changed (before_arrival, in_queue)",
+            [*labels, "where"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "pagedllm_router_replica_healthy", "1 while the replica answers", labels, registry=r
+        )
+        self.streaming = Gauge(
+            "pagedllm_router_replica_event_stream",
+            "1 while the replica's cache events stream is open",
+            labels,
+            registry=r,
         )
         self.load = Gauge(
             "pagedllm_router_replica_in_flight", "requests in flight", labels, registry=r
@@ -145,6 +178,7 @@ class RouterMetrics:
     def render(self, replicas: Sequence[Replica]) -> bytes:
         for replica in replicas:
             self.healthy.labels(replica.url).set(int(replica.healthy))
+            self.streaming.labels(replica.url).set(int(replica.streaming))
             self.load.labels(replica.url).set(replica.load)
             self.kv_usage.labels(replica.url).set(replica.kv_usage)
             self.cached_blocks.labels(replica.url).set(len(replica.view.hashes))
@@ -163,15 +197,26 @@ class Router:
         client: httpx.AsyncClient | None = None,
         poll_interval: float = 0.1,
         poll_timeout: float = POLL_TIMEOUT_S,
+        cache_events: str = "stream",
+        refresh_older_than: float | None = None,
     ) -> None:
+        """``cache_events``: "stream" (pushed by the replicas) or "poll". With
+        ``refresh_older_than`` (seconds), a request first re-reads the events of every
+        replica whose view is older than that and not streamed (a round trip each)."""
         if not replica_urls:
             raise ValueError("the router needs at least one --replica URL")
+        if cache_events not in CACHE_EVENT_FEEDS:
+            raise ValueError(
+                f"cache_events must be one of {', '.join(CACHE_EVENT_FEEDS)}, got {cache_events!r}"
+            )
         self.replicas = [Replica(url.rstrip("/")) for url in replica_urls]
         self.policy = policy
         self.tokenizer = tokenizer
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+        self.cache_events = cache_events
+        self.refresh_older_than = refresh_older_than
         self.metrics = RouterMetrics()
         self._poller: asyncio.Task | None = None
 
@@ -197,21 +242,87 @@ class Router:
                 logger.warning("replica %s stopped answering: %s", replica.url, reason)
             replica.healthy = False
             return
+        self._take(replica, reply)
+
+    def _take(self, replica: Replica, reply: EventsReply) -> bool:
+        """Apply a read to the view; False when it does not continue it (the next poll
+        asks for a snapshot)."""
+        view = replica.view
         try:
             if reply.snapshot is not None:
-                replica.view.reset(reply.epoch, reply.next_seq, reply.snapshot)
+                # a snapshot asked for before the stream moved the view past it: stale
+                if reply.epoch != view.epoch or reply.next_seq >= view.next_seq:
+                    view.reset(reply.epoch, reply.next_seq, reply.snapshot)
             elif reply.batch is not None:
-                replica.view.apply(reply.batch)
+                view.apply(reply.batch)
         except ValueError:
-            replica.view.epoch = None  # out of step: the next read asks for a snapshot
-            return
+            view.epoch = None
+            return False
         replica.block_size = reply.block_size
         replica.kv_usage = reply.kv_usage
         replica.healthy = True
-        replica.view.expire_pending(time.monotonic() - PENDING_TTL_S)
+        replica.view_time = time.monotonic()
+        view.expire_pending(replica.view_time - PENDING_TTL_S)
+        return True
+
+    async def _read_stream(self, replica: Replica) -> None:
+        """Follow the replica's event stream until it ends, breaks, falls silent for
+        ``poll_timeout`` (then the replica is marked unhealthy) or leaves the view's
+        sequence (then the next poll takes a snapshot)."""
+        params: dict[str, Any] = {
+            "since": replica.view.next_seq,
+            "heartbeat": min(60.0, self.poll_timeout / 4),
+        }
+        if replica.view.epoch is not None:
+            params["epoch"] = replica.view.epoch
+        request = self.client.build_request(
+            "GET", f"{replica.url}/v1/cache/events/stream", params=params
+        )
+        response: httpx.Response | None = None
+        try:
+            response = await asyncio.wait_for(
+                self.client.send(request, stream=True), self.poll_timeout
+            )
+            if response.status_code == 404:
+                logger.info("replica %s has no event stream: polling it", replica.url)
+                replica.has_stream = False
+                return
+            response.raise_for_status()
+            replica.streaming = True
+            lines = response.aiter_lines()
+            while True:
+                line = await asyncio.wait_for(anext(lines), self.poll_timeout)
+                replica.view_time = time.monotonic()
+                if line.startswith("data: "):
+                    reply = parse_events_reply(json.loads(line[6:]))
+                    if not self._take(replica, reply):
+                        return
+        except StopAsyncIteration:
+            return  # the replica ended it (shutting down, or this reader fell behind)
+        except TimeoutError:
+            logger.warning(
+                "replica %s: cache events silent for %g s", replica.url, self.poll_timeout
+            )
+            replica.healthy = False
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("replica %s: cache event stream lost: %s", replica.url, exc)
+        finally:
+            replica.streaming = False
+            if response is not None:
+                await response.aclose()
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(r) for r in self.replicas))
+
+    async def refresh_stale(self) -> None:
+        """With ``refresh_older_than``: re-read every healthy replica's view that is
+        older than that and not streamed (before routing a request)."""
+        if self.refresh_older_than is None:
+            return
+        oldest = time.monotonic() - self.refresh_older_than
+        stale = [r for r in self.replicas if r.healthy and not r.streaming and r.view_time < oldest]
+        if stale:
+            await asyncio.gather(*(self.refresh(r) for r in stale))
 
     def start(self) -> None:
         if self._poller is None or self._poller.done():
@@ -226,11 +337,15 @@ class Router:
 
     async def _poll_forever(self) -> None:
         # One loop per replica: a slow or hung replica never delays the others' views.
-        await asyncio.gather(*(self._poll_replica(r) for r in self.replicas))
+        await asyncio.gather(*(self._follow(r) for r in self.replicas))
 
-    async def _poll_replica(self, replica: Replica) -> None:
+    async def _follow(self, replica: Replica) -> None:
+        """The replica's feed for as long as the router runs: a poll (health, catch-up),
+        then its event stream while it has one; polls every ``poll_interval`` otherwise."""
         while True:
             await self.refresh(replica)
+            if self.cache_events == "stream" and replica.healthy and replica.has_stream:
+                await self._read_stream(replica)
             await asyncio.sleep(self.poll_interval)
 
     # ---- routing ------------------------------------------------------------------
@@ -310,12 +425,29 @@ class Router:
         else:
             replica.replayed_cached_tokens += replayed
             self.metrics.replayed.labels(label).inc(replayed)
+            at_arrival = self._replayed(route, details.get("arrival_event_seq"))
+            self._record_miss(route, reported, at_arrival)
         replica.predicted_cached_tokens += route.predicted_cached_tokens
         replica.reported_cached_tokens += reported
         replica.reported_prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.metrics.predicted.labels(label).inc(route.predicted_cached_tokens)
         self.metrics.reported.labels(label).inc(reported)
         self.metrics.prompt.labels(label).inc(int(usage.get("prompt_tokens") or 0))
+
+    def _record_miss(self, route: Route, reported: int, at_arrival: int | None) -> None:
+        """Count a misprediction where the replica's index changed: before the request
+        arrived (its replay at arrival already says what the replica reported) or while
+        it waited (anything else)."""
+        miss = abs(route.predicted_cached_tokens - reported)
+        if not miss or at_arrival is None:
+            return
+        replica = route.replica
+        if at_arrival == reported:
+            replica.missed_before_arrival_tokens += miss
+            self.metrics.missed.labels(replica.url, "before_arrival").inc(miss)
+        else:
+            replica.missed_in_queue_tokens += miss
+            self.metrics.missed.labels(replica.url, "in_queue").inc(miss)
 
     @staticmethod
     def _replayed(route: Route, event_seq: Any) -> int | None:
@@ -330,13 +462,17 @@ class Router:
         return predicted_cached_tokens(matched, route.block_size, route.num_tokens)
 
     def report(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {
             "policy": self.policy.name,
+            "cache_events": self.cache_events,
             "block_size": self.block_size(),
             "replicas": [
                 {
                     "url": r.url,
                     "healthy": r.healthy,
+                    "event_stream": r.streaming,
+                    "view_age_s": round(now - r.view_time, 4) if r.view_time else None,
                     "in_flight": r.load,
                     "kv_usage": r.kv_usage,
                     "cached_blocks": len(r.view.hashes),
@@ -348,6 +484,8 @@ class Router:
                     "unreplayed_requests": r.num_unreplayed,
                     "reported_cached_tokens": r.reported_cached_tokens,
                     "reported_prompt_tokens": r.reported_prompt_tokens,
+                    "missed_before_arrival_tokens": r.missed_before_arrival_tokens,
+                    "missed_in_queue_tokens": r.missed_in_queue_tokens,
                 }
                 for r in self.replicas
             ],
@@ -365,6 +503,7 @@ class Router:
             raise APIError(400, "the request body must be a JSON object")
         if self.block_size() is None:
             await self.refresh_all()
+        await self.refresh_stale()
         token_ids = self.prompt_token_ids(request.url.path, body)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in PROXIED_HEADERS}
@@ -425,7 +564,7 @@ class Router:
         if upstream.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 usage = json.loads(content).get("usage")
-            await self.refresh(replica)
+            await self._catch_up(replica, usage)
         self.record(route, "ok" if upstream.status_code < 500 else "error", usage)
         media = upstream.headers.get("content-type", "application/json")
         return Response(content, status_code=upstream.status_code, media_type=media)
@@ -449,8 +588,18 @@ class Router:
             replica.load -= 1
             await upstream.aclose()
         if outcome == "ok":
-            await self.refresh(replica)
+            await self._catch_up(replica, usage)
             self.record(route, outcome, usage)
+
+    async def _catch_up(self, replica: Replica, usage: dict[str, Any] | None) -> None:
+        """After a request: the view must reach the log positions its answer names, for
+        the replays. A polled view reads them; a streamed one has them, unless the
+        answer overtook the stream (two connections): then it reads them too."""
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        seqs = [details.get(k) for k in ("cache_event_seq", "arrival_event_seq")]
+        needed = max((s for s in seqs if isinstance(s, int)), default=0)
+        if not replica.streaming or replica.view.next_seq < needed:
+            await self.refresh(replica)
 
 
 def _read_usage(data: bytes, usage: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bytes]:
@@ -475,6 +624,8 @@ def create_router_app(
     max_imbalance: int = 8,
     poll_interval: float = 0.1,
     poll_timeout: float = POLL_TIMEOUT_S,
+    cache_events: str = "stream",
+    refresh_older_than: float | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> FastAPI:
     """The router's app; ``client`` lets tests route through in-process replicas."""
@@ -485,6 +636,8 @@ def create_router_app(
         client=client,
         poll_interval=poll_interval,
         poll_timeout=poll_timeout,
+        cache_events=cache_events,
+        refresh_older_than=refresh_older_than,
     )
 
     @contextlib.asynccontextmanager

@@ -7,7 +7,7 @@ import logging
 
 import uvicorn
 
-from pagedllm.core.routing import ROUTING_POLICIES
+from pagedllm.core.routing import CACHE_EVENT_FEEDS, ROUTING_POLICIES
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +18,19 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-imbalance", type=int, default=8,
                        help="requests in flight beyond the idlest replica's past which a prefix "
                        "hit no longer wins (prefix_aware)")  # fmt: skip
+    group.add_argument("--cache-events", default="stream", choices=CACHE_EVENT_FEEDS,
+                       help="stream (default): each replica pushes its cache events as its "
+                       "engine logs them (SSE); poll: read them every --poll-interval")  # fmt: skip
     group.add_argument("--poll-interval", type=float, default=0.1,
-                       help="seconds between reads of the replicas' cache events")  # fmt: skip
+                       help="seconds between reads of the replicas' cache events (polled, "
+                       "or between two streams)")  # fmt: skip
     group.add_argument("--poll-timeout", type=float, default=5.0,
                        help="seconds a replica may take to answer a read of its cache events "
-                       "before it is marked unhealthy (it gets traffic again once it answers)")  # fmt: skip
+                       "(or its stream stay silent) before it is marked unhealthy (it gets "
+                       "traffic again once it answers)")  # fmt: skip
+    group.add_argument("--refresh-older-than-ms", type=float, default=None, metavar="MS",
+                       help="before routing, re-read the events of every replica whose view "
+                       "is older than MS and not streamed (a round trip per request)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +50,13 @@ def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_mo
     from pagedllm.model.loader import load_tokenizer
     from pagedllm.server.router import create_router_app
 
+    refresh_ms = args.refresh_older_than_ms
     if args.max_imbalance < 0 or args.poll_interval <= 0 or args.poll_timeout <= 0:
         raise SystemExit(
             "--max-imbalance must be >= 0, --poll-interval and --poll-timeout positive"
         )
+    if refresh_ms is not None and refresh_ms < 0:
+        raise SystemExit("--refresh-older-than-ms must be >= 0")
     app = create_router_app(
         replica_urls,
         tokenizer=load_tokenizer(tokenizer_model),
@@ -53,6 +64,8 @@ def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_mo
         max_imbalance=args.max_imbalance,
         poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout,
+        cache_events=args.cache_events,
+        refresh_older_than=None if refresh_ms is None else refresh_ms / 1000,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

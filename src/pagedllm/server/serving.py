@@ -344,12 +344,17 @@ def usage_of(outputs: Sequence[Any]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(int(o.num_cached_tokens or 0) for o in outputs)
-    event_seq = outputs[0].cache_event_seq if len(outputs) == 1 else None
+    one = outputs[0] if len(outputs) == 1 else None
+    details = PromptTokensDetails(
+        cached_tokens=cached,
+        cache_event_seq=one.cache_event_seq if one else None,
+        arrival_event_seq=one.arrival_event_seq if one else None,
+    )
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, cache_event_seq=event_seq),
+        prompt_tokens_details=details,
     )
 
 
