@@ -83,19 +83,29 @@ class _SlowPrompts:
         return self._runner.execute(output)
 
 
-def test_the_engine_sets_the_schedulers_cap_from_its_steps(fake_engine, letter_ids):
+def _timed_engine(fake_engine, token_cap: int):
+    """An engine with a 64 ms prompt slice (and ``token_cap``) over 2 ms prompt tokens."""
     engine = fake_engine(
         num_blocks=256,
         max_num_batched_tokens=256,
-        max_prefill_tokens_while_decoding=256,
+        max_prefill_tokens_while_decoding=token_cap,
         max_prefill_ms_while_decoding=64.0,
     )
     engine.runner = _SlowPrompts(engine.runner)
-    assert engine.max_prefill_tokens_while_decoding == 256
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request("a", letter_ids[:1] * 100, params)
+    return engine
+
+
+def _run(engine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_the_engine_sets_the_schedulers_cap_from_its_steps(fake_engine, letter_ids):
+    engine = _timed_engine(fake_engine, 256)
+    assert engine.max_prefill_tokens_while_decoding == 256
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    _run(engine, "a", letter_ids[:1] * 100, params)
     # 64 ms of prompt work at 2 ms a token: 32 tokens; the stats and /v1/cache say so.
     assert engine.max_prefill_tokens_while_decoding == 32
     stats = engine.get_stats()
@@ -123,15 +133,7 @@ def test_without_the_option_the_cap_stays_as_given(fake_engine, letter_ids):
 def test_a_token_cap_given_with_the_time_is_the_most_the_engine_picks(fake_engine, letter_ids):
     """64 ms at 2 ms a token would be 32 tokens; with a 16-token cap given too, 16 (the
     server's defaults: 128 ms, at most 256 tokens)."""
-    engine = fake_engine(
-        num_blocks=256,
-        max_num_batched_tokens=256,
-        max_prefill_tokens_while_decoding=16,
-        max_prefill_ms_while_decoding=64.0,
-    )
-    engine.runner = _SlowPrompts(engine.runner)
-    engine.add_request("a", letter_ids[:1] * 100, SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine = _timed_engine(fake_engine, 16)
+    _run(engine, "a", letter_ids[:1] * 100, SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine._slice_tuner.cap() == 16
     assert engine.max_prefill_tokens_while_decoding == 16

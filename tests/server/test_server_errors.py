@@ -253,11 +253,11 @@ def test_step_exception_fails_in_flight_requests_only(make_harness):
     real_step = llm.step_deltas
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_step(on_scheduled=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom in step")
-        return real_step()
+        return real_step(on_scheduled=on_scheduled)
 
     llm.step_deltas = flaky_step
 

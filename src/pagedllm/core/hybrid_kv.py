@@ -152,8 +152,7 @@ class HybridKVCacheManager(DevicePoolViews):
         free_after = self.pool.num_free_blocks - self._blocks_to_allocate(
             request, num_new_tokens, hits
         )
-        watermark = int(self.watermark * self.num_blocks)
-        if free_after < 0 or (admission and free_after < watermark):
+        if free_after < 0 or (admission and free_after < self.watermark_blocks):
             return None
         # The hits are held while the groups allocate: a block one group takes from
         # the cached-free list must not be another group's hit.
@@ -198,20 +197,6 @@ class HybridKVCacheManager(DevicePoolViews):
             group.blocks_to_allocate(request, num_new_tokens, hit)
             for group, hit in zip(self.groups, hits, strict=True)
         )
-
-    def free_blocks_needed(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        computed_blocks: ComputedBlocks | None = None,
-        *,
-        admission: bool = False,
-    ) -> int:
-        """Free blocks ``allocate_slots`` needs (``KVCacheManager.free_blocks_needed``)."""
-        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
-        if not num_blocks:
-            return 0
-        return num_blocks + (int(self.watermark * self.num_blocks) if admission else 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         for group in self.groups:

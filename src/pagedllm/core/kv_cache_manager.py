@@ -162,11 +162,40 @@ class DevicePoolViews:
     pool: BlockPool
     host_pool: BlockPool
     num_blocks: int
+    watermark: float
     null_block: int | None
     _pins: dict[str, list[int]]  # request id -> the blocks its pin holds
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         raise NotImplementedError
+
+    def blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+    ) -> int:
+        raise NotImplementedError
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Free blocks an admission leaves (``watermark`` of the pool as it is now)."""
+        return int(self.watermark * self.num_blocks)
+
+    def free_blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+        *,
+        admission: bool = False,
+    ) -> int:
+        """Free blocks ``allocate_slots`` with these arguments needs to succeed: those it
+        takes, plus the watermark on admission (0: it takes none)."""
+        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
+        if not num_blocks:
+            return 0
+        return num_blocks + (self.watermark_blocks if admission else 0)
 
     # ---- pins: a waiting request's cached prefix -----------------------------------
 
@@ -381,7 +410,6 @@ class KVCacheManager(DevicePoolViews):
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
         self.watermark = watermark
-        self._watermark_blocks = int(watermark * num_blocks)
         # The device pool's prefix index changes, for routers (core/cache_events.py).
         if pool is None:
             self.events = CacheEventLog()
@@ -495,7 +523,7 @@ class KVCacheManager(DevicePoolViews):
             return _NOTHING_NEW
 
         free_after = self.pool.num_free_blocks - plan.num_blocks
-        if free_after < 0 or (admission and free_after < self._watermark_blocks):
+        if free_after < 0 or (admission and free_after < self.watermark_blocks):
             return None
 
         if table is None:
@@ -537,21 +565,6 @@ class KVCacheManager(DevicePoolViews):
         if computed_blocks is None and self._fits_private_blocks(request, num_new_tokens):
             return 0
         return self._plan_allocation(request, num_new_tokens, computed_blocks).num_blocks
-
-    def free_blocks_needed(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        computed_blocks: ComputedBlocks | None = None,
-        *,
-        admission: bool = False,
-    ) -> int:
-        """Free blocks ``allocate_slots`` with these arguments needs to succeed: those it
-        takes, plus the watermark on admission (0: it takes none)."""
-        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
-        if not num_blocks:
-            return 0
-        return num_blocks + (self._watermark_blocks if admission else 0)
 
     def _fits_private_blocks(self, request: Request, num_new_tokens: int) -> bool:
         """The decode fast path's test: the new tokens land in blocks the request's table
@@ -1000,7 +1013,6 @@ class KVCacheManager(DevicePoolViews):
 
     def _resized(self) -> None:
         self.num_blocks = self.pool.num_blocks
-        self._watermark_blocks = int(self.watermark * self.num_blocks)
 
     def _ensure_hashes(self, request: Request) -> list[bytes]:
         """The request's full-block hashes, extended incrementally as tokens arrive."""

@@ -755,10 +755,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:
             return
-        if request.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
-            self.kv.free(request)
-        else:
-            self.kv.release_pin(request)  # a waiting request's
+        self.kv.free(request)  # a waiting request holds at most its pin
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)

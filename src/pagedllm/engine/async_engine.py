@@ -467,7 +467,7 @@ class AsyncEngine:
 
     async def watch_cache_events(self, listener: EventsListener) -> Callable[[], None]:
         """Call ``listener(batch)`` on the loop with every batch of prefix-cache events the
-        core pushes (``EngineCore.pending_events``: contiguous, hashes as bytes) from now
+        core pushes (``EngineCore.pending_events``: contiguous, the poll's shape) from now
         on; returns the function that stops it. The core keeps pushing once asked."""
         self._events_listeners.append(listener)
         try:

@@ -30,18 +30,19 @@ Cache events (a router's feed): after the utility ``watch_events``, the core pus
 ``["events", batch]`` whenever the prefix cache's event log moved -- after the step's
 schedule (the evictions its allocations made, before the model runs) and after the step
 (the blocks it registered) -- so a reader's view lags the index by a message, not a poll.
-``batch`` is ``{"epoch", "first_seq", "next_seq", "events": [[kind, hash bytes], ...],
-"kv_usage", "num_running", "num_waiting"}``; successive batches are contiguous (a new
-``epoch`` means a new log: read a snapshot).
+``batch`` is ``events_report``'s answer (``GET /v1/cache/events``'s body, hashes as hex)
+from where the last push ended; successive batches are contiguous (a new ``epoch`` means a
+new log: read a snapshot).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -255,8 +256,6 @@ class EngineCore:
         """One step; ``on_scheduled()`` runs after the schedule, before the model."""
         try:
             return self.engine.step_deltas(on_scheduled=on_scheduled)
-        except ServerGone:
-            raise
         except Exception as exc:
             logger.exception("engine step raised; failing the requests in flight")
             self.num_step_failures += 1
@@ -324,18 +323,8 @@ class EngineCore:
         if epoch == log.epoch and seq == log.next_seq:
             return None
         # another epoch (a new log) starts from its oldest event; a reader resyncs anyway
-        batch = log.since(max(seq, log.first_seq) if epoch == log.epoch else log.first_seq)
-        assert batch is not None
-        scheduler = self.engine.scheduler
-        return {
-            "epoch": log.epoch,
-            "first_seq": batch.first_seq,
-            "next_seq": batch.next_seq,
-            "events": [[kind, block_hash] for kind, block_hash in batch.events],
-            "kv_usage": self.engine.kv.usage,
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-        }
+        since = max(seq, log.first_seq) if epoch == log.epoch else log.first_seq
+        return self.events_report(log.epoch, since)
 
     def events_pushed(self, batch: dict[str, Any]) -> None:
         self._events_pushed = (batch["epoch"], batch["next_seq"])
@@ -452,30 +441,26 @@ def _check_parent(parent_pid: int | None) -> None:
         raise ServerGone
 
 
-class _exit_if_orphaned:
+@contextlib.contextmanager
+def _exit_if_orphaned(parent_pid: int) -> Iterator[None]:
     """While the engine starts (a model load or a kernel build: up to minutes, with no loop
     to look), a thread ends the process if the server dies: nothing is in flight yet, and a
     core whose server was killed must not live on, loading a model for nobody."""
+    done = threading.Event()
 
-    def __init__(self, parent_pid: int) -> None:
-        self.parent_pid = parent_pid
-        self.done = threading.Event()
-        self.thread = threading.Thread(
-            target=self._watch, name="pagedllm-orphan-watch", daemon=True
-        )
-
-    def __enter__(self) -> None:
-        self.thread.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def _watch(self) -> None:
-        while not self.done.wait(_PARENT_CHECK_S):
-            if os.getppid() != self.parent_pid:
+    def watch() -> None:
+        while not done.wait(_PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
                 logger.warning("the server process died while the engine core started; exiting")
                 os._exit(1)
+
+    thread = threading.Thread(target=watch, name="pagedllm-orphan-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _answer(outbox: Any, parent_pid: int | None, call_id: int, fn: Callable[[], Any]) -> bool:

@@ -174,7 +174,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         body = await ctx.engine.call_utility("events_report", epoch, since)
         return JSONResponse(body)
 
-    feed = CacheEventFeed(ctx.engine, ctx.block_size)
+    feed = CacheEventFeed(ctx.engine)
 
     @app.get("/v1/cache/events/stream")
     async def cache_events_stream(

@@ -97,9 +97,8 @@ class CacheEventFeed:
     """The engine core's pushed cache events, encoded once and fanned out to every open
     ``/v1/cache/events/stream`` (one per router, usually)."""
 
-    def __init__(self, engine: Any, block_size: int) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.block_size = block_size
         self._subscribers: list[_Subscriber] = []
         self._watch: asyncio.Future[Any] | None = None  # the core asked to push, once
 
@@ -134,9 +133,7 @@ class CacheEventFeed:
     def _on_batch(self, batch: dict[str, Any]) -> None:
         if not self._subscribers:
             return
-        body = {**batch, "block_size": self.block_size}
-        body["events"] = [[kind, block_hash.hex()] for kind, block_hash in batch["events"]]
-        frame = events_frame(body)
+        frame = events_frame(batch)  # already the poll's shape (EngineCore.pending_events)
         for subscriber in self._subscribers:
             if len(subscriber.frames) >= MAX_QUEUED_BATCHES:
                 subscriber.cut_off = True  # it reconnects from its next_seq
