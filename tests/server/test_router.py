@@ -319,6 +319,49 @@ def test_no_healthy_replica_is_503(make_harness):
     assert json.loads(response.text)["error"]["code"] == "no_replica"
 
 
+def test_replicas_with_an_api_key_stream_their_events_to_a_router_given_the_key(make_harness):
+    harnesses = [make_harness(api_key="secret") for _ in range(2)]
+    app, _ = _router(harnesses, replica_api_key="secret")
+    auth = {"authorization": "Bearer secret"}
+
+    async def body(client: httpx.AsyncClient) -> tuple[list[int], dict, int]:
+        cached = []
+        for i in range(3):
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": _prompt(0, i), "max_tokens": 2, "temperature": 0},
+                headers=auth,
+            )
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # the client's own header is what a replica checks on a proxied request
+        keyless = await client.post("/v1/completions", json={"prompt": [97], "max_tokens": 1})
+        return cached, (await client.get("/v1/router")).json(), keyless.status_code
+
+    cached, report, keyless_status = _run(app, harnesses, body)
+    assert cached == [0, 20, 20]
+    assert keyless_status == 401
+    assert all(r["healthy"] and not r["key_refused"] for r in report["replicas"])
+    assert sum(r["predicted_cached_tokens"] for r in report["replicas"]) == 40
+
+
+def test_a_router_without_the_replicas_key_says_so_and_routes_nothing(make_harness, caplog):
+    harnesses = [make_harness(api_key="secret")]
+    app, _ = _router(harnesses)
+
+    async def body(client: httpx.AsyncClient) -> tuple[httpx.Response, dict]:
+        response = await client.post("/v1/completions", json={"prompt": [97], "max_tokens": 1})
+        return response, (await client.get("/v1/router")).json()
+
+    with caplog.at_level("ERROR", logger="pagedllm.server.router"):
+        response, report = _run(app, harnesses, body)
+    assert response.status_code == 503
+    assert "refused the router's --replica-api-key" in response.json()["error"]["message"]
+    assert report["replicas"][0]["key_refused"] and not report["replicas"][0]["healthy"]
+    logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(logged) == 1 and "--replica-api-key" in logged[0]
+
+
 def test_chat_prompts_are_routed_by_their_rendered_tokens(make_harness):
     harnesses = [make_harness(num_blocks=64, block_size=4) for _ in range(2)]
     app, _ = _router(harnesses)
@@ -552,6 +595,9 @@ def test_a_streamed_view_is_current_when_routing_a_polled_one_a_poll_behind(make
             router = app.state.router
             router.start()
             await _complete(client, _prompt(0, 0))
+            log = harness.llm.kv.events
+            if feed == "stream":  # pushed, so it may still be on its way after the answer
+                await _until(lambda: router.replicas[0].view.next_seq == log.next_seq)
             first_block = router.replicas[0].view.hashes.copy()
             direct = httpx.AsyncClient(
                 transport=StreamingASGITransport(harness.app), base_url="http://replica"
@@ -562,7 +608,6 @@ def test_a_streamed_view_is_current_when_routing_a_polled_one_a_poll_behind(make
             await direct.aclose()
             index = set(harness.llm.kv.pool.hashed_blocks().values())
             assert first_block and not first_block & index  # tenant 0's blocks are gone
-            log = harness.llm.kv.events
             if feed == "stream":
                 await _until(lambda: router.replicas[0].view.next_seq == log.next_seq)
             out = await _complete(client, _prompt(0, 1))

@@ -113,8 +113,9 @@ class CacheEventFeed:
             while not subscriber.cut_off:
                 if not subscriber.frames:
                     subscriber.ready.clear()
-                    try:
-                        await asyncio.wait_for(subscriber.ready.wait(), heartbeat)
+                    try:  # asyncio.timeout: see Router.refresh on wait_for and cancels
+                        async with asyncio.timeout(heartbeat):
+                            await subscriber.ready.wait()
                     except TimeoutError:
                         yield KEEP_ALIVE
                     continue

@@ -48,7 +48,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         _wait_healthy(urls, procs)
         from pagedllm.server.router_cli import serve_router
 
-        serve_router(args, urls, args.model)
+        serve_router(args, urls, args.model, args.api_key)
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise

@@ -100,6 +100,7 @@ class Replica:
     streaming: bool = False  # its event stream is open
     has_stream: bool = True  # False: the replica answered 404 (an older server): polled
     view_time: float = 0.0  # when the view was last known current (a read, a keep-alive)
+    refused: bool = False  # its last events read answered 401 (the router's key is wrong)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +200,13 @@ class Router:
         poll_timeout: float = POLL_TIMEOUT_S,
         cache_events: str = "stream",
         refresh_older_than: float | None = None,
+        replica_api_key: str | None = None,
     ) -> None:
         """``cache_events``: "stream" (pushed by the replicas) or "poll". With
         ``refresh_older_than`` (seconds), a request first re-reads the events of every
-        replica whose view is older than that and not streamed (a round trip each)."""
+        replica whose view is older than that and not streamed (a round trip each).
+        ``replica_api_key``: the key the replicas were started with (``--api-key``); the
+        router's own reads send it (proxied requests carry their client's header)."""
         if not replica_urls:
             raise ValueError("the router needs at least one --replica URL")
         if cache_events not in CACHE_EVENT_FEEDS:
@@ -217,6 +221,9 @@ class Router:
         self.poll_timeout = poll_timeout
         self.cache_events = cache_events
         self.refresh_older_than = refresh_older_than
+        self.feed_headers = (
+            {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
+        )
         self.metrics = RouterMetrics()
         self._poller: asyncio.Task | None = None
 
@@ -230,10 +237,15 @@ class Router:
         try:
             # The proxy's client has no read timeout (streams may run for minutes); a poll
             # has one, so a replica that hangs is marked unhealthy instead of stalling.
-            response = await asyncio.wait_for(
-                self.client.get(f"{replica.url}/v1/cache/events", params=params),
-                self.poll_timeout,
-            )
+            # (asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+            # lands as its awaitable finishes, and stop() then waits on the feed forever.)
+            async with asyncio.timeout(self.poll_timeout):
+                response = await self.client.get(
+                    f"{replica.url}/v1/cache/events", params=params, headers=self.feed_headers
+                )
+            if response.status_code == 401:
+                self._refused(replica)
+                return
             response.raise_for_status()
             reply = parse_events_reply(response.json())
         except (httpx.HTTPError, ValueError, TimeoutError) as exc:
@@ -243,6 +255,20 @@ class Router:
             replica.healthy = False
             return
         self._take(replica, reply)
+
+    def _refused(self, replica: Replica) -> None:
+        """The replica refused the router's key: it gets no traffic, and the log says why
+        once (every poll would repeat it)."""
+        if not replica.refused:
+            given = "a wrong key" if self.feed_headers else "no key"
+            logger.error(
+                "replica %s refused the router's cache-event read (401, %s): start the "
+                "router with --replica-api-key set to the replicas' --api-key",
+                replica.url,
+                given,
+            )
+        replica.refused = True
+        replica.healthy = False
 
     def _take(self, replica: Replica, reply: EventsReply) -> bool:
         """Apply a read to the view; False when it does not continue it (the next poll
@@ -261,6 +287,7 @@ class Router:
         replica.block_size = reply.block_size
         replica.kv_usage = reply.kv_usage
         replica.healthy = True
+        replica.refused = False
         replica.view_time = time.monotonic()
         view.expire_pending(replica.view_time - PENDING_TTL_S)
         return True
@@ -276,13 +303,15 @@ class Router:
         if replica.view.epoch is not None:
             params["epoch"] = replica.view.epoch
         request = self.client.build_request(
-            "GET", f"{replica.url}/v1/cache/events/stream", params=params
+            "GET",
+            f"{replica.url}/v1/cache/events/stream",
+            params=params,
+            headers=self.feed_headers,
         )
         response: httpx.Response | None = None
         try:
-            response = await asyncio.wait_for(
-                self.client.send(request, stream=True), self.poll_timeout
-            )
+            async with asyncio.timeout(self.poll_timeout):
+                response = await self.client.send(request, stream=True)
             if response.status_code == 404:
                 logger.info("replica %s has no event stream: polling it", replica.url)
                 replica.has_stream = False
@@ -291,7 +320,8 @@ class Router:
             replica.streaming = True
             lines = response.aiter_lines()
             while True:
-                line = await asyncio.wait_for(anext(lines), self.poll_timeout)
+                async with asyncio.timeout(self.poll_timeout):
+                    line = await anext(lines)
                 replica.view_time = time.monotonic()
                 if line.startswith("data: "):
                     reply = parse_events_reply(json.loads(line[6:]))
@@ -472,6 +502,7 @@ class Router:
                     "url": r.url,
                     "healthy": r.healthy,
                     "event_stream": r.streaming,
+                    "key_refused": r.refused,
                     "view_age_s": round(now - r.view_time, 4) if r.view_time else None,
                     "in_flight": r.load,
                     "kv_usage": r.kv_usage,
@@ -490,6 +521,12 @@ class Router:
                 for r in self.replicas
             ],
         }
+
+    def no_replica(self) -> APIError:
+        """503 for a request no replica can take, saying when keys were refused."""
+        refused = sum(r.refused for r in self.replicas)
+        why = f" ({refused} refused the router's --replica-api-key)" if refused else ""
+        return APIError(503, f"no healthy replica{why}", code="no_replica")
 
     # ---- proxying -----------------------------------------------------------------
 
@@ -542,7 +579,7 @@ class Router:
             if replica.url in tried:
                 replica.healthy = False
         if not any(r.healthy for r in self.replicas):
-            raise APIError(503, "no healthy replica", code="no_replica")
+            raise self.no_replica()
         return self.route(token_ids, salt, takes_prefix_hit=takes_hit)
 
     def _failed(self, replica: Replica, route: Route, exc: Exception) -> None:
@@ -626,6 +663,7 @@ def create_router_app(
     poll_timeout: float = POLL_TIMEOUT_S,
     cache_events: str = "stream",
     refresh_older_than: float | None = None,
+    replica_api_key: str | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> FastAPI:
     """The router's app; ``client`` lets tests route through in-process replicas."""
@@ -638,6 +676,7 @@ def create_router_app(
         poll_timeout=poll_timeout,
         cache_events=cache_events,
         refresh_older_than=refresh_older_than,
+        replica_api_key=replica_api_key,
     )
 
     @contextlib.asynccontextmanager
@@ -662,7 +701,7 @@ def create_router_app(
     async def health() -> Response:
         if any(r.healthy for r in router.replicas):
             return JSONResponse({"status": "ok"})
-        return APIError(503, "no healthy replica", code="no_replica").response()
+        return router.no_replica().response()
 
     @app.get("/v1/router")
     async def report() -> Response:

@@ -42,10 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
+    parser.add_argument("--replica-api-key", default=None, metavar="KEY",
+                        help="the replicas' --api-key: sent on the router's own reads of their "
+                        "cache events (clients' requests pass on their own Authorization)")  # fmt: skip
     add_router_arguments(parser)
 
 
-def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_model: str) -> None:
+def serve_router(
+    args: argparse.Namespace,
+    replica_urls: list[str],
+    tokenizer_model: str,
+    replica_api_key: str | None,
+) -> None:
     """Run the router app until SIGTERM / Ctrl-C."""
     from pagedllm.model.loader import load_tokenizer
     from pagedllm.server.router import create_router_app
@@ -66,11 +74,12 @@ def serve_router(args: argparse.Namespace, replica_urls: list[str], tokenizer_mo
         poll_timeout=args.poll_timeout,
         cache_events=args.cache_events,
         refresh_older_than=None if refresh_ms is None else refresh_ms / 1000,
+        replica_api_key=replica_api_key,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    serve_router(args, args.replica, args.tokenizer)
+    serve_router(args, args.replica, args.tokenizer, args.replica_api_key)
     return 0
