@@ -251,13 +251,14 @@ def _kernel_step_pair(
     seed: int,
     first_block: bool = False,
     dim: int = 64,
+    heads: tuple[int, int] = (6, 2),
 ):
     """Two caches filled with the same sequences (several steps: prompt chunks, then decode),
     and the last step's inputs: (caches, scheduled, query, key, value)."""
     from pagedllm.attention.cpu import CpuAttention
 
     torch.manual_seed(seed)
-    heads, kv_heads = 6, 2
+    heads, kv_heads = heads
     kv_spec = KVCacheSpec(
         1, kv_heads, dim, block, dtype, quantization=quantization,
         unquantized_first_block=first_block,
@@ -294,14 +295,19 @@ def _fp32_tolerance(quantization: str) -> float:
 
 
 def _check_kernel_against_reference(
-    quantization: str, dtype: torch.dtype, block: int, dim: int = 64, first_block: bool = False
+    quantization: str,
+    dtype: torch.dtype,
+    block: int,
+    dim: int = 64,
+    first_block: bool = False,
+    heads: tuple[int, int] = (6, 2),
 ) -> None:
     from pagedllm.kernels.build import load_library
 
     if not load_library():
         pytest.skip("the C++ kernels could not be built")
     caches, steps, kernel = _kernel_step_pair(
-        quantization, dtype, block, seed=3, first_block=first_block, dim=dim
+        quantization, dtype, block, seed=3, first_block=first_block, dim=dim, heads=heads
     )
     tolerance = _fp32_tolerance(quantization) if dtype == torch.float32 else 2e-2
     for scheduled, q, k, v in steps:
@@ -339,6 +345,16 @@ def test_the_fused_kernel_matches_for_other_head_dims_and_blocks(
     32, or of the whole head for 8, 12 and 40; 12 is no multiple of 8 and takes the plain
     loops) and a block size that is no multiple of the 4-key tile."""
     _check_kernel_against_reference(quantization, torch.float32, block, dim)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (10, 5)])
+@pytest.mark.parametrize("block", [16, 5])
+def test_int8_scales_are_read_for_any_number_of_kv_heads(
+    heads: tuple[int, int], block: int
+) -> None:
+    """The int8 path reads a block's scales of up to 4 kv heads with two vector loads (the
+    rows' scales 4 apart at most), more heads one by one: both against the reference."""
+    _check_kernel_against_reference("int8", torch.float32, block, heads=heads)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8_e4m3"])

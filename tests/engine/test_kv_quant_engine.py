@@ -72,6 +72,37 @@ def test_quantized_tokens_do_not_depend_on_paging(
     check_slots(engine)
 
 
+@pytest.mark.parametrize(("kv_cache_dtype", "first_block"), QUANT_CASES)
+@pytest.mark.parametrize("name", ["chunk-5", "recompute-tiny"])
+def test_the_one_call_loop_gives_the_layer_loop_s_tokens(
+    kv_cache_dtype: str,
+    first_block: bool | None,
+    name: str,
+    model_engine: Callable[..., LLMEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer in one C++ call over the quantized cache (quant_decoder_layers) and the
+    per-layer loop: the same greedy tokens, chunked prompts and preemptions included."""
+    from pagedllm.model import fast_path
+
+    calls = []
+    real = fast_path.quant_decoder_layers
+    monkeypatch.setattr(fast_path, "quant_decoder_layers", lambda *a: calls.append(1) or real(*a))
+    quant = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_unquantized_first_block=first_block)
+    tokens = []
+    for whole in (True, False):
+        engine = model_engine(**VARIANTS[name], **quant, **BASE)
+        path = engine.runner.model.fast_path
+        if path is None or path.plan is None:
+            pytest.skip("no one-call decoder loop here (no small_gemm for float32, or no kernels)")
+        if not whole:
+            path.plan = None
+        tokens.append(generate(engine))
+        check_slots(engine)
+    assert calls  # the first engine's steps went through the one call
+    assert tokens[0] == tokens[1]
+
+
 def test_the_first_block_option_changes_what_block_0_reads(
     model_engine: Callable[..., LLMEngine],
 ) -> None:

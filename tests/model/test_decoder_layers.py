@@ -8,6 +8,7 @@ import torch
 from parity_helpers import HandDriver
 
 from pagedllm.attention import cpu as cpu_attention
+from pagedllm.attention.base import AttentionKind
 from pagedllm.attention.cpu import CpuAttention
 from pagedllm.model import fast_path
 from pagedllm.model.loader import load_model
@@ -40,9 +41,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return paths
 
 
-def make_runner(path, dtype: str, whole: bool) -> TorchModelRunner:
+def make_runner(path, dtype: str, whole: bool, **cache) -> TorchModelRunner:
     loaded = load_model(path, dtype, CpuAttention())
-    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64)
+    runner = TorchModelRunner(loaded.model, block_size=16, num_blocks=64, **cache)
     path = loaded.model.fast_path
     if path is None or path.plan is None:
         pytest.skip(
@@ -88,6 +89,55 @@ def test_one_call_equals_the_layer_loop(checkpoints, monkeypatch, arch: str, dty
         assert mine.keys() == theirs.keys()
         for request_id in mine:
             assert torch.equal(mine[request_id], theirs[request_id]), request_id
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("first_block", [False, True])
+def test_one_call_over_a_quantized_cache_equals_the_layer_loop(
+    checkpoints, monkeypatch, kv_cache_dtype: str, dtype: str, first_block: bool
+):
+    """quant_decoder_layers (quant_write and quant_attention per layer, in one C++ call)
+    gives the per-layer loop's logits bit for bit over the same quantized cache: prompt
+    steps and decode, blocks sealed mid-step and open ones staged."""
+    calls = []
+    real = fast_path.quant_decoder_layers
+    monkeypatch.setattr(fast_path, "quant_decoder_layers", lambda *a: calls.append(1) or real(*a))
+    cache = dict(kv_cache_dtype=kv_cache_dtype, unquantized_first_block=first_block)
+    whole = run_steps(make_runner(checkpoints["qwen2"], dtype, whole=True, **cache))
+    taken = len(calls)
+    loop = run_steps(make_runner(checkpoints["qwen2"], dtype, whole=False, **cache))
+    assert len(calls) == taken >= 6  # every decode step in one call; the loop runner never
+    assert len(whole) == len(loop)
+    for mine, theirs in zip(whole, loop, strict=True):
+        assert mine.keys() == theirs.keys()
+        for request_id in mine:
+            assert torch.equal(mine[request_id], theirs[request_id]), request_id
+
+
+def test_a_quantized_step_the_kernel_does_not_take_uses_the_loop(checkpoints, monkeypatch):
+    runner = make_runner(checkpoints["llama"], "float32", whole=True, kv_cache_dtype="int8")
+    backend = runner.model.fast_path.plan.backend
+    driver = HandDriver(runner)
+    seq = driver.add("a", list(range(5)))
+    batch = runner.input_buffers.build(
+        [driver.schedule(seq, 5)], runner.block_size, runner.device, runner.num_blocks
+    )
+    batch.meta.quant = runner.kv_cache.plan_step(batch.meta)
+    k, v = runner.kv_caches[0]
+    assert backend.quant_kernel_step(torch.float32, 64, k, v, batch.meta) is not None
+    assert backend.quant_kernel_step(torch.bfloat16, 64, k, v, batch.meta) is None
+    assert backend.quant_kernel_step(torch.float32, 32, k, v, batch.meta) is None
+    windowed = AttentionKind(sliding_window=8)
+    assert backend.quant_kernel_step(torch.float32, 64, k, v, batch.meta, windowed) is None
+    runner.kv_cache.finish_step()
+    # Without the C++ write the one-call op has nothing to call: the loop runs.
+    calls = []
+    real = fast_path.quant_decoder_layers
+    monkeypatch.setattr(fast_path, "quant_decoder_layers", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(backend, "_quant_write", None)
+    driver.step([driver.schedule(seq, 5)])
+    assert calls == []
 
 
 def test_steps_the_kernel_does_not_take_whole_use_the_loop(checkpoints, monkeypatch):

@@ -149,6 +149,21 @@ class AttentionBackend(Protocol):
         then runs every layer of the step in one C++ call (``decoder_layers``)."""
         ...
 
+    def quant_kernel_step(
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        k_cache: QuantizedCache,
+        v_cache: QuantizedCache,
+        meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
+    ) -> QuantKernelStep | None:
+        """``kernel_step`` over a quantized cache (``meta.quant`` set): the arguments with
+        which the C++ ``quant_write`` and ``quant_attention`` take this whole step, as
+        ``forward`` would run it; None when they do not. The model's fast path then runs
+        every layer of the step in one C++ call (``quant_decoder_layers``)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class KernelStep:
@@ -162,6 +177,17 @@ class KernelStep:
     rows_per_task: int
     fast_bf16: bool
     use_amx: bool
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKernelStep:
+    """A step over a quantized cache that ``quant_write`` and ``quant_attention`` take
+    whole: the step's tables as the kernel takes them (int32, unit last stride); the write
+    plan is the step's ``QuantStep``."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
 
 
 def write_kv(

@@ -36,10 +36,12 @@ from pagedllm.attention.base import (
     AttentionKind,
     AttentionMetadata,
     KernelStep,
+    QuantKernelStep,
     write_kv,
 )
 from pagedllm.attention.quant import (
     QuantizedCache,
+    QuantStep,
     check_full_attention,
     forward_reference,
     write_step,
@@ -129,6 +131,7 @@ class CpuAttention:
         self._merge = torch.ops.pagedllm.merge_attention if self._op is not None else None
         self._write = torch.ops.pagedllm.write_kv_ if self._op is not None else None
         self._quant = torch.ops.pagedllm.quant_attention if self._op is not None else None
+        self._quant_write = torch.ops.pagedllm.quant_write if self._op is not None else None
         if use_extension is True and self._op is None:
             raise RuntimeError("the pagedllm C++ attention kernel could not be built; see the log")
         self.max_kernel_query_len = max_kernel_query_len
@@ -268,7 +271,7 @@ class CpuAttention:
         if self._quant is None or not _quant_kernel_applies(q):
             return forward_reference(query, key, value, k_cache, v_cache, meta, scale)
         step = meta.quant
-        k_window, v_window = write_step(key, value, k_cache, v_cache, step)
+        k_window, v_window = self._write_step(key, value, k_cache, v_cache, step)
         out = torch.empty_like(q)
         self._quant(
             out,
@@ -293,6 +296,54 @@ class CpuAttention:
             scale,
         )
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _write_step(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: QuantizedCache,
+        v_cache: QuantizedCache,
+        step: QuantStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write_step`` (the reference) in one C++ call (``quant_write``) where the library
+        has it."""
+        if self._quant_write is None:
+            return write_step(key, value, k_cache, v_cache, step)
+        return self._quant_write(
+            key, value, *k_cache.write_args(), *v_cache.write_args(), *step.write_args()
+        )
+
+    def quant_kernel_step(
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        k_cache: QuantizedCache,
+        v_cache: QuantizedCache,
+        meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
+    ) -> QuantKernelStep | None:
+        """``quant_attention``'s step arguments when ``quant_write`` and ``quant_attention``
+        take every layer of this quantized step as ``forward`` would (queries cut from the
+        qkv product in the caches' dtype), else None
+        (``AttentionBackend.quant_kernel_step``)."""
+        if (
+            meta.quant is None
+            or self._quant_write is None
+            or not kind.is_full
+            or meta.groups
+            or dtype not in (torch.float32, torch.bfloat16)
+            or k_cache.dtype != dtype
+            or v_cache.dtype != dtype
+            or k_cache.stage.device.type != "cpu"
+            or k_cache.block_shape[2] != head_dim
+            or head_dim > 512
+        ):
+            return None
+        return QuantKernelStep(
+            block_tables=_int32(meta.block_tables),
+            seq_lens=_int32(meta.seq_lens),
+            query_start_loc=_int32(meta.query_start_loc),
+        )
 
     def kernel_step(
         self,

@@ -208,6 +208,10 @@ class QuantizedCache:
         """The per-block tensors a block move copies (data, scale, minimum)."""
         return tuple(t for t in (self.data, self.scale, self.minimum) if t is not None)
 
+    def write_args(self) -> tuple:
+        """This side's arguments to the C++ ``quant_write``, in its order."""
+        return (self.data, self.scale, self.minimum, self.stage, self.codec.code)
+
 
 @dataclass(frozen=True, slots=True)
 class QuantStep:
@@ -232,6 +236,19 @@ class QuantStep:
     first_slots: torch.Tensor
     first_slots_list: list[int]
 
+    def write_args(self) -> tuple:
+        """The plan's arguments to the C++ ``quant_write`` (after both sides'), in its order."""
+        return (
+            self.num_window_blocks,
+            self.load_window,
+            self.load_slots,
+            self.row_slots,
+            self.seal_window,
+            self.seal_blocks,
+            self.keep_window,
+            self.keep_slots,
+        )
+
 
 def write_step(
     key: torch.Tensor,
@@ -241,7 +258,9 @@ def write_step(
     step: QuantStep,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the step's K/V: build the windows, seal the full blocks, stage the open ones.
-    Returns the K and V windows [W, B, H, D] that attention reads own blocks from."""
+    Returns the K and V windows [W, B, H, D] that attention reads own blocks from. The
+    reference of the C++ ``quant_write`` (``kernels/csrc/quant_write.cpp``), which gives
+    the same bits in one call."""
     return _write_side(key, k_cache, step), _write_side(value, v_cache, step)
 
 

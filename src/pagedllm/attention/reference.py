@@ -13,6 +13,7 @@ from pagedllm.attention.base import (
     AttentionKind,
     AttentionMetadata,
     KernelStep,
+    QuantKernelStep,
     write_kv,
 )
 from pagedllm.attention.quant import QuantizedCache, forward_reference
@@ -143,4 +144,16 @@ class ReferenceAttention:
         kind: AttentionKind = FULL_ATTENTION,
     ) -> KernelStep | None:
         """None: the reference has no C++ kernel; every step goes through ``forward``."""
+        return None
+
+    def quant_kernel_step(
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        k_cache: QuantizedCache,
+        v_cache: QuantizedCache,
+        meta: AttentionMetadata,
+        kind: AttentionKind = FULL_ATTENTION,
+    ) -> QuantKernelStep | None:
+        """None, as ``kernel_step``."""
         return None

@@ -38,6 +38,7 @@ SOURCES = tuple(
         "decoder_layers.cpp",
         "gemma_layers.cpp",
         "quant_attention.cpp",
+        "quant_write.cpp",
     )
 )
 # Included by the sources: part of the build's hash, not compiled on their own.

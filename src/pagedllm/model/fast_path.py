@@ -5,8 +5,10 @@ expressions round.
 Per layer (``fused_layer``): residual add + RMSNorm in one op, the qkv linear, the rotary
 embedding in place, attention, the o linear, add + norm, gate/up, SiLU-and-multiply, down.
 Steps whose linears all run on ``small_gemm`` and whose attention the backend's kernel takes
-whole (``AttentionBackend.kernel_step``) go through one C++ call for every layer
-(``decoder_layers``): the same ops in the same order without Python between them.
+whole (``AttentionBackend.kernel_step``; over a quantized cache ``quant_kernel_step``) go
+through one C++ call for every layer (``decoder_layers``; ``quant_decoder_layers``, whose
+layers write with ``quant_write`` and attend with ``quant_attention``): the same ops in the
+same order without Python between them.
 
 The model calls its fast path through the ``FastPath`` Protocol (``model/base.py``); the
 loader gives the model ``CpuFastPath.build``, which says whether this CPU has one.
@@ -25,7 +27,9 @@ from pagedllm.attention.base import (
     AttentionKind,
     AttentionMetadata,
     KernelStep,
+    QuantKernelStep,
 )
+from pagedllm.attention.quant import QuantizedCache
 from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
@@ -80,10 +84,11 @@ class CpuFastPath:
             return "fused C++ ops layer by layer, gathers between the ranks' ops"
         if self.plan is None:
             return "fused C++ ops, layer by layer from Python (not every linear on small_gemm)"
-        if kv_quantization is not None:  # the one-call loop reads plain blocks only
+        if kv_quantization is not None:
             return (
-                f"fused C++ ops, layer by layer from Python (a {kv_quantization} cache's "
-                "attention is not in the one-call loop)"
+                "fused C++: every layer in one call (quant_decoder_layers: quant_write, "
+                f"quant_attention over the {kv_quantization} cache) when the quantized "
+                "attention kernel takes the step whole, else fused ops layer by layer"
             )
         return (
             "fused C++: every layer in one call (decoder_layers) when the attention kernel "
@@ -101,11 +106,9 @@ class CpuFastPath:
         cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
         plan = self.plan
         if plan is not None and hidden.shape[0] <= plan.max_rows:
-            steps = kernel_steps(plan.backend, plan.kind, hidden.dtype, plan.heads, kv_caches, meta)
-            if steps is not None:
-                return decoder_layers(
-                    self.ops, plan, steps, hidden, cos, sin, kv_caches, meta, output_rows
-                )
+            whole = self._one_call(plan, hidden, cos, sin, kv_caches, meta, output_rows)
+            if whole is not None:
+                return whole
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -124,6 +127,30 @@ class CpuFastPath:
             )
         norm = self.final_norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+
+    def _one_call(
+        self,
+        plan: DecoderPlan,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Every layer in one C++ call when the attention kernels take the step whole
+        (``decoder_layers``, or ``quant_decoder_layers`` over a quantized cache), else None."""
+        if meta.quant is not None:
+            step = quant_kernel_step(plan, hidden.dtype, kv_caches, meta)
+            if step is None:
+                return None
+            return quant_decoder_layers(
+                self.ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
+            )
+        steps = kernel_steps(plan.backend, plan.kind, hidden.dtype, plan.heads, kv_caches, meta)
+        if steps is None:
+            return None
+        return decoder_layers(self.ops, plan, steps, hidden, cos, sin, kv_caches, meta, output_rows)
 
 
 def fused_layer_of(layer: DecoderLayer) -> FusedLayer:
@@ -336,6 +363,73 @@ def decoder_layers(
         hidden,
         cos,
         sin,
+        *weight_arguments(plan),
+        *step_arguments(steps[0], kv_caches, meta, plan.heads, plan.scale),
+        output_rows,
+        plan.sliding_windows,
+        plan.softcaps,
+        *group_arguments(steps, meta),
+    )
+
+
+def quant_decoder_layers(
+    ops: Any,
+    plan: DecoderPlan,
+    step: QuantKernelStep,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: KVCaches,
+    meta: AttentionMetadata,
+    output_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """``decoder_layers`` over a quantized cache: per layer ``quant_write`` (the step's
+    windows, seals and staging: ``meta.quant``) and ``quant_attention`` in one C++ call, for
+    a step the backend's ``quant_kernel_step`` takes whole."""
+    num_heads, num_kv_heads, _ = plan.heads.counts
+    quant = meta.quant
+    return ops.quant_decoder_layers(
+        hidden,
+        cos,
+        sin,
+        *weight_arguments(plan),
+        *side_arguments([k for k, _ in kv_caches]),
+        *side_arguments([v for _, v in kv_caches]),
+        *quant.write_args(),
+        quant.window_start,
+        quant.first_slots,
+        step.block_tables,
+        step.seq_lens,
+        step.query_start_loc,
+        num_heads,
+        num_kv_heads,
+        plan.heads.head_dim,
+        plan.scale,
+        output_rows,
+    )
+
+
+def quant_kernel_step(
+    plan: DecoderPlan, dtype: torch.dtype, kv_caches: KVCaches, meta: AttentionMetadata
+) -> QuantKernelStep | None:
+    """The backend's ``quant_kernel_step`` where every layer has full attention (the only
+    kind a quantized cache serves) and one format a side, else None."""
+    k_cache, v_cache = kv_caches[0]
+    if (
+        any(plan.sliding_windows)
+        or any(plan.softcaps)
+        or meta.layer_groups
+        or any(k.codec != k_cache.codec or v.codec != v_cache.codec for k, v in kv_caches)
+    ):
+        return None
+    return plan.backend.quant_kernel_step(
+        dtype, plan.heads.head_dim, k_cache, v_cache, meta, FULL_ATTENTION
+    )
+
+
+def weight_arguments(plan: DecoderPlan) -> tuple:
+    """The one-call layer ops' weights, in their order (after hidden, cos, sin)."""
+    return (
         plan.norm1,
         plan.qkv,
         plan.qkv_bias,
@@ -348,11 +442,18 @@ def decoder_layers(
         plan.down_bias,
         plan.final_norm,
         plan.eps,
-        *step_arguments(steps[0], kv_caches, meta, plan.heads, plan.scale),
-        output_rows,
-        plan.sliding_windows,
-        plan.softcaps,
-        *group_arguments(steps, meta),
+    )
+
+
+def side_arguments(caches: list[QuantizedCache]) -> tuple:
+    """One side's (K or V) per-layer tensors as ``quant_decoder_layers`` takes them, and its
+    format."""
+    return (
+        [c.data for c in caches],
+        [c.scale for c in caches],
+        [c.minimum for c in caches],
+        [c.stage for c in caches],
+        caches[0].codec.code,
     )
 
 

@@ -5,6 +5,10 @@
 // pagedllm's kernels (every linear on small_gemm, every sequence on paged_attention, the C++
 // K/V write); the caller checks that and keeps the Python loop for the rest.
 //
+// quant_decoder_layers is the same loop over a quantized cache: each layer's K/V go through
+// quant_write (windows, seals, staging) and its attention through quant_attention, as
+// CpuAttention.forward runs them layer by layer.
+//
 // The ops are called through the dispatcher (unboxed, ~0.1 us), so this file needs nothing
 // from the files that define them.
 
@@ -13,6 +17,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 #include "layer_groups.h"
 
@@ -53,9 +58,94 @@ const Ops& ops() {
   return handles;
 }
 
+using QuantWrite = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, at::Tensor, const OptTensor&, const OptTensor&, at::Tensor, int64_t,
+    at::Tensor, const OptTensor&, const OptTensor&, at::Tensor, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using QuantAttention = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                            int64_t, const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool);
+
+struct QuantOps {
+  c10::TypedOperatorHandle<QuantWrite> write = op<QuantWrite>("pagedllm::quant_write");
+  c10::TypedOperatorHandle<QuantAttention> attention = op<QuantAttention>("pagedllm::quant_attention");
+};
+
+const QuantOps& quant_ops() {
+  static const QuantOps handles;
+  return handles;
+}
+
 template <typename List>
 void check_layers(size_t n, const List& list, const char* name) {
   TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
+}
+
+// Every layer's weights: the norms', the four linears' small_gemm-packed weights and optional
+// biases, and the final norm.
+struct Weights {
+  at::TensorList norm1, qkv;
+  const OptTensors& qkv_bias;
+  at::TensorList o;
+  const OptTensors& o_bias;
+  at::TensorList norm2, gate_up;
+  const OptTensors& gate_up_bias;
+  at::TensorList down;
+  const OptTensors& down_bias;
+  const at::Tensor& final_norm;
+  double eps;
+
+  size_t layers() const {
+    const size_t n = norm1.size();
+    TORCH_CHECK(n > 0, "decoder_layers: no layers");
+    check_layers(n, qkv, "qkv");
+    check_layers(n, qkv_bias, "qkv_bias");
+    check_layers(n, o, "o");
+    check_layers(n, o_bias, "o_bias");
+    check_layers(n, norm2, "norm2");
+    check_layers(n, gate_up, "gate_up");
+    check_layers(n, gate_up_bias, "gate_up_bias");
+    check_layers(n, down, "down");
+    check_layers(n, down_bias, "down_bias");
+    return n;
+  }
+};
+
+// The loop of fused_layer over n layers plus the final norm; attend(i, q, k, v) writes layer
+// i's K/V and returns its attention output [T, num_heads, head_dim] (q and k already rotated).
+// hidden becomes the residual stream and is updated in place; output_rows: only these rows go
+// on after the last layer's attention.
+template <typename Attend>
+at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const OptTensor& output_rows, const Attend& attend) {
+  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
+  const Ops& f = ops();
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  at::Tensor x = f.rms_norm.call(hidden, w.norm1[0], w.eps);
+  at::Tensor residual = hidden;
+  at::Tensor out_of_layer;
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, w.norm1[i], w.eps);
+    const at::Tensor qkv_out = f.small_gemm.call(x, w.qkv[i], w.qkv_bias.get(i));
+    TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
+    // One view and one split, as llama.split_heads.
+    const auto heads =
+        qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    f.rope.call(heads[0], heads[1], cos, sin);
+    at::Tensor attn = attend(i, heads[0], heads[1], heads[2]);
+    if (i + 1 == n && output_rows.has_value()) {
+      attn = attn.index_select(0, *output_rows);
+      residual = residual.index_select(0, *output_rows);
+    }
+    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i));
+    x = f.add_rms_norm.call(projected, residual, w.norm2[i], w.eps);
+    const at::Tensor act = f.silu_mul.call(f.small_gemm.call(x, w.gate_up[i], w.gate_up_bias.get(i)));
+    out_of_layer = f.small_gemm.call(act, w.down[i], w.down_bias.get(i));
+  }
+  return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }
 
 // hidden: the embedded tokens [T, hidden], which become the residual stream and are updated
@@ -81,53 +171,66 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps,
                           at::TensorList group_block_tables, at::TensorList group_slot_mappings,
                           at::IntArrayRef layer_groups) {
-  const size_t n = norm1.size();
-  TORCH_CHECK(n > 0, "decoder_layers: no layers");
-  check_layers(n, qkv, "qkv");
-  check_layers(n, qkv_bias, "qkv_bias");
-  check_layers(n, o, "o");
-  check_layers(n, o_bias, "o_bias");
-  check_layers(n, norm2, "norm2");
-  check_layers(n, gate_up, "gate_up");
-  check_layers(n, gate_up_bias, "gate_up_bias");
-  check_layers(n, down, "down");
-  check_layers(n, down_bias, "down_bias");
+  const Weights w{norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, gate_up_bias, down, down_bias, final_norm, eps};
+  const size_t n = w.layers();
   check_layers(n, k_caches, "k_caches");
   check_layers(n, v_caches, "v_caches");
   if (!sliding_windows.empty()) check_layers(n, sliding_windows, "sliding_windows");
   if (!softcaps.empty()) check_layers(n, softcaps, "softcaps");
   const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
                                        layer_groups, n);
-  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
   const Ops& f = ops();
-  const int64_t tokens = hidden.size(0);
-  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-  at::Tensor x = f.rms_norm.call(hidden, norm1[0], eps);
-  at::Tensor residual = hidden;
-  at::Tensor out_of_layer;
-  for (size_t i = 0; i < n; ++i) {
-    if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, norm1[i], eps);
-    const at::Tensor qkv_out = f.small_gemm.call(x, qkv[i], qkv_bias.get(i));
-    TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
-    // One view and one split, as llama.split_heads.
-    const auto heads =
-        qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-    f.rope.call(heads[0], heads[1], cos, sin);
-    f.write_kv.call(k_caches[i], v_caches[i], heads[1], heads[2], groups.slots(i));
-    at::Tensor attn = at::empty(heads[0].sizes(), heads[0].options());
-    f.attention.call(attn, heads[0], k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled,
-                     scale, rows_per_task, fast_bf16, use_amx, sliding_windows.empty() ? 0 : sliding_windows[i],
+  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    f.write_kv.call(k_caches[i], v_caches[i], k, v, groups.slots(i));
+    at::Tensor attn = at::empty(q.sizes(), q.options());
+    f.attention.call(attn, q, k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled, scale,
+                     rows_per_task, fast_bf16, use_amx, sliding_windows.empty() ? 0 : sliding_windows[i],
                      softcaps.empty() ? 0.0 : softcaps[i]);
-    if (i + 1 == n && output_rows.has_value()) {
-      attn = attn.index_select(0, *output_rows);
-      residual = residual.index_select(0, *output_rows);
-    }
-    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), o[i], o_bias.get(i));
-    x = f.add_rms_norm.call(projected, residual, norm2[i], eps);
-    const at::Tensor act = f.silu_mul.call(f.small_gemm.call(x, gate_up[i], gate_up_bias.get(i)));
-    out_of_layer = f.small_gemm.call(act, down[i], down_bias.get(i));
-  }
-  return f.add_rms_norm.call(out_of_layer, residual, final_norm, eps);
+    return attn;
+  };
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
+}
+
+// decoder_layers over a quantized cache (attention/quant.py): each layer writes its K/V with
+// quant_write (windows, seals, staging) and attends with quant_attention, as the per-layer
+// path's CpuAttention.forward does. Per layer: each side's data, scale, minimum and staging
+// (QuantizedCache); k_kind, v_kind: the formats (BlockCodec.code, the same in every layer). The
+// write plan is the step's QuantStep (quant_write's arguments), then quant_attention's step.
+at::Tensor quant_decoder_layers(
+    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norm1, at::TensorList qkv,
+    const OptTensors& qkv_bias, at::TensorList o, const OptTensors& o_bias, at::TensorList norm2,
+    at::TensorList gate_up, const OptTensors& gate_up_bias, at::TensorList down, const OptTensors& down_bias,
+    const at::Tensor& final_norm, double eps, at::TensorList k_data, const OptTensors& k_scale,
+    const OptTensors& k_min, at::TensorList k_stage, int64_t k_kind, at::TensorList v_data, const OptTensors& v_scale,
+    const OptTensors& v_min, at::TensorList v_stage, int64_t v_kind, int64_t num_window_blocks,
+    const at::Tensor& load_window, const at::Tensor& load_slots, const at::Tensor& row_slots,
+    const at::Tensor& seal_window, const at::Tensor& seal_blocks, const at::Tensor& keep_window,
+    const at::Tensor& keep_slots, const at::Tensor& window_start, const at::Tensor& first_slots,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double scale, const OptTensor& output_rows) {
+  const Weights w{norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, gate_up_bias, down, down_bias, final_norm, eps};
+  const size_t n = w.layers();
+  check_layers(n, k_data, "k_data");
+  check_layers(n, k_scale, "k_scale");
+  check_layers(n, k_min, "k_min");
+  check_layers(n, k_stage, "k_stage");
+  check_layers(n, v_data, "v_data");
+  check_layers(n, v_scale, "v_scale");
+  check_layers(n, v_min, "v_min");
+  check_layers(n, v_stage, "v_stage");
+  const QuantOps& f = quant_ops();
+  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const auto [k_window, v_window] =
+        f.write.call(k, v, k_data[i], k_scale.get(i), k_min.get(i), k_stage[i], k_kind, v_data[i], v_scale.get(i),
+                     v_min.get(i), v_stage[i], v_kind, num_window_blocks, load_window, load_slots, row_slots,
+                     seal_window, seal_blocks, keep_window, keep_slots);
+    at::Tensor attn = at::empty(q.sizes(), q.options());
+    f.attention.call(attn, q, k_data[i], k_scale.get(i), k_min.get(i), k_kind, v_data[i], v_scale.get(i),
+                     v_min.get(i), v_kind, k_window, v_window, block_tables, seq_lens, query_start_loc, window_start,
+                     k_stage[i], v_stage[i], first_slots, scale, false);
+    return attn;
+  };
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
 }
 
 }  // namespace
@@ -141,6 +244,18 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
       "bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
       "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups) -> Tensor");
+  m.def(
+      "quant_decoder_layers(Tensor(c!) hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, "
+      "Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] norm2, Tensor[] gate_up, Tensor?[] gate_up_bias, "
+      "Tensor[] down, Tensor?[] down_bias, Tensor final_norm, float eps, Tensor(a!)[] k_data, Tensor?[] k_scale, "
+      "Tensor?[] k_min, Tensor(d!)[] k_stage, int k_kind, Tensor(e!)[] v_data, Tensor?[] v_scale, Tensor?[] v_min, "
+      "Tensor(h!)[] v_stage, int v_kind, int num_window_blocks, Tensor load_window, Tensor load_slots, "
+      "Tensor row_slots, Tensor seal_window, Tensor seal_blocks, Tensor keep_window, Tensor keep_slots, "
+      "Tensor window_start, Tensor first_slots, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor? output_rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("decoder_layers", &decoder_layers);
+  m.impl("quant_decoder_layers", &quant_decoder_layers);
+}
