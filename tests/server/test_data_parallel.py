@@ -79,3 +79,17 @@ def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
         args = _args("--data-parallel-size", "2", "-tp", "2", "--nnodes", "2",
                      "--node-rank", "1", "--master-port", str(master))  # fmt: skip
         assert replica_master_ports(args) == [master, master + 1]
+
+
+def test_the_api_key_reaches_replicas_by_environment_not_argv(monkeypatch):
+    from pagedllm.server.cli import API_KEY_ENV, api_key_of
+
+    args = _args("--data-parallel-size", "2", "--api-key", "s3cret")
+    argv = replica_argv(args, 8001, None)
+    assert "--api-key" not in argv and "s3cret" not in argv
+    assert api_key_of(args) == "s3cret"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_key_of(_args()) == "from-env"  # what a replica started with it reads
+    assert api_key_of(args) == "s3cret"  # the flag wins
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_key_of(_args()) is None

@@ -63,12 +63,29 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _complete(base: str, tenant: int, i: int) -> dict[str, Any]:
+def _complete(base: str, tenant: int, i: int, headers: dict | None = None) -> dict[str, Any]:
     prompt = f"tenant {tenant} system prompt, long enough for blocks. question {i}"
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def _stream(base: str, chunks: list[bytes], first_chunk: threading.Event) -> None:
@@ -196,19 +213,28 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
 def test_serve_data_parallel_starts_a_router_over_replicas(tiny_checkpoint: Path):
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
+    key = "dp-secret-4711"
     proc = _start(["serve", "--model", str(tiny_checkpoint), "--port", str(port),
-                   "--data-parallel-size", "2", *ENGINE_FLAGS])  # fmt: skip
+                   "--data-parallel-size", "2", "--api-key", key, *ENGINE_FLAGS])  # fmt: skip
     try:
+        # healthy: the router reads the replicas' events with their key
         _wait_healthy(base, proc, timeout=180)
-        out = _complete(base, 0, 0)
+        out = _complete(base, 0, 0, headers={"authorization": f"Bearer {key}"})
         assert out["choices"][0]["text"]
+        keyless = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=60)
+        assert keyless.status_code == 401
+        replicas = _children(proc.pid)
+        assert len(replicas) == 2
+        assert not any(key in _cmdline(pid) for pid in replicas)  # passed by environment
         report = httpx.get(f"{base}/v1/router").json()
         assert [r["url"] for r in report["replicas"]] == [
             f"http://127.0.0.1:{port + 1}",
             f"http://127.0.0.1:{port + 2}",
         ]
         assert all(r["healthy"] for r in report["replicas"])
-        replica_metrics = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
+        replica_metrics = httpx.get(
+            f"http://127.0.0.1:{port + 1}/metrics", headers={"authorization": f"Bearer {key}"}
+        ).text
         assert "pagedllm" in replica_metrics
     finally:
         _stop([proc])

@@ -16,6 +16,7 @@ ranks of each replica (``pagedllm serve --node-rank K --master-port P+i``) and w
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -30,25 +31,29 @@ REPLICA_START_TIMEOUT_S = 600.0
 def run_data_parallel(args: argparse.Namespace) -> int:
     """Start the replicas (or, on a machine with ``--node-rank > 0``, their ranks) and
     serve the router until SIGTERM / Ctrl-C; 0 on a clean exit."""
-    from pagedllm.server.cli import _UVICORN_GRACE_S, _exit_cleanly
+    from pagedllm.server.cli import _UVICORN_GRACE_S, API_KEY_ENV, _exit_cleanly, api_key_of
 
     master_ports = replica_master_ports(args)
     procs: list[subprocess.Popen] = []
     # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    api_key = api_key_of(args)
+    # The key reaches the replicas through their environment, not their argv (ps shows it).
+    env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
     try:
         urls = []
         for i, master_port in enumerate(master_ports):
             port = args.port + 1 + i
             argv = replica_argv(args, port, master_port)
-            procs.append(subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "serve", *argv]))
+            command = [sys.executable, "-m", "pagedllm.cli", "serve", *argv]
+            procs.append(subprocess.Popen(command, env=env))
             urls.append(f"http://{_client_host(args.host)}:{port}")
         if args.node_rank > 0:
             return max(proc.wait() for proc in procs)
         _wait_healthy(urls, procs)
         from pagedllm.server.router_cli import serve_router
 
-        serve_router(args, urls, args.model, args.api_key)
+        serve_router(args, urls, args.model, api_key)
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
@@ -105,7 +110,7 @@ def replica_argv(args: argparse.Namespace, port: int, master_port: int | None) -
         argv += ["--master-port", str(master_port)]
     for action in parser._actions:
         dest = action.dest
-        if dest in ("help", "port", "master_port", "data_parallel_size"):
+        if dest in ("help", "port", "master_port", "data_parallel_size", "api_key"):
             continue
         if not action.option_strings:
             continue

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
 from pagedllm.core.routing import CACHE_EVENT_FEEDS, ROUTING_POLICIES
+
+REPLICA_API_KEY_ENV = "PAGEDLLM_REPLICA_API_KEY"
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
     parser.add_argument("--replica-api-key", default=None, metavar="KEY",
                         help="the replicas' --api-key: sent on the router's own reads of their "
-                        "cache events (clients' requests pass on their own Authorization)")  # fmt: skip
+                        "cache events (clients' requests pass on their own Authorization; "
+                        f"default: ${REPLICA_API_KEY_ENV})")  # fmt: skip
     add_router_arguments(parser)
 
 
@@ -81,5 +85,6 @@ def serve_router(
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    serve_router(args, args.replica, args.tokenizer, args.replica_api_key)
+    key = args.replica_api_key or os.environ.get(REPLICA_API_KEY_ENV) or None
+    serve_router(args, args.replica, args.tokenizer, key)
     return 0
