@@ -69,6 +69,21 @@ def test_old_builds_are_pruned_newest_kept(tmp_path):
     assert build.prune_builds(tmp_path, keep=3) == []
 
 
+@needs_library
+def test_a_reused_build_counts_as_new_when_pruning(tmp_path):
+    """Another checkout's newer builds do not evict a build this one keeps loading."""
+    target = tmp_path / build_extension().name  # this source's build, as the cache names it
+    target.write_bytes(b"")
+    os.utime(target, (1_000, 1_000))
+    for i in range(build.KEPT_BUILDS):
+        newer = tmp_path / f"pagedllm_cpu_other{i}.so"
+        newer.write_bytes(b"")
+        os.utime(newer, (2_000 + i, 2_000 + i))
+    assert build_extension(tmp_path) == target  # reused, and touched
+    removed = build.prune_builds(tmp_path, keep=build.KEPT_BUILDS)
+    assert target.exists() and removed == [tmp_path / "pagedllm_cpu_other0.so"]
+
+
 def test_disabled_extension_uses_torch_path(monkeypatch):
     monkeypatch.setattr(cpu, "load_extension", lambda: None)
     backend = cpu.CpuAttention()

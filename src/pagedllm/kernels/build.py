@@ -1,6 +1,6 @@
 """The compiler driver: builds the C++ kernels (``csrc/*.cpp``) into one shared library with the
 system compiler on first use, caches it under ``$PAGEDLLM_CACHE/extensions`` (default
-``~/.cache/pagedllm``; the newest ``KEPT_BUILDS`` builds are kept) and loads it into
+``~/.cache/pagedllm``; the ``KEPT_BUILDS`` most recently used builds are kept) and loads it into
 ``torch.ops.pagedllm``. If the build fails every caller falls back to its torch path.
 """
 
@@ -121,6 +121,10 @@ def build_extension(directory: Path | None = None) -> Path:
     directory = directory or cache_dir()
     target = directory / f"pagedllm_cpu_{digest}.so"
     if target.exists():
+        # Marks it used: pruning keeps the most recently used builds, so a checkout that
+        # keeps loading its build is not evicted by others' newer ones.
+        with contextlib.suppress(OSError):
+            os.utime(target)
         return target
     directory.mkdir(parents=True, exist_ok=True)
     # torch's headers as system headers: warnings are for our own code.
@@ -174,8 +178,9 @@ KEPT_BUILDS = 4
 
 
 def prune_builds(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` most recently built libraries in ``directory``; returns
-    what was deleted. A process that loaded a deleted library keeps its mapping."""
+    """Delete all but the ``keep`` most recently built or used libraries in ``directory``
+    (their mtime: ``build_extension`` touches a build it reuses); returns what was deleted.
+    A process that loaded a deleted library keeps its mapping."""
     builds = []
     for path in directory.glob("pagedllm_cpu_*.so"):
         with contextlib.suppress(OSError):  # another process removed it first
