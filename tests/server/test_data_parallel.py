@@ -82,14 +82,15 @@ def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
 
 
 def test_the_api_key_reaches_replicas_by_environment_not_argv(monkeypatch):
-    from pagedllm.server.cli import API_KEY_ENV, api_key_of
+    from pagedllm.server.cli import API_KEY_ENV
 
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = _args("--data-parallel-size", "2", "--api-key", "s3cret")
     argv = replica_argv(args, 8001, None)
     assert "--api-key" not in argv and "s3cret" not in argv
-    assert api_key_of(args) == "s3cret"
+    assert args.api_key == "s3cret"
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert api_key_of(_args()) == "from-env"  # what a replica started with it reads
-    assert api_key_of(args) == "s3cret"  # the flag wins
+    assert _args().api_key == "from-env"  # what a replica started with it reads
+    assert _args("--api-key", "s3cret").api_key == "s3cret"  # the flag wins
     monkeypatch.setenv(API_KEY_ENV, "")
-    assert api_key_of(_args()) is None
+    assert _args().api_key is None

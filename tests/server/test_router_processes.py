@@ -71,19 +71,6 @@ def _complete(base: str, tenant: int, i: int, headers: dict | None = None) -> di
     return response.json()
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 

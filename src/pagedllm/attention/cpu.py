@@ -331,12 +331,10 @@ class CpuAttention:
             or self._quant_write is None
             or not kind.is_full
             or meta.groups
-            or dtype not in (torch.float32, torch.bfloat16)
+            or not _quant_kernel_takes(k_cache.stage.device, dtype, head_dim)
             or k_cache.dtype != dtype
             or v_cache.dtype != dtype
-            or k_cache.stage.device.type != "cpu"
             or k_cache.block_shape[2] != head_dim
-            or head_dim > 512
         ):
             return None
         return QuantKernelStep(
@@ -479,12 +477,12 @@ class CpuAttention:
 
 def _quant_kernel_applies(query: torch.Tensor) -> bool:
     """``quant_attention``'s conditions (else the plain dequantize-then-attend path)."""
-    return (
-        query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16)
-        and query.stride(2) == 1
-        and query.shape[2] <= 512
-    )
+    return query.stride(2) == 1 and _quant_kernel_takes(query.device, query.dtype, query.shape[2])
+
+
+def _quant_kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The device, dtype and head size ``quant_attention`` (and ``quant_write``) take."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim <= 512
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

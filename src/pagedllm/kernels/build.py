@@ -53,6 +53,7 @@ HEADERS = tuple(
         "paged_attention.h",
         "prefill_attention.h",
         "layer_groups.h",
+        "kv_formats.h",
     )
 )
 

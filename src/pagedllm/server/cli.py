@@ -76,11 +76,6 @@ def server_for(
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
-def api_key_of(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else ``$PAGEDLLM_API_KEY`` (None when neither is set or it is empty)."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags and the server flags to ``parser``."""
     add_engine_arguments(parser)
@@ -89,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument(
         "--api-key",
-        default=None,
+        default=os.environ.get(API_KEY_ENV) or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: "
         f"${API_KEY_ENV}, which keeps the key out of the process list)",
     )
@@ -173,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_config(config)
     app = create_app(
         engine,
-        api_key=api_key_of(args),
+        api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
         request_log=args.request_log,

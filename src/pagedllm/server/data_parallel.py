@@ -31,13 +31,13 @@ REPLICA_START_TIMEOUT_S = 600.0
 def run_data_parallel(args: argparse.Namespace) -> int:
     """Start the replicas (or, on a machine with ``--node-rank > 0``, their ranks) and
     serve the router until SIGTERM / Ctrl-C; 0 on a clean exit."""
-    from pagedllm.server.cli import _UVICORN_GRACE_S, API_KEY_ENV, _exit_cleanly, api_key_of
+    from pagedllm.server.cli import _UVICORN_GRACE_S, API_KEY_ENV, _exit_cleanly
 
     master_ports = replica_master_ports(args)
     procs: list[subprocess.Popen] = []
     # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
-    api_key = api_key_of(args)
+    api_key = args.api_key
     # The key reaches the replicas through their environment, not their argv (ps shows it).
     env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
     try:

@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))  # fmt: skip
-    parser.add_argument("--replica-api-key", default=None, metavar="KEY",
+    parser.add_argument("--replica-api-key", default=os.environ.get(REPLICA_API_KEY_ENV) or None,
+                        metavar="KEY",
                         help="the replicas' --api-key: sent on the router's own reads of their "
                         "cache events (clients' requests pass on their own Authorization; "
                         f"default: ${REPLICA_API_KEY_ENV})")  # fmt: skip
@@ -85,6 +86,5 @@ def serve_router(
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    key = args.replica_api_key or os.environ.get(REPLICA_API_KEY_ENV) or None
-    serve_router(args, args.replica, args.tokenizer, key)
+    serve_router(args, args.replica, args.tokenizer, args.replica_api_key)
     return 0

@@ -56,14 +56,14 @@
 #define QUANT_AVX2 1
 #endif
 
+#include "kv_formats.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
 namespace {
 
+using namespace pagedllm_kv;
 using pagedllm_vec::to_float;
-
-enum Kind : int64_t { INT8 = 0, INT4_CHANNEL = 1, INT4_TOKEN = 2, FP8_E4M3 = 3, FP8_E5M2 = 4 };
 
 struct Side {
   int64_t kind;

@@ -31,18 +31,18 @@
 #include <tuple>
 #include <vector>
 
+#include "kv_formats.h"
 #include "vec.h"
 
 namespace {
 
+using namespace pagedllm_kv;
 using pagedllm_vec::to_float;
 using OptTensor = std::optional<at::Tensor>;
 
-enum Kind : int64_t { INT8 = 0, INT4_CHANNEL = 1, INT4_TOKEN = 2, FP8_E4M3 = 3, FP8_E5M2 = 4 };
 constexpr float INT8_LEVELS = 127.f;
 constexpr float INT4_LEVELS = 15.f;
 constexpr float FP16_MAX = 65504.f;
-constexpr int64_t INT4_V_GROUP = 32;  // kv_dtypes.INT4_V_GROUP
 
 // torch.clamp's arithmetic: NaN passes through.
 inline float clamp_max(float x, float hi) { return x > hi ? hi : x; }
@@ -251,6 +251,19 @@ void check_side(const at::Tensor& data, const OptTensor& scale, const OptTensor&
   }
 }
 
+// int4 per-token groups: channels per scale, read off the scales' shape as quant_attention
+// does (the rule that picks it lives in attention/quant.py's int4_v_group); the whole head
+// where no side is int4_token.
+int64_t int4_token_group(int64_t k_kind, const OptTensor& k_scale, int64_t v_kind, const OptTensor& v_scale,
+                         int64_t head_dim) {
+  const OptTensor& scale = v_kind == INT4_TOKEN ? v_scale : k_scale;
+  if ((v_kind != INT4_TOKEN && k_kind != INT4_TOKEN) || !scale.has_value() || scale->dim() != 4) return head_dim;
+  const int64_t groups = scale->size(3);
+  TORCH_CHECK(groups > 0 && head_dim % groups == 0 && (head_dim / groups) % 2 == 0,
+              "quant_write: int4 scales must split head_dim into even groups");
+  return head_dim / groups;
+}
+
 template <typename T>
 Side<T> make_side(int64_t kind, at::Tensor& data, const OptTensor& scale, const OptTensor& minimum,
                   at::Tensor& stage, const at::Tensor& rows, at::Tensor& window) {
@@ -283,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> quant_write(const at::Tensor& key, const at::
   TORCH_CHECK(v_stage.scalar_type() == dtype, "quant_write: K and V stages must share a dtype");
   Shape s{k_stage.size(1), k_stage.size(2), k_stage.size(3), 0};
   TORCH_CHECK(s.D % 2 == 0, "quant_write: head_dim must be even");
-  s.group = s.D % INT4_V_GROUP == 0 ? INT4_V_GROUP : s.D;
+  s.group = int4_token_group(k_kind, k_scale, v_kind, v_scale, s.D);
   check_side(k_data, k_scale, k_min, k_stage, k_kind, s);
   check_side(v_data, v_scale, v_min, v_stage, v_kind, s);
   TORCH_CHECK(k_data.size(0) == v_data.size(0) && k_stage.size(0) == v_stage.size(0),
