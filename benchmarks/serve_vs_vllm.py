@@ -14,6 +14,11 @@ takes CPU from the measured one.
 Without ``--vllm`` pagedllm alone is driven by a client of ours (httpx) with the same
 request pattern (random token-id prompts, streamed completions, the same concurrency).
 
+Each round also records the CPU seconds the client used (a child's rusage, or this
+process's own for our client) and the server's processes used (its process group, from
+/proc): on a small machine the client's share of the cores is not the server's to use, and
+the table shows it beside the throughput as cores (CPU seconds per wall second).
+
 Each round also times the offline ``LLM.generate`` on the same kind of requests (random
 prompts of the same lengths, ``max_num_seqs`` = the concurrency, same sampling), so that
 the server can be checked against the engine alone. Prints a table of medians (with the
@@ -32,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import subprocess
@@ -50,6 +56,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
+CPU_METRICS = ("client_cores", "server_cores")
 READY_TIMEOUT_S = 600.0
 
 # Run by the --vllm interpreter: vLLM's benchmark client on one server, one JSON line out.
@@ -159,9 +166,28 @@ class Server:
                 self.proc.wait()
         self.log.close()
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the live processes in the server's process group."""
+        return group_cpu_seconds(self.proc.pid)
+
     def _tail(self) -> str:
         self.log.flush()
         return self.log_path.read_text()[-3000:]
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``
+    (/proc/PID/stat; its threads included)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:  # fields[0] is the state: pgrp is the 5th field of stat
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def start_pagedllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
@@ -195,11 +221,19 @@ def vllm_client(args: argparse.Namespace, server: Server, model: str, work: Work
 
 
 def _child_result(command: list[str]) -> dict[str, Any]:
+    """The child's BENCH_RESULT line, with ``cpu_s``: the CPU seconds it used."""
+    before = _children_cpu_seconds()
     run = subprocess.run(command, capture_output=True, text=True)
+    cpu_s = _children_cpu_seconds() - before
     for line in run.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
-            return json.loads(line.removeprefix("BENCH_RESULT "))
+            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "cpu_s": cpu_s}
     raise RuntimeError(f"{command[0]} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def random_prompts(tokenizer: Any, work: Workload, seed: int, count: int) -> list[list[int]]:
@@ -334,16 +368,28 @@ def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Pa
 
 def drive(args: argparse.Namespace, server: Server, model: str, tokenizer: Any, work: Workload,
           seed: int) -> dict[str, Any]:  # fmt: skip
+    """One client run on ``server``, with the cores the client and the server used."""
+    server_cpu = server.cpu_seconds()
     if args.vllm:
-        return vllm_client(args, server, model, work, seed)
-    prompts = random_prompts(tokenizer, work, seed, work.num_prompts)
-    return asyncio.run(httpx_client(server, model, prompts, work))
+        result = vllm_client(args, server, model, work, seed)
+    else:
+        prompts = random_prompts(tokenizer, work, seed, work.num_prompts)
+        own_cpu = time.process_time()
+        result = asyncio.run(httpx_client(server, model, prompts, work))
+        result["cpu_s"] = time.process_time() - own_cpu
+    duration = result.get("duration") or 0.0
+    if duration > 0:
+        result["client_cores"] = result["cpu_s"] / duration
+        result["server_cores"] = (server.cpu_seconds() - server_cpu) / duration
+    return result
 
 
 def _log_round(r: int, name: str, result: dict[str, Any]) -> None:
     print(f"  round {r} {name:9s} {result['output_throughput']:8.1f} tok/s  "
           f"ttft {result.get('mean_ttft_ms') or 0:8.1f} ms  itl {result.get('mean_itl_ms') or 0:6.1f}"
-          f" ms  failed {result.get('failed')}", file=sys.stderr, flush=True)  # fmt: skip
+          f" ms  failed {result.get('failed')}  client {result.get('client_cores') or 0:.2f} cores"
+          f"  server {result.get('server_cores') or 0:.2f} cores", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -351,7 +397,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for name, rounds in results.items():
         entry: dict[str, Any] = {"rounds": len(rounds)}
-        for metric in (*METRICS, "failed"):
+        for metric in (*METRICS, *CPU_METRICS, "failed"):
             values = [r[metric] for r in rounds if r.get(metric) is not None]
             if values:
                 entry[metric] = {"median": statistics.median(values), "min": min(values),
@@ -383,14 +429,14 @@ def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespac
           f"{work.max_concurrency}, {args.rounds} rounds; CPU: {_cpu_name()}, "
           f"{os.cpu_count()} cores")  # fmt: skip
     header = ("engine", "output tok/s", "mean TTFT ms", "p99 TTFT ms", "mean ITL ms",
-              "p99 ITL ms", "failed")  # fmt: skip
+              "p99 ITL ms", "client cores", "server cores", "failed")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for name in ("pagedllm", "vllm", "offline"):
         entry = summary.get(name)
         if entry is None:
             continue
-        cells = [name] + [_cell(entry.get(m)) for m in (*METRICS, "failed")]
+        cells = [name] + [_cell(entry.get(m)) for m in (*METRICS, *CPU_METRICS, "failed")]
         print("| " + " | ".join(cells) + " |")
     for key, value in summary["ratios"].items():
         if value is not None:
@@ -401,7 +447,8 @@ def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespac
 def _cell(entry: dict[str, float] | None) -> str:
     if entry is None:
         return "-"
-    return f"{entry['median']:.1f} ({entry['min']:.1f}-{entry['max']:.1f})"
+    digits = 2 if abs(entry["median"]) < 10 else 1  # cores and failures: two decimals
+    return f"{entry['median']:.{digits}f} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
 
 
 def _cpu_name() -> str:

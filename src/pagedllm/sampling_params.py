@@ -169,6 +169,21 @@ class SamplingParams:
             and not self.min_tokens_pending(num_output)
         )
 
+    def plain_random(self, num_output: int) -> bool:
+        """True when the next token, after ``num_output`` output tokens, is a draw from
+        softmax(raw logits / temperature): sampled, and nothing else to apply (no bias,
+        penalties, logprobs, ``min_tokens`` mask, top_k, top_p or min_p)."""
+        return (
+            not self.greedy
+            and self.top_k <= 0
+            and self.top_p >= 1.0
+            and self.min_p <= 0.0
+            and not self.logit_bias
+            and not self.needs_penalties
+            and self.logprobs is None
+            and not self.min_tokens_pending(num_output)
+        )
+
     @property
     def needs_penalties(self) -> bool:
         return (

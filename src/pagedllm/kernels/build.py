@@ -39,6 +39,7 @@ SOURCES = tuple(
         "gemma_layers.cpp",
         "quant_attention.cpp",
         "quant_write.cpp",
+        "sample.cpp",
     )
 )
 # Included by the sources: part of the build's hash, not compiled on their own.

@@ -42,11 +42,13 @@ def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
 
 
 def sampler_route(head: LinearTensors, ops: Any, *, in_head: bool = True) -> str:
-    """How greedy tokens are picked (other sampling runs on torch over float32 logits);
-    ``in_head``: the model picks them inside its LM head where the kernel allows."""
+    """How tokens are picked: greedy ones (``in_head``: inside the LM head where the kernel
+    allows) and sampled ones (temperature, softmax and the draw in ``sample_rows``; top_k /
+    top_p / min_p filters on torch)."""
+    if ops is None:
+        return "greedy: torch argmax; sampled: torch softmax + blocked inverse CDF"
+    sampled = f"sampled: C++ sample_rows ({ops.sample_rows_isa()}), filters on torch"
     if in_head and head.small is not None and head.small.dtype == torch.bfloat16:
         isa = small_gemm_route(head.small.dtype, ops)
-        return f"greedy: argmax inside the LM head (small_gemm_argmax, {isa}); others: torch"
-    if ops is not None:
-        return "greedy: C++ argmax_rows over the logits; others: torch"
-    return "greedy: torch argmax; others: torch"
+        return f"greedy: argmax inside the LM head (small_gemm_argmax, {isa}); {sampled}"
+    return f"greedy: C++ argmax_rows over the logits; {sampled}"

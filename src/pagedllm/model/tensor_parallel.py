@@ -226,7 +226,8 @@ class TensorParallelModel(nn.Module):
         return dataclasses.replace(
             inner,
             decode_loop=f"{inner.decode_loop} ({ranks})",
-            sampler="greedy: C++ argmax_rows over the gathered logits; others: torch",
+            sampler="greedy: C++ argmax_rows over the gathered logits; "
+            + inner.sampler.partition("; ")[2],
         )
 
 

@@ -206,8 +206,9 @@ class TorchModelRunner:
                 best = self._best_tokens(hidden).tolist()
                 output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
+                float32 = not self.sampler.takes_model_dtype(scheduled)
                 output = self.sampler(
-                    self._logits(hidden, float32=True), scheduled, fast_path=False
+                    self._logits(hidden, float32=float32), scheduled, fast_path=False
                 )
         else:
             output = ModelRunnerOutput(failed_loads=failed_loads)

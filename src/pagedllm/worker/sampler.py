@@ -14,11 +14,13 @@ is repeated n times and each copy drawn independently. The pipeline, per row::
     logprobs (when asked): log_softmax of the raw logits, top-k and the rank
 
 Two stages have a fast path beside their plain reference (``Sampler(fast_sampling=False)``
-runs the references; tests hold the two to the same tokens): the draw searches block sums
-first and then one block (``inverse_cdf_blocked``; the plain ``inverse_cdf`` takes a float64
-cumulative sum over the whole vocabulary, ~10x slower), and top_k / top_p sort only the
-``torch.topk`` candidates when they provably hold every kept token (``filter_top_k_top_p``;
-the plain ``_filter`` sorts the whole vocabulary, tens of ms for 16 rows).
+runs the references; tests hold the two to the same tokens): the draw is one C++ pass per row
+(``kernels.ops.sample_rows``: temperature, softmax and a blocked inverse CDF, reading bf16
+logits as they come; where it does not apply, ``inverse_cdf_blocked`` over torch's softmax;
+the plain ``inverse_cdf`` takes a float64 cumulative sum over the whole vocabulary), and
+top_k / top_p sort only the ``torch.topk`` candidates when they provably hold every kept
+token (``filter_top_k_top_p``; the plain ``_filter`` sorts the whole vocabulary, tens of ms
+for 16 rows).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
-from pagedllm.kernels.ops import argmax_rows
+from pagedllm.kernels.ops import argmax_rows, sample_rows
 from pagedllm.sampling_params import SamplingParams
 
 _DEFAULT_PARAMS = SamplingParams(temperature=0.0)
@@ -89,7 +91,7 @@ class Sampler:
                 sampled_token_ids=tuple(() for _ in scheduled),
                 logprobs=tuple(None for _ in scheduled),
             )
-        raw = logits.float()
+        raw = logits if self.takes_model_dtype(scheduled) else logits.float()
         processed = self._process(raw, rows)
         tokens = self._draw(processed, rows)
         logprobs = self._logprobs(raw, tokens, rows)
@@ -99,6 +101,14 @@ class Sampler:
         """True when this batch takes the greedy fast path: an argmax of the logits as
         they come, so the caller need not upcast them to float32 first."""
         return self.fast_greedy and all(_plain_greedy(seq) for seq in scheduled)
+
+    def takes_model_dtype(self, scheduled: Sequence[ScheduledSequence]) -> bool:
+        """True when this batch's logits can come in the model's dtype (bf16/fp16): the
+        greedy fast path, or only plain random draws (``sample_rows`` reads bf16 logits
+        as they are; the torch pipeline upcasts them itself where it has to run)."""
+        if self.uses_fast_path(scheduled):
+            return True
+        return self.fast_sampling and all(_plain_random(seq) for seq in scheduled)
 
     def release(self, request_ids: frozenset[str] | Sequence[str]) -> None:
         """Drop per-request state (seeded generators) of finished requests."""
@@ -207,18 +217,30 @@ class Sampler:
     def _draw_random(
         self, logits: torch.Tensor, seqs: list[ScheduledSequence], params: list[SamplingParams]
     ) -> torch.Tensor:
-        """One draw per row of ``logits`` (every row samples; ``logits`` is not written)."""
+        """One draw per row of ``logits`` (every row samples; ``logits`` is not written).
+
+        Fast: rows without top_k / top_p / min_p go straight to ``sample_rows`` (temperature,
+        softmax and the inverse CDF in one pass over the logits as they come); with them,
+        the filters run on torch and ``sample_rows`` draws from what they keep. Where the
+        kernel does not apply, the blocked inverse CDF over torch's softmax. Reference:
+        one full sort for the filters, the plain float64 inverse CDF."""
+        uniform = self._uniform(seqs, params, logits.device)
+        filters = any(_filters(p) for p in params)
+        if self.fast_sampling and not filters:
+            inverse = [1.0 / p.temperature for p in params]
+            tokens = sample_rows(logits, torch.tensor(inverse, dtype=torch.float32), uniform)
+            if tokens is not None:
+                return tokens
+        logits = logits.float()
         if any(p.temperature != 1.0 for p in params):
             logits = logits / _column([p.temperature for p in params], logits.device)
-        if self.fast_sampling:
-            logits = filter_top_k_top_p(logits, params)
-            logits = _filter_min_p(logits, params)
-        else:
-            logits = _filter(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        uniform = self._uniform(seqs, params, logits.device)
-        draw = inverse_cdf_blocked if self.fast_sampling else inverse_cdf
-        return draw(probs, uniform)
+        if not self.fast_sampling:
+            return inverse_cdf(torch.softmax(_filter(logits, params), dim=-1), uniform)
+        logits = _filter_min_p(filter_top_k_top_p(logits, params), params)
+        tokens = sample_rows(logits, torch.ones(len(params)), uniform) if filters else None
+        if tokens is not None:
+            return tokens
+        return inverse_cdf_blocked(torch.softmax(logits, dim=-1), uniform)
 
     def _uniform(
         self, seqs: list[ScheduledSequence], params: list[SamplingParams], device: torch.device
@@ -301,6 +323,20 @@ def _plain_greedy(seq: ScheduledSequence) -> bool:
         return True
     p = seq.sampling_params or _DEFAULT_PARAMS
     return p.plain_greedy(len(seq.output_token_ids))
+
+
+def _plain_random(seq: ScheduledSequence) -> bool:
+    """True when this sequence's rows are draws from softmax(raw logits / temperature)
+    with nothing else to apply (``SamplingParams.plain_random``)."""
+    if seq.num_samples == 0:
+        return True
+    p = seq.sampling_params or _DEFAULT_PARAMS
+    return p.plain_random(len(seq.output_token_ids))
+
+
+def _filters(params: SamplingParams) -> bool:
+    """True when top_k, top_p or min_p removes tokens before the draw."""
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
