@@ -19,6 +19,11 @@ process's own for our client) and the server's processes used (its process group
 /proc): on a small machine the client's share of the cores is not the server's to use, and
 the table shows it beside the throughput as cores (CPU seconds per wall second).
 
+``--client-nice N`` runs the client at that nice value (the servers keep theirs): a
+diagnostic that shows what the server itself costs against the offline engine when the
+client does not take the cores it needs (its TTFT and ITL then include the client's own
+waits for a core, so only the throughput is comparable).
+
 Each round also times the offline ``LLM.generate`` on the same kind of requests (random
 prompts of the same lengths, ``max_num_seqs`` = the concurrency, same sampling), so that
 the server can be checked against the engine alone. Prints a table of medians (with the
@@ -343,6 +348,10 @@ def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Pa
             stack.callback(server.stop)
         for server in servers:
             server.wait_ready()
+        if args.client_nice:
+            # This thread's nice value (Linux: per thread), inherited by the vLLM client;
+            # the servers started before it keep theirs.
+            os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
         warm = Workload(work.input_len, 16, min(8, work.num_prompts), work.max_concurrency)
         for server in servers:  # first requests pay one-time costs
             drive(args, server, model, tokenizer, warm, seed=10_000)
@@ -482,6 +491,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="round r uses seed + r")
     parser.add_argument("--port", type=int, default=8710, help="pagedllm's; vLLM's is +1")
     parser.add_argument("--no-offline", action="store_true", help="skip LLM.generate")
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="the client's nice value (a diagnostic; see above)")  # fmt: skip
     parser.add_argument("--pagedllm-arg", action="append", default=[],
                         help="an extra flag for pagedllm serve (repeat)")  # fmt: skip
     parser.add_argument("--vllm-arg", action="append", default=[],
