@@ -361,38 +361,3 @@ def test_same_bits_with_any_thread_count(m):
     for out, best in results[1:]:
         assert torch.equal(out, results[0][0])
         assert torch.equal(best, results[0][1])
-
-
-def plan_over(*tensors: torch.Tensor, pieces: int) -> torch.Tensor:
-    """small_gemm_prefetch's (address, bytes) ranges: each tensor cut into ``pieces``."""
-    ranges = []
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        step = -(-size // pieces)
-        ranges += [(t.data_ptr() + a, min(step, size - a)) for a in range(0, size, step)]
-    return torch.tensor(ranges, dtype=torch.long).view(-1, 2)
-
-
-@on_bf16_routes
-@pytest.mark.parametrize("m", [1, 16, 17, 300])
-@pytest.mark.parametrize("pieces", [1, 7, 500])
-def test_prefetching_other_data_changes_no_bit(m, pieces):
-    """The products that bring the next layer's K/V into the cache (decoder_layers) give the
-    bits of the plain ones, whatever the ranges (few, many, more than the column groups)."""
-    x, w = bf16(m, 576, seed=m), bf16(3072, 576, seed=1)
-    bias = bf16(3072, seed=2)
-    packed = ops.pack_small_gemm(w)
-    other = [bf16(40, 16, 3, 64, seed=3), bf16(9, 1000, seed=4)]
-    plan = plan_over(*other, pieces=pieces)
-    want = ops.small_gemm(x, packed, bias)
-    assert torch.equal(ops.small_gemm_prefetch(x, packed, bias, plan), want)
-    assert torch.equal(ops.small_gemm_prefetch(x, packed, bias, plan[:0]), want)
-    assert torch.equal(ops.small_gemm_prefetch(x, packed, None, None), ops.small_gemm(x, packed))
-
-
-@on_bf16_routes
-def test_a_bad_prefetch_plan_raises():
-    x, packed = bf16(4, 64, seed=0), ops.pack_small_gemm(bf16(32, 64, seed=1))
-    for plan in (torch.zeros(3, dtype=torch.long), torch.zeros(3, 2), torch.zeros(2, 3).long()):
-        with pytest.raises(RuntimeError, match="prefetch must be"):
-            ops.small_gemm_prefetch(x, packed, None, plan)

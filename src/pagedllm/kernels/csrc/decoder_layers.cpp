@@ -16,14 +16,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <array>
-#include <cstdlib>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #include "layer_groups.h"
 
@@ -40,7 +34,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // The ops' C++ signatures (as registered by the files that define them).
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNorm = at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double);
-using SmallGemmPrefetch = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&);
+using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
 using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using SiluMul = at::Tensor(const at::Tensor&);
@@ -51,8 +45,7 @@ using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, co
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pagedllm::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("pagedllm::add_rms_norm");
-  c10::TypedOperatorHandle<SmallGemmPrefetch> small_gemm_prefetch =
-      op<SmallGemmPrefetch>("pagedllm::small_gemm_prefetch");
+  c10::TypedOperatorHandle<SmallGemm> small_gemm = op<SmallGemm>("pagedllm::small_gemm");
   c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
   c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("pagedllm::silu_mul");
@@ -119,67 +112,14 @@ struct Weights {
   }
 };
 
-// Bytes of K/V worth asking for ahead of a layer's attention: half the last-level cache (the
-// weights of the products in between stream through the rest), 8 MiB where it is unknown.
-// $PAGEDLLM_KV_PREFETCH_BYTES sets it (0: no prefetch; for measuring with and without).
-int64_t prefetch_budget() {
-  if (const char* bytes = std::getenv("PAGEDLLM_KV_PREFETCH_BYTES"); bytes != nullptr && *bytes != '\0')
-    return std::max<int64_t>(0, std::strtoll(bytes, nullptr, 10));
-  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return l3 > 0 ? l3 / 2 : int64_t{8} << 20;
-}
-
-// The K/V blocks layer `next`'s attention will read, as small_gemm_prefetch's (address, bytes)
-// ranges: each sequence's blocks in table order, K and V side by side, up to `budget` bytes.
-// Its MLP's products ask for them while they stream their weights: from memory the attention
-// kernel waits for its rows about as long as it computes (docs/performance.md), from the
-// cache it does not.
-at::Tensor kv_prefetch_plan(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, int64_t budget) {
-  const int64_t block_size = k_cache.size(1);
-  const int64_t block_bytes = k_cache.stride(0) * k_cache.element_size();
-  const auto k0 = reinterpret_cast<int64_t>(k_cache.data_ptr());
-  const auto v0 = reinterpret_cast<int64_t>(v_cache.data_ptr());
-  const int32_t* table = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  std::vector<int64_t> ranges;
-  for (int64_t s = 0; s < seq_lens.numel() && budget > 0; ++s) {
-    const int64_t blocks = (lens[s] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < blocks && budget > 0; ++b, budget -= 2 * block_bytes) {
-      const int64_t id = table[s * block_tables.stride(0) + b];
-      ranges.insert(ranges.end(), {k0 + id * block_bytes, block_bytes, v0 + id * block_bytes, block_bytes});
-    }
-  }
-  const int64_t count = static_cast<int64_t>(ranges.size()) / 2;
-  return at::tensor(ranges, at::kLong).view({count, 2});
-}
-
-// `ranges` cut into consecutive parts in proportion to `weights` (none: no parts).
-std::array<OptTensor, 4> split_plan(const OptTensor& ranges, const std::array<int64_t, 4>& weights) {
-  std::array<OptTensor, 4> parts;
-  if (!ranges.has_value()) return parts;
-  const int64_t count = ranges->size(0);
-  int64_t total = 0;
-  for (const int64_t x : weights) total += x;
-  int64_t begin = 0, seen = 0;
-  for (size_t j = 0; j < parts.size(); ++j) {
-    seen += weights[j];
-    const int64_t end = total > 0 ? count * seen / total : count;
-    parts[j] = ranges->narrow(0, begin, end - begin);
-    begin = end;
-  }
-  return parts;
-}
-
 // The loop of fused_layer over n layers plus the final norm; attend(i, q, k, v) writes layer
 // i's K/V and returns its attention output [T, num_heads, head_dim] (q and k already rotated).
 // hidden becomes the residual stream and is updated in place; output_rows: only these rows go
-// on after the last layer's attention. plan(i): what layer i's MLP brings into the cache for
-// the next layer's attention (small_gemm_prefetch's ranges), or nothing.
-template <typename Attend, typename Plan>
+// on after the last layer's attention.
+template <typename Attend>
 at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      const OptTensor& output_rows, const Attend& attend, const Plan& plan) {
+                      const OptTensor& output_rows, const Attend& attend) {
   TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
@@ -187,10 +127,9 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
   at::Tensor x = f.rms_norm.call(hidden, w.norm1[0], w.eps);
   at::Tensor residual = hidden;
   at::Tensor out_of_layer;
-  OptTensor qkv_share;  // the part of this layer's plan left for its own qkv product
   for (size_t i = 0; i < n; ++i) {
     if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, w.norm1[i], w.eps);
-    const at::Tensor qkv_out = f.small_gemm_prefetch.call(x, w.qkv[i], w.qkv_bias.get(i), qkv_share);
+    const at::Tensor qkv_out = f.small_gemm.call(x, w.qkv[i], w.qkv_bias.get(i));
     TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
     // One view and one split, as llama.split_heads.
     const auto heads =
@@ -201,18 +140,10 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
     }
-    // The next layer's plan, shared by the four products before its attention in proportion
-    // to their weights (the time each streams them).
-    const std::array<int64_t, 4> weights{w.o[i].numel(), w.gate_up[i].numel(), w.down[i].numel(),
-                                         i + 1 < n ? w.qkv[i + 1].numel() : 0};
-    const std::array<OptTensor, 4> share = split_plan(plan(i), weights);
-    const at::Tensor projected =
-        f.small_gemm_prefetch.call(attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i), share[0]);
+    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i));
     x = f.add_rms_norm.call(projected, residual, w.norm2[i], w.eps);
-    const at::Tensor act =
-        f.silu_mul.call(f.small_gemm_prefetch.call(x, w.gate_up[i], w.gate_up_bias.get(i), share[1]));
-    out_of_layer = f.small_gemm_prefetch.call(act, w.down[i], w.down_bias.get(i), share[2]);
-    qkv_share = share[3];
+    const at::Tensor act = f.silu_mul.call(f.small_gemm.call(x, w.gate_up[i], w.gate_up_bias.get(i)));
+    out_of_layer = f.small_gemm.call(act, w.down[i], w.down_bias.get(i));
   }
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }
@@ -257,13 +188,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                      softcaps.empty() ? 0.0 : softcaps[i]);
     return attn;
   };
-  // Layers with a sliding window read only its blocks: no plan for those.
-  const int64_t budget = prefetch_budget();
-  auto plan = [&](size_t i) -> OptTensor {
-    if (budget == 0 || i + 1 >= n || (!sliding_windows.empty() && sliding_windows[i + 1] > 0)) return std::nullopt;
-    return kv_prefetch_plan(k_caches[i + 1], v_caches[i + 1], groups.tables(i + 1), seq_lens, budget);
-  };
-  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend, plan);
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
 }
 
 // decoder_layers over a quantized cache (attention/quant.py): each layer writes its K/V with
@@ -305,8 +230,7 @@ at::Tensor quant_decoder_layers(
                      k_stage[i], v_stage[i], first_slots, scale, false);
     return attn;
   };
-  auto no_plan = [](size_t) -> OptTensor { return std::nullopt; };
-  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend, no_plan);
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
 }
 
 }  // namespace

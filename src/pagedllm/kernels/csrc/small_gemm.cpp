@@ -237,22 +237,13 @@ class Store final : public pagedllm_gemm::Emit {
 };
 #endif
 
-// small_gemm that also brings `prefetch`'s byte ranges ((address, bytes) rows of an int64
-// [R, 2] tensor) into the cache as it streams its weights (small_gemm.h: Prefetch).
-at::Tensor small_gemm_prefetch(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                               const std::optional<at::Tensor>& prefetch) {
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "small_gemm: x must be 2-D with unit column stride");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "small_gemm: x and the packed weight must share a dtype");
   if (x.scalar_type() == at::kFloat) return small_gemm_f32(x, packed, bias);
   const Isa isa = bf16_isa();
   at::Tensor bias_c;
-  Bf16Gemm p = prepare_bf16(isa, x, packed, bias, bias_c);
-  if (prefetch.has_value()) {
-    TORCH_CHECK(prefetch->scalar_type() == at::kLong && prefetch->dim() == 2 && prefetch->size(1) == 2 &&
-                    prefetch->is_contiguous(),
-                "small_gemm: prefetch must be contiguous int64 [R, 2] (address, bytes)");
-    p.prefetch = {prefetch->data_ptr<int64_t>(), prefetch->size(0)};
-  }
+  const Bf16Gemm p = prepare_bf16(isa, x, packed, bias, bias_c);
   at::Tensor out = at::empty({p.m, p.n}, x.options());
   if (p.m == 0) return out;
 #if defined(__AVX512BF16__)
@@ -264,10 +255,6 @@ at::Tensor small_gemm_prefetch(const at::Tensor& x, const at::Tensor& packed, co
   });
 #endif
   return out;
-}
-
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return small_gemm_prefetch(x, packed, bias, std::nullopt);
 }
 
 // The first index of the largest value, NaN winning over numbers (as torch.argmax).
@@ -366,13 +353,11 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("set_small_gemm_f32_isa(str isa) -> str", &set_small_gemm_f32_isa);
   m.def("pack_small_gemm(Tensor w) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
-  m.def("small_gemm_prefetch(Tensor x, Tensor packed, Tensor? bias, Tensor? prefetch) -> Tensor");
   m.def("small_gemm_argmax(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("pack_small_gemm", &pack_small_gemm);
   m.impl("small_gemm", &small_gemm);
-  m.impl("small_gemm_prefetch", &small_gemm_prefetch);
   m.impl("small_gemm_argmax", &small_gemm_argmax);
 }

@@ -29,15 +29,6 @@ constexpr int64_t ROWS = 16;   // x rows per A/C tile
 // The bf16 routes, best first; a route is used only where it is built and the CPU has it.
 enum class Isa { amx = 0, avx512_bf16 = 1, none = 2 };
 
-// Byte ranges to bring into the cache while a product streams its weights: another op's next
-// data (decoder_layers: the next layer's K/V blocks, which its attention would otherwise wait
-// for, while the product is bound by arithmetic and leaves memory time idle). (address, bytes)
-// pairs; each thread takes the share of the ranges that matches its share of the columns.
-struct Prefetch {
-  const int64_t* ranges = nullptr;
-  int64_t count = 0;
-};
-
 // A bf16 problem after the checks: x padded to whole 16-row tiles where the tile unit
 // needs it, pointers in place.
 struct Bf16Gemm {
@@ -49,7 +40,6 @@ struct Bf16Gemm {
   const c10::BFloat16* bias = nullptr;  // [n], or null
   const uint16_t* w = nullptr;          // the packed weight
   int64_t m = 0, k = 0, n = 0;
-  Prefetch prefetch;  // AVX-512-bf16 route only (the tile unit's ignores it)
 
   const uint16_t* rows() const { return padded.empty() ? x : padded.data(); }
   int64_t row_stride() const { return padded.empty() ? lda : k; }

@@ -47,45 +47,10 @@ struct Ahead {
   int per_step = 0;
 };
 
-// The lines of a share of Prefetch ranges, `per_step` of them asked for every pair step.
-struct Lines {
-  const int64_t* range = nullptr;  // (address, bytes) pairs still to start
-  const int64_t* range_end = nullptr;
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int per_step = 0;
-
-  void step() {
-    for (int q = 0; q < per_step; ++q) {
-      while (next >= end) {
-        if (range == range_end) return;
-        next = reinterpret_cast<const char*>(range[0]);
-        end = next + range[1];
-        range += 2;
-      }
-      _mm_prefetch(next, _MM_HINT_T1);
-      next += 64;
-    }
-  }
-};
-
-// The share of p.prefetch for column groups [g0, g1) of `groups`, spread over `steps` pair
-// steps.
-Lines share_of(const Prefetch& p, int64_t g0, int64_t g1, int64_t groups, int64_t steps) {
-  Lines lines;
-  if (p.count == 0 || steps <= 0) return lines;
-  lines.range = p.ranges + 2 * (p.count * g0 / groups);
-  lines.range_end = p.ranges + 2 * (p.count * g1 / groups);
-  int64_t total = 0;
-  for (const int64_t* r = lines.range; r < lines.range_end; r += 2) total += (r[1] + 63) / 64;
-  lines.per_step = static_cast<int>((total + steps - 1) / steps);
-  return lines;
-}
-
 // acc[r][g] = rows [0, RB) of x times groups [0, GB) of wg (each `gstride` words apart).
 template <int RB, int GB>
 void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride, bool prefetch,
-              Ahead& ahead, Lines& extra, __m512* out) {
+              Ahead& ahead, __m512* out) {
   __m512 acc[RB][GB];
   for (int r = 0; r < RB; ++r)
     for (int g = 0; g < GB; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -98,7 +63,6 @@ void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg,
     }
     for (int q = 0; q < ahead.per_step && ahead.next < ahead.end; ++q, ahead.next += 64)
       _mm_prefetch(ahead.next, _MM_HINT_T1);
-    extra.step();
     for (int r = 0; r < RB; ++r) {
       const __m512i a = pair_of(x + r * lda, j);
       for (int g = 0; g < GB; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)a, (__m512bh)b[g]);
@@ -110,24 +74,24 @@ void dp_block(const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg,
 
 template <int GB>
 void dp_rows(int rb, const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride, bool prefetch,
-             Ahead& ahead, Lines& extra, __m512* out) {
+             Ahead& ahead, __m512* out) {
   switch (rb) {
-    case 1: return dp_block<1, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 2: return dp_block<2, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 3: return dp_block<3, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 4: return dp_block<4, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 5: return dp_block<5, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    default: return dp_block<6, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
+    case 1: return dp_block<1, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 2: return dp_block<2, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 3: return dp_block<3, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 4: return dp_block<4, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 5: return dp_block<5, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    default: return dp_block<6, GB>(x, lda, pairs, wg, gstride, prefetch, ahead, out);
   }
 }
 
 void dp(int rb, int gb, const uint16_t* x, int64_t lda, int64_t pairs, const uint32_t* wg, int64_t gstride,
-        bool prefetch, Ahead& ahead, Lines& extra, __m512* out) {
+        bool prefetch, Ahead& ahead, __m512* out) {
   switch (gb) {
-    case 1: return dp_rows<1>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 2: return dp_rows<2>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    case 3: return dp_rows<3>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
-    default: return dp_rows<4>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, extra, out);
+    case 1: return dp_rows<1>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 2: return dp_rows<2>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    case 3: return dp_rows<3>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
+    default: return dp_rows<4>(rb, x, lda, pairs, wg, gstride, prefetch, ahead, out);
   }
 }
 
@@ -142,10 +106,6 @@ void avx512_bf16_groups(const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit) {
   const int64_t gstride = pairs * COLS;  // 32-bit words per group
   const uint32_t* w = reinterpret_cast<const uint32_t*>(p.w);
   __m512 sums[MAX_RB * MAX_GB];
-  int64_t steps = 0;  // pair steps of this range, over which p.prefetch's share is spread
-  for (int64_t rb = 0; rb < p.m; rb += BLOCK_ROWS)
-    steps += (std::min(p.m - rb, BLOCK_ROWS) + MAX_RB - 1) / MAX_RB * ((g1 - g0 + MAX_GB - 1) / MAX_GB) * pairs;
-  Lines extra = share_of(p.prefetch, g0, g1, p.n / COLS, steps);
   for (int64_t rb = 0; rb < p.m; rb += BLOCK_ROWS) {
     const int64_t rb1 = std::min(p.m, rb + BLOCK_ROWS);
     const int64_t passes = (rb1 - rb + MAX_RB - 1) / MAX_RB;
@@ -169,7 +129,7 @@ void avx512_bf16_groups(const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit) {
         const int rows = static_cast<int>(std::min<int64_t>(MAX_RB, rb1 - r0));
         // The range's first block was not streamed ahead: prefetch it as it is read.
         const bool first = r0 == rb && (g == g0 || rb > 0 || passes == 1);
-        dp(rows, gb, xa + r0 * lda, lda, pairs, w + g * gstride, gstride, first, ahead, extra, sums);
+        dp(rows, gb, xa + r0 * lda, lda, pairs, w + g * gstride, gstride, first, ahead, sums);
         for (int r = 0; r < rows; ++r)
           for (int j = 0; j < gb; ++j) emit(r0 + r, g + j, _mm512_add_ps(sums[r * MAX_GB + j], bias16[j]));
       }
