@@ -161,24 +161,24 @@ class SamplingParams:
     def plain_greedy(self, num_output: int) -> bool:
         """True when the next token, after ``num_output`` output tokens, is the argmax of
         the raw logits: no bias, penalties, logprobs or ``min_tokens`` mask to apply."""
-        return (
-            self.greedy
-            and not self.logit_bias
-            and not self.needs_penalties
-            and self.logprobs is None
-            and not self.min_tokens_pending(num_output)
-        )
+        return self.greedy and self._raw_logits(num_output)
 
     def plain_random(self, num_output: int) -> bool:
         """True when the next token, after ``num_output`` output tokens, is a draw from
-        softmax(raw logits / temperature): sampled, and nothing else to apply (no bias,
-        penalties, logprobs, ``min_tokens`` mask, top_k, top_p or min_p)."""
+        softmax(raw logits / temperature): sampled, no top_k / top_p / min_p filter, and no
+        bias, penalties, logprobs or ``min_tokens`` mask to apply."""
+        return not self.greedy and not self.filters and self._raw_logits(num_output)
+
+    @property
+    def filters(self) -> bool:
+        """True when top_k, top_p or min_p removes tokens before a draw."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def _raw_logits(self, num_output: int) -> bool:
+        """True when the next token's logits need no bias, penalties, ``min_tokens`` mask
+        or logprobs: the raw logits as they come."""
         return (
-            not self.greedy
-            and self.top_k <= 0
-            and self.top_p >= 1.0
-            and self.min_p <= 0.0
-            and not self.logit_bias
+            not self.logit_bias
             and not self.needs_penalties
             and self.logprobs is None
             and not self.min_tokens_pending(num_output)

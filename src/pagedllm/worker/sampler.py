@@ -91,7 +91,10 @@ class Sampler:
                 sampled_token_ids=tuple(() for _ in scheduled),
                 logprobs=tuple(None for _ in scheduled),
             )
-        raw = logits if self.takes_model_dtype(scheduled) else logits.float()
+        # bf16/fp16 logits stay as they are only where every row is a kernel draw.
+        if logits.dtype != torch.float32 and not self.takes_model_dtype(scheduled):
+            logits = logits.float()
+        raw = logits
         processed = self._process(raw, rows)
         tokens = self._draw(processed, rows)
         logprobs = self._logprobs(raw, tokens, rows)
@@ -225,7 +228,7 @@ class Sampler:
         kernel does not apply, the blocked inverse CDF over torch's softmax. Reference:
         one full sort for the filters, the plain float64 inverse CDF."""
         uniform = self._uniform(seqs, params, logits.device)
-        filters = any(_filters(p) for p in params)
+        filters = any(p.filters for p in params)
         if self.fast_sampling and not filters:
             inverse = [1.0 / p.temperature for p in params]
             tokens = sample_rows(logits, torch.tensor(inverse, dtype=torch.float32), uniform)
@@ -332,11 +335,6 @@ def _plain_random(seq: ScheduledSequence) -> bool:
         return True
     p = seq.sampling_params or _DEFAULT_PARAMS
     return p.plain_random(len(seq.output_token_ids))
-
-
-def _filters(params: SamplingParams) -> bool:
-    """True when top_k, top_p or min_p removes tokens before the draw."""
-    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
