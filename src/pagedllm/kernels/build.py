@@ -55,6 +55,7 @@ HEADERS = tuple(
         "prefill_attention.h",
         "layer_groups.h",
         "kv_formats.h",
+        "dispatch.h",
     )
 )
 

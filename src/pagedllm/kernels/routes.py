@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows
+from pagedllm.kernels.ops import layer_ops
 
 
 def small_gemm_route(dtype: torch.dtype, ops: Any) -> str:
@@ -43,12 +44,22 @@ def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
 
 def sampler_route(head: LinearTensors, ops: Any, *, in_head: bool = True) -> str:
     """How tokens are picked: greedy ones (``in_head``: inside the LM head where the kernel
-    allows) and sampled ones (temperature, softmax and the draw in ``sample_rows``; top_k /
-    top_p / min_p filters on torch)."""
+    allows) and sampled ones (``sampled_route``)."""
     if ops is None:
-        return "greedy: torch argmax; sampled: torch softmax + blocked inverse CDF"
-    sampled = f"sampled: C++ sample_rows ({ops.sample_rows_isa()}), filters on torch"
-    if in_head and head.small is not None and head.small.dtype == torch.bfloat16:
+        greedy = "greedy: torch argmax"
+    elif in_head and head.small is not None and head.small.dtype == torch.bfloat16:
         isa = small_gemm_route(head.small.dtype, ops)
-        return f"greedy: argmax inside the LM head (small_gemm_argmax, {isa}); {sampled}"
-    return f"greedy: C++ argmax_rows over the logits; {sampled}"
+        greedy = f"greedy: argmax inside the LM head (small_gemm_argmax, {isa})"
+    else:
+        greedy = "greedy: C++ argmax_rows over the logits"
+    return f"{greedy}; {sampled_route()}"
+
+
+def sampled_route() -> str:
+    """How sampled tokens are drawn: temperature, softmax and the draw in ``sample_rows``
+    (top_k / top_p / min_p filters on torch) wherever the kernels load (the sampler asks
+    them itself, whatever the model's ops), else torch alone."""
+    ops = layer_ops()
+    if ops is None:
+        return "sampled: torch softmax + blocked inverse CDF"
+    return f"sampled: C++ sample_rows ({ops.sample_rows_isa()}), filters on torch"

@@ -37,6 +37,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
+from pagedllm.kernels.routes import sampled_route
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import Linear, LlamaForCausalLM
 from pagedllm.routes import Routes
@@ -226,8 +227,7 @@ class TensorParallelModel(nn.Module):
         return dataclasses.replace(
             inner,
             decode_loop=f"{inner.decode_loop} ({ranks})",
-            sampler="greedy: C++ argmax_rows over the gathered logits; "
-            + inner.sampler.partition("; ")[2],
+            sampler="greedy: C++ argmax_rows over the gathered logits; " + sampled_route(),
         )
 
 

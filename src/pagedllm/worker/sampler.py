@@ -25,7 +25,7 @@ for 16 rows).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,9 +78,11 @@ class Sampler:
         *,
         fast_path: bool | None = None,
     ) -> ModelRunnerOutput:
-        """``logits`` may be in the model's dtype (bf16/fp16) when ``uses_fast_path``
-        holds; otherwise it is upcast to float32 here. ``fast_path``: that answer, when
-        the caller already has it (``None``: ask ``uses_fast_path``)."""
+        """``logits``: float32 or the model's dtype (bf16/fp16). Each stage that computes in
+        float32 upcasts what it reads (bf16/fp16 widen exactly, so the values are those of
+        float32 logits); model-dtype logits save the copy where no stage needs one
+        (``takes_model_dtype``). ``fast_path``: ``uses_fast_path``'s answer, when the
+        caller already has it (``None``: ask)."""
         if fast_path is None:
             fast_path = self.uses_fast_path(scheduled)
         if fast_path:
@@ -91,19 +93,17 @@ class Sampler:
                 sampled_token_ids=tuple(() for _ in scheduled),
                 logprobs=tuple(None for _ in scheduled),
             )
-        # bf16/fp16 logits stay as they are only where every row is a kernel draw.
-        if logits.dtype != torch.float32 and not self.takes_model_dtype(scheduled):
-            logits = logits.float()
-        raw = logits
-        processed = self._process(raw, rows)
+        processed = self._process(logits, rows)
         tokens = self._draw(processed, rows)
-        logprobs = self._logprobs(raw, tokens, rows)
+        logprobs = self._logprobs(logits, tokens, rows)
         return self._assemble(scheduled, tokens.tolist(), logprobs)
 
     def uses_fast_path(self, scheduled: Sequence[ScheduledSequence]) -> bool:
         """True when this batch takes the greedy fast path: an argmax of the logits as
         they come, so the caller need not upcast them to float32 first."""
-        return self.fast_greedy and all(_plain_greedy(seq) for seq in scheduled)
+        return self.fast_greedy and all(
+            _every_row(seq, SamplingParams.plain_greedy) for seq in scheduled
+        )
 
     def takes_model_dtype(self, scheduled: Sequence[ScheduledSequence]) -> bool:
         """True when this batch's logits can come in the model's dtype (bf16/fp16): the
@@ -111,7 +111,9 @@ class Sampler:
         as they are; the torch pipeline upcasts them itself where it has to run)."""
         if self.uses_fast_path(scheduled):
             return True
-        return self.fast_sampling and all(_plain_random(seq) for seq in scheduled)
+        return self.fast_sampling and all(
+            _every_row(seq, SamplingParams.plain_random) for seq in scheduled
+        )
 
     def release(self, request_ids: frozenset[str] | Sequence[str]) -> None:
         """Drop per-request state (seeded generators) of finished requests."""
@@ -157,13 +159,16 @@ class Sampler:
         return _Rows(seqs, params, torch.tensor(source, dtype=torch.long, device=device))
 
     def _process(self, raw: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        """Logit bias, penalties and the min_tokens mask, on per-sequence rows (``raw``
-        itself when there is nothing to apply and one row per sample: it is not written)."""
-        if len(rows.params) == raw.shape[0] and not any(
-            _alters_logits(s, p) for s, p in zip(rows.seqs, rows.params, strict=True)
-        ):
+        """Logit bias, penalties and the min_tokens mask, on per-sequence rows in float32
+        (``raw`` itself when there is nothing to apply and one row per sample: it is not
+        written; its rows per sample, in its dtype, when there is only nothing to apply)."""
+        altered = any(_alters_logits(s, p) for s, p in zip(rows.seqs, rows.params, strict=True))
+        if len(rows.params) == raw.shape[0] and not altered:
             return raw
-        logits = raw[rows.source].clone()
+        logits = raw[rows.source]  # indexing copies: written below
+        if not altered:
+            return logits
+        logits = logits.float()
         self._apply_logit_bias(logits, rows)
         if any(p.needs_penalties for p in rows.params):
             self._apply_penalties(logits, rows)
@@ -320,21 +325,13 @@ def _alters_logits(seq: ScheduledSequence, params: SamplingParams) -> bool:
     )
 
 
-def _plain_greedy(seq: ScheduledSequence) -> bool:
-    """True when this sequence's rows reduce to an argmax of the raw logits."""
+def _every_row(seq: ScheduledSequence, check: Callable[[SamplingParams, int], bool]) -> bool:
+    """``check(params, num_output)`` for this sequence's next token (True when it samples
+    no row): ``SamplingParams.plain_greedy`` or ``plain_random``."""
     if seq.num_samples == 0:
         return True
     p = seq.sampling_params or _DEFAULT_PARAMS
-    return p.plain_greedy(len(seq.output_token_ids))
-
-
-def _plain_random(seq: ScheduledSequence) -> bool:
-    """True when this sequence's rows are draws from softmax(raw logits / temperature)
-    with nothing else to apply (``SamplingParams.plain_random``)."""
-    if seq.num_samples == 0:
-        return True
-    p = seq.sampling_params or _DEFAULT_PARAMS
-    return p.plain_random(len(seq.output_token_ids))
+    return check(p, len(seq.output_token_ids))
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

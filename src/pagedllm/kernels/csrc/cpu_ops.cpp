@@ -24,10 +24,13 @@
 #include <immintrin.h>
 #endif
 
+#include "dispatch.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
 namespace {
+
+using pagedllm_dispatch::dispatch_float_types;
 
 using pagedllm_vec::to_float;
 #if defined(__AVX512F__)
@@ -123,13 +126,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * stride, n);
     });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else if (x.scalar_type() == at::kBFloat16) {
-    run(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "argmax_rows supports float32 and bfloat16");
-  }
+  dispatch_float_types(x, "argmax_rows", run);
   return out;
 }
 
@@ -170,17 +167,6 @@ inline __m512 round_to(__m512 v, c10::BFloat16*) {
 template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
-}
-
-template <typename F>
-void dispatch_float_types(const at::Tensor& t, const char* name, F&& f) {
-  if (t.scalar_type() == at::kFloat) {
-    f(static_cast<float*>(nullptr));
-  } else if (t.scalar_type() == at::kBFloat16) {
-    f(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, name, " supports float32 and bfloat16");
-  }
 }
 
 #if defined(PAGEDLLM_OPS_AVX2)

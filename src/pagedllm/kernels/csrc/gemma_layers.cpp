@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dispatch.h"
 #include "layer_groups.h"
 #include "vec.h"
 
@@ -80,13 +81,7 @@ at::Tensor offset_rms_norm(const at::Tensor& x, const at::Tensor& weight, double
                            static_cast<float>(eps));
     });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else if (x.scalar_type() == at::kBFloat16) {
-    run(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "offset_rms_norm supports float32 and bfloat16");
-  }
+  pagedllm_dispatch::dispatch_float_types(x, "offset_rms_norm", run);
   return out;
 }
 

@@ -37,6 +37,7 @@
 #endif
 
 #include "amx.h"
+#include "dispatch.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
 #include "vec.h"
@@ -934,13 +935,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     a.use_amx = a.use_bf16_dot && use_amx;
     run_tasks<T>(a, tasks);
   };
-  if (query.scalar_type() == at::kBFloat16) {
-    fill(static_cast<c10::BFloat16*>(nullptr));
-  } else if (query.scalar_type() == at::kFloat) {
-    fill(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
-  }
+  pagedllm_dispatch::dispatch_float_types(query, "paged_attention", fill);
 }
 
 // Two attention results of the same queries over disjoint key sets (a cached prefix and the

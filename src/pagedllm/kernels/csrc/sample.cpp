@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
@@ -240,13 +241,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperatu
       for (int64_t r = begin; r < end; ++r) dst[r] = sample_row(src + r * stride, n, scale[r], u[r], cumulative);
     });
   };
-  if (logits.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else if (logits.scalar_type() == at::kBFloat16) {
-    run(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "sample_rows supports float32 and bfloat16 logits");
-  }
+  pagedllm_dispatch::dispatch_float_types(logits, "sample_rows", run);
   return out;
 }
 
