@@ -32,6 +32,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_run(count: int) -> int:
+    """A port whose next ``count - 1`` ports are free too: ``serve --data-parallel-size N``
+    puts its replicas on ``--port + 1`` .. ``--port + N`` (a port the kernel hands out is in
+    the ephemeral range, where its neighbours may be another connection's: the test once
+    failed with a replica's 'address already in use')."""
+    for _ in range(100):
+        candidate = _free_port()
+        if all(_bindable(candidate + i) for i in range(1, count)):
+            return candidate
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "pagedllm.cli", *args]
@@ -198,7 +219,7 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
 
 @pytest.mark.slow
 def test_serve_data_parallel_starts_a_router_over_replicas(tiny_checkpoint: Path):
-    port = _free_port()
+    port = _free_port_run(3)  # the router and two replicas
     base = f"http://127.0.0.1:{port}"
     key = "dp-secret-4711"
     proc = _start(["serve", "--model", str(tiny_checkpoint), "--port", str(port),
