@@ -53,6 +53,7 @@ using pagedllm_attn::row_offsets;
 using pagedllm_attn::Task;
 using pagedllm_attn::visible;
 using pagedllm_attn::Visible;
+using pagedllm_vec::prefetch_kv;
 using pagedllm_vec::to_float;
 
 // row[lo:hi] = cap * tanh(row / cap) (scalar: the portable path).
@@ -77,7 +78,7 @@ inline void prefetch_rows(const T* first_row, int64_t stride, int64_t n) {
   const char* p = reinterpret_cast<const char*>(first_row);
   const int64_t step = stride * static_cast<int64_t>(sizeof(T));
   for (int64_t o = 0; o < n; ++o)
-    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(p + o * step + l * 64, _MM_HINT_T0);
+    for (int64_t l = 0; l < lines; ++l) prefetch_kv(p + o * step + l * 64);
 }
 
 // Prefetch the rows of block `bi` of a context of `kmax` keys (nothing past its end).
@@ -544,7 +545,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   // Keys from here on are relative to kmin: key t is context position kmin + t.
   const int64_t* off = row_offsets(a, table, kv_off, kmin, kmax, buf.offsets);
   const int64_t nk = kmax - kmin;
-  constexpr int64_t AHEAD = 64;  // keys; prefetch K/V rows this far ahead
+  constexpr int64_t AHEAD = 32;  // keys; prefetch K/V rows this far ahead (into L2: prefetch_kv)
   constexpr int LINES = D * 2 / 64;
 
   // Pass 1: scores.
@@ -554,7 +555,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   for (int64_t t0 = 0; t0 < nk; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, nk - t0);
     for (int64_t i = t0 + AHEAD; i < std::min(nk, t0 + AHEAD + 16); ++i)
-      for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(kc + off[i]) + 64 * l, _MM_HINT_T0);
+      for (int l = 0; l < LINES; ++l) prefetch_kv(reinterpret_cast<const char*>(kc + off[i]) + 64 * l);
     for (int c = 0; c < NP; ++c) {
       __m512i* r = kt + 16 * c;
       for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(kc + off[t0 + (i < n ? i : 0)] + 32 * c);
@@ -602,9 +603,9 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
     for (int64_t t = 0; t < nk; t += 2) {
       if (m0 == 0 && t + AHEAD < nk)
         for (int l = 0; l < LINES; ++l) {
-          _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD]) + 64 * l, _MM_HINT_T0);
+          prefetch_kv(reinterpret_cast<const char*>(vc + off[t + AHEAD]) + 64 * l);
           if (t + AHEAD + 1 < nk)
-            _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + AHEAD + 1]) + 64 * l, _MM_HINT_T0);
+            prefetch_kv(reinterpret_cast<const char*>(vc + off[t + AHEAD + 1]) + 64 * l);
         }
       const uint16_t* v0 = vc + off[t];
       const uint16_t* v1 = t + 1 < nk ? vc + off[t + 1] : v0;  // its probability is 0
