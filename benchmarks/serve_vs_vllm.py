@@ -19,6 +19,12 @@ process's own for our client) and the server's processes used (its process group
 /proc): on a small machine the client's share of the cores is not the server's to use, and
 the table shows it beside the throughput as cores (CPU seconds per wall second).
 
+``--variant NAME=FLAGS`` adds another ``pagedllm serve`` with those extra flags (its rounds
+alternate with the others'; ``--variant-src NAME=DIR`` runs that variant from another source
+tree, e.g. a ``git worktree`` of an older commit, for an A/B of two trees), and
+``--no-vllm-server`` uses the ``--vllm`` interpreter only for its client: a scheduling flag or
+a tree measured with vLLM's client without timing vLLM's server again.
+
 ``--client-nice N`` runs the client at that nice value (the servers keep theirs): a
 diagnostic that shows what the server itself costs against the offline engine when the
 client does not take the cores it needs (its TTFT and ITL then include the client's own
@@ -43,6 +49,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import signal
 import statistics
 import subprocess
@@ -195,11 +202,29 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / ticks
 
 
-def start_pagedllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
+def start_pagedllm(args: argparse.Namespace, model: str, log_dir: Path, name: str = "pagedllm",
+                   port: int | None = None, flags: list[str] | None = None,
+                   src: str | None = None) -> Server:  # fmt: skip
+    port = args.port if port is None else port
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
-               "--dtype", args.dtype, "--port", str(args.port), "--log-level", "warning",
-               "--max-queued-requests", "4096", *args.pagedllm_arg]  # fmt: skip
-    return Server("pagedllm", command, args.port, log_dir, dict(os.environ))
+               "--dtype", args.dtype, "--port", str(port), "--log-level", "warning",
+               "--max-queued-requests", "4096", *args.pagedllm_arg, *(flags or [])]  # fmt: skip
+    env = dict(os.environ)
+    if src:  # a checkout's src/ (or a directory holding the package itself)
+        path = Path(src) / "src" if (Path(src) / "src" / "pagedllm").is_dir() else Path(src)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    return Server(name, command, port, log_dir, env)
+
+
+def start_variants(args: argparse.Namespace, model: str, log_dir: Path) -> list[Server]:
+    """One more pagedllm server per ``--variant``, on the ports after vLLM's."""
+    servers = []
+    for i, (name, flags) in enumerate(args.variant.items()):
+        port, src = args.port + 2 + i, args.variant_src.get(name)
+        servers.append(
+            start_pagedllm(args, model, log_dir, f"pagedllm:{name}", port, shlex.split(flags), src)
+        )
+    return servers
 
 
 def start_vllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
@@ -339,11 +364,14 @@ def run_rounds(args: argparse.Namespace, model: str, work: Workload, log_dir: Pa
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    results: dict[str, list[dict[str, Any]]] = {"pagedllm": [], "vllm": [], "offline": []}
+    results: dict[str, list[dict[str, Any]]] = {"pagedllm": [], "vllm": []}
+    results.update({f"pagedllm:{name}": [] for name in args.variant})
+    results["offline"] = []
     with ExitStack() as stack:
         servers = [start_pagedllm(args, model, log_dir)]
-        if args.vllm:
+        if args.vllm and not args.no_vllm_server:
             servers.append(start_vllm(args, model, log_dir))
+        servers += start_variants(args, model, log_dir)
         for server in servers:
             stack.callback(server.stop)
         for server in servers:
@@ -394,7 +422,7 @@ def drive(args: argparse.Namespace, server: Server, model: str, tokenizer: Any, 
 
 
 def _log_round(r: int, name: str, result: dict[str, Any]) -> None:
-    print(f"  round {r} {name:9s} {result['output_throughput']:8.1f} tok/s  "
+    print(f"  round {r} {name:14s} {result['output_throughput']:8.1f} tok/s  "
           f"ttft {result.get('mean_ttft_ms') or 0:8.1f} ms  itl {result.get('mean_itl_ms') or 0:6.1f}"
           f" ms  failed {result.get('failed')}  client {result.get('client_cores') or 0:.2f} cores"
           f"  server {result.get('server_cores') or 0:.2f} cores", file=sys.stderr,
@@ -413,9 +441,17 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                                  "max": max(values)}  # fmt: skip
         summary[name] = entry
     ratios: dict[str, Any] = {}
+    variants = [name for name in results if name.startswith("pagedllm:")]
     if "vllm" in results:
+        for name in ("pagedllm", *variants):
+            prefix = "" if name == "pagedllm" else f"{name.removeprefix('pagedllm:')}_"
+            for metric in METRICS:
+                ratios[f"{prefix}{metric}_vs_vllm"] = _ratio(results[name], results["vllm"], metric)
+    for name in variants:
         for metric in METRICS:
-            ratios[f"{metric}_vs_vllm"] = _ratio(results["pagedllm"], results["vllm"], metric)
+            ratios[f"{name.removeprefix('pagedllm:')}_{metric}_vs_pagedllm"] = _ratio(
+                results[name], results["pagedllm"], metric
+            )
     if "offline" in results:
         ratios["output_throughput_vs_offline"] = _ratio(
             results["pagedllm"], results["offline"], "output_throughput"
@@ -441,9 +477,8 @@ def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespac
               "p99 ITL ms", "client cores", "server cores", "failed")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
-    for name in ("pagedllm", "vllm", "offline"):
-        entry = summary.get(name)
-        if entry is None:
+    for name, entry in summary.items():
+        if name == "ratios":
             continue
         cells = [name] + [_cell(entry.get(m)) for m in (*METRICS, *CPU_METRICS, "failed")]
         print("| " + " | ".join(cells) + " |")
@@ -497,10 +532,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an extra flag for pagedllm serve (repeat)")  # fmt: skip
     parser.add_argument("--vllm-arg", action="append", default=[],
                         help="an extra flag for vLLM's server (repeat)")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another pagedllm server with these extra flags (repeat)")  # fmt: skip
+    parser.add_argument("--variant-src", action="append", default=[], metavar="NAME=DIR",
+                        help="run variant NAME from the checkout DIR (its src/)")  # fmt: skip
+    parser.add_argument("--no-vllm-server", action="store_true",
+                        help="with --vllm: its client only, no vLLM server")  # fmt: skip
     args = parser.parse_args(argv)
+    args.variant = _named(parser, args.variant, "--variant")
+    args.variant_src = _named(parser, args.variant_src, "--variant-src")
+    unknown = set(args.variant_src) - set(args.variant)
+    if unknown:
+        parser.error(f"--variant-src names no --variant: {', '.join(sorted(unknown))}")
+    if args.no_vllm_server and not args.vllm:
+        parser.error("--no-vllm-server needs --vllm (its client)")
     if args.rounds < 1 or args.num_prompts < 1 or args.max_concurrency < 1:
         parser.error("--rounds, --num-prompts and --max-concurrency must be positive")
     return args
+
+
+def _named(parser: argparse.ArgumentParser, items: list[str], flag: str) -> dict[str, str]:
+    named: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or name in named:
+            parser.error(f"{flag} takes NAME=VALUE with distinct names, got {item!r}")
+        named[name] = value
+    return named
 
 
 def main(argv: list[str] | None = None) -> int:

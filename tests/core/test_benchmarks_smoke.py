@@ -98,3 +98,41 @@ def test_kv_quant_bucket_kl_is_exact_over_the_whole_vocabulary_and_a_lower_bound
     assert 0 <= bench.bucket_kl(entry(p, 2), entry(q, 2)) <= exact
     same = bench.compare([[None, entry(p, 4)]], [[None, entry(p, 4)]])
     assert same.mean_kl == 0.0 and same.top1 == 1.0 and same.delta_ppl == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--variant", "noequals"],
+        ["--variant", "a=--x", "--variant", "a=--y"],
+        ["--variant", "a=", "--variant-src", "b=/tmp"],
+        ["--no-vllm-server"],
+    ],
+)
+def test_serve_vs_vllm_rejects_bad_variants(bad):
+    with pytest.raises(SystemExit):
+        load("serve_vs_vllm").parse_args(bad)
+
+
+def test_serve_vs_vllm_variants_get_ports_flags_and_ratios(tmp_path, monkeypatch):
+    """Each --variant is one more pagedllm server (its own port, flags and source tree), and
+    the summary holds its ratios against vLLM and against the default pagedllm, round by round."""
+    bench = load("serve_vs_vllm")
+    args = bench.parse_args(["--port", "9000", "--variant", "cap=--max-num-batched-tokens 1024",
+                             "--variant", "old=", "--variant-src", f"old={tmp_path}"])  # fmt: skip
+    started = []
+    monkeypatch.setattr(bench, "Server", lambda *a: started.append(a) or a)
+    bench.start_variants(args, "m", tmp_path)
+    (name1, cmd1, port1, _, env1), (name2, cmd2, port2, _, env2) = started
+    assert (name1, port1, cmd1[-2:]) == ("pagedllm:cap", 9002, ["--max-num-batched-tokens", "1024"])
+    assert (name2, port2, cmd2[-1]) == ("pagedllm:old", 9003, "4096")
+    assert env2["PYTHONPATH"].split(":")[0] == str(tmp_path)
+    rounds = {
+        "pagedllm": [{"output_throughput": 100.0}, {"output_throughput": 110.0}],
+        "vllm": [{"output_throughput": 50.0}, {"output_throughput": 50.0}],
+        "pagedllm:cap": [{"output_throughput": 120.0}, {"output_throughput": 99.0}],
+    }
+    ratios = bench.summarize(rounds)["ratios"]
+    assert ratios["output_throughput_vs_vllm"]["median"] == pytest.approx(2.1)
+    assert ratios["cap_output_throughput_vs_vllm"] == {"median": 2.19, "min": 1.98, "max": 2.4}
+    assert ratios["cap_output_throughput_vs_pagedllm"]["min"] == pytest.approx(0.9)
