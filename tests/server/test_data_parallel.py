@@ -10,7 +10,12 @@ import socket
 import pytest
 
 from pagedllm.server.cli import add_arguments
-from pagedllm.server.data_parallel import port_free, replica_argv, replica_master_ports
+from pagedllm.server.data_parallel import (
+    check_http_ports,
+    port_free,
+    replica_argv,
+    replica_master_ports,
+)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -79,6 +84,21 @@ def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
         args = _args("--data-parallel-size", "2", "-tp", "2", "--nnodes", "2",
                      "--node-rank", "1", "--master-port", str(master))  # fmt: skip
         assert replica_master_ports(args) == [master, master + 1]
+
+
+@pytest.mark.parametrize("taken, who", [(0, "the router's --port"), (2, "replica 1's")])
+def test_a_taken_http_port_is_refused_before_any_replica_starts(taken, who):
+    first = _free_port_run(3)
+    args = _args("--port", str(first), "--data-parallel-size", "2")
+    check_http_ports(args)  # all free
+    with socket.socket() as holder:
+        holder.bind(("", first + taken))
+        holder.listen()
+        with pytest.raises(SystemExit, match=rf"port {first + taken} \({who}.*already in use"):
+            check_http_ports(args)
+        # a worker machine serves no HTTP
+        check_http_ports(_args("--port", str(first), "--data-parallel-size", "2", "--nnodes", "2",
+                               "--node-rank", "1", "-tp", "2"))  # fmt: skip
 
 
 def test_the_api_key_reaches_replicas_by_environment_not_argv(monkeypatch):

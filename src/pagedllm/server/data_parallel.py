@@ -1,6 +1,6 @@
 """``pagedllm serve --data-parallel-size N``: N ``pagedllm serve`` replicas on the next N
 ports, the router (``server/router.py``) in this process on ``--port``; the replicas
-stop when it does.
+stop when it does. All N + 1 HTTP ports are checked free before any replica starts.
 
 With ``--tensor-parallel-size`` too, every replica is its own process group, so each
 needs its own rendezvous port: replica ``i`` takes ``--master-port + i`` (checked free
@@ -34,6 +34,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     from pagedllm.server.cli import _UVICORN_GRACE_S, API_KEY_ENV, _exit_cleanly
 
     master_ports = replica_master_ports(args)
+    check_http_ports(args)
     procs: list[subprocess.Popen] = []
     # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -96,6 +97,27 @@ def replica_master_ports(args: argparse.Namespace) -> list[int | None]:
                 f"{taken[0] - args.master_port}) is already in use: choose another --master-port"
             )
     return list(ports)
+
+
+def check_http_ports(args: argparse.Namespace) -> None:
+    """``SystemExit`` naming the port when the router's ``--port`` or a replica's
+    (``--port + 1 + i``) is taken: checked before any replica loads its model, where a
+    taken port would otherwise leave one replica dead behind a router that waits for it.
+    Machines with ``--node-rank > 0`` serve no HTTP and check nothing."""
+    if args.node_rank > 0:
+        return
+    n = args.data_parallel_size
+    if args.port + n > 65535:
+        raise SystemExit(f"--port {args.port} + {n} replicas passes 65535")
+    for port in range(args.port, args.port + n + 1):
+        if not port_free(port):
+            who = (
+                "the router's --port" if port == args.port else f"replica {port - args.port - 1}'s"
+            )
+            raise SystemExit(
+                f"port {port} ({who}: replicas serve on --port + 1 .. --port + {n}) is already "
+                f"in use: choose another --port"
+            )
 
 
 def replica_argv(args: argparse.Namespace, port: int, master_port: int | None) -> list[str]:
