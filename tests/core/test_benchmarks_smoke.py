@@ -123,7 +123,7 @@ def test_serve_vs_vllm_variants_get_ports_flags_and_ratios(tmp_path, monkeypatch
     started = []
     monkeypatch.setattr(bench, "Server", lambda *a: started.append(a) or a)
     bench.start_variants(args, "m", tmp_path)
-    (name1, cmd1, port1, _, env1), (name2, cmd2, port2, _, env2) = started
+    (name1, cmd1, port1, _, _), (name2, cmd2, port2, _, env2) = started
     assert (name1, port1, cmd1[-2:]) == ("pagedllm:cap", 9002, ["--max-num-batched-tokens", "1024"])
     assert (name2, port2, cmd2[-1]) == ("pagedllm:old", 9003, "4096")
     assert env2["PYTHONPATH"].split(":")[0] == str(tmp_path)
@@ -134,5 +134,7 @@ def test_serve_vs_vllm_variants_get_ports_flags_and_ratios(tmp_path, monkeypatch
     }
     ratios = bench.summarize(rounds)["ratios"]
     assert ratios["output_throughput_vs_vllm"]["median"] == pytest.approx(2.1)
-    assert ratios["cap_output_throughput_vs_vllm"] == {"median": 2.19, "min": 1.98, "max": 2.4}
+    assert ratios["cap_output_throughput_vs_vllm"] == pytest.approx(
+        {"median": 2.19, "min": 1.98, "max": 2.4}
+    )
     assert ratios["cap_output_throughput_vs_pagedllm"]["min"] == pytest.approx(0.9)

@@ -41,10 +41,9 @@ inline bool on_line(const void* p) { return reinterpret_cast<std::uintptr_t>(p) 
 
 #if defined(__SSE__)
 // Ask for a cached K/V line ahead of use, into L2 (T1), not L1 (T0). A decode step reads
-// every context block by block from memory; T0 prefetches queue in L1's few miss buffers and
-// are dropped when those are full, so asking further ahead gained nothing, while L2 keeps
-// many more misses in flight (Zen 4, docs/performance.md: decode attention ~395 -> ~230 us
-// a layer). The lines reach L1 from L2 when the kernel reads them.
+// every context block by block from memory, and T0 prefetches need L1's few miss buffers:
+// asked far enough ahead to cover the latency they found them full (the distance made no
+// difference), while L2 keeps many more misses in flight (docs/performance.md).
 inline void prefetch_kv(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif
 
