@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.reports import cache_report as build_cache_report
 from pagedllm.server.app import create_app
+from pagedllm.server.data_parallel import port_free
 from pagedllm.testing import make_tiny_tokenizer
 from pagedllm.worker.fake_runner import FakeModelRunner
 
@@ -243,6 +245,20 @@ class _AppBody(httpx.AsyncByteStream):
                 await asyncio.wait_for(asyncio.shield(self.task), 5)
             except TimeoutError:
                 self.task.cancel()
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports that are all free now: ``serve
+    --data-parallel-size N`` puts its replicas on ``--port + 1`` .. ``--port + N`` (a port
+    the kernel hands out is in the ephemeral range, where its neighbours may be another
+    connection's: a test once failed with a replica's 'address already in use')."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            first = s.getsockname()[1]
+        if first + count <= 65536 and all(port_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no run of {count} free ports found")
 
 
 def sse_events(body: bytes) -> list[Any]:

@@ -10,12 +10,9 @@ import socket
 import pytest
 
 from pagedllm.server.cli import add_arguments
-from pagedllm.server.data_parallel import (
-    check_http_ports,
-    port_free,
-    replica_argv,
-    replica_master_ports,
-)
+from pagedllm.server.data_parallel import check_http_ports, replica_argv, replica_master_ports
+
+from .conftest import free_port_run
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -24,19 +21,8 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def _free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive ports that are free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            first = s.getsockname()[1]
-        if first + n <= 65535 and all(port_free(first + i) for i in range(n)):
-            return first
-    raise RuntimeError("no run of free ports")
-
-
 def test_each_replica_gets_its_own_rendezvous_port():
-    master = _free_port_run(3)
+    master = free_port_run(3)
     args = _args("--port", "8000", "--data-parallel-size", "3", "-tp", "2",
                  "--master-port", str(master), "--dtype", "float32")  # fmt: skip
     ports = replica_master_ports(args)
@@ -60,7 +46,7 @@ def test_without_master_port_every_replica_picks_its_own():
 
 
 def test_a_taken_rendezvous_port_is_refused_naming_it():
-    master = _free_port_run(2)
+    master = free_port_run(2)
     with socket.socket() as holder:
         holder.bind(("", master + 1))
         holder.listen()
@@ -77,7 +63,7 @@ def test_rendezvous_ports_may_not_overlap_the_http_ports():
 
 
 def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
-    master = _free_port_run(2)
+    master = free_port_run(2)
     with socket.socket() as holder:
         holder.bind(("", master))
         holder.listen()
@@ -88,7 +74,7 @@ def test_a_worker_machine_does_not_check_ports_it_does_not_listen_on():
 
 @pytest.mark.parametrize("taken, who", [(0, "the router's --port"), (2, "replica 1's")])
 def test_a_taken_http_port_is_refused_before_any_replica_starts(taken, who):
-    first = _free_port_run(3)
+    first = free_port_run(3)
     args = _args("--port", str(first), "--data-parallel-size", "2")
     check_http_ports(args)  # all free
     with socket.socket() as holder:

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import sse_events
+from .conftest import free_port_run, sse_events
 
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024",
                 "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
@@ -30,27 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _free_port_run(count: int) -> int:
-    """A port whose next ``count - 1`` ports are free too: ``serve --data-parallel-size N``
-    puts its replicas on ``--port + 1`` .. ``--port + N`` (a port the kernel hands out is in
-    the ephemeral range, where its neighbours may be another connection's: the test once
-    failed with a replica's 'address already in use')."""
-    for _ in range(100):
-        candidate = _free_port()
-        if all(_bindable(candidate + i) for i in range(1, count)):
-            return candidate
-    raise RuntimeError(f"no run of {count} free ports found")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -219,7 +198,7 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
 
 @pytest.mark.slow
 def test_serve_data_parallel_starts_a_router_over_replicas(tiny_checkpoint: Path):
-    port = _free_port_run(3)  # the router and two replicas
+    port = free_port_run(3)  # the router and two replicas
     base = f"http://127.0.0.1:{port}"
     key = "dp-secret-4711"
     proc = _start(["serve", "--model", str(tiny_checkpoint), "--port", str(port),
