@@ -508,9 +508,9 @@ def cpu_name() -> str:
         return "unknown"
     info = {k.strip(): v.strip() for k, v in info.items()}
     flags = set(info.get("flags", "").split())
-    units = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags][:1]
+    widest = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
     return (f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')} model "
-            f"{info.get('model', '?')}{', ' + units[0] if units else ''})")  # fmt: skip
+            f"{info.get('model', '?')}{', ' + widest if widest else ''})")  # fmt: skip
 
 
 def resolve_model(name: str) -> str:

@@ -438,8 +438,7 @@ def test_a_hung_replica_is_marked_unhealthy_and_does_not_stall_the_others(make_h
         client=client,
         poll_interval=0.01,
         # Long enough that the answering replica's polls do not time out on a loaded
-        # machine, short against the 5 s deadline below (with 0.2 s one run of the suite
-        # stopped at or next to this test, once in eight; not reproduced since).
+        # machine, short against the 5 s deadline below.
         poll_timeout=1.0,
     )
 

@@ -159,9 +159,9 @@ class Sampler:
         return _Rows(seqs, params, torch.tensor(source, dtype=torch.long, device=device))
 
     def _process(self, raw: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        """Logit bias, penalties and the min_tokens mask, on per-sequence rows in float32
-        (``raw`` itself when there is nothing to apply and one row per sample: it is not
-        written; its rows per sample, in its dtype, when there is only nothing to apply)."""
+        """Logit bias, penalties and the min_tokens mask, on one float32 row per sample.
+        With nothing to apply: ``raw`` itself (not written) when it already has one row per
+        sample, else its rows repeated per sample, in its dtype."""
         altered = any(_alters_logits(s, p) for s, p in zip(rows.seqs, rows.params, strict=True))
         if len(rows.params) == raw.shape[0] and not altered:
             return raw

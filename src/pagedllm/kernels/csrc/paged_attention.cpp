@@ -53,7 +53,6 @@ using pagedllm_attn::row_offsets;
 using pagedllm_attn::Task;
 using pagedllm_attn::visible;
 using pagedllm_attn::Visible;
-using pagedllm_vec::prefetch_kv;
 using pagedllm_vec::to_float;
 
 // row[lo:hi] = cap * tanh(row / cap) (scalar: the portable path).
@@ -64,6 +63,7 @@ inline void softcap_row_scalar(float* row, int64_t lo, int64_t hi, float cap) {
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
+using pagedllm_vec::prefetch_kv;
 using pagedllm_vec::tail_mask;
 using pagedllm_vec::transpose16;
 #if defined(__AVX512BF16__)
