@@ -91,7 +91,7 @@ inline __m512 exp512(__m512 x) {
 }
 
 // 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
-inline void transpose16(__m512i* r) {
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
