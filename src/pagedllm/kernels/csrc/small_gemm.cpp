@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "small_gemm.h"
 
 namespace {
@@ -224,7 +225,7 @@ void run_groups(Isa isa, const Bf16Gemm& p, int64_t g0, int64_t g1, pagedllm_gem
 }
 
 // Each sum rounded to bf16 and stored.
-class Store final : public pagedllm_gemm::Emit {
+class Store final : public pagedllm_gemm::BlockEmit<Store> {
  public:
   Store(c10::BFloat16* out, int64_t n) : out_(out), n_(n) {}
   void operator()(int64_t r, int64_t g, __m512 v) override {
@@ -248,11 +249,17 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
   if (p.m == 0) return out;
 #if defined(__AVX512BF16__)
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  // Each thread takes one contiguous range of column groups: one front-to-back stream.
-  at::parallel_for(0, p.n / COLS, 1, [&](int64_t g0, int64_t g1) {
+  auto run = [&](int64_t g0, int64_t g1) {
     Store store(o, p.n);
     run_groups(isa, p, g0, g1, store);
-  });
+  };
+  if (isa == Isa::avx512_bf16) {
+    // Shrinking chunks of whole register blocks (4 groups) to whichever thread is free.
+    pagedllm_parallel::parallel_guided(p.n / COLS, 4, 1, run);
+  } else {
+    // The tile unit (not measured with chunks): one contiguous range per thread.
+    at::parallel_for(0, p.n / COLS, 1, run);
+  }
 #endif
   return out;
 }
@@ -270,7 +277,7 @@ inline bool beats(float value, float best) {
 #if defined(__AVX512BF16__)
 // Per row, per lane: the lane's best value (rounded to bf16) and its column, over groups
 // [g0, ...) met in increasing order.
-class ArgmaxLanes final : public pagedllm_gemm::Emit {
+class ArgmaxLanes final : public pagedllm_gemm::BlockEmit<ArgmaxLanes> {
  public:
   ArgmaxLanes(int64_t m, int64_t g0) : value(m), index(m), g0_(g0) {}
   void operator()(int64_t r, int64_t g, __m512 v) override {

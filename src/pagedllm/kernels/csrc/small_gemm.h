@@ -51,9 +51,30 @@ struct Bf16Gemm {
 class Emit {
  public:
   virtual void operator()(int64_t row, int64_t group, __m512 v) = 0;
+  // A register block at once: rows [row0, row0 + rows) x groups [group0, group0 + groups),
+  // row r's sums for group j at sums[r * stride + j], bias[j] not yet added. One virtual call
+  // a block rather than one per 16 sums.
+  virtual void block(int64_t row0, int rows, int64_t group0, int groups, const __m512* sums, int stride,
+                     const __m512* bias) = 0;
 
  protected:
   ~Emit() = default;
+};
+
+// An emitter whose blocks reach Self's operator() by direct calls (Self is final): rows in
+// order, each row's groups in increasing order.
+template <typename Self>
+class BlockEmit : public Emit {
+ public:
+  void block(int64_t row0, int rows, int64_t group0, int groups, const __m512* sums, int stride,
+             const __m512* bias) override {
+    Self& self = static_cast<Self&>(*this);
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < groups; ++j) self(row0 + r, group0 + j, _mm512_add_ps(sums[r * stride + j], bias[j]));
+  }
+
+ protected:
+  ~BlockEmit() = default;
 };
 
 // Column groups [g0, g1) of the problem: one thread's contiguous stream of weights.

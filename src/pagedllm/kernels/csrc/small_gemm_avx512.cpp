@@ -130,8 +130,7 @@ void avx512_bf16_groups(const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit) {
         // The range's first block was not streamed ahead: prefetch it as it is read.
         const bool first = r0 == rb && (g == g0 || rb > 0 || passes == 1);
         dp(rows, gb, xa + r0 * lda, lda, pairs, w + g * gstride, gstride, first, ahead, sums);
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < gb; ++j) emit(r0 + r, g + j, _mm512_add_ps(sums[r * MAX_GB + j], bias16[j]));
+        emit.block(r0, rows, g, gb, sums, MAX_GB, bias16);
       }
     }
   }
