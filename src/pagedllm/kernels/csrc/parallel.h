@@ -46,34 +46,4 @@ void parallel_chunks(int64_t total, int64_t unit, const F& fn) {
   });
 }
 
-// fn(begin, end) over [0, total) in chunks that shrink as the work runs out (OpenMP's
-// "guided" schedule): each about the rest / (2 x threads), in whole units, at least
-// min_units. The first chunks keep long front-to-back streams (a kernel prefetching ahead
-// within its range keeps the memory busy); the last are short, so a thread slowed by a
-// neighbour holds the others up for little. Serial on one thread or inside a parallel region.
-template <typename F>
-void parallel_guided(int64_t total, int64_t unit, int64_t min_units, const F& fn) {
-  if (total <= 0) return;
-  unit = std::max<int64_t>(unit, 1);
-  min_units = std::max<int64_t>(min_units, 1);
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  if (threads <= 1 || total <= unit * min_units) {
-    fn(int64_t{0}, total);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    int64_t begin = next.load(std::memory_order_relaxed);
-    while (begin < total) {
-      const int64_t units = std::max<int64_t>(min_units, (total - begin) / (2 * threads * unit));
-      const int64_t end = std::min(total, begin + units * unit);
-      // On failure begin is reloaded with the current start and the chunk recomputed.
-      if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {
-        fn(begin, end);
-        begin = next.load(std::memory_order_relaxed);
-      }
-    }
-  });
-}
-
 }  // namespace pagedllm_parallel

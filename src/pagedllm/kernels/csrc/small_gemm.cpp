@@ -21,7 +21,6 @@
 #include <string>
 #include <vector>
 
-#include "parallel.h"
 #include "small_gemm.h"
 
 namespace {
@@ -249,17 +248,11 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
   if (p.m == 0) return out;
 #if defined(__AVX512BF16__)
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  auto run = [&](int64_t g0, int64_t g1) {
+  // Each thread takes one contiguous range of column groups: one front-to-back stream.
+  at::parallel_for(0, p.n / COLS, 1, [&](int64_t g0, int64_t g1) {
     Store store(o, p.n);
     run_groups(isa, p, g0, g1, store);
-  };
-  if (isa == Isa::avx512_bf16) {
-    // Shrinking chunks of whole register blocks (4 groups) to whichever thread is free.
-    pagedllm_parallel::parallel_guided(p.n / COLS, 4, 1, run);
-  } else {
-    // The tile unit (not measured with chunks): one contiguous range per thread.
-    at::parallel_for(0, p.n / COLS, 1, run);
-  }
+  });
 #endif
   return out;
 }
