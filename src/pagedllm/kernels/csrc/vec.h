@@ -90,7 +90,8 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i.
+// 16x16 transpose of 32-bit elements: r[i] lane j  ->  r[j] lane i. Always inlined: out of line
+// (GCC's choice for its size) the 16 registers go through memory around every call.
 __attribute__((always_inline)) inline void transpose16(__m512i* r) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
