@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pagedllm.kernels.probe import cpu_info  # noqa: E402
 from vllm_child import VllmChild  # noqa: E402
 
 
@@ -275,7 +276,7 @@ def report(args: argparse.Namespace, burst: Burst, results: dict[str, list[Burst
         print(
             f"{key}: throughput x{value['output_tok_per_s']:.2f}, TTFT mean x{value['ttft_mean']:.2f}"
         )
-    print(json.dumps({"burst": medians, "ratios": ratios, "cpu": cpu_model()}))
+    print(json.dumps({"burst": medians, "ratios": ratios, "cpu": cpu_info().label}))
 
 
 def ratio_median(
@@ -290,17 +291,6 @@ def ratio_median(
             a, b = statistics.fmean(m.ttft), statistics.fmean(o.ttft)
         pairs.append(b / a if invert else a / b)
     return round(statistics.median(pairs), 3)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

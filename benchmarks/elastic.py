@@ -45,6 +45,7 @@ from pagedllm.engine.args import parse_size, parse_size_range  # noqa: E402
 from pagedllm.engine.config import EngineConfig  # noqa: E402
 from pagedllm.engine.elastic import process_resident_bytes  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedllm.kernels.probe import cpu_info  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
 MIB = 1 << 20
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     part = args.part or "all"
-    results: dict[str, Any] = {"cpu": _cpu()}
+    results: dict[str, Any] = {"cpu": f"{cpu_info().label}, {os.cpu_count()} cores"}
     for name, fn in (
         ("shrink", part_shrink),
         ("grow", part_grow),
@@ -384,17 +385,6 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = fn(args)
     print(json.dumps(results, default=str))
     return 0
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

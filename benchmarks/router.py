@@ -54,6 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from pagedllm.engine.distributed import free_port  # noqa: E402
+from pagedllm.kernels.probe import cpu_info  # noqa: E402
 from pagedllm.planner.replicas import (  # noqa: E402
     SIM_POLICIES,
     RouterSimConfig,
@@ -62,7 +63,7 @@ from pagedllm.planner.replicas import (  # noqa: E402
     simulate_router,
 )
 from pagedllm.planner.simulate import CostModel  # noqa: E402
-from serve_vs_vllm import cpu_name, wait_healthy  # noqa: E402
+from serve_vs_vllm import wait_healthy  # noqa: E402
 
 REAL_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
@@ -271,7 +272,7 @@ def med(values: list[float]) -> float:
 
 def print_real(results: dict[str, list[RunResult]], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nreal replicas: {args.replicas} x pagedllm serve ({args.model}, {args.dtype}, 1 thread "
-          f"each; CPU: {cpu_name()}, {os.cpu_count()} cores), {args.tenants} tenants x "
+          f"each; CPU: {cpu_info().label}, {os.cpu_count()} cores), {args.tenants} tenants x "
           f"{args.requests_per_tenant} requests, prefix {args.prefix_len} tokens, "
           f"concurrency {args.concurrency}; medians of {args.rounds} rounds (min-max)")  # fmt: skip
     print(f"{'policy':<22} {'hit rate':>18} {'TTFT mean s':>20} {'TTFT p90 s':>11} "

@@ -67,6 +67,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import httpx  # noqa: E402
 
+from pagedllm.kernels.probe import cpu_info  # noqa: E402
+
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
 CPU_METRICS = ("client_cores", "server_cores")
 READY_TIMEOUT_S = 600.0
@@ -471,7 +473,7 @@ def _ratio(ours: list[dict], theirs: list[dict], metric: str) -> dict[str, float
 def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespace) -> None:
     print(f"serve_vs_vllm: {args.model} {args.dtype}, random {work.input_len} in / "
           f"{work.output_len} out, {work.num_prompts} prompts, concurrency "
-          f"{work.max_concurrency}, {args.rounds} rounds; CPU: {cpu_name()}, "
+          f"{work.max_concurrency}, {args.rounds} rounds; CPU: {cpu_info().label}, "
           f"{os.cpu_count()} cores")  # fmt: skip
     header = ("engine", "output tok/s", "mean TTFT ms", "p99 TTFT ms", "mean ITL ms",
               "p99 ITL ms", "client cores", "server cores", "failed")  # fmt: skip
@@ -493,24 +495,6 @@ def _cell(entry: dict[str, float] | None) -> str:
         return "-"
     digits = 2 if abs(entry["median"]) < 10 else 1  # cores and failures: two decimals
     return f"{entry['median']:.{digits}f} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
-
-
-def cpu_name() -> str:
-    """The CPU's model name with its family / model numbers and the vector units the kernels
-    choose between (a cloud guest often names only "AMD EPYC")."""
-    try:
-        info = dict(
-            line.split(":", 1)
-            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-            if ":" in line
-        )
-    except OSError:
-        return "unknown"
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    flags = set(info.get("flags", "").split())
-    widest = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
-    return (f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')} model "
-            f"{info.get('model', '?')}{', ' + widest if widest else ''})")  # fmt: skip
 
 
 def resolve_model(name: str) -> str:
@@ -579,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, work, args)
     failed = sum(r.get("failed") or 0 for rounds in results.values() for r in rounds)
     print(json.dumps({"workload": asdict(work), "model": args.model, "dtype": args.dtype,
-                      "cpu": cpu_name(), "summary": summary, "rounds": results}))  # fmt: skip
+                      "cpu": cpu_info().label, "summary": summary, "rounds": results}))  # fmt: skip
     return 1 if failed else 0
 
 

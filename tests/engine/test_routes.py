@@ -168,6 +168,26 @@ def test_cpu_isa_names_the_best_route(flags, isa, bf16_dot):
     assert (cpu.isa, cpu.bf16_dot) == (isa, bf16_dot)
 
 
+def test_cpu_label_names_family_model_and_route(tmp_path, monkeypatch):
+    from pagedllm.kernels import probe
+
+    epyc = probe.CpuInfo("AMD EPYC", frozenset({"avx512f", "avx512_bf16"}), 2, "family 25 model 17")
+    assert epyc.label == "AMD EPYC (family 25 model 17, avx512_bf16)"
+    assert probe.CpuInfo("x", frozenset(), 1).label == "x (none)"
+    # cpu_info() reads them from the first processor's lines, before its flags.
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: avx2 avx512f avx512_bf16\n\nprocessor\t: 1\nmodel\t\t: 99\n"
+    )
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
+    )
+    assert probe.cpu_info().label == "AMD EPYC (family 25 model 17, avx512_bf16)"
+
+
 def test_windowed_layers_route_is_named(tmp_path, capsys):
     path = make_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]

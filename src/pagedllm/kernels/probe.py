@@ -29,6 +29,8 @@ class CpuInfo:
     model: str
     flags: frozenset[str]
     num_cpus: int
+    # "family 25 model 17": a cloud guest often names only "AMD EPYC".
+    family: str = ""
 
     @property
     def amx(self) -> bool:
@@ -51,6 +53,12 @@ class CpuInfo:
                 return name
         return "none"
 
+    @property
+    def label(self) -> str:
+        """The name, family / model numbers and kernel ISA, for benchmark reports."""
+        details = ", ".join(part for part in (self.family, self.isa) if part)
+        return f"{self.model} ({details})"
+
     def kernel_flags(self) -> list[str]:
         """The flags of ``KERNEL_FLAGS`` this CPU has."""
         return [flag for flag in KERNEL_FLAGS if flag in self.flags]
@@ -59,18 +67,22 @@ class CpuInfo:
 def cpu_info() -> CpuInfo:
     """This machine's ``CpuInfo`` (flags empty where ``/proc/cpuinfo`` is unreadable)."""
     model, flags = platform.processor() or platform.machine(), ""
+    numbers: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    model = value.strip()
-                elif key.strip() == "flags":
+            for line in f:  # the first processor's lines; "flags" comes after the others
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "model name" and value:
+                    model = value
+                elif key in ("cpu family", "model"):
+                    numbers[key] = value
+                elif key == "flags":
                     flags = value
                     break
     except OSError:
         pass
-    return CpuInfo(model, frozenset(flags.split()), len(os.sched_getaffinity(0)))
+    family = f"family {numbers['cpu family']} model {numbers['model']}" if len(numbers) == 2 else ""
+    return CpuInfo(model, frozenset(flags.split()), len(os.sched_getaffinity(0)), family)
 
 
 def cpu_flags_line() -> str:
