@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from pagedllm.engine.async_engine import EngineClosedError
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.distributed import free_port
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.reports import cache_report as build_cache_report
 from pagedllm.server.app import create_app
@@ -253,9 +253,7 @@ def free_port_run(count: int) -> int:
     the kernel hands out is in the ephemeral range, where its neighbours may be another
     connection's: a test once failed with a replica's 'address already in use')."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            first = s.getsockname()[1]
+        first = free_port()
         if first + count <= 65536 and all(port_free(first + i) for i in range(count)):
             return first
     raise RuntimeError(f"no run of {count} free ports found")

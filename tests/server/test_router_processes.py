@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,16 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from pagedllm.engine.distributed import free_port
+
 from .conftest import free_port_run, sse_events
 
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024",
                 "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -127,7 +122,7 @@ def _all_gone(pids: list[int], timeout: float) -> bool:
 
 @pytest.mark.slow
 def test_replica_killed_mid_stream(tiny_checkpoint: Path):
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     replicas = [
         _start(["serve", "--model", str(tiny_checkpoint), "--port", str(p), *ENGINE_FLAGS])
