@@ -17,9 +17,10 @@ batches (8 and 32 by default, greedy, min_new_tokens = max_new_tokens); with
 also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``, and
 ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives it both cores instead of one).
 A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
-ceiling measured in the same run, and a floor adds what no engine can avoid: decode steps
-stream every weight and every context's K/V at the memory bandwidth measured in the same
-run, prompts cost their matrix work at the ceiling (see ``Floor``). Both rates are sampled
+ceiling measured in the same run, and a floor adds what no engine can avoid: each decode step
+streams every weight and its contexts' K/V at the memory bandwidth measured in the same run,
+or does its matrix work at the ceiling, whichever takes longer; prompts cost their matrix
+work at the ceiling (see ``Floor``). Both rates are sampled
 before the engines, before every turn and after them, and the highest reading counts: this
 machine's matrix rate swings 2-3x within minutes, and a ceiling read only at the ends once
 caught two slow moments (0.80 TFLOP/s) and put pagedllm at 47% of it. The last line is one
@@ -486,19 +487,40 @@ def matmul_ceiling(dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the roofline and the floor need from a checkpoint's config.json."""
+
+    body_params: int  # every decoder layer's linear weights
+    head_params: int  # the LM head
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def read(cls, model: Path) -> ModelShape:
+        config = json.loads((model / "config.json").read_text())
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+        per_layer += 3 * hidden * inter
+        layers = config["num_hidden_layers"]
+        return cls(
+            body_params=per_layer * layers,
+            head_params=hidden * config["vocab_size"],
+            layers=layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+
+
 def workload_flops(model: Path, work: Workload) -> float:
     """Matrix FLOPs of the workload: every token through every linear layer; only tokens
     that produce an output (the output tokens) through the LM head."""
-    config = json.loads((model / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    per_layer += 3 * hidden * inter
-    body = per_layer * config["num_hidden_layers"]
-    head = hidden * config["vocab_size"]
+    shape = ModelShape.read(model)
     tokens = work.num_prompt_tokens + work.num_output_tokens
-    return 2.0 * (body * tokens + head * work.num_output_tokens)
+    return 2.0 * (shape.body_params * tokens + shape.head_params * work.num_output_tokens)
 
 
 def read_bandwidth(size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
@@ -536,43 +558,72 @@ def settle_and_sample(rates: MachineRates, seconds: float = 0.25) -> None:
     rates.sample(seconds)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Floor:
     """A lower bound on the workload's time on this machine, for any engine.
 
-    Decode is memory-bound: every step streams every weight once (``weight_bytes``), and
-    every decoded token reads its whole context's K/V (``kv_bytes``); the number of steps
-    is at least the longest request's output length. Prompt tokens are compute-bound
-    (``prefill_flops`` at the matmul ceiling). The two phases barely overlap (a step is
-    either a big prefill or a decode), so the floor is their sum."""
+    A decode step streams every weight once and every running request's context K/V, and
+    multiplies each running request's token through every weight: it takes at least the
+    longer of the two, the bytes at the measured bandwidth or the matrix work at the
+    measured ceiling. With a few rows the bytes dominate; with many (model (a) on a CPU
+    without a matrix unit: from about 16 rows) the matrix work does. Step j (from 1) runs
+    every request with more than j output tokens (the first token comes from the prompt's
+    step). Prompt tokens are compute-bound (``prefill_flops`` at the ceiling). The two
+    phases barely overlap (a step is either a big prefill or a decode), so the floor is
+    their sum."""
 
-    weight_bytes: float
-    kv_bytes: float
+    weight_bytes: float  # streamed by every decode step
+    flops_per_row: float  # one decoded token through every linear and the LM head
+    step_kv_bytes: tuple[float, ...]  # each decode step's K/V reads
+    step_rows: tuple[int, ...]  # each decode step's running requests
     prefill_flops: float
 
+    @property
+    def decode_weight_bytes(self) -> float:
+        return self.weight_bytes * len(self.step_rows)
+
+    @property
+    def kv_bytes(self) -> float:
+        return sum(self.step_kv_bytes)
+
+    @property
+    def decode_flops(self) -> float:
+        return self.flops_per_row * sum(self.step_rows)
+
+    def compute_bound_steps(self, bandwidth: float, ceiling: float) -> int:
+        return sum(
+            rows * self.flops_per_row / ceiling > (self.weight_bytes + kv) / bandwidth
+            for kv, rows in zip(self.step_kv_bytes, self.step_rows, strict=True)
+        )
+
     def seconds(self, bandwidth: float, ceiling: float) -> tuple[float, float]:
-        return (self.weight_bytes + self.kv_bytes) / bandwidth, self.prefill_flops / ceiling
+        """(the decode steps, the prompts) at these rates."""
+        decode = sum(
+            max((self.weight_bytes + kv) / bandwidth, rows * self.flops_per_row / ceiling)
+            for kv, rows in zip(self.step_kv_bytes, self.step_rows, strict=True)
+        )
+        return decode, self.prefill_flops / ceiling
 
 
 def workload_floor(model: Path, work: Workload, dtype_bytes: int) -> Floor:
-    config = json.loads((model / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    layers = config["num_hidden_layers"]
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    per_layer += 3 * hidden * inter
-    params = per_layer * layers + hidden * config["vocab_size"]
-    decode_steps = max(work.max_tokens) - 1  # the first token comes from the prompt's step
-    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    context_reads = sum(
-        sum(len(prompt) + i for i in range(1, n))
-        for prompt, n in zip(work.prompts, work.max_tokens, strict=True)
-    )
+    shape = ModelShape.read(model)
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    step_kv, step_rows = [], []
+    for step in range(1, max(work.max_tokens)):
+        # Request i's step-`step` input sits at position len(prompt) + step - 1 and reads
+        # the K/V of every position up to it.
+        running = [
+            len(p) + step for p, n in zip(work.prompts, work.max_tokens, strict=True) if n > step
+        ]
+        step_kv.append(float(kv_per_token * sum(running)))
+        step_rows.append(len(running))
+    params = shape.body_params + shape.head_params
     return Floor(
-        weight_bytes=float(params * dtype_bytes * decode_steps),
-        kv_bytes=float(kv_per_token * context_reads),
-        prefill_flops=2.0 * per_layer * layers * work.num_prompt_tokens,
+        weight_bytes=float(params * dtype_bytes),
+        flops_per_row=2.0 * params,
+        step_kv_bytes=tuple(step_kv),
+        step_rows=tuple(step_rows),
+        prefill_flops=2.0 * shape.body_params * work.num_prompt_tokens,
     )
 
 
@@ -754,21 +805,23 @@ def main(argv: list[str] | None = None) -> int:
     # As for the ceiling: the highest reading (the lowest floor) counts.
     bandwidth = rates.bandwidth
     floor = workload_floor(model, work, torch.finfo(dtype).bits // 8)
-    memory_s, compute_s = floor.seconds(bandwidth, ceilings[args.dtype])
+    ceiling = ceilings[args.dtype]
+    decode_s, prompts_s = floor.seconds(bandwidth, ceiling)
+    floor_s = decode_s + prompts_s
     print(
-        f"floor: decode streams {floor.weight_bytes / 1e9:.1f} GB of weights + "
-        f"{floor.kv_bytes / 1e9:.1f} GB of K/V at {bandwidth / 1e9:.1f} GB/s measured = "
-        f"{memory_s:.2f} s; prompts {floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = "
-        f"{compute_s:.2f} s; no engine finishes in under {memory_s + compute_s:.2f} s "
-        f"({work.num_output_tokens / (memory_s + compute_s):.0f} output tok/s)"
+        f"floor: {len(floor.step_rows)} decode steps, each the longer of streaming its bytes "
+        f"({floor.decode_weight_bytes / 1e9:.1f} GB of weights + {floor.kv_bytes / 1e9:.1f} GB "
+        f"of K/V in all, at {bandwidth / 1e9:.1f} GB/s measured) and its matrix work "
+        f"({floor.decode_flops / 1e12:.2f} TFLOP in all, at the ceiling; the longer in "
+        f"{floor.compute_bound_steps(bandwidth, ceiling)} steps) = {decode_s:.2f} s; prompts "
+        f"{floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = {prompts_s:.2f} s; no engine "
+        f"finishes in under {floor_s:.2f} s ({work.num_output_tokens / floor_s:.0f} output tok/s)"
     )
     for engine, res in results.items():
         if "elapsed_s" in res:
-            res["roofline"]["floor_s"] = round(memory_s + compute_s, 3)
-            res["roofline"]["fraction_of_floor_speed"] = round(
-                (memory_s + compute_s) / res["elapsed_s"], 4
-            )
-            print(f"  {engine}: {(memory_s + compute_s) / res['elapsed_s']:.1%} of floor speed")
+            res["roofline"]["floor_s"] = round(floor_s, 3)
+            res["roofline"]["fraction_of_floor_speed"] = round(floor_s / res["elapsed_s"], 4)
+            print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of floor speed")
     if "pagedllm" in times:
         for other in ("hf", "vllm"):
             name = results.get(other, {}).get("name", other)
