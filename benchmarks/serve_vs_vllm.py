@@ -69,6 +69,10 @@ import httpx  # noqa: E402
 
 from pagedllm.kernels.probe import cpu_info  # noqa: E402
 
+# The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_child import vllm_env  # noqa: E402
+
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
 CPU_METRICS = ("client_cores", "server_cores")
 READY_TIMEOUT_S = 600.0
@@ -230,8 +234,7 @@ def start_variants(args: argparse.Namespace, model: str, log_dir: Path) -> list[
 
 
 def start_vllm(args: argparse.Namespace, model: str, log_dir: Path) -> Server:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    env = vllm_env()
     command = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--dtype", args.dtype, "--port", str(args.port + 1), "--seed", "0",
                *args.vllm_arg]  # fmt: skip

@@ -14,8 +14,9 @@ Baselines in the same run: Hugging Face ``generate`` on the same checkpoint, sta
 batches (8 and 32 by default, greedy, min_new_tokens = max_new_tokens); with
 ``--vs-vllm PYTHON``, vLLM's ``LLM.generate`` run by that interpreter in a subprocess
 (vLLM-CPU needs ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` in the environment; its best configuration
-also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``, and
-``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives it both cores instead of one).
+also preloads tcmalloc and Intel OpenMP through ``LD_PRELOAD``; ``VLLM_CPU_OMP_THREADS_BIND``
+defaults to every core here, since vLLM's own default keeps one of two for its front end, and
+the result records the binding that ran).
 A roofline note compares the workload's matrix FLOPs per second with the ``F.linear``
 ceiling measured in the same run, and a floor adds what no engine can avoid: each decode step
 streams every weight and its contexts' K/V at the memory bandwidth measured in the same run,
@@ -339,7 +340,10 @@ def start_vllm(python: str, model: Path, dtype: str, work: Workload) -> Started:
         "warmup": [warm.prompts, warm.max_tokens],
     }
     child = VllmChild(python, VLLM_SCRIPT, spec)
-    extra = {"startup_s": round(child.ready["startup_s"], 2)}
+    extra = {
+        "startup_s": round(child.ready["startup_s"], 2),
+        "omp_threads_bind": child.env["VLLM_CPU_OMP_THREADS_BIND"],
+    }
 
     def run(command: str = "run") -> float:
         return child.ask(command)["elapsed"]

@@ -1,6 +1,7 @@
 """benchmarks/throughput.py: engines taking turns over rounds, and the vLLM child's protocol
 (driven here through a stand-in `vllm` package, so no vLLM install is needed)."""
 
+import os
 import sys
 import textwrap
 from functools import partial
@@ -29,6 +30,9 @@ FAKE_VLLM = textwrap.dedent(
         def __init__(self, model, dtype, seed):
             if os.environ.get("FAKE_VLLM_FAIL"):
                 raise SystemExit("no such model: " + model)
+            if os.environ.get("FAKE_VLLM_ENV_LOG"):
+                with open(os.environ["FAKE_VLLM_ENV_LOG"], "w") as f:
+                    f.write(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "unset"))
             self.cached = set()
 
         def reset_prefix_cache(self):
@@ -115,6 +119,23 @@ def test_vllm_child_times_the_prompt_phase_with_one_token_each(
         engine.close()
     warmup = " ".join(map(str, throughput.warmup_workload().max_tokens))
     assert log.read_text().splitlines() == [warmup, "1 1", "3 2"]
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_vllm_child_gets_every_core_unless_told(fake_vllm: Path, monkeypatch, preset):
+    throughput = load_throughput()
+    log = fake_vllm / "env.txt"
+    monkeypatch.setenv("FAKE_VLLM_ENV_LOG", str(log))
+    if preset is None:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", preset)
+    work = throughput.Workload([[1, 2, 3]], [3])
+    engine = throughput.start_vllm(sys.executable, fake_vllm, "bfloat16", work)
+    engine.close()
+    expected = preset or f"0-{os.cpu_count() - 1}"
+    assert log.read_text() == expected
+    assert engine.extra["omp_threads_bind"] == expected
 
 
 def test_phases_time_the_prompts_first_in_each_turn():
