@@ -498,8 +498,18 @@ class ModelShape:
     body_params: int  # every decoder layer's linear weights
     head_params: int  # the LM head
     layers: int
+    heads: int
     kv_heads: int
     head_dim: int
+
+    def attention_flops(self, keys: int) -> float:
+        """One query position through every layer's attention over `keys` keys: the
+        scores (Q.K) and the weighted sum of V, every query head."""
+        return 4.0 * self.heads * self.head_dim * keys * self.layers
+
+    def prompt_attention_flops(self, length: int) -> float:
+        """A prompt's causal attention: position p (from 1) sees p keys."""
+        return self.attention_flops(length * (length + 1) // 2)
 
     @classmethod
     def read(cls, model: Path) -> ModelShape:
@@ -514,6 +524,7 @@ class ModelShape:
             body_params=per_layer * layers,
             head_params=hidden * config["vocab_size"],
             layers=layers,
+            heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
         )
@@ -521,10 +532,28 @@ class ModelShape:
 
 def workload_flops(model: Path, work: Workload) -> float:
     """Matrix FLOPs of the workload: every token through every linear layer; only tokens
-    that produce an output (the output tokens) through the LM head."""
+    that produce an output (the output tokens) through the LM head; every prompt's causal
+    attention and every decoded token's attention over its context."""
     shape = ModelShape.read(model)
     tokens = work.num_prompt_tokens + work.num_output_tokens
-    return 2.0 * (shape.body_params * tokens + shape.head_params * work.num_output_tokens)
+    linears = 2.0 * (shape.body_params * tokens + shape.head_params * work.num_output_tokens)
+    prompts = sum(shape.prompt_attention_flops(len(p)) for p in work.prompts)
+    return linears + prompts + sum(decode_attention_flops(shape, work))
+
+
+def decode_attention_flops(shape: ModelShape, work: Workload) -> list[float]:
+    """Each decode step's attention FLOPs (``decode_contexts``)."""
+    return [shape.attention_flops(sum(keys)) for keys in decode_contexts(work)]
+
+
+def decode_contexts(work: Workload) -> list[list[int]]:
+    """Each decode step's running requests, as the keys each one's token sees. Step j (from
+    1) runs every request with more than j output tokens (the first comes from the prompt's
+    step); its input sits at position len(prompt) + j - 1 and sees every position up to it."""
+    return [
+        [len(p) + step for p, n in zip(work.prompts, work.max_tokens, strict=True) if n > step]
+        for step in range(1, max(work.max_tokens))
+    ]
 
 
 def read_bandwidth(size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
@@ -567,24 +596,23 @@ class Floor:
     """A lower bound on the workload's time on this machine, for any engine.
 
     A decode step streams every weight once and every running request's context K/V, and
-    multiplies each running request's token through every weight: it takes at least the
-    longer of the two, the bytes at the measured bandwidth or the matrix work at the
-    measured ceiling. With a few rows the bytes dominate; with many (model (a) on a CPU
-    without a matrix unit: from about 16 rows) the matrix work does. Step j (from 1) runs
-    every request with more than j output tokens (the first token comes from the prompt's
-    step). Prompt tokens are compute-bound (``prefill_flops`` at the ceiling). The two
-    phases barely overlap (a step is either a big prefill or a decode), so the floor is
-    their sum."""
+    multiplies each running request's token through every weight and its context's K/V:
+    it takes at least the longer of the two, the bytes at the measured bandwidth or the
+    matrix work at the measured ceiling. With a few rows the bytes dominate; with many
+    (model (a) on a CPU without a matrix unit: from about 16 rows) the matrix work does.
+    The steps are ``decode_contexts``. Prompts are compute-bound (``prefill_flops``, their
+    linears and causal attention, at the ceiling; at 4k-token prompts attention is over a
+    third of it). The two phases barely overlap (a step is either a big prefill or a
+    decode), so the floor is their sum."""
 
     weight_bytes: float  # streamed by every decode step
-    flops_per_row: float  # one decoded token through every linear and the LM head
     step_kv_bytes: tuple[float, ...]  # each decode step's K/V reads
-    step_rows: tuple[int, ...]  # each decode step's running requests
-    prefill_flops: float
+    step_flops: tuple[float, ...]  # each decode step's matrix work, attention included
+    prefill_flops: float  # the prompts' linears and causal attention
 
     @property
     def decode_weight_bytes(self) -> float:
-        return self.weight_bytes * len(self.step_rows)
+        return self.weight_bytes * len(self.step_flops)
 
     @property
     def kv_bytes(self) -> float:
@@ -592,19 +620,19 @@ class Floor:
 
     @property
     def decode_flops(self) -> float:
-        return self.flops_per_row * sum(self.step_rows)
+        return sum(self.step_flops)
 
     def compute_bound_steps(self, bandwidth: float, ceiling: float) -> int:
         return sum(
-            rows * self.flops_per_row / ceiling > (self.weight_bytes + kv) / bandwidth
-            for kv, rows in zip(self.step_kv_bytes, self.step_rows, strict=True)
+            flops / ceiling > (self.weight_bytes + kv) / bandwidth
+            for kv, flops in zip(self.step_kv_bytes, self.step_flops, strict=True)
         )
 
     def seconds(self, bandwidth: float, ceiling: float) -> tuple[float, float]:
         """(the decode steps, the prompts) at these rates."""
         decode = sum(
-            max((self.weight_bytes + kv) / bandwidth, rows * self.flops_per_row / ceiling)
-            for kv, rows in zip(self.step_kv_bytes, self.step_rows, strict=True)
+            max((self.weight_bytes + kv) / bandwidth, flops / ceiling)
+            for kv, flops in zip(self.step_kv_bytes, self.step_flops, strict=True)
         )
         return decode, self.prefill_flops / ceiling
 
@@ -612,22 +640,17 @@ class Floor:
 def workload_floor(model: Path, work: Workload, dtype_bytes: int) -> Floor:
     shape = ModelShape.read(model)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
-    step_kv, step_rows = [], []
-    for step in range(1, max(work.max_tokens)):
-        # Request i's step-`step` input sits at position len(prompt) + step - 1 and reads
-        # the K/V of every position up to it.
-        running = [
-            len(p) + step for p, n in zip(work.prompts, work.max_tokens, strict=True) if n > step
-        ]
-        step_kv.append(float(kv_per_token * sum(running)))
-        step_rows.append(len(running))
     params = shape.body_params + shape.head_params
+    contexts = decode_contexts(work)
+    attention = decode_attention_flops(shape, work)
+    prompts = sum(shape.prompt_attention_flops(len(p)) for p in work.prompts)
     return Floor(
         weight_bytes=float(params * dtype_bytes),
-        flops_per_row=2.0 * params,
-        step_kv_bytes=tuple(step_kv),
-        step_rows=tuple(step_rows),
-        prefill_flops=2.0 * shape.body_params * work.num_prompt_tokens,
+        step_kv_bytes=tuple(float(kv_per_token * sum(keys)) for keys in contexts),
+        step_flops=tuple(
+            2.0 * params * len(keys) + att for keys, att in zip(contexts, attention, strict=True)
+        ),
+        prefill_flops=2.0 * shape.body_params * work.num_prompt_tokens + prompts,
     )
 
 
@@ -813,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_s, prompts_s = floor.seconds(bandwidth, ceiling)
     floor_s = decode_s + prompts_s
     print(
-        f"floor: {len(floor.step_rows)} decode steps, each the longer of streaming its bytes "
+        f"floor: {len(floor.step_flops)} decode steps, each the longer of streaming its bytes "
         f"({floor.decode_weight_bytes / 1e9:.1f} GB of weights + {floor.kv_bytes / 1e9:.1f} GB "
         f"of K/V in all, at {bandwidth / 1e9:.1f} GB/s measured) and its matrix work "
         f"({floor.decode_flops / 1e12:.2f} TFLOP in all, at the ceiling; the longer in "

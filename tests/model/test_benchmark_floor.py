@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -35,38 +37,42 @@ def test_workload_floor_by_hand(tmp_path: Path):
     floor = throughput.workload_floor(tmp_path, work, dtype_bytes=2)
     # A layer: qkv 4x(2+2)x2 + o 2x2x4 = 48, MLP 3x4x8 = 96 -> 144; head 4x10 = 40.
     assert floor.weight_bytes == (144 + 40) * 2
-    assert floor.flops_per_row == 2 * (144 + 40)
-    # Decode steps: the longest request's 3 tokens, the first from the prompt's step -> 2,
-    # each running only the first request (the second has its one token from its prompt).
-    assert floor.step_rows == (1, 1)
-    assert floor.decode_weight_bytes == (144 + 40) * 2 * 2
-    # K and V, 1 layer, 1 kv head of 2 dims, 2 bytes = 8 bytes a token; the first request's
-    # 2nd and 3rd tokens read contexts of 4 and 5 tokens.
+    # Attention: 2 heads of 2 dims, 1 layer: Q.K and the sum over V, 2 FLOPs a product ->
+    # 16 FLOPs a key. Decode steps: the longest request's 3 tokens, the first from the
+    # prompt's step -> 2, each running only the first request, whose tokens see 4 and 5 keys.
+    assert floor.step_flops == (2 * 184 + 16 * 4, 2 * 184 + 16 * 5)
+    assert floor.decode_weight_bytes == 184 * 2 * 2
+    # K and V, 1 layer, 1 kv head of 2 dims, 2 bytes = 8 bytes a token.
     assert floor.step_kv_bytes == (8 * 4, 8 * 5)
     assert floor.kv_bytes == 8 * (4 + 5)
-    assert floor.prefill_flops == 2 * 144 * 4
-    # Memory-bound: a step's 368 FLOPs take 0.32 at this ceiling, its bytes 50 and 51.
-    decode_s, prompts_s = floor.seconds(bandwidth=8.0, ceiling=1152.0)
+    # The prompts' 4 tokens through the layer; causal attention over 1 + 2 + 3 and 1 keys.
+    assert floor.prefill_flops == 2 * 144 * 4 + 16 * (6 + 1)
+    # Memory-bound: a step's 432 or 448 FLOPs take under 0.4 at this ceiling, its bytes 50, 51.
+    decode_s, prompts_s = floor.seconds(bandwidth=8.0, ceiling=1264.0)
     assert (decode_s, prompts_s) == ((368 + 32 + 368 + 40) / 8.0, 1.0)
-    assert floor.compute_bound_steps(bandwidth=8.0, ceiling=1152.0) == 0
-    # Compute-bound: 368 FLOPs at 4 a second take 92, longer than either step's bytes.
+    assert floor.compute_bound_steps(bandwidth=8.0, ceiling=1264.0) == 0
+    # Compute-bound: at 4 FLOPs a second the steps take 108 and 112, longer than their bytes.
     decode_s, prompts_s = floor.seconds(bandwidth=8.0, ceiling=4.0)
-    assert (decode_s, prompts_s) == (2 * 92.0, 1152 / 4.0)
+    assert (decode_s, prompts_s) == (108.0 + 112.0, 1264 / 4.0)
     assert floor.compute_bound_steps(bandwidth=8.0, ceiling=4.0) == 2
+    # The roofline's matrix work: 8 tokens through the layer, the 4 outputs through the head,
+    # the prompts' attention and the decoded tokens' (4 and 5 keys).
+    assert throughput.workload_flops(tmp_path, work) == 2 * 144 * 8 + 2 * 40 * 4 + 16 * 7 + 16 * 9
 
 
 def test_workload_floor_mixes_bound_steps(tmp_path: Path):
     throughput = load_throughput()
     write_tiny_config(tmp_path)
-    # Step 1 runs both requests (736 FLOPs, 368 + 8 * (4 + 3) bytes), step 2 the first only.
+    # Step 1 runs both requests (their tokens see 4 and 3 keys), step 2 the first only (5).
     work = throughput.Workload([[1, 2, 3], [4, 5]], [3, 2])
     floor = throughput.workload_floor(tmp_path, work, dtype_bytes=2)
-    assert floor.step_rows == (2, 1)
-    assert floor.step_kv_bytes == (8 * (4 + 3), 8 * 5)
-    # At 8 FLOPs/s and 8 bytes/s: step 1 is its matrix work (92 > 53), step 2 its bytes (51 > 46).
-    decode_s, _ = floor.seconds(bandwidth=8.0, ceiling=8.0)
-    assert decode_s == 736 / 8.0 + (368 + 40) / 8.0
-    assert floor.compute_bound_steps(bandwidth=8.0, ceiling=8.0) == 1
+    assert floor.step_flops == (2 * 368 + 16 * 7, 368 + 16 * 5)
+    assert floor.step_kv_bytes == (8 * 7, 8 * 5)
+    # At 8 bytes/s and 10 FLOPs/s: step 1 is its matrix work (84.8 > 53), step 2 its bytes
+    # (51 > 44.8).
+    decode_s, _ = floor.seconds(bandwidth=8.0, ceiling=10.0)
+    assert decode_s == pytest.approx(848 / 10.0 + 408 / 8.0)
+    assert floor.compute_bound_steps(bandwidth=8.0, ceiling=10.0) == 1
 
 
 def test_machine_rates_keep_the_highest_reading(monkeypatch):
