@@ -507,9 +507,9 @@ class ModelShape:
         scores (Q.K) and the weighted sum of V, every query head."""
         return 4.0 * self.heads * self.head_dim * keys * self.layers
 
-    def prompt_attention_flops(self, length: int) -> float:
-        """A prompt's causal attention: position p (from 1) sees p keys."""
-        return self.attention_flops(length * (length + 1) // 2)
+    def prompt_attention_flops(self, prompts: list[list[int]]) -> float:
+        """The prompts' causal attention: position p (from 1) of a prompt sees p keys."""
+        return sum(self.attention_flops(len(p) * (len(p) + 1) // 2) for p in prompts)
 
     @classmethod
     def read(cls, model: Path) -> ModelShape:
@@ -537,13 +537,8 @@ def workload_flops(model: Path, work: Workload) -> float:
     shape = ModelShape.read(model)
     tokens = work.num_prompt_tokens + work.num_output_tokens
     linears = 2.0 * (shape.body_params * tokens + shape.head_params * work.num_output_tokens)
-    prompts = sum(shape.prompt_attention_flops(len(p)) for p in work.prompts)
-    return linears + prompts + sum(decode_attention_flops(shape, work))
-
-
-def decode_attention_flops(shape: ModelShape, work: Workload) -> list[float]:
-    """Each decode step's attention FLOPs (``decode_contexts``)."""
-    return [shape.attention_flops(sum(keys)) for keys in decode_contexts(work)]
+    decode = sum(shape.attention_flops(sum(keys)) for keys in decode_contexts(work))
+    return linears + shape.prompt_attention_flops(work.prompts) + decode
 
 
 def decode_contexts(work: Workload) -> list[list[int]]:
@@ -642,15 +637,14 @@ def workload_floor(model: Path, work: Workload, dtype_bytes: int) -> Floor:
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
     params = shape.body_params + shape.head_params
     contexts = decode_contexts(work)
-    attention = decode_attention_flops(shape, work)
-    prompts = sum(shape.prompt_attention_flops(len(p)) for p in work.prompts)
     return Floor(
         weight_bytes=float(params * dtype_bytes),
         step_kv_bytes=tuple(float(kv_per_token * sum(keys)) for keys in contexts),
         step_flops=tuple(
-            2.0 * params * len(keys) + att for keys, att in zip(contexts, attention, strict=True)
+            2.0 * params * len(keys) + shape.attention_flops(sum(keys)) for keys in contexts
         ),
-        prefill_flops=2.0 * shape.body_params * work.num_prompt_tokens + prompts,
+        prefill_flops=2.0 * shape.body_params * work.num_prompt_tokens
+        + shape.prompt_attention_flops(work.prompts),
     )
 
 
