@@ -617,18 +617,19 @@ class Floor:
     def decode_flops(self) -> float:
         return sum(self.step_flops)
 
-    def compute_bound_steps(self, bandwidth: float, ceiling: float) -> int:
-        return sum(
-            flops / ceiling > (self.weight_bytes + kv) / bandwidth
+    def step_seconds(self, bandwidth: float, ceiling: float) -> list[tuple[float, float]]:
+        """Each decode step's (bytes, matrix work) time at these rates."""
+        return [
+            ((self.weight_bytes + kv) / bandwidth, flops / ceiling)
             for kv, flops in zip(self.step_kv_bytes, self.step_flops, strict=True)
-        )
+        ]
+
+    def compute_bound_steps(self, bandwidth: float, ceiling: float) -> int:
+        return sum(work > data for data, work in self.step_seconds(bandwidth, ceiling))
 
     def seconds(self, bandwidth: float, ceiling: float) -> tuple[float, float]:
         """(the decode steps, the prompts) at these rates."""
-        decode = sum(
-            max((self.weight_bytes + kv) / bandwidth, flops / ceiling)
-            for kv, flops in zip(self.step_kv_bytes, self.step_flops, strict=True)
-        )
+        decode = sum(max(step) for step in self.step_seconds(bandwidth, ceiling))
         return decode, self.prefill_flops / ceiling
 
 
