@@ -24,8 +24,10 @@ or does its matrix work at the ceiling, whichever takes longer; prompts cost the
 work at the ceiling (see ``Floor``). Both rates are sampled
 before the engines, before every turn and after them, and the highest reading counts: this
 machine's matrix rate swings 2-3x within minutes, and a ceiling read only at the ends once
-caught two slow moments (0.80 TFLOP/s) and put pagedllm at 47% of it. The last line is one
-JSON object keyed by engine.
+caught two slow moments (0.80 TFLOP/s) and put pagedllm at 47% of it. Where the CPU's own
+multiply-add instruction for the dtype can be timed (``dot_peak.py``: bf16 dot products
+without AMX, float32 FMAs), a second floor puts the matrix work at that peak instead: a bound
+no kernel can beat. The last line is one JSON object keyed by engine.
 
 ``--rounds N`` loads every engine once (vLLM in a child process that waits for its turn),
 then times N generates of each, the engines taking turns: figures are the median round, and
@@ -67,6 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 
 # The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dot_peak import instruction_peak  # noqa: E402
 from vllm_child import VllmChild  # noqa: E402
 
 MODELS_DIR = Path(__file__).resolve().parent / ".models"
@@ -586,6 +589,30 @@ def settle_and_sample(rates: MachineRates, seconds: float = 0.25) -> None:
     rates.sample(seconds)
 
 
+def report_peak_floor(
+    floor: Floor, bandwidth: float, dtype: str, num_output_tokens: int, results: dict
+) -> None:
+    """The floor again with the matrix work at the instruction's peak (``dot_peak.py``),
+    where this CPU's unit for `dtype` can be timed; each engine's share of its speed."""
+    peak, why = instruction_peak(dtype)
+    if peak is None:
+        print(f"peak floor: not measured ({why})")
+        return
+    decode_s, prompts_s = floor.seconds(bandwidth, peak)
+    floor_s = decode_s + prompts_s
+    print(
+        f"peak floor: the matrix work at the {why} peak ({peak / 1e12:.3f} TFLOP/s, registers "
+        f"only): decode {decode_s:.2f} s + prompts {prompts_s:.2f} s; no engine finishes in "
+        f"under {floor_s:.2f} s ({num_output_tokens / floor_s:.0f} output tok/s)"
+    )
+    for engine, res in results.items():
+        if "elapsed_s" in res:
+            res["roofline"]["peak_tflop_per_s"] = round(peak / 1e12, 4)
+            res["roofline"]["peak_floor_s"] = round(floor_s, 3)
+            res["roofline"]["fraction_of_peak_floor_speed"] = round(floor_s / res["elapsed_s"], 4)
+            print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of peak-floor speed")
+
+
 @dataclass(frozen=True, slots=True)
 class Floor:
     """A lower bound on the workload's time on this machine, for any engine.
@@ -844,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
             res["roofline"]["floor_s"] = round(floor_s, 3)
             res["roofline"]["fraction_of_floor_speed"] = round(floor_s / res["elapsed_s"], 4)
             print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of floor speed")
+    report_peak_floor(floor, bandwidth, args.dtype, work.num_output_tokens, results)
     if "pagedllm" in times:
         for other in ("hf", "vllm"):
             name = results.get(other, {}).get("name", other)

@@ -138,3 +138,48 @@ def test_serve_vs_vllm_variants_get_ports_flags_and_ratios(tmp_path, monkeypatch
         {"median": 2.19, "min": 1.98, "max": 2.4}
     )
     assert ratios["cap_output_throughput_vs_pagedllm"]["min"] == pytest.approx(0.9)
+
+
+def test_dot_peak_times_every_unit_the_cpu_has_and_names_what_it_lacks(capsys):
+    from pagedllm.kernels.probe import cpu_info
+
+    peak = load("dot_peak")
+    assert peak.main(["--seconds", "0.02", "--rounds", "1"]) == 0
+    result = last_json(capsys)
+    assert [row["unit"] for row in result["units"]] == list(peak.UNITS)
+    flags = cpu_info().flags
+    for row, unit in zip(result["units"], peak.UNITS.values()):
+        if unit["needs"] <= flags:
+            assert row["gflops_1_threads"] > 1.0
+            assert row[f"gflops_{result['cores']}_threads"] > 1.0
+        else:
+            assert "lacks" in row["skipped"]
+
+
+def test_dot_peak_rejects_bad_args():
+    with pytest.raises(SystemExit):
+        load("dot_peak").main(["--rounds", "0"])
+
+
+def test_instruction_peak_names_its_unit_or_why_there_is_none(monkeypatch):
+    from dataclasses import replace
+
+    from pagedllm.kernels.probe import cpu_info
+
+    peak = load("dot_peak")
+    info = cpu_info()
+    amx = replace(info, flags=info.flags | {"amx_tile", "amx_bf16"})
+    monkeypatch.setattr(peak, "cpu_info", lambda: amx)
+    assert peak.instruction_peak("bfloat16") == (
+        None,
+        "the AMX tile unit is not timed by dot_peak.py",
+    )
+    bare = replace(info, flags=frozenset({"sse2"}))
+    monkeypatch.setattr(peak, "cpu_info", lambda: bare)
+    rate, why = peak.instruction_peak("float32")
+    assert rate is None and "no unit" in why
+    monkeypatch.setattr(peak, "cpu_info", lambda: info)
+    if not {"avx512f", "avx512_bf16"} <= info.flags or info.amx:
+        pytest.skip("the bf16 dot-product peak needs AVX-512-bf16 without AMX")
+    rate, why = peak.instruction_peak("bfloat16", seconds=0.02, rounds=1)
+    assert why == "bf16 dot (vdpbf16ps zmm)" and rate > 1e9
