@@ -520,6 +520,87 @@ void attend_amx64(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& b
 }
 #endif
 
+// Query vectors whose scores are summed together over one group of 16 keys.
+constexpr int SCORE_VECTORS = 4;
+
+// dst[i * stride + t] = scale * q_i . k_t for the MB query vectors qp[i] (bf16 pairs) and the
+// 16 keys in kt (transposed pairs: kt[p] lane t = pair p of key t), lanes in `valid`. The MB
+// vectors go through each pair together: each sum is two chains of dependent dot products
+// (even and odd pairs), and one vector at a time left them waiting on each other's latency.
+template <int NP, int MB>
+inline void scores16(const uint32_t* const* qp, const __m512i* kt, float scale, float* dst, int64_t stride,
+                     __mmask16 valid) {
+  constexpr int PAIRS = NP * 16;
+  __m512 acc0[MB], acc1[MB];
+  for (int i = 0; i < MB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int p = 0; p < PAIRS; p += 2) {
+    const __m512bh k0 = as_bh(kt[p]), k1 = as_bh(kt[p + 1]);
+    for (int i = 0; i < MB; ++i) {
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], as_bh(_mm512_set1_epi32(static_cast<int>(qp[i][p]))), k0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], as_bh(_mm512_set1_epi32(static_cast<int>(qp[i][p + 1]))), k1);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < MB; ++i)
+    _mm512_mask_storeu_ps(dst + i * stride, valid, _mm512_mul_ps(_mm512_add_ps(acc0[i], acc1[i]), vscale));
+}
+
+// Keys ahead of the one being read whose K/V rows are prefetched (into L2: prefetch_kv).
+constexpr int64_t BF16_AHEAD = 32;
+
+// acc[i * D + d] = sum_t probs[i * width + t] * v_t[d] for MB query vectors, over the nk keys
+// whose V rows sit at vc + off[t]: two keys per instruction, interleaved so that each lane
+// pairs (v_t, v_t+1) with a broadcast pair of probabilities (bf16). `prefetch`: ask for the
+// rows ahead (the first of the task's vector blocks; the later ones find them in cache).
+template <int NP, int MB>
+void weighted_sum2(const uint16_t* vc, const int64_t* off, int64_t nk, const uint16_t* probs, int64_t width,
+                   bool prefetch, float* acc_out) {
+  constexpr int D = NP * 32;
+  constexpr int LINES = D * 2 / 64;
+  __m512 acc[MB][2 * NP];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < nk; t += 2) {
+    if (prefetch && t + BF16_AHEAD < nk)
+      for (int l = 0; l < LINES; ++l) {
+        prefetch_kv(reinterpret_cast<const char*>(vc + off[t + BF16_AHEAD]) + 64 * l);
+        if (t + BF16_AHEAD + 1 < nk) prefetch_kv(reinterpret_cast<const char*>(vc + off[t + BF16_AHEAD + 1]) + 64 * l);
+      }
+    const uint16_t* v0 = vc + off[t];
+    const uint16_t* v1 = t + 1 < nk ? vc + off[t + 1] : v0;  // its probability is 0
+    __m512i lo[NP], hi[NP];
+    for (int c = 0; c < NP; ++c) {
+      const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i y = _mm512_loadu_si512(v1 + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(x, y);
+      hi[c] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int i = 0; i < MB; ++i) {
+      uint32_t pp;
+      std::memcpy(&pp, probs + i * width + t, sizeof(pp));
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pp)));
+      for (int c = 0; c < NP; ++c) {
+        acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], p, as_bh(lo[c]));
+        acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], p, as_bh(hi[c]));
+      }
+    }
+  }
+  // unpacklo/hi interleave within 128-bit lanes: lane j of `lo` is dim (j/4)*8 + j%4,
+  // of `hi` dim (j/4)*8 + 4 + j%4 (within each 32-dim chunk).
+  for (int i = 0; i < MB; ++i) {
+    float* dst = acc_out + i * D;
+    for (int c = 0; c < NP; ++c) {
+      alignas(64) float l[16], h[16];
+      _mm512_store_ps(l, acc[i][2 * c]);
+      _mm512_store_ps(h, acc[i][2 * c + 1]);
+      for (int j = 0; j < 16; ++j) {
+        dst[32 * c + (j / 4) * 8 + j % 4] = l[j];
+        dst[32 * c + (j / 4) * 8 + 4 + j % 4] = h[j];
+      }
+    }
+  }
+}
+
 // bf16 path (head_dim = 32 * NP): dot products with AVX512-BF16 `vdpbf16ps`, fp32 sums.
 // Scores take 16 keys at a time: their rows are transposed so that each lane holds one key
 // and every instruction multiplies one (broadcast) pair of query dims: no horizontal sums.
@@ -545,7 +626,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   // Keys from here on are relative to kmin: key t is context position kmin + t.
   const int64_t* off = row_offsets(a, table, kv_off, kmin, kmax, buf.offsets);
   const int64_t nk = kmax - kmin;
-  constexpr int64_t AHEAD = 32;  // keys; prefetch K/V rows this far ahead (into L2: prefetch_kv)
+  constexpr int64_t AHEAD = BF16_AHEAD;
   constexpr int LINES = D * 2 / 64;
 
   // Pass 1: scores.
@@ -562,17 +643,21 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
       transpose16(r);
     }
     const __mmask16 valid = tail_mask(n);
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t r = task.row_begin + m / a.group;
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(
-          a.query + (q0 + r) * a.q_stride_token + (head0 + m % a.group) * a.q_stride_head);
-      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      for (int p = 0; p < PAIRS; p += 2) {
-        acc0 = _mm512_dpbf16_ps(acc0, as_bh(_mm512_set1_epi32(static_cast<int>(qp[p]))), as_bh(kt[p]));
-        acc1 = _mm512_dpbf16_ps(acc1, as_bh(_mm512_set1_epi32(static_cast<int>(qp[p + 1]))), as_bh(kt[p + 1]));
+    for (int64_t m0 = 0; m0 < M; m0 += SCORE_VECTORS) {
+      const int mb = static_cast<int>(std::min<int64_t>(SCORE_VECTORS, M - m0));
+      const uint32_t* qp[SCORE_VECTORS];
+      for (int i = 0; i < mb; ++i) {
+        const int64_t m = m0 + i;
+        qp[i] = reinterpret_cast<const uint32_t*>(a.query + (q0 + task.row_begin + m / a.group) * a.q_stride_token +
+                                                  (head0 + m % a.group) * a.q_stride_head);
       }
-      const __m512 sum = _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(a.scale));
-      _mm512_mask_storeu_ps(sc + m * nk + t0, valid, sum);
+      float* dst = sc + m0 * nk + t0;
+      switch (mb) {
+        case 1: scores16<NP, 1>(qp, kt, a.scale, dst, nk, valid); break;
+        case 2: scores16<NP, 2>(qp, kt, a.scale, dst, nk, valid); break;
+        case 3: scores16<NP, 3>(qp, kt, a.scale, dst, nk, valid); break;
+        default: scores16<NP, 4>(qp, kt, a.scale, dst, nk, valid); break;
+      }
     }
   }
   // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
@@ -596,50 +681,14 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   constexpr int MB = NP <= 2 ? 4 : (NP <= 4 ? 2 : 1);
   buf.acc.resize(M * D);
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t mb = std::min<int64_t>(MB, M - m0);
-    __m512 acc[MB][2 * NP];
-    for (int i = 0; i < MB; ++i)
-      for (int c = 0; c < 2 * NP; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < nk; t += 2) {
-      if (m0 == 0 && t + AHEAD < nk)
-        for (int l = 0; l < LINES; ++l) {
-          prefetch_kv(reinterpret_cast<const char*>(vc + off[t + AHEAD]) + 64 * l);
-          if (t + AHEAD + 1 < nk)
-            prefetch_kv(reinterpret_cast<const char*>(vc + off[t + AHEAD + 1]) + 64 * l);
-        }
-      const uint16_t* v0 = vc + off[t];
-      const uint16_t* v1 = t + 1 < nk ? vc + off[t + 1] : v0;  // its probability is 0
-      __m512i lo[NP], hi[NP];
-      for (int c = 0; c < NP; ++c) {
-        const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
-        const __m512i y = _mm512_loadu_si512(v1 + 32 * c);
-        lo[c] = _mm512_unpacklo_epi16(x, y);
-        hi[c] = _mm512_unpackhi_epi16(x, y);
-      }
-      for (int i = 0; i < MB; ++i) {
-        if (i < mb) {
-          const uint32_t pp = *reinterpret_cast<const uint32_t*>(buf.probs.data() + (m0 + i) * width + t);
-          const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pp)));
-          for (int c = 0; c < NP; ++c) {
-            acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], p, as_bh(lo[c]));
-            acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], p, as_bh(hi[c]));
-          }
-        }
-      }
-    }
-    // unpacklo/hi interleave within 128-bit lanes: lane j of `lo` is dim (j/4)*8 + j%4,
-    // of `hi` dim (j/4)*8 + 4 + j%4 (within each 32-dim chunk).
-    for (int i = 0; i < mb; ++i) {
-      float* dst = buf.acc.data() + (m0 + i) * D;
-      for (int c = 0; c < NP; ++c) {
-        alignas(64) float l[16], h[16];
-        _mm512_store_ps(l, acc[i][2 * c]);
-        _mm512_store_ps(h, acc[i][2 * c + 1]);
-        for (int j = 0; j < 16; ++j) {
-          dst[32 * c + (j / 4) * 8 + j % 4] = l[j];
-          dst[32 * c + (j / 4) * 8 + 4 + j % 4] = h[j];
-        }
-      }
+    const uint16_t* probs = buf.probs.data() + m0 * width;
+    float* acc = buf.acc.data() + m0 * D;
+    const bool prefetch = m0 == 0;  // later blocks find V in cache
+    switch (std::min<int64_t>(MB, M - m0)) {
+      case 1: weighted_sum2<NP, 1>(vc, off, nk, probs, width, prefetch, acc); break;
+      case 2: weighted_sum2<NP, std::min(2, MB)>(vc, off, nk, probs, width, prefetch, acc); break;
+      case 3: weighted_sum2<NP, std::min(3, MB)>(vc, off, nk, probs, width, prefetch, acc); break;
+      default: weighted_sum2<NP, MB>(vc, off, nk, probs, width, prefetch, acc); break;
     }
   }
   for (int64_t m = 0; m < M; ++m) {
