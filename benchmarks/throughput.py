@@ -605,12 +605,20 @@ def report_peak_floor(
         f"only): decode {decode_s:.2f} s + prompts {prompts_s:.2f} s; no engine finishes in "
         f"under {floor_s:.2f} s ({num_output_tokens / floor_s:.0f} output tok/s)"
     )
-    for engine, res in results.items():
+    for res in results.values():
         if "elapsed_s" in res:
             res["roofline"]["peak_tflop_per_s"] = round(peak / 1e12, 4)
-            res["roofline"]["peak_floor_s"] = round(floor_s, 3)
-            res["roofline"]["fraction_of_peak_floor_speed"] = round(floor_s / res["elapsed_s"], 4)
-            print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of peak-floor speed")
+    record_floor(results, floor_s, "peak_floor")
+
+
+def record_floor(results: dict, floor_s: float, name: str) -> None:
+    """Each timed engine's share of a floor's speed: ``{name}_s`` and
+    ``fraction_of_{name}_speed`` in its roofline, and a line each."""
+    for engine, res in results.items():
+        if "elapsed_s" in res:
+            res["roofline"][f"{name}_s"] = round(floor_s, 3)
+            res["roofline"][f"fraction_of_{name}_speed"] = round(floor_s / res["elapsed_s"], 4)
+            print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of {name.replace('_', '-')} speed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -866,11 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = {prompts_s:.2f} s; no engine "
         f"finishes in under {floor_s:.2f} s ({work.num_output_tokens / floor_s:.0f} output tok/s)"
     )
-    for engine, res in results.items():
-        if "elapsed_s" in res:
-            res["roofline"]["floor_s"] = round(floor_s, 3)
-            res["roofline"]["fraction_of_floor_speed"] = round(floor_s / res["elapsed_s"], 4)
-            print(f"  {engine}: {floor_s / res['elapsed_s']:.1%} of floor speed")
+    record_floor(results, floor_s, "floor")
     report_peak_floor(floor, bandwidth, args.dtype, work.num_output_tokens, results)
     if "pagedllm" in times:
         for other in ("hf", "vllm"):
