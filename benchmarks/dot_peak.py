@@ -95,13 +95,22 @@ int main(int argc, char** argv) {
 """
 
 
-def compile_unit(unit: dict, workdir: Path, tag: int) -> Path:
+def unit_rates(
+    unit: dict, threads: list[int], seconds: float, rounds: int
+) -> dict[int, list[float]]:
+    """GFLOP/s of `unit` for each thread count, `rounds` timed runs each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = compile_unit(unit, Path(tmp))
+        return {n: [gflops(exe, unit, n, seconds) for _ in range(rounds)] for n in threads}
+
+
+def compile_unit(unit: dict, workdir: Path) -> Path:
     """The timing program for one unit, compiled; CalledProcessError if the compiler refuses."""
     source = PROGRAM.replace("CHAINS", str(CHAINS))
     for key in ("setup", "step", "sink"):
         source = source.replace(key.upper(), unit[key])
-    src = workdir / f"peak{tag}.cpp"
-    exe = workdir / f"peak{tag}"
+    src = workdir / "peak.cpp"
+    exe = workdir / "peak"
     src.write_text(source)
     compiler = os.environ.get("CXX") or shutil.which("g++") or "c++"
     subprocess.run(
@@ -134,19 +143,16 @@ def measure(seconds: float, rounds: int) -> list[dict]:
     info = cpu_info()
     cores = os.cpu_count() or 1
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for tag, (name, unit) in enumerate(UNITS.items()):
-            missing = sorted(unit["needs"] - info.flags)
-            if missing:
-                rows.append({"unit": name, "skipped": f"this CPU lacks {', '.join(missing)}"})
-                continue
-            exe = compile_unit(unit, Path(tmp), tag)
-            row: dict = {"unit": name}
-            for threads in sorted({1, cores}):
-                rates = [gflops(exe, unit, threads, seconds) for _ in range(rounds)]
-                row[f"gflops_{threads}_threads"] = round(statistics.median(rates), 1)
-                row[f"spread_{threads}_threads"] = [round(min(rates), 1), round(max(rates), 1)]
-            rows.append(row)
+    for name, unit in UNITS.items():
+        missing = sorted(unit["needs"] - info.flags)
+        if missing:
+            rows.append({"unit": name, "skipped": f"this CPU lacks {', '.join(missing)}"})
+            continue
+        row: dict = {"unit": name}
+        for threads, rates in unit_rates(unit, sorted({1, cores}), seconds, rounds).items():
+            row[f"gflops_{threads}_threads"] = round(statistics.median(rates), 1)
+            row[f"spread_{threads}_threads"] = [round(min(rates), 1), round(max(rates), 1)]
+        rows.append(row)
     return rows
 
 
@@ -168,10 +174,7 @@ def instruction_peak(dtype: str, seconds: float = 0.2, rounds: int = 3) -> tuple
     for name in DTYPE_UNITS.get(dtype, ()):
         unit = UNITS[name]
         if unit["needs"] <= info.flags:
-            with tempfile.TemporaryDirectory() as tmp:
-                exe = compile_unit(unit, Path(tmp), 0)
-                rates = [gflops(exe, unit, cores, seconds) for _ in range(rounds)]
-            return max(rates) * 1e9, name
+            return max(unit_rates(unit, [cores], seconds, rounds)[cores]) * 1e9, name
     return None, f"this CPU has no unit dot_peak.py times for {dtype}"
 
 

@@ -626,7 +626,6 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   // Keys from here on are relative to kmin: key t is context position kmin + t.
   const int64_t* off = row_offsets(a, table, kv_off, kmin, kmax, buf.offsets);
   const int64_t nk = kmax - kmin;
-  constexpr int64_t AHEAD = BF16_AHEAD;
   constexpr int LINES = D * 2 / 64;
 
   // Pass 1: scores.
@@ -635,7 +634,7 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
   alignas(64) __m512i kt[PAIRS];
   for (int64_t t0 = 0; t0 < nk; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, nk - t0);
-    for (int64_t i = t0 + AHEAD; i < std::min(nk, t0 + AHEAD + 16); ++i)
+    for (int64_t i = t0 + BF16_AHEAD; i < std::min(nk, t0 + BF16_AHEAD + 16); ++i)
       for (int l = 0; l < LINES; ++l) prefetch_kv(reinterpret_cast<const char*>(kc + off[i]) + 64 * l);
     for (int c = 0; c < NP; ++c) {
       __m512i* r = kt + 16 * c;
@@ -652,12 +651,8 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
                                                   (head0 + m % a.group) * a.q_stride_head);
       }
       float* dst = sc + m0 * nk + t0;
-      switch (mb) {
-        case 1: scores16<NP, 1>(qp, kt, a.scale, dst, nk, valid); break;
-        case 2: scores16<NP, 2>(qp, kt, a.scale, dst, nk, valid); break;
-        case 3: scores16<NP, 3>(qp, kt, a.scale, dst, nk, valid); break;
-        default: scores16<NP, 4>(qp, kt, a.scale, dst, nk, valid); break;
-      }
+      pagedllm_dispatch::dispatch_count<SCORE_VECTORS>(
+          mb, [&](auto k) { scores16<NP, decltype(k)::value>(qp, kt, a.scale, dst, nk, valid); });
     }
   }
   // Softmax (fp32), then probabilities as bf16 pairs for vdpbf16ps.
@@ -684,12 +679,9 @@ void attend_bf16(const Args<c10::BFloat16>& a, const Task& task, Bf16Buffers& bu
     const uint16_t* probs = buf.probs.data() + m0 * width;
     float* acc = buf.acc.data() + m0 * D;
     const bool prefetch = m0 == 0;  // later blocks find V in cache
-    switch (std::min<int64_t>(MB, M - m0)) {
-      case 1: weighted_sum2<NP, 1>(vc, off, nk, probs, width, prefetch, acc); break;
-      case 2: weighted_sum2<NP, std::min(2, MB)>(vc, off, nk, probs, width, prefetch, acc); break;
-      case 3: weighted_sum2<NP, std::min(3, MB)>(vc, off, nk, probs, width, prefetch, acc); break;
-      default: weighted_sum2<NP, MB>(vc, off, nk, probs, width, prefetch, acc); break;
-    }
+    pagedllm_dispatch::dispatch_count<MB>(M - m0, [&](auto k) {
+      weighted_sum2<NP, decltype(k)::value>(vc, off, nk, probs, width, prefetch, acc);
+    });
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = task.row_begin + m / a.group;
