@@ -3,11 +3,10 @@ waits for it instead of computing it twice. Exact block ids, fabricated outputs.
 
 from __future__ import annotations
 
-from tests.core.test_scheduler import batch, make, req, run_model
-
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from tests.core.test_scheduler import batch, make, req, run_model
 
 PREFIX = list(range(100, 112))  # three full blocks of 4
 

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.engine.conftest import run_all
 
 from pagedllm.core.hashing import hash_request_blocks
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.conftest import run_all
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 BS = 4

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tests.engine.conftest import run_all, run_with_resizes
-from tests.engine.test_engine_fake import reference
 
 from pagedllm.engine.elastic import ElasticPolicy, LoadView
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.conftest import run_all, run_with_resizes
+from tests.engine.test_engine_fake import reference
 
 BLOCK_BYTES = 4096  # FakeModelRunner's default kv_block_bytes
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tests.engine.conftest import run_all
-
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
+from tests.engine.conftest import run_all
 
 WORKLOAD = [  # (request id, prompt, n)
     ("a", "the quick brown fox jumps", 1),

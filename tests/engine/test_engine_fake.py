@@ -8,11 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tests.engine.conftest import run_all
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
+from tests.engine.conftest import run_all
 
 PROMPTS = [
     "the quick brown fox jumps",

@@ -6,10 +6,10 @@ import random
 from collections.abc import Callable
 
 import pytest
-from tests.engine.conftest import run_all
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.conftest import run_all
 
 MAX_TOKENS = 12
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.engine.conftest import run_all
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.conftest import run_all
 
 # One token a character: 76 tokens, 19 full blocks of 4, and every question differs from
 # its first token, so only the prefix is shared (a shared partial block cannot be).

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.conftest import run_all, run_with_resizes
-from tests.engine.test_engine_model import BASE, VARIANTS, generate, prompts
 
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from tests.engine.conftest import run_all, run_with_resizes
+from tests.engine.test_engine_model import BASE, VARIANTS, generate, prompts
 
 LOSSY = ("int8", "int4", "fp8_e4m3")
 

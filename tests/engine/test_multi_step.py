@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from tests.engine.conftest import run_all
 
 from pagedllm.core.outputs import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.config import EngineConfig
@@ -21,6 +20,7 @@ from pagedllm.worker.input_batch import (
     build_input_batch_reference,
     later_decode_steps,
 )
+from tests.engine.conftest import run_all
 
 BASE = dict(block_size=4, max_model_len=64, num_blocks=256)
 

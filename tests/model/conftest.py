@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from parity_helpers import VARIANTS, build_checkpoint
+
+from .parity_helpers import VARIANTS, build_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from test_benchmark_floor import load_throughput
+
+from .test_benchmark_floor import load_throughput
 
 FAKE_VLLM = textwrap.dedent(
     """

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_helpers import HandDriver
 
 from pagedllm.attention import cpu as cpu_attention
 from pagedllm.attention.base import AttentionKind
@@ -14,6 +13,8 @@ from pagedllm.model import fast_path
 from pagedllm.model.loader import load_model
 from pagedllm.testing import make_tiny_checkpoint
 from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import HandDriver
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from parity_helpers import (
+
+from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+from .parity_helpers import (
     MLA,
     PROMPTS,
     WINDOWED,
@@ -20,11 +26,6 @@ from parity_helpers import (
     greedy_batch,
     make_runner,
 )
-
-from pagedllm.core.outputs import SchedulerOutput
-from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 
 FAMILIES = (*WINDOWED, "mixtral", "qwen3_moe", *MLA)
 LONG = PROMPTS[2] + PROMPTS[1]  # 28 tokens
@@ -157,7 +158,7 @@ def test_engine_greedy_equals_transformers(checkpoints, references, variant: str
 def test_long_generation_holds_a_window_of_blocks(tmp_path) -> None:
     """A window-16 Mistral generating 300 tokens: after every step each sequence's table
     holds at most ceil(16 / 4) + 1 real blocks (the rest point at the placeholder)."""
-    from parity_helpers import build_checkpoint
+    from .parity_helpers import build_checkpoint
 
     torch.set_num_threads(1)
     path = build_checkpoint(tmp_path / "w16", "mistral", sliding_window=16)

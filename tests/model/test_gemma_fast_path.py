@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_helpers import relative_error
-from test_decoder_layers import run_steps
 
 from pagedllm.attention.cpu import CpuAttention
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.model.loader import load_model
 from pagedllm.testing import make_tiny_checkpoint
 from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import relative_error
+from .test_decoder_layers import run_steps
 
 # head_dim 64 (the kernel's vector paths), windows edging inside the 16-token blocks.
 SHAPE = dict(

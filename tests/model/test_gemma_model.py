@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from parity_helpers import PROMPTS, build_checkpoint, relative_error
-from test_gguf_and_default_model import add_tokenizer, last_logits
 
 from pagedllm.model import gemma_model
 from pagedllm.model.gemma_model import GGUF_NAME, SUMS_MEMBER, TERMS_MEMBER, assemble_gguf
+
+from .parity_helpers import PROMPTS, build_checkpoint, relative_error
+from .test_gguf_and_default_model import add_tokenizer, last_logits
 
 GEMMA_GGUF_NAMES = {
     "embed_tokens": "token_embd",

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
 from pagedllm.model import load_model
 from pagedllm.model.gguf_loader import convert_gguf, unpermute_rotary
 from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
 GGUF_NAMES = {
     "embed_tokens": "token_embd",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_helpers import PROMPTS, HFReference, build_checkpoint
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.core import to_wire
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.reports import blocks_report, cache_report, stats_from_wire
 from pagedllm.sampling_params import SamplingParams
+
+from .parity_helpers import PROMPTS, HFReference, build_checkpoint
 
 MIXED = ("qwen2_window", "gemma2", "gemma3")
 LONG = PROMPTS[2] + PROMPTS[1] + PROMPTS[0]  # 31 tokens

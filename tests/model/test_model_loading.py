@@ -7,13 +7,14 @@ import shutil
 
 import pytest
 import torch
-from parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
 from pagedllm.kernels.probe import cpu_info
 from pagedllm.model import ModelConfig, load_model
 from pagedllm.model.config import parse_config
 from pagedllm.testing import tiny_config
 from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
 
 def config_dict(arch: str = "llama", **overrides) -> dict:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_helpers import (
+
+from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.model import load_model
+from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import (
     NUM_DECODE,
     PROMPTS,
     VARIANTS,
@@ -15,10 +20,6 @@ from parity_helpers import (
     make_runner,
     relative_error,
 )
-
-from pagedllm.core.outputs import SchedulerOutput
-from pagedllm.model import load_model
-from pagedllm.worker.model_runner import TorchModelRunner
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -1,0 +1,1 @@
+"""pagedllm's test suite."""
