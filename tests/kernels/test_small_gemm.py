@@ -18,44 +18,26 @@ from pagedllm.kernels.linear import (
 )
 from pagedllm.model.llama import Linear
 
+from .isa_caps import ROUTES, small_gemm_capped
+
 ops = kernel_ops.layer_ops()
-BF16_ROUTES = ["amx", "avx512_bf16"]
-F32_ROUTES = ["avx512", "avx2"]
 
 
-@pytest.fixture(params=BF16_ROUTES)
+@pytest.fixture(params=ROUTES[torch.bfloat16])
 def bf16_route(request):
-    """Runs the test on one bf16 route, capped with set_small_gemm_isa; skips where this CPU
-    (or the build) lacks it."""
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
-    saved = ops.set_small_gemm_isa(request.param)
-    try:
-        if ops.small_gemm_isa() != request.param:
-            pytest.skip(f"this CPU has no {request.param} (small_gemm runs {ops.small_gemm_isa()})")
+    """Runs the test on one bf16 route; skips where this CPU (or the build) lacks it."""
+    with small_gemm_capped(torch.bfloat16, request.param):
         yield request.param
-    finally:
-        ops.set_small_gemm_isa(saved)
 
 
 on_bf16_routes = pytest.mark.usefixtures("bf16_route")
 
 
-@pytest.fixture(params=F32_ROUTES)
+@pytest.fixture(params=ROUTES[torch.float32])
 def f32_route(request):
-    """Runs the test on one float32 route, capped with set_small_gemm_f32_isa; skips where
-    this CPU (or the build) lacks it."""
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
-    saved = ops.set_small_gemm_f32_isa(request.param)
-    try:
-        if ops.small_gemm_f32_isa() != request.param:
-            pytest.skip(
-                f"this CPU has no {request.param} (float32 runs {ops.small_gemm_f32_isa()})"
-            )
+    """Runs the test on one float32 route; skips where this CPU (or the build) lacks it."""
+    with small_gemm_capped(torch.float32, request.param):
         yield request.param
-    finally:
-        ops.set_small_gemm_f32_isa(saved)
 
 
 on_f32_routes = pytest.mark.usefixtures("f32_route")
