@@ -85,7 +85,11 @@ class LinearTensors(NamedTuple):
     small: torch.Tensor | None
 
 
-def pack_for_cpu(weight: torch.Tensor, ops: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+# A weight's packed copies: (oneDNN's, small_gemm's), one of them at most.
+Packs = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def pack_for_cpu(weight: torch.Tensor, ops: Any) -> Packs:
     """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
     small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
     measured within 5% of the packed copy at prefill sizes, where the reorder is small next

@@ -27,6 +27,7 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import (
     LinearTensors,
+    Packs,
     linear,
     pack_for_cpu,
     small_gemm_max_rows,
@@ -38,10 +39,13 @@ from pagedllm.routes import Routes
 
 
 def pack_linears(model: nn.Module, ops: Any) -> None:
-    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels."""
+    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels, and a head
+    tied to the embedding (``lm_head`` None) its own (``tied_packs``)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(ops)
+    if model.lm_head is None:
+        model.tied_packs = pack_for_cpu(model.embed_tokens.weight, ops)
 
 
 class Linear(nn.Linear):
@@ -93,6 +97,15 @@ def describe_routes(
         decode_loop=decode_loop,
         sampler=sampler_route(head, ops, in_head=greedy_in_head),
     )
+
+
+def head_tensors(model: nn.Module) -> LinearTensors:
+    """The LM head's weight, bias and packed copies: the embedding's weight and
+    ``tied_packs`` when the two are tied (``lm_head`` None)."""
+    if model.lm_head is not None:
+        return model.lm_head.tensors
+    # The weight is read here, not kept: loading (to_empty) replaces the parameter.
+    return LinearTensors(model.embed_tokens.weight, None, *model.tied_packs)
 
 
 def kinds_route(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> str:
@@ -340,8 +353,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by optimize_for_cpu(): the CPU fast path (``model/fast_path.py``), or None: the
         # module-by-module forward below, which stays the ground truth.
         self.fast_path: FastPath | None = None
-        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies.
-        self.tied_head = LinearTensors(self.embed_tokens.weight, None, None, None)
+        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies
+        # (oneDNN's, small_gemm's; ``head_tensors``).
+        self.tied_packs: Packs = (None, None)
         self.head_ops: Any = None
 
     def forward(
@@ -375,9 +389,6 @@ class LlamaForCausalLM(nn.Module):
 
         ops = layer_ops()
         pack_linears(self, ops)
-        if self.lm_head is None:
-            weight = self.embed_tokens.weight
-            self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
         self.head_ops = ops
         if self.fast_path_builder is not None:
             self.fast_path = self.fast_path_builder(self, ops)
@@ -386,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``
         leaves them in the head's dtype (for the sampler's greedy argmax, which needs no
         float32 copy)."""
-        logits = linear(hidden, *self._head(), self.head_ops)
+        logits = linear(hidden, *head_tensors(self), self.head_ops)
         return logits.float() if float32 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -394,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         inside the LM head without writing the logits (``small_gemm_argmax``: the same
         roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
         None where that kernel does not apply (then use ``compute_logits``)."""
-        _, bias, _, packed = self._head()
+        _, bias, _, packed = head_tensors(self)
         if (
             packed is None
             or packed.dtype != torch.bfloat16
@@ -413,13 +424,9 @@ class LlamaForCausalLM(nn.Module):
             else self.fast_path.route(kv_quantization)
         )
         return describe_routes(
-            self, self.backend, self._head(), self.head_ops, decode, kv_quantization=kv_quantization
-        )
-
-    def _head(self) -> LinearTensors:
-        """The LM head's weight, bias and packed copies: the embedding's when the two are
-        tied."""
-        return self.lm_head.tensors if self.lm_head is not None else self.tied_head
+            self, self.backend, head_tensors(self), self.head_ops, decode,
+            kv_quantization=kv_quantization,
+        )  # fmt: skip
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim] (``rotary``)."""

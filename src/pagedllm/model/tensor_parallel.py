@@ -39,7 +39,7 @@ from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
 from pagedllm.kernels.routes import sampled_route
 from pagedllm.model.base import KVCaches
-from pagedllm.model.llama import Linear, LlamaForCausalLM
+from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors
 from pagedllm.routes import Routes
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
@@ -211,8 +211,7 @@ class TensorParallelModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """My vocabulary's logits, then everyone's (the runner samples from all)."""
         inner = self.inner
-        head = inner.lm_head.tensors if inner.lm_head is not None else inner.tied_head
-        logits = linear(hidden, *head, inner.head_ops)
+        logits = linear(hidden, *head_tensors(inner), inner.head_ops)
         logits = gather_padded(self.comm, logits, self.vocab_width, self.full_config.vocab_size)
         return logits.float() if float32 else logits
 
@@ -279,4 +278,4 @@ def _shard_vocab(model: LlamaForCausalLM, vocab: tuple[int, int], comm: Collecti
     model.embed_tokens = VocabEmbedding(weight, start, comm)
     if model.lm_head is not None:
         _shard_rows(model.lm_head, [vocab])
-    model.tied_head = LinearTensors(model.embed_tokens.weight, None, None, None)
+    model.tied_packs = (None, None)
