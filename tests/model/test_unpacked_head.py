@@ -76,7 +76,9 @@ def test_loads_and_reports_where_the_head_runs(llm, route, arch: str, head: str)
     routes = llm.engine.routes
     assert f"small_gemm ({isa})" in routes.linears  # the layers' linears are packed...
     off = "torch F.linear" if dtype == torch.float32 else "oneDNN (packed bf16)"
-    assert f"on {off}" in routes.linears  # ...the head is not
+    rows = HEADS[head][0]
+    assert routes.lm_head == f"{off}; not small_gemm: {rows} rows, not a multiple of 16"
+    assert f"  lm head: {routes.lm_head}" in llm.engine.startup_report
 
 
 def test_greedy_tokens_match_transformers(checkpoint, llm, route, arch: str, head: str) -> None:

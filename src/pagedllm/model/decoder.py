@@ -313,9 +313,8 @@ class DecoderForCausalLM(nn.Module):
             else self.fast_path.route(kv_quantization)
         )
         return describe_routes(
-            self, self.backend, head_tensors(self), self.head_ops, decode, greedy_in_head=False,
-            kv_quantization=kv_quantization,
-        )  # fmt: skip
+            self, self.backend, decode, greedy_in_head=False, kv_quantization=kv_quantization
+        )
 
     def optimize_for_cpu(self) -> None:
         """Pack the linears (and a tied head) for the CPU kernels; a no-op elsewhere."""

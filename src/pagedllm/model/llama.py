@@ -32,7 +32,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
-from pagedllm.kernels.routes import linear_route, sampler_route
+from pagedllm.kernels.routes import head_route, linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
 from pagedllm.routes import Routes
@@ -72,16 +72,16 @@ class Linear(nn.Linear):
 def describe_routes(
     model: nn.Module,
     backend: AttentionBackend,
-    head: LinearTensors,
-    ops: Any,
     decode_loop: str,
     *,
     greedy_in_head: bool = True,
     kv_quantization: str | None = None,
 ) -> Routes:
     """A model's ``Routes``: its attention backend's (over a cache quantized as
-    ``kv_quantization``, if any), its ``Linear`` modules' (and a tied head's), its decode
-    loop and its greedy sampler (``greedy_in_head``: the model offers ``greedy_tokens``)."""
+    ``kv_quantization``, if any), its ``Linear`` modules' and its LM head's (tied or not),
+    its decode loop and its greedy sampler (``greedy_in_head``: the model offers
+    ``greedy_tokens``)."""
+    head = head_tensors(model)
     dtype = head.weight.dtype
     linears = [m.tensors for m in model.modules() if isinstance(m, Linear)]
     if not any(t.weight is head.weight for t in linears):
@@ -93,9 +93,10 @@ def describe_routes(
             else backend.quant_route(dtype, kv_quantization)
         ),
         windowed_attention=kinds_route(model, backend, dtype),
-        linears=linear_route(linears, ops),
+        linears=linear_route(linears),
+        lm_head=head_route(head),
         decode_loop=decode_loop,
-        sampler=sampler_route(head, ops, in_head=greedy_in_head),
+        sampler=sampler_route(head, in_head=greedy_in_head),
     )
 
 
@@ -423,10 +424,7 @@ class LlamaForCausalLM(nn.Module):
             if self.fast_path is None
             else self.fast_path.route(kv_quantization)
         )
-        return describe_routes(
-            self, self.backend, head_tensors(self), self.head_ops, decode,
-            kv_quantization=kv_quantization,
-        )  # fmt: skip
+        return describe_routes(self, self.backend, decode, kv_quantization=kv_quantization)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim] (``rotary``)."""
