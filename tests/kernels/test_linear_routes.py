@@ -26,14 +26,19 @@ def packed(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> LinearTe
     [
         ((611, 64), torch.float32, "611 rows, not a multiple of 16"),
         ((64, 48), torch.bfloat16, "48 columns, not a multiple of 32"),
-        ((64, 48), torch.float32, None),  # float32 takes any column count
         ((64, 64), torch.float16, "a 2-D torch.float16 weight, not a bf16 or float32 matrix"),
         ((4, 16, 16), torch.float32, "a 3-D torch.float32 weight, not a bf16 or float32 matrix"),
     ],
 )
 def test_refusal_names_what_small_gemm_does_not_take(shape, dtype, reason) -> None:
-    with small_gemm_capped(torch.float32, "avx2"), small_gemm_capped(torch.bfloat16, "amx"):
-        assert small_gemm_refusal(torch.zeros(shape, dtype=dtype), ops) == reason
+    if ops is None:
+        pytest.skip("the C++ kernels did not build")
+    assert small_gemm_refusal(torch.zeros(shape, dtype=dtype), ops) == reason
+
+
+def test_float32_takes_any_column_count() -> None:
+    with small_gemm_capped(torch.float32, "avx2"):
+        assert small_gemm_refusal(torch.zeros(64, 48), ops) is None
 
 
 def test_refusal_without_kernels_or_a_route() -> None:
