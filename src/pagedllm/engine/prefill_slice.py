@@ -2,8 +2,7 @@
 
 Every decoding stream waits for the whole step, so the prompt tokens a decoding step takes
 set the streams' inter-token gaps. A fixed token count means very different gaps on
-different machines and dtypes (256 prompt tokens of SmolLM2 are ~0.1 s in bf16 on an
-AVX-512-bf16 CPU and ~0.55 s in float32 on an AVX2 one), so the server gives a time instead:
+different machines and dtypes, so the server gives a time instead:
 ``PrefillSliceTuner`` watches the steps' durations and keeps the cap at the power of two of
 prompt tokens nearest to ``target_s`` of prompt work.
 """
