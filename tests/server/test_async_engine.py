@@ -17,7 +17,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 
-from .conftest import LETTERS, hold_core
+from .conftest import LETTERS, hold_core, wait_until
 
 
 def _engine(
@@ -162,9 +162,9 @@ def test_queue_bound_counts_requests_without_output(tokenizer):
     async def main():
         engine = AsyncEngine.in_thread(llm, max_queued_requests=1)
         engine.start()
-        held = hold_core(engine, llm, gate)
+        held = await hold_core(engine, llm, gate)
         first = asyncio.ensure_future(engine.add_request("one", [97], SamplingParams(max_tokens=2)))
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.num_queued == 1, what="the first request to be queued")
         with pytest.raises(QueueFullError):
             await engine.add_request("two", [97], SamplingParams(max_tokens=2))
         gate.set()
@@ -264,11 +264,11 @@ def test_cancelled_add_is_aborted_not_leaked(tokenizer):
     async def main():
         engine = AsyncEngine.in_thread(llm)
         engine.start()
-        held = hold_core(engine, llm, gate)
+        held = await hold_core(engine, llm, gate)
         adding = asyncio.ensure_future(
             engine.add_request("gone", [97] * 8, SamplingParams(max_tokens=50))
         )
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.num_in_flight == 1, what="the add to be sent")
         adding.cancel()  # the client went away while its add waited behind the gate
         gate.set()
         await held

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.engine.async_engine import EngineClosedError
 
-from .conftest import ASGIStream, hold_core, sse_events, wait_pool_free
+from .conftest import ASGIStream, hold_core, sse_events, wait_pool_free, wait_until
 
 BAD_COMPLETIONS = [
     # (raw body, expected param or None, words the message must contain)
@@ -152,13 +152,11 @@ def test_queue_bound_gives_429_with_retry_after(make_harness):
     async def body(client):
         # Hold the step thread so that accepted requests stay queued.
         h.engine.start()
-        held = hold_core(h.engine, h.llm, gate)
-        await asyncio.sleep(0.05)
+        held = await hold_core(h.engine, h.llm, gate)
         payload = {"prompt": "queued", "max_tokens": 3}
         first = [asyncio.ensure_future(client.post("/v1/completions", json=payload))
                  for _ in range(2)]  # fmt: skip
-        await asyncio.sleep(0.05)
-        assert h.engine.num_queued == 2
+        await wait_until(lambda: h.engine.num_queued == 2, what="two queued requests")
         r = await client.post("/v1/completions", json=payload)
         assert r.status_code == 429
         assert r.headers["retry-after"] == "1"
@@ -303,8 +301,11 @@ def test_disconnect_while_waiting_for_non_streamed_answer(make_harness):
         stream = ASGIStream(
             h.app, "/v1/completions", {"prompt": "patience", "max_tokens": 100}
         ).start()
-        await asyncio.sleep(0.1)
-        assert (await h.engine.get_stats()).num_running == 1
+
+        async def running() -> bool:
+            return (await h.engine.get_stats()).num_running == 1
+
+        await wait_until(running, what="the request to run")
         await stream.disconnect()
         await wait_pool_free(h.engine, timeout=2.0)
         assert (await h.engine.get_stats()).num_requests_aborted == 1
@@ -345,10 +346,10 @@ def test_disconnect_before_any_output_aborts(make_harness, stream):
 
     async def body(client):
         h.engine.start()
-        held = hold_core(h.engine, h.llm, gate)
+        held = await hold_core(h.engine, h.llm, gate)
         payload = {"prompt": "bye", "max_tokens": 50, "stream": stream}
         asgi = ASGIStream(h.app, "/v1/completions", payload).start()
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: h.engine.num_in_flight == 1, what="the add to be sent")
         asgi._disconnect.set()  # gone before the add went through
         gate.set()
         await held

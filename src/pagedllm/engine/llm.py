@@ -27,9 +27,8 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
-# Greedy decode steps per schedule for offline batches (multi-step decoding). Measured on
-# model (a) bf16, 32-step blocks alternated in one process: 0.95 of the one-step time at 64
-# sequences, 0.93 at 8 (the engine's per-step Python at 64 sequences: 8.6% -> 4.7%).
+# Greedy decode steps per schedule for offline batches (multi-step decoding): the per-step
+# Python is paid once a window (docs/performance.md).
 OFFLINE_SCHEDULER_STEPS = 8
 
 

@@ -499,7 +499,8 @@ class LLMEngine:
                 forward = self.scheduler.reject_loads(forward, moved.failed_loads)
         failed: list[_Group] = []
         culprits: dict[str, Exception] = {}
-        started = time.perf_counter()
+        if self._slice_tuner is not None:
+            self._slice_tuner.start_step()
         try:
             result = self.runner.execute(forward)
         except Exception as exc:
@@ -507,7 +508,7 @@ class LLMEngine:
             result, culprits = self._retry_alone(forward)
             failed = self._fail_culprits(culprits)
         else:  # a retried step's time says nothing of one forward's
-            self._time_prompt_slice(forward, time.perf_counter() - started)
+            self._time_prompt_slice(forward)
         self._counters["steps"] += forward.num_steps
         num_computed = forward.num_batched_tokens
         if culprits:
@@ -524,13 +525,13 @@ class LLMEngine:
                 touched[group.request_id] = group
         return list(touched.values())
 
-    def _time_prompt_slice(self, forward: SchedulerOutput, seconds: float) -> None:
-        """With ``max_prefill_ms_while_decoding``: the step's time to the tuner, and the
+    def _time_prompt_slice(self, forward: SchedulerOutput) -> None:
+        """With ``max_prefill_ms_while_decoding``: the step's end to the tuner, and the
         scheduler's prompt-token cap to what it answers."""
         if self._slice_tuner is None:
             return
         prompt_tokens = sum(len(s.token_ids) for s in forward.scheduled if len(s.token_ids) > 1)
-        self._slice_tuner.observe(prompt_tokens, seconds / forward.num_steps)
+        self._slice_tuner.end_step(prompt_tokens, forward.num_steps)
         cap = self._slice_tuner.cap()
         config = self.scheduler.config
         if cap is not None and cap != config.max_prefill_tokens_while_decoding:

@@ -92,8 +92,7 @@ Packs = tuple[torch.Tensor | None, torch.Tensor | None]
 def pack_for_cpu(weight: torch.Tensor, ops: Any) -> Packs:
     """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
     small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
-    measured within 5% of the packed copy at prefill sizes, where the reorder is small next
-    to the work)."""
+    which at prefill sizes is small next to the work)."""
     small = pack_small_weight(weight, ops)
     return (pack_weight(weight) if small is None else None), small
 

@@ -174,10 +174,10 @@ def rotary(
 
 class RotaryTable:
     """``rotary`` of every position below the largest one seen so far, kept in one dtype:
-    a step's cos and sin are then two row gathers instead of seven small ops (0.13-0.17 ms
-    of a 64-sequence decode step, measured). Rows are computed by ``rotary`` itself, all at
-    once when the table grows (to the next power of two), so a row can differ from a per-step
-    ``rotary`` only where torch's vector and scalar cos/sin differ (a float32 ulp)."""
+    a step's cos and sin are then two row gathers instead of seven small ops. Rows are
+    computed by ``rotary`` itself, all at once when the table grows (to the next power of
+    two), so a row can differ from a per-step ``rotary`` only where torch's vector and scalar
+    cos/sin differ (a float32 ulp)."""
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq
@@ -277,7 +277,7 @@ class Heads(NamedTuple):
 
 def split_heads(qkv: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, q + 2 kv] -> q [T, H, D], k, v [T, KV, D], q and k RMS-normalized where configured.
-    One view and one split (Tensor.split's Python wrapper alone took ~10 us)."""
+    One view and one split (Tensor.split's Python wrapper is dear at decode sizes)."""
     rows = qkv.view(qkv.shape[0], sum(heads.counts), heads.head_dim)
     q, k, v = rows.split_with_sizes(heads.counts, dim=1)
     if heads.qk_norm is not None:

@@ -35,9 +35,8 @@ from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
 SERVER_MAX_NUM_BATCHED_TOKENS = 512
 # The prompt work of a server step that also decodes, unless a token cap is given: the
 # decoding streams wait for the whole step. In time, so that one default serves fast and slow
-# machines (256 tokens were best on an AVX-512-bf16 CPU, ~0.1 s of work there, and 64 on an
-# AVX2 one in float32, ~0.14 s); chosen by measurement (docs/performance.md). The token cap
-# until the first prompt step has been timed:
+# machines, whose best token counts differ; chosen by measurement (docs/performance.md). The
+# token cap until the first prompt step has been timed:
 SERVER_MAX_PREFILL_MS_WHILE_DECODING = 128.0
 SERVER_MAX_PREFILL_TOKENS_WHILE_DECODING = 256
 
