@@ -169,3 +169,4 @@ def test_tp_llms_in_sequence_release_everything_however_they_end(tmp_path: Path)
         assert cycle["threads"] == baseline["threads"], cycle["end"]
         assert cycle["native_threads"] == baseline["native_threads"], cycle["end"]
     assert "closed" in cycles[1]["error_after_close"]
+    assert "close() the other" in cycles[1]["second_refused"]  # one group per process

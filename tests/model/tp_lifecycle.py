@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,15 @@ def run_cycle(end: str, path: str) -> dict[str, Any]:
     llm = LLM(path, **settings(2))
     workers, made = worker_pids(llm), tokens(llm)
     if end == "close":
+        refused = error_of(lambda: LLM(path, **settings(2)))  # while this one is open
         error = close_twice_then_use(llm)
-        return {"end": end, "tokens": made, "error_after_close": error, **snapshot(workers)}
+        return {
+            "end": end,
+            "tokens": made,
+            "second_refused": refused,
+            "error_after_close": error,
+            **snapshot(workers),
+        }
     if end == "cycle":
         keep: list[Any] = [llm]
         keep.append(keep)
@@ -81,8 +89,12 @@ def close_twice_then_use(llm: Any) -> str | None:
     """Close twice (the second is a no-op), then try the closed LLM: its error."""
     llm.close()
     llm.close()
+    return error_of(lambda: tokens(llm))
+
+
+def error_of(call: Callable[[], object]) -> str | None:
     try:
-        tokens(llm)
+        call()
     except RuntimeError as exc:
         return str(exc)
     return None
