@@ -4,11 +4,11 @@
 ended by: dropping the last reference while the LLM sits in a reference cycle (only a
 collection frees it), ``close()``, a ``with`` block, dropping it and ``gc.collect()``,
 dropping it. Each must start after the one before. It records what each left behind,
-runs TP=1 on both for reference, and prints one JSON line. The collector is off, so that
-the only collections are the script's and pagedllm's own. ``test_tensor_parallel.py``
-runs it in a fresh process: the process group is per process, so the rest of the suite
-cannot see or disturb it.
-"""
+runs TP=1 on both for reference, and prints one JSON line; a last TP=2 LLM stays open
+until exit, which must stop its ranks before multiprocessing's exit hook kills them. The
+collector is off, so that the only collections are the script's and pagedllm's own.
+``test_tensor_parallel.py`` runs it in a fresh process: the process group is per
+process, so the rest of the suite cannot see or disturb it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,11 @@ PROMPTS = [list(range(30, 42)), list(range(100, 107))]
 ENDS = ("cycle", "close", "with", "collect", "drop")
 
 
-def main(path_a: str, path_b: str) -> None:
+def main(path_a: str, path_b: str) -> Any:
+    """Returns one more TP=2 LLM, still open: the caller keeps it until exit."""
+    # As a notebook that used tempfile before torch: weakref.finalize's exit hook is now
+    # registered before multiprocessing's, and so runs after it.
+    weakref.finalize(gc, lambda: None)
     from pagedllm.engine.llm import LLM
 
     gc.disable()
@@ -34,6 +39,9 @@ def main(path_a: str, path_b: str) -> None:
     cycles = [run_cycle(end, path) for end, path in zip(ENDS, paths, strict=False)]
     reference = [tokens(LLM(path, **settings(1))) for path in (path_a, path_b)]
     print(json.dumps({"reference": reference, "baseline": baseline, "cycles": cycles}))
+    left_open = LLM(path_b, **settings(2))
+    tokens(left_open)
+    return left_open
 
 
 def run_cycle(end: str, path: str) -> dict[str, Any]:
@@ -123,4 +131,4 @@ def snapshot(workers: list[int]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    left_open = main(*sys.argv[1:3])

@@ -23,12 +23,14 @@ parent process is gone, or when a collective times out (``distributed_timeout_s`
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -175,7 +177,17 @@ def start_tensor_parallel(
     except BaseException:
         _abandon(processes, comm)
         raise
+    # The engine's finalizer stops the ranks at exit too, but its hook may run after
+    # multiprocessing's, which kills daemon ranks mid-collective; this one, registered
+    # after the ranks started, runs first. A weak reference: it must not keep the runner.
+    atexit.register(_close_if_alive, weakref.ref(runner))
     return loaded, runner
+
+
+def _close_if_alive(runner_ref: weakref.ref[TensorParallelRunner]) -> None:
+    runner = runner_ref()
+    if runner is not None:
+        runner.close()
 
 
 def _require_no_group() -> None:
