@@ -3,15 +3,21 @@
 Mirrors vLLM's names so its users feel at home::
 
     from pagedllm import LLM, SamplingParams
-    llm = LLM(model="default", kv_cache_memory=2 << 30)
-    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32)):
-        print(out.outputs[0].text)
+    with LLM(model="default", kv_cache_memory=2 << 30) as llm:
+        for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32)):
+            print(out.outputs[0].text)
+
+``close()`` (or the end of the ``with``) releases what the engine started: tensor-parallel
+ranks and their process group, shared memory, the disk tier's writer. An ``LLM`` that is
+merely dropped releases them when it is garbage-collected, and any left at interpreter
+exit are released then; either way another ``LLM`` can start in the same process.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.config import EngineConfig
@@ -44,16 +50,46 @@ class LLM:
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         kwargs.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
-        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **kwargs))
-        self._ids = itertools.count()
+        self._own(LLMEngine.from_config(EngineConfig(model=str(model), **kwargs)))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an existing engine (for example one on a ``FakeModelRunner``)."""
+        """Wrap an existing engine (for example one on a ``FakeModelRunner``);
+        ``close()`` closes it."""
         llm = cls.__new__(cls)
-        llm.engine = engine
-        llm._ids = itertools.count()
+        llm._own(engine)
         return llm
+
+    def _own(self, engine: LLMEngine) -> None:
+        # The engine releases its parts itself when it is collected (LLMEngine.close).
+        self._engine: LLMEngine | None = engine
+        self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; ``RuntimeError`` once the LLM is closed."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed; create a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """Release everything the engine started (idempotent); the LLM cannot be used
+        afterwards. Also done by ``with LLM(...) as llm:``, on garbage collection and at
+        interpreter exit."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -213,6 +214,9 @@ class LLMEngine:
         self.model_config = model_config
         self.max_model_len = self._resolve_max_model_len(model_config)
         self.disk_store, disk = self._open_disk_tier(config, runner)
+        # A finalizer, not __del__: it holds the parts, not the engine, so it runs when
+        # the engine is collected (a cycle through it included) and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _release, self.disk_store, runner)
         self.kv = _kv_manager(config, runner, model_config, disk)
         self._slice_tuner = _slice_tuner(config, self.max_model_len)
         self.scheduler = Scheduler(
@@ -264,8 +268,6 @@ class LLMEngine:
         import torch
 
         from pagedllm.model.loader import load_model
-        from pagedllm.worker.kv_cache import available_memory_bytes
-        from pagedllm.worker.model_runner import kv_cache_spec
 
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
@@ -283,6 +285,22 @@ class LLMEngine:
             loaded, runner = start_tensor_parallel(config, loaded, build_runner)
         else:
             runner = build_runner(config, loaded.model)
+        try:
+            engine = cls._around(config, runner, loaded)
+        except BaseException:
+            _release(None, runner)  # the ranks started above; nobody else will stop them
+            raise
+        engine.model_name = loaded.name
+        if engine.startup_report:
+            logger.info("%s", engine.startup_report)
+        return engine
+
+    @classmethod
+    def _around(cls, config: EngineConfig, runner: ModelRunner, loaded: Any) -> LLMEngine:
+        """The engine of ``from_config`` around its runner and loaded model."""
+        from pagedllm.worker.kv_cache import available_memory_bytes
+        from pagedllm.worker.model_runner import kv_cache_spec
+
         # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
         spec = kv_cache_spec(
             loaded.model,
@@ -291,7 +309,7 @@ class LLMEngine:
             config.unquantized_first_block,
         )
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
-        engine = cls(
+        return cls(
             config,
             runner,
             loaded.tokenizer,
@@ -299,10 +317,6 @@ class LLMEngine:
             memory_bytes=memory,
             dtype_reason=loaded.dtype_reason,
         )
-        engine.model_name = loaded.name
-        if engine.startup_report:
-            logger.info("%s", engine.startup_report)
-        return engine
 
     # ------------------------------------------------------------------ requests
 
@@ -591,11 +605,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the disk tier's writes and stop its writer (idempotent). The engine's
-        requests are untouched. A tensor-parallel runner stops its ranks."""
-        if self.disk_store is not None:
-            self.disk_store.close()
-        if isinstance(self.runner, SupportsClose):
-            self.runner.close()
+        requests are untouched. A tensor-parallel runner stops its ranks. Done by itself
+        when the engine is garbage-collected or the interpreter exits."""
+        self._finalizer()
 
     # ------------------------------------------------------------------ internals
 
@@ -987,6 +999,14 @@ def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy 
         raise ValueError(f"kv_cache_memory_max: {type(runner).__name__} cannot resize")
     max_blocks = _max_num_blocks(config, runner)
     return ElasticPolicy(runner.num_blocks, max_blocks, idle_s=config.elastic_idle_s)
+
+
+def _release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
+    """What ``LLMEngine.close`` releases: the disk tier's writer, the runner's ranks."""
+    if disk_store is not None:
+        disk_store.close()
+    if isinstance(runner, SupportsClose):
+        runner.close()
 
 
 def _kv_manager(
