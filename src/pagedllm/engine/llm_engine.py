@@ -253,6 +253,7 @@ class LLMEngine:
             runner,
             step_fraction=config.compaction_step_fraction,
             policy=_elastic_policy(config, runner),
+            free_bytes=lambda: _free_memory_bytes(config.device),
         )
         if self.elastic.policy is not None:
             self.scheduler.max_num_blocks = self.elastic.policy.max_blocks
@@ -1040,6 +1041,12 @@ def _kv_manager(
         # Each cached-free first block keeps a staging slot: as many as running sequences.
         max_cached_first_blocks=config.max_num_seqs if config.unquantized_first_block else None,
     )
+
+
+def _free_memory_bytes(device: str) -> int:
+    from pagedllm.worker.kv_cache import available_memory_bytes
+
+    return available_memory_bytes(device)
 
 
 def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
