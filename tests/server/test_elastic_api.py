@@ -60,8 +60,8 @@ def test_resize_rejects_bad_bodies_and_needs_the_key(make_harness):
             response = await client.post("/v1/cache/resize", json=bad, headers=auth)
             assert response.status_code == 400, bad
             assert response.json()["error"]["message"]
-        # too big for a float, for the machine's free memory
-        for size in ("9" * 400 + "GiB", "1000000TiB"):
+        # too big for a float, for an int64 (the wire), for the machine's free memory
+        for size in ("9" * 400 + "GiB", 2**63, "1000000TiB"):
             body = {"kv_cache_memory": size}
             response = await client.post("/v1/cache/resize", json=body, headers=auth)
             assert response.status_code == 400, size

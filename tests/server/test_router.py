@@ -720,3 +720,17 @@ def test_the_view_resyncs_from_a_snapshot_after_a_gap_and_after_a_restart():
             await router.stop()
 
     asyncio.run(main())
+
+
+def test_a_token_id_past_int64_is_the_replicas_400_not_a_router_500(make_harness):
+    """The router packs token ids as int64 for its hash chain; it reads a body as the
+    replica will, so one it cannot pack goes on to the replica, which refuses it."""
+    harnesses = [make_harness(num_blocks=64, block_size=4)]
+    app, _ = _router(harnesses)
+
+    async def body(client: httpx.AsyncClient) -> tuple[int, Any]:
+        prompt = _prompt(0, 0) + [2**63]
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        return response.status_code, response.json()["error"]["param"]
+
+    assert _run(app, harnesses, body) == (400, "prompt")

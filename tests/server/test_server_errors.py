@@ -37,6 +37,19 @@ BAD_COMPLETIONS = [
     ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", ["token ids"]),
     ('{"prompt": "x", "cache_salt": ""}', "cache_salt", []),
     ('{"prompt": "x", "best_of": 3}', "best_of", []),
+    # numbers the engine core cannot take (msgpack and torch hold 64 bits; nan is no setting)
+    ('{"prompt": "x", "n": 129}', "n", ["128"]),
+    ('{"prompt": "x", "priority": 9223372036854775808}', "priority", ["less than or equal"]),
+    ('{"prompt": "x", "seed": -9223372036854775809}', "seed", ["greater than or equal"]),
+    ('{"prompt": "x", "top_k": 9223372036854775808}', "top_k", []),
+    ('{"prompt": "x", "min_tokens": 9223372036854775808}', "min_tokens", []),
+    ('{"prompt": "x", "stop_token_ids": [18446744073709551616]}', "stop_token_ids[0]", []),
+    ('{"prompt": "x", "logit_bias": {"18446744073709551616": 1}}', "logit_bias", ["token ids"]),
+    ('{"prompt": "x", "logit_bias": {"-5": 1}}', "logit_bias", ["token ids"]),
+    ('{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias.5", ["finite"]),
+    ('{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty", ["finite"]),
+    ('{"prompt": [1, 9223372036854775808]}', "prompt", ["prompt must be"]),
+    ('{"prompt": "x", "max_tokens": 9223372036854775807}', "max_tokens", ["context length"]),
 ]
 
 BAD_CHATS = [
@@ -87,6 +100,31 @@ def test_bad_requests_never_reach_the_engine(make_harness, path, cases):
         # and the server still serves
         ok = await client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
         assert ok.status_code == 200
+
+    h.run(body)
+
+
+BAD_QUERIES = [
+    # (path and query, the parameter named)
+    ("/v1/cache/events?since=-4162009810236935719308230656", "since"),
+    ("/v1/cache/events?since=9223372036854775808", "since"),
+    ("/v1/cache/events?since=-1", "since"),
+    ("/v1/cache/events?since=x", "since"),
+    ("/v1/cache/events/stream?since=18446744073709551616", "since"),
+    ("/v1/cache/events/stream?heartbeat=0", "heartbeat"),
+    ("/v1/cache/events/stream?heartbeat=nan", "heartbeat"),
+    ("/v1/cache/events/stream?heartbeat=inf", "heartbeat"),
+    ("/v1/cache/advice?limit=0", "limit"),
+    ("/v1/cache/advice?limit=99999999999999999999", "limit"),
+]
+
+
+def test_bad_query_parameters_are_400s_naming_them(make_harness):
+    h = make_harness()
+
+    async def body(client):
+        for path, param in BAD_QUERIES:
+            _check_error(await client.get(path), 400, param, [param])
 
     h.run(body)
 

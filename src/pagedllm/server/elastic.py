@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedllm.engine.args import parse_size
 from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import CacheResizeRequest
 from pagedllm.server.serving import ServerContext, parse_body
@@ -29,7 +28,7 @@ def add_elastic_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def resize(request: Request) -> Response:
         body = parse_body(CacheResizeRequest, await request.body())
         try:
-            num_bytes = parse_size(body.kv_cache_memory)
+            num_bytes = body.kv_cache_memory  # bytes by now (protocol.ByteSize)
             resize_id = await ctx.engine.call_utility("start_resize", num_bytes, body.preempt)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="kv_cache_memory") from None

@@ -120,12 +120,6 @@ def check_common(req: SamplingFields) -> None:
         raise bad_request(
             f"response_format {kind!r} is not supported (only 'text')", param="response_format"
         )
-    if req.logit_bias:
-        for key in req.logit_bias:
-            if not key.lstrip("-").isdigit():
-                raise bad_request(
-                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-                )
 
 
 def check_length(
@@ -189,7 +183,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
     if req.stop_token_ids is not None:
         kwargs["stop_token_ids"] = req.stop_token_ids
     if req.logit_bias:
-        kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        kwargs["logit_bias"] = req.logit_bias
     kwargs.update(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
