@@ -7,6 +7,7 @@ tables, so ``Harness.expected_text`` says exactly what every completion must be.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from unittest.mock import ANY
 
@@ -46,6 +47,27 @@ def test_models_and_health(make_harness):
         assert models["data"][0]["max_model_len"] == 128
         ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
         assert ok.status_code == 200 and ok.json()["model"] == "tiny"
+
+    h.run(body)
+
+
+def test_openapi_describes_the_bodies_the_routes_read_themselves(make_harness):
+    h = make_harness()
+
+    async def body(client):
+        schema = (await client.get("/openapi.json")).json()
+        for path, model in [("/v1/completions", "CompletionRequest"),
+                            ("/v1/chat/completions", "ChatCompletionRequest"),
+                            ("/v1/cache/resize", "CacheResizeRequest")]:  # fmt: skip
+            content = schema["paths"][path]["post"]["requestBody"]["content"]
+            assert content["application/json"]["schema"] == {
+                "$ref": f"#/components/schemas/{model}"
+            }
+        # every reference resolves (the bodies' own models, such as ChatMessage, too)
+        refs = set(re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(schema)))
+        assert refs and refs <= set(schema["components"]["schemas"])
+        since = schema["paths"]["/v1/cache/events"]["get"]["parameters"][0]
+        assert since["schema"]["maximum"] == 2**63 - 1
 
     h.run(body)
 

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import FiniteFloat
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,7 +44,16 @@ from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.elastic import add_elastic_routes
 from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.protocol import Count, ModelCard, ModelList, Positive
+from pagedllm.server.protocol import (
+    REQUEST_BODIES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Count,
+    ModelCard,
+    ModelList,
+    Positive,
+    body_schema,
+)
 from pagedllm.server.request_log import DEFAULT_MAX_RECORDS, RecentRequests
 from pagedllm.server.serving import ServerContext
 from pagedllm.server.sse import EventStreamResponse
@@ -120,6 +130,7 @@ def create_app(
     app.state.engine = async_engine
     _add_routes(app, ctx)
     _add_error_handlers(app, ctx)
+    _document_bodies(app)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app
@@ -155,11 +166,11 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
@@ -203,6 +214,24 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     add_dashboard_routes(app, ctx)
     add_elastic_routes(app, ctx)
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the bodies the routes read themselves (``REQUEST_BODIES``) to the OpenAPI
+    document's components, where their ``openapi_extra`` points."""
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = plain()
+            _, defs = models_json_schema(
+                [(model, "validation") for model in REQUEST_BODIES],
+                ref_template="#/components/schemas/{model}",
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _advice(ctx: ServerContext, log: CacheLog) -> dict[str, Any]:

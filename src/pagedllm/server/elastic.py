@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.server.errors import bad_request
-from pagedllm.server.protocol import CacheResizeRequest
+from pagedllm.server.protocol import CacheResizeRequest, body_schema
 from pagedllm.server.serving import ServerContext, parse_body
 
 # How often the route asks the core whether the resize is done.
@@ -24,7 +24,7 @@ POLL_S = 0.01
 
 
 def add_elastic_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/v1/cache/resize")
+    @app.post("/v1/cache/resize", openapi_extra=body_schema(CacheResizeRequest))
     async def resize(request: Request) -> Response:
         body = parse_body(CacheResizeRequest, await request.body())
         try:

@@ -274,3 +274,14 @@ class CacheResizeRequest(_Request):
 
     kv_cache_memory: ByteSize
     preempt: bool = False
+
+
+# The bodies the routes read themselves (``parse_body``), so that the OpenAPI document
+# describes them all the same (``body_schema``; the app adds them to its components).
+REQUEST_BODIES = (CompletionRequest, ChatCompletionRequest, CacheResizeRequest)
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body is ``model``."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
