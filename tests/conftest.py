@@ -1,5 +1,5 @@
 """Suite-wide settings: offline hub, Hypothesis profiles, torch threads; the C++ kernels as a
-fixture."""
+fixture; ``--deep``."""
 
 from __future__ import annotations
 
@@ -32,3 +32,11 @@ def kernel_ops() -> Any:
     if ops is None:
         pytest.skip("the C++ kernels did not build")
     return ops
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--deep",
+        action="store_true",
+        help="fuzz the server's OpenAPI schema with thousands of requests (test_openapi_fuzz)",
+    )
