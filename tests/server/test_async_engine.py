@@ -85,6 +85,35 @@ def test_stop_strings_cut_the_text_as_offline(tokenizer):
     assert deltas[-1].choices[0].stop_reason == stop
 
 
+def test_stream_output_carries_vllms_logprobs_as_offline(tokenizer):
+    """The server's RequestStream gives the offline engine's logprobs: vLLM's shape,
+    decoded where the text is (n=2, prompt logprobs, the real sampler)."""
+    from pagedllm import LLM
+
+    params = SamplingParams(
+        n=2, max_tokens=5, temperature=0.8, seed=4, logprobs=2, prompt_logprobs=1
+    )
+
+    async def main():
+        engine = AsyncEngine.in_thread(_engine(tokenizer, use_sampler=True)[0])
+        stream = await engine.add_request("r", [97, 98, 99, 100, 101], params)
+        deltas = [d async for d in stream]
+        await engine.shutdown()
+        return deltas, stream.output()
+
+    deltas, served = asyncio.run(main())
+    llm = LLM.from_engine(_engine(tokenizer, use_sampler=True)[0])
+    [offline] = llm.generate([[97, 98, 99, 100, 101]], params, use_tqdm=False)
+    assert served.prompt_logprobs == offline.prompt_logprobs
+    assert served.prompt_logprobs[0] is None and len(served.prompt_logprobs) == 5
+    for c, o in zip(served.outputs, offline.outputs, strict=True):
+        assert c.token_ids == o.token_ids and c.logprobs == o.logprobs
+        assert c.cumulative_logprob == o.cumulative_logprob
+        assert all(t in position for t, position in zip(c.token_ids, c.logprobs, strict=True))
+        streamed = [p for d in deltas for x in d.choices if x.index == c.index for p in x.logprobs]
+        assert streamed == c.logprobs
+
+
 def test_slow_steps_never_block_the_event_loop(tokenizer):
     llm, _ = _engine(tokenizer, step_delay_s=0.2)
 

@@ -524,3 +524,21 @@ def test_disk_tier_in_usage_cache_report_and_metrics(make_harness, tmp_path):
         assert values["pagedllm_kv_disk_read_bytes_total"] == disk["bytes_read"]
 
     h.run(body)
+
+
+def test_a_damaged_disk_store_is_set_aside_and_counted(make_harness, tmp_path):
+    root = tmp_path / "kv"
+    (root / "blocks" / "ab").mkdir(parents=True)
+    (root / "store.json").write_text('{"format": 1, "mod')  # a torn write
+    (root / "blocks" / "ab" / f"{'ab' * 32}.kv").write_bytes(b"PGLMKV\x00\x01 and the rest")
+    h = make_harness(num_blocks=8, max_model_len=32, engine_kw={"kv_offload_dir": str(root)})
+
+    async def body(client):
+        r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        values = _samples((await client.get("/metrics")).text)
+        assert values["pagedllm_kv_disk_stores_set_aside_total"] == 1
+        assert (await client.get("/v1/cache")).json()["disk"]["stores_set_aside"] == 1
+
+    h.run(body)
+    assert len(list(tmp_path.glob("kv.damaged-*"))) == 1

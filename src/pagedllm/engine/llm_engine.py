@@ -40,7 +40,16 @@ from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.config import GIB, EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
-from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
+from pagedllm.engine.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestDelta,
+    RequestOutput,
+    SampleLogprobs,
+    SequenceDelta,
+    position_logprobs,
+    prompt_position_logprobs,
+)
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
@@ -126,6 +135,9 @@ class _Sequence:
     num_sent: int = 0
     num_logprobs_sent: int = 0
     delta_finished: bool = False
+    # ``logprobs`` in vLLM's shape, decoded as far as outputs have been read
+    # (``step_deltas`` leaves it empty: the server decodes).
+    logprob_positions: SampleLogprobs = field(default_factory=list)
 
     def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
         """The detokenizer, once given the request's output tokens before ``end``."""
@@ -156,6 +168,8 @@ class _Group:
     # (after preemption) writes the same positions again.
     prompt_logprobs: dict[int, TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False  # in a RequestDelta (step_deltas)
+    # prompt_logprobs in vLLM's shape, decoded once; None again when a position is written.
+    prompt_logprob_positions: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -671,6 +685,7 @@ class LLMEngine:
                 by_position = owner[0].prompt_logprobs
                 for j, logprob in enumerate(logprobs):
                     by_position[seq.start_position + 1 + j] = logprob
+                owner[0].prompt_logprob_positions = None
 
     def _apply(
         self, update: SequenceUpdate, *, lazy_text: bool = False, final_text: bool = True
@@ -769,7 +784,7 @@ class LLMEngine:
         if group.error is not None and not completions:
             completions = [CompletionOutput(0, "", (), finish_reason="error")]
         first = group.seqs.get(0)
-        prompt_logprobs = group.prompt_logprobs_tuple()
+        prompt_logprobs = self._prompt_logprob_positions(group)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -783,8 +798,7 @@ class LLMEngine:
             arrival_event_seq=first.request.arrival_event_seq if first else None,
         )
 
-    @staticmethod
-    def _completion(seq: _Sequence) -> CompletionOutput:
+    def _completion(self, seq: _Sequence) -> CompletionOutput:
         finished = seq.finish_reason is not None
         detokenizer = seq.text_detokenizer()
         return CompletionOutput(
@@ -792,10 +806,27 @@ class LLMEngine:
             text=detokenizer.text if finished else detokenizer.visible_text,
             token_ids=tuple(seq.request.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
-            logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=self._logprob_positions(seq),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def _logprob_positions(self, seq: _Sequence) -> SampleLogprobs | None:
+        """``seq``'s logprobs in vLLM's shape (a copy: an earlier output keeps its own);
+        each token is decoded once however often outputs are read."""
+        if seq.logprobs is None:
+            return None
+        done = seq.logprob_positions
+        done.extend(position_logprobs(e, self.tokenizer) for e in seq.logprobs[len(done) :])
+        return list(done)
+
+    def _prompt_logprob_positions(self, group: _Group) -> PromptLogprobs | None:
+        if group.prompt_logprob_positions is None:
+            entries = group.prompt_logprobs_tuple()
+            if entries is None:
+                return None
+            group.prompt_logprob_positions = prompt_position_logprobs(entries, self.tokenizer)
+        return group.prompt_logprob_positions
 
     def _retry_alone(
         self, forward: SchedulerOutput
