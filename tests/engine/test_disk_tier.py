@@ -256,7 +256,7 @@ def test_the_byte_budget_keeps_the_most_recently_used_blocks(
     tier_engine: Callable[..., LLMEngine], tmp_path: Path
 ) -> None:
     file_nbytes = 104 + 8 * BS + 8 * BS
-    engine = tier_engine(kv_offload_space=12 * file_nbytes / 2**30)
+    engine = tier_engine(kv_offload_size=12 * file_nbytes)
     assert engine.kv.disk.capacity == 12
     for seed in (6, 7, 8):
         ask(engine, f"s{seed}", conversation(seed))

@@ -86,8 +86,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="largest"):
         PrefillSliceTuner(0.1, largest=SMALLEST_CAP - 1)
     for bad in (0, -5.0, True, "128"):
-        with pytest.raises(ValueError, match="max_prefill_ms_while_decoding"):
-            EngineConfig(model="x", max_prefill_ms_while_decoding=bad)
+        with pytest.raises(ValueError, match="max_prefill_time_while_decoding_s"):
+            EngineConfig(model="x", max_prefill_time_while_decoding_s=bad)
 
 
 class _SlowPrompts:
@@ -116,7 +116,7 @@ def _timed_engine(fake_engine, token_cap: int):
         num_blocks=256,
         max_num_batched_tokens=256,
         max_prefill_tokens_while_decoding=token_cap,
-        max_prefill_ms_while_decoding=64.0,
+        max_prefill_time_while_decoding_s=0.064,
     )
     clock = FakeClock()
     engine._slice_tuner.clock = clock

@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.config import OFFLINE, make_config
+from pagedllm.engine.config import OFFLINE_SCHEDULER_STEPS as OFFLINE_SCHEDULER_STEPS
 from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
@@ -33,24 +34,20 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
-# Greedy decode steps per schedule for offline batches (multi-step decoding): the per-step
-# Python is paid once a window (docs/performance.md).
-OFFLINE_SCHEDULER_STEPS = 8
-
-
 class LLM:
     """An engine for offline batches. Keyword arguments are ``EngineConfig`` fields
     (``dtype``, ``block_size``, ``kv_cache_memory`` in bytes or ``memory_fraction``,
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``preemption_mode``, ``swap_space`` in GiB, ...).
+    ``enable_prefix_caching``, ``preemption_mode``, ``swap_memory`` in bytes, ...); the
+    old ``swap_space`` and ``kv_offload_space`` (GiB) still work, with a warning.
 
-    ``num_scheduler_steps`` defaults to ``OFFLINE_SCHEDULER_STEPS`` here (the server keeps
-    1): an offline batch returns whole completions, so nothing is lost when greedy tokens
-    come several steps per schedule, and the per-token Python is paid once for them."""
+    Defaults are the ``OFFLINE`` preset over ``EngineConfig``'s (``engine/config.py``):
+    ``num_scheduler_steps`` is ``OFFLINE_SCHEDULER_STEPS`` here (the server keeps 1), as
+    an offline batch returns whole completions."""
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
-        kwargs.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
-        self._own(LLMEngine.from_config(EngineConfig(model=str(model), **kwargs)))
+        config = make_config(OFFLINE, stacklevel=2, model=str(model), **kwargs)
+        self._own(LLMEngine.from_config(config))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:

@@ -37,7 +37,7 @@ from pagedllm.core.scheduler import (
     child_request_id,
 )
 from pagedllm.core.tiers import DiskTier
-from pagedllm.engine.config import GIB, EngineConfig
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
 from pagedllm.engine.outputs import (
@@ -112,7 +112,7 @@ class EngineStats:
     kv_cache_dtype: str | None = None
     kv_bytes_per_token: float | None = None
     # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
-    # measured step times with max_prefill_ms_while_decoding); None: the step's budget.
+    # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
     max_prefill_tokens_while_decoding: int | None = None
 
 
@@ -273,7 +273,7 @@ class LLMEngine:
             self.scheduler.max_num_blocks = self.elastic.policy.max_blocks
         if config.preemption_mode == "swap" and runner.num_host_blocks == 0:
             logger.warning(
-                "preemption_mode='swap' without a host tier (swap_space=0): "
+                "preemption_mode='swap' without a host tier (swap_memory=0): "
                 "preempted requests will be recomputed"
             )
 
@@ -555,7 +555,7 @@ class LLMEngine:
         return list(touched.values())
 
     def _time_prompt_slice(self, forward: SchedulerOutput) -> None:
-        """With ``max_prefill_ms_while_decoding``: the step's end to the tuner, and the
+        """With ``max_prefill_time_while_decoding_s``: the step's end to the tuner, and the
         scheduler's prompt-token cap to what it answers."""
         if self._slice_tuner is None:
             return
@@ -631,7 +631,7 @@ class LLMEngine:
         config: EngineConfig, runner: ModelRunner
     ) -> tuple[DiskKVStore | None, DiskTier | None]:
         """The store in ``config.kv_offload_dir`` (attached to the runner) and the core's
-        books of it, sized from ``kv_offload_space``; (None, None) without a directory."""
+        books of it, sized from ``kv_offload_size``; (None, None) without a directory."""
         if config.kv_offload_dir is None:
             return None, None
         if not isinstance(runner, SupportsDiskTier):
@@ -643,11 +643,11 @@ class LLMEngine:
             payload_nbytes=runner.block_nbytes,
             first_payload_nbytes=runner.first_block_nbytes,
         )
-        capacity = int(config.kv_offload_space * GIB) // store.file_nbytes
+        capacity = config.kv_offload_size // store.file_nbytes
         if capacity == 0:
             store.close()
             raise ValueError(
-                f"kv_offload_space ({config.kv_offload_space} GiB) holds no block "
+                f"kv_offload_size ({config.kv_offload_size} bytes) holds no block "
                 f"({store.file_nbytes} bytes each)"
             )
         runner.attach_disk_store(store)
@@ -1140,8 +1140,8 @@ def _attention_backend(config: EngineConfig) -> Any:
 def build_runner(config: EngineConfig, model: Any) -> Any:
     """A ``TorchModelRunner`` for ``model``, its device tier sized by ``num_blocks`` or the
     memory budget (per rank under tensor parallelism: the model's config has the rank's
-    KV heads), its host tier by ``num_host_blocks`` or ``swap_space``."""
-    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
+    KV heads), its host tier by ``num_host_blocks`` or ``swap_memory``."""
+    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY
     from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec
 
     spec = kv_cache_spec(
@@ -1149,7 +1149,7 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
     )
     num_host_blocks = config.num_host_blocks
     if num_host_blocks is None:
-        num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
+        num_host_blocks = config.swap_memory // spec.bytes_per_block
     common = dict(
         block_size=config.block_size,
         num_host_blocks=num_host_blocks,
@@ -1167,11 +1167,11 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
 
 
 def _slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:
-    if config.max_prefill_ms_while_decoding is None or not config.enable_chunked_prefill:
+    if config.max_prefill_time_while_decoding_s is None or not config.enable_chunked_prefill:
         return None
     # A token cap given too is the most the tuner picks (and the cap until it has timed a step).
     largest = config.resolved_max_num_batched_tokens(max_model_len)
     if config.max_prefill_tokens_while_decoding is not None:
         largest = min(largest, config.max_prefill_tokens_while_decoding)
     largest = max(largest, SMALLEST_CAP)
-    return PrefillSliceTuner(config.max_prefill_ms_while_decoding / 1000, largest)
+    return PrefillSliceTuner(config.max_prefill_time_while_decoding_s, largest)
