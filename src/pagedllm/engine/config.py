@@ -441,9 +441,11 @@ class Preset:
         return values
 
 
-# `pagedllm serve`: streams wait for every step, so with chunked prefill a step takes a
-# small slice of prompt work (512 tokens, and beside decodes 128 ms of it, at most 256
-# tokens; a token cap given alone stays a fixed cap); values chosen by measurement
+# `pagedllm serve`, with chunked prefill: a new request's first token should not wait behind
+# whole prompts, so a step takes 512 tokens (offline: 2048); decoding streams wait for every
+# step, so a step that also decodes takes about 128 ms of prompt work, in time so that one
+# default serves fast and slow machines (at most 256 tokens, the cap until a step has been
+# timed; a token cap given alone stays a fixed cap). Chosen by measurement
 # (docs/performance.md). Without chunked prefill a prompt must fit one step: no caps.
 SERVE = Preset(
     "serve",
