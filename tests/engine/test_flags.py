@@ -198,6 +198,13 @@ def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
+def test_a_zero_size_is_left_to_the_config_to_judge() -> None:
+    parser = _parser(server_cli.add_arguments)
+    assert config_from_args(parser.parse_args(["--swap-memory", "0"])).swap_memory == 0
+    with pytest.raises(ValueError, match="kv_offload_size must be a positive"):
+        config_from_args(parser.parse_args(["--kv-offload-size", "0"]))
+
+
 def test_bad_values_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
     parser = _parser(server_cli.add_arguments)
     for argv in (["--swap-memory", "lots"], ["--elastic-idle", "soon"]):

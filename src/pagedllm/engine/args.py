@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 from pagedllm.engine.config import (
     BYTES,
-    GENERATE,
     GIB,
+    NO_PRESET,
     RENAMED,
     SECONDS,
     EngineConfig,
@@ -44,6 +44,11 @@ class SizeRange(NamedTuple):
         return f"{self.low}:{self.high}" if self.high is not None else str(self.low)
 
 
+def _size_or_zero(text: str) -> int:
+    """``parse_size``, and 0 (no swap tier): ``EngineConfig`` says where 0 is not allowed."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def parse_size_range(text: str | int) -> SizeRange:
     """``4GiB`` -> (bytes, None); ``512MiB:4GiB`` -> (MIN, MAX), the elastic pool's range."""
     if isinstance(text, str) and ":" in text:
@@ -66,7 +71,7 @@ def parse_duration(text: str | float) -> float:
     return number / 1000 if match.group(2) == "ms" else number
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, preset: Preset = GENERATE) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, preset: Preset = NO_PRESET) -> None:
     """Add the engine's flags (one per flagged ``EngineConfig`` field, plus the old
     spellings of renamed ones) to ``parser``; their help names ``preset``'s defaults."""
     groups: dict[str, Any] = {}
@@ -86,7 +91,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, preset: Preset = GENER
         )  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace, preset: Preset = GENERATE) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, preset: Preset = NO_PRESET) -> EngineConfig:
     """The ``EngineConfig`` described by parsed ``add_engine_arguments`` flags under
     ``preset``: a flag left at its field's default counts as not given."""
     given: dict[str, Any] = {}
@@ -114,7 +119,7 @@ def _kind(flag: Flag, hint: Any) -> dict[str, Any]:
     if flag.choices:
         return {"choices": flag.choices}
     if flag.unit == BYTES:
-        parse: Callable[[str], Any] = parse_size_range if flag.max_field else parse_size
+        parse: Callable[[str], Any] = parse_size_range if flag.max_field else _size_or_zero
         return {"type": _argtype(parse), "metavar": "MIN[:MAX]" if flag.max_field else "SIZE"}
     if flag.unit == SECONDS:
         return {"type": _argtype(parse_duration), "metavar": "SECONDS"}
@@ -134,18 +139,23 @@ def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return checked
 
 
-_UNIT_NOTES = {BYTES: "bytes, or 4GiB, 512MiB", SECONDS: "seconds, or 128ms"}
-
-
 def _help(name: str, default: Any, flag: Flag, preset: Preset) -> str:
     """The flag's help, its unit and the default in force under ``preset``."""
     if flag.hidden:
         return argparse.SUPPRESS
-    notes = [_UNIT_NOTES.get(flag.unit, flag.unit)] if flag.unit else []
+    notes = [_unit_note(flag.unit)] if flag.unit else []
     if default is not None:
         notes.append(f"default {_shown(default, flag)}")
     notes += [f"{preset.name}: {_shown(d.value, flag)}" for d in preset.defaults if d.field == name]
     return f"{flag.help} [{'; '.join(notes)}]" if notes else flag.help
+
+
+def _unit_note(unit: str) -> str:
+    if unit == BYTES:
+        return "bytes, or 4GiB, 512MiB"
+    if unit == SECONDS:
+        return "seconds, or 128ms"
+    return unit
 
 
 def _shown(value: Any, flag: Flag) -> str:

@@ -466,6 +466,7 @@ OFFLINE_SCHEDULER_STEPS = 8
 OFFLINE = Preset("LLM", (Default("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS),))
 # `pagedllm generate` streams one prompt's text token by token: the fields' own defaults.
 GENERATE = Preset("generate")
+NO_PRESET = Preset("none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,6 +514,6 @@ def translate_renamed(given: Mapping[str, Any], stacklevel: int = 2) -> dict[str
     return values
 
 
-def make_config(preset: Preset = GENERATE, stacklevel: int = 2, **given: Any) -> EngineConfig:
+def make_config(preset: Preset = NO_PRESET, stacklevel: int = 2, **given: Any) -> EngineConfig:
     """The ``EngineConfig`` of ``given`` fields (old spellings accepted) under ``preset``."""
     return EngineConfig(**preset.apply(translate_renamed(given, stacklevel + 1)))
