@@ -173,21 +173,21 @@ def test_old_spellings_still_work_with_a_warning(old_argv: list[str], new_argv: 
 
 def test_old_keywords_still_work_with_a_warning() -> None:
     with pytest.warns(FutureWarning, match="swap_memory"):
-        assert make_config(swap_space=1.5).swap_memory == int(1.5 * GIB)
+        assert make_config({"swap_space": 1.5}).swap_memory == int(1.5 * GIB)
     with pytest.warns(FutureWarning, match="kv_offload_size"):
-        assert make_config(kv_offload_space=16) == EngineConfig()
+        assert make_config({"kv_offload_space": 16}) == EngineConfig()
     with pytest.raises(ValueError, match="not both"):
-        make_config(swap_space=1, swap_memory=GIB)
+        make_config({"swap_space": 1, "swap_memory": GIB})
 
 
 def test_presets_fill_only_what_the_caller_left_open() -> None:
-    assert make_config(OFFLINE).num_scheduler_steps == 8
-    assert make_config(OFFLINE, num_scheduler_steps=1).num_scheduler_steps == 1
-    assert make_config(GENERATE) == EngineConfig()
-    served = make_config(SERVE)
+    assert make_config({}, OFFLINE).num_scheduler_steps == 8
+    assert make_config({"num_scheduler_steps": 1}, OFFLINE).num_scheduler_steps == 1
+    assert make_config({}, GENERATE) == EngineConfig()
+    served = make_config({}, SERVE)
     assert (served.max_num_batched_tokens, served.max_prefill_tokens_while_decoding) == (512, 256)
     assert served.max_prefill_time_while_decoding_s == 0.128
-    assert make_config(SERVE, enable_chunked_prefill=False) == EngineConfig(
+    assert make_config({"enable_chunked_prefill": False}, SERVE) == EngineConfig(
         enable_chunked_prefill=False
     )
     assert Preset("empty").apply({"seed": 3}) == {"seed": 3}

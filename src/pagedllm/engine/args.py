@@ -108,7 +108,7 @@ def config_from_args(args: argparse.Namespace, preset: Preset = NO_PRESET) -> En
     for renamed in RENAMED:
         if getattr(args, renamed.old) is not None:
             given[renamed.old] = getattr(args, renamed.old)
-    return make_config(preset, stacklevel=3, **given)
+    return make_config(given, preset, stacklevel=3)
 
 
 def _kind(flag: Flag, hint: Any) -> dict[str, Any]:

@@ -514,6 +514,9 @@ def translate_renamed(given: Mapping[str, Any], stacklevel: int = 2) -> dict[str
     return values
 
 
-def make_config(preset: Preset = NO_PRESET, stacklevel: int = 2, **given: Any) -> EngineConfig:
-    """The ``EngineConfig`` of ``given`` fields (old spellings accepted) under ``preset``."""
+def make_config(
+    given: Mapping[str, Any], preset: Preset = NO_PRESET, *, stacklevel: int = 2
+) -> EngineConfig:
+    """The ``EngineConfig`` of the caller's ``given`` fields (old spellings accepted, with a
+    warning ``stacklevel`` frames up) under ``preset``."""
     return EngineConfig(**preset.apply(translate_renamed(given, stacklevel + 1)))

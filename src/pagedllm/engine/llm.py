@@ -46,7 +46,7 @@ class LLM:
     an offline batch returns whole completions."""
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
-        config = make_config(OFFLINE, stacklevel=2, model=str(model), **kwargs)
+        config = make_config({"model": str(model), **kwargs}, OFFLINE, stacklevel=2)
         self._own(LLMEngine.from_config(config))
 
     @classmethod
