@@ -32,6 +32,7 @@ from pagedllm.engine.config import (
     make_config,
 )
 from pagedllm.server import cli as server_cli
+from pagedllm.server.data_parallel import replica_argv
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # Flags whose sample value is only valid beside others (a second machine needs a rendezvous):
@@ -149,10 +150,23 @@ def _sample(name: str) -> tuple[list[str], Any]:
     return [option, "x"], "x"
 
 
+@pytest.mark.parametrize("name", [name for name, _, _ in flagged_fields()])
+def test_a_data_parallel_replica_gets_the_same_config(name: str) -> None:
+    """``serve --data-parallel-size N`` repeats its flags on each replica's command line."""
+    parser = _parser(server_cli.add_arguments)
+    text, _ = _sample(name)
+    context_argv, _ = CONTEXT.get(name, ([], {}))
+    args = parser.parse_args([*context_argv, *text, "--data-parallel-size", "2"])
+    replica = parser.parse_args(replica_argv(args, 8001, args.master_port))
+    assert config_from_args(replica, SERVE) == config_from_args(args, SERVE)
+
+
 def test_the_kv_cache_range_sets_min_and_max() -> None:
-    args = _parser(server_cli.add_arguments).parse_args(["--kv-cache-memory", "512MiB:4GiB"])
+    parser = _parser(server_cli.add_arguments)
+    args = parser.parse_args(["--kv-cache-memory", "512MiB:4GiB"])
     config = config_from_args(args)
     assert (config.kv_cache_memory, config.kv_cache_memory_max) == (512 << 20, 4 * GIB)
+    assert config_from_args(parser.parse_args(replica_argv(args, 8001, None))) == config
 
 
 @pytest.mark.parametrize(
