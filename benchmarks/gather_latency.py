@@ -38,8 +38,8 @@ def per_call_us(gather, x: torch.Tensor, calls: int) -> float:
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    from pagedllm.engine.distributed import TorchCollective
-    from pagedllm.engine.shm_collective import ShmCollective
+    from pagedllm.engine.executor.collectives import TorchCollective
+    from pagedllm.engine.executor.shm_collective import ShmCollective
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -53,7 +53,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
-from pagedllm.engine.distributed import free_port  # noqa: E402
 from pagedllm.kernels.probe import cpu_info  # noqa: E402
 from pagedllm.planner.replicas import (  # noqa: E402
     SIM_POLICIES,
@@ -63,6 +62,7 @@ from pagedllm.planner.replicas import (  # noqa: E402
     simulate_router,
 )
 from pagedllm.planner.simulate import CostModel  # noqa: E402
+from pagedllm.util.net import free_port  # noqa: E402
 from serve_vs_vllm import wait_healthy  # noqa: E402
 
 REAL_POLICIES = ("prefix_aware", "round_robin", "least_loaded")

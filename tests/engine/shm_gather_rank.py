@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedllm.engine.shm_collective import INITIAL_CAPACITY, ShmCollective
+from pagedllm.engine.executor.shm_collective import INITIAL_CAPACITY, ShmCollective
 
 SHAPES = [
     ((3, 5), torch.float32),

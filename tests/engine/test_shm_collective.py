@@ -6,27 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pagedllm.engine.shm_collective import leftover_names
+from pagedllm.engine.executor.shm_collective import leftover_names
+from pagedllm.util.net import free_port
 
 RANK = Path(__file__).with_name("shm_gather_rank.py")
 TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(world_size: int, mode: str, timeout_s: float) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [
         subprocess.Popen(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.engine.shm_collective import leftover_names
+from pagedllm.engine.executor.shm_collective import leftover_names
 from pagedllm.model.tensor_parallel import shard_range
 from pagedllm.testing import make_tiny_checkpoint
 
@@ -99,7 +99,7 @@ def test_kv_heads_that_do_not_divide_are_refused_naming_both(tmp_path: Path):
 
 
 def test_planner_and_engine_agree_on_kv_bytes_per_rank(tmp_path: Path):
-    from pagedllm.engine.distributed import LocalCollective
+    from pagedllm.engine.executor.collectives import LocalCollective
     from pagedllm.model.loader import load_model
     from pagedllm.model.tensor_parallel import TensorParallelModel
     from pagedllm.planner.capacity import kv_bytes_per_token
@@ -126,7 +126,7 @@ def test_shard_ranges_cover_the_vocabulary_on_tile_boundaries():
 
 def test_tp_collective_is_checked_against_the_machines():
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.distributed import uses_shared_memory
+    from pagedllm.engine.executor.collectives import uses_shared_memory
 
     with pytest.raises(ValueError, match="tp_collective must be one of"):
         EngineConfig(model="m", tp_collective="mpi")

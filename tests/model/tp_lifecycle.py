@@ -117,7 +117,7 @@ def snapshot(workers: list[int]) -> dict[str, Any]:
     (named or still mapped), threads."""
     import torch.distributed as dist
 
-    from pagedllm.engine.shm_collective import PREFIX, leftover_names
+    from pagedllm.engine.executor.shm_collective import PREFIX, leftover_names
 
     maps = Path("/proc/self/maps").read_text().splitlines()
     return {

@@ -20,12 +20,11 @@ import pytest
 
 from pagedllm.engine.async_engine import EngineClosedError
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.distributed import free_port
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.reports import cache_report as build_cache_report
 from pagedllm.server.app import create_app
-from pagedllm.server.data_parallel import port_free
 from pagedllm.testing import make_tiny_tokenizer
+from pagedllm.util.net import free_port, port_free
 from pagedllm.worker.fake_runner import FakeModelRunner
 
 LETTERS = range(ord("a"), ord("z") + 1)  # token id == byte value in the tiny tokenizer

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pagedllm.engine.distributed import free_port
+from pagedllm.util.net import free_port
 
 from .conftest import free_port_run, sse_events
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 from pagedllm.engine.args import config_from_args
 from pagedllm.engine.config import SERVE
 from pagedllm.server import cli
+from pagedllm.util.net import free_port
 
 from .conftest import sse_events
 
@@ -59,15 +59,9 @@ def test_scheduling_defaults_set_the_prompt_slice_in_time_unless_a_cap_is_given(
     assert got == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_finishes_in_flight_stream_and_exits_cleanly(tiny_checkpoint: Any):
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(tiny_checkpoint),

@@ -89,7 +89,7 @@ def environment(
 
 def tensor_parallel_gathers() -> str:
     """How tensor-parallel ranks would gather here (``--tp-collective auto``)."""
-    from pagedllm.engine.shm_collective import SHM_DIR, shm_available
+    from pagedllm.engine.executor.shm_collective import SHM_DIR, shm_available
 
     if shm_available():
         free = os.statvfs(SHM_DIR)

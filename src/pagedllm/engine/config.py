@@ -243,7 +243,7 @@ class EngineConfig:
         default=False,
         metadata=flag("load no tokenizer: requests give token ids and get token ids back"),
     )
-    # Tensor parallelism (engine/distributed.py): ranks, and torchrun-style rendezvous
+    # Tensor parallelism (engine/executor/): ranks, and torchrun-style rendezvous
     # across machines (master_port None on one machine: a free port is picked).
     tensor_parallel_size: int = field(
         default=1,

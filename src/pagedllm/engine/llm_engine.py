@@ -295,7 +295,7 @@ class LLMEngine:
             load_tokenizer=not config.skip_tokenizer_init,
         )
         if config.tensor_parallel_size > 1:
-            from pagedllm.engine.distributed import start_tensor_parallel
+            from pagedllm.engine.executor.tensor_parallel import start_tensor_parallel
 
             loaded, runner = start_tensor_parallel(config, loaded, build_runner)
         else:

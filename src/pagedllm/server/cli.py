@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return run_data_parallel(args)
     config = config_from_args(args, SERVE)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
-        from pagedllm.engine.distributed import run_worker_node
+        from pagedllm.engine.executor.tensor_parallel import run_worker_node
 
         return run_worker_node(config)
     if args.engine_core == "process":

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from pagedllm.util.net import port_free
 
 REPLICA_START_TIMEOUT_S = 600.0
 
@@ -145,16 +146,6 @@ def replica_argv(args: argparse.Namespace, port: int, master_port: int | None) -
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def port_free(port: int) -> bool:
-    """True when nothing on this machine listens on (or holds) ``port``."""
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def _client_host(host: str) -> str:

@@ -7,9 +7,9 @@ ranks then run the same ``TorchModelRunner.execute`` on their shard
 sampled tokens go back to the scheduler. Every rank holds its KV heads' share of every
 block under the same block ids, so the scheduler's block tables mean the same everywhere.
 
-Collectives: on one CPU machine the activations' all-gathers go through shared memory
-(``shm_collective.ShmCollective``, ``tp_collective`` "auto" or "shm"), else gloo on CPU and
-NCCL on CUDA; the step records always travel over a gloo group.
+Collectives (``collectives.py``): on one CPU machine the activations' all-gathers go through
+shared memory (``shm_collective.ShmCollective``, ``tp_collective`` "auto" or "shm"), else
+gloo on CPU and NCCL on CUDA; the step records always travel over a gloo group.
 Processes: ``torch.multiprocessing`` (spawn) for this machine's ranks; across machines the
 torchrun-style rendezvous (``nnodes``, ``node_rank``, ``master_addr``, ``master_port``):
 machine 0 runs the engine and its local ranks, every other machine runs
@@ -27,13 +27,11 @@ import atexit
 import gc
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,83 +40,11 @@ import torch.multiprocessing as mp
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.executor.collectives import broadcast_object, init_rank
 from pagedllm.routes import Routes
+from pagedllm.util.net import free_port
 
 logger = logging.getLogger(__name__)
-
-
-class TorchCollective:
-    """The ``model.tensor_parallel.Collective`` of a ``torch.distributed`` group."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.kind = dist.get_backend(group)  # "gloo" or "nccl", for the routes
-        # What the gathers cost this rank (waiting for the slowest rank included):
-        # benchmarks/tensor_parallel.py reads and resets them.
-        self.num_calls = 0
-        self.num_bytes = 0
-        self.seconds = 0.0
-
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        start = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
-        self.seconds += time.perf_counter() - start
-        self.num_calls += 1
-        self.num_bytes += x.numel() * x.element_size()
-        return parts
-
-    def close(self) -> None:
-        """Nothing of its own: the process group goes with ``destroy_process_group``."""
-
-
-class LocalCollective:
-    """One rank alone (TP=1 through the tensor-parallel code, for tests)."""
-
-    rank = 0
-    world_size = 1
-    kind = "none"
-
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [x]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def uses_shared_memory(config: EngineConfig) -> bool:
-    """Whether the ranks gather through shared memory: all on one CPU machine, and told
-    "shm", or "auto" where /dev/shm is writable. (Ranks on other machines decide the same:
-    nnodes and device are shared; config validation refuses "shm" across machines.)"""
-    from pagedllm.engine.shm_collective import shm_available
-
-    if config.nnodes != 1 or not config.device.startswith("cpu"):
-        return False
-    return config.tp_collective == "shm" or (config.tp_collective == "auto" and shm_available())
-
-
-def init_rank(config: EngineConfig, rank: int, master_port: int) -> tuple[Any, Any]:
-    """Join the process group; (the activations' collective, the gloo group for step
-    records: None when the process group itself is gloo)."""
-    backend = "nccl" if config.device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{config.master_addr}:{master_port}",
-        rank=rank,
-        world_size=config.tensor_parallel_size,
-        timeout=timedelta(seconds=config.distributed_timeout_s),
-    )
-    control = None if backend == "gloo" else dist.new_group(backend="gloo")
-    if uses_shared_memory(config):
-        from pagedllm.engine.shm_collective import ShmCollective
-
-        return ShmCollective.setup(control, config.distributed_timeout_s), control
-    return TorchCollective(), control
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -294,13 +220,6 @@ class TensorParallelRunner:
             self.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def broadcast_object(obj: Any, group: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (pickled over the gloo group)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def start_rank_processes(config: EngineConfig, master_port: int, *, skip_rank0: bool) -> list:

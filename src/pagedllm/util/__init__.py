@@ -1,0 +1,1 @@
+"""Small helpers that belong to no layer (ports, ...)."""
