@@ -157,7 +157,7 @@ def test_a_data_parallel_replica_gets_the_same_config(name: str) -> None:
     text, _ = _sample(name)
     context_argv, _ = CONTEXT.get(name, ([], {}))
     args = parser.parse_args([*context_argv, *text, "--data-parallel-size", "2"])
-    replica = parser.parse_args(replica_argv(args, 8001, args.master_port))
+    replica = parser.parse_args(replica_argv(parser, args, 8001, args.master_port))
     assert config_from_args(replica, SERVE) == config_from_args(args, SERVE)
 
 
@@ -166,7 +166,7 @@ def test_the_kv_cache_range_sets_min_and_max() -> None:
     args = parser.parse_args(["--kv-cache-memory", "512MiB:4GiB"])
     config = config_from_args(args)
     assert (config.kv_cache_memory, config.kv_cache_memory_max) == (512 << 20, 4 * GIB)
-    assert config_from_args(parser.parse_args(replica_argv(args, 8001, None))) == config
+    assert config_from_args(parser.parse_args(replica_argv(parser, args, 8001, None))) == config
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,14 @@ import socket
 
 import pytest
 
-from pagedllm.server.cli import add_arguments
+from pagedllm.server.cli import serve_parser
 from pagedllm.server.data_parallel import check_http_ports, replica_argv, replica_master_ports
 
 from .conftest import free_port_run
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return serve_parser().parse_args(list(argv))
 
 
 def test_each_replica_gets_its_own_rendezvous_port():
@@ -27,7 +25,7 @@ def test_each_replica_gets_its_own_rendezvous_port():
                  "--master-port", str(master), "--dtype", "float32")  # fmt: skip
     ports = replica_master_ports(args)
     assert ports == [master, master + 1, master + 2]
-    argvs = [replica_argv(args, 8001 + i, p) for i, p in enumerate(ports)]
+    argvs = [replica_argv(serve_parser(), args, 8001 + i, p) for i, p in enumerate(ports)]
     for i, argv in enumerate(argvs):
         assert argv.count("--master-port") == 1
         assert argv[argv.index("--master-port") + 1] == str(master + i)
@@ -42,7 +40,7 @@ def test_each_replica_gets_its_own_rendezvous_port():
 def test_without_master_port_every_replica_picks_its_own():
     args = _args("--data-parallel-size", "2", "-tp", "2")
     assert replica_master_ports(args) == [None, None]
-    assert "--master-port" not in replica_argv(args, 8001, None)
+    assert "--master-port" not in replica_argv(serve_parser(), args, 8001, None)
 
 
 def test_a_taken_rendezvous_port_is_refused_naming_it():
@@ -88,11 +86,11 @@ def test_a_taken_http_port_is_refused_before_any_replica_starts(taken, who):
 
 
 def test_the_api_key_reaches_replicas_by_environment_not_argv(monkeypatch):
-    from pagedllm.server.cli import API_KEY_ENV
+    from pagedllm.server.process import API_KEY_ENV
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = _args("--data-parallel-size", "2", "--api-key", "s3cret")
-    argv = replica_argv(args, 8001, None)
+    argv = replica_argv(serve_parser(), args, 8001, None)
     assert "--api-key" not in argv and "s3cret" not in argv
     assert args.api_key == "s3cret"
     monkeypatch.setenv(API_KEY_ENV, "from-env")

@@ -28,10 +28,7 @@ from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.config import SERVE
 from pagedllm.engine.core import ConfigEngineFactory
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
-
-# uvicorn's own deadline comes this long after ours, so that streams we end have time
-# to send their last event before uvicorn would cancel them mid-stream.
-_UVICORN_GRACE_S = 5.0
+from pagedllm.server.process import API_KEY_ENV, UVICORN_GRACE_S, exit_cleanly
 
 
 class GracefulServer(uvicorn.Server):
@@ -55,13 +52,10 @@ def server_for(
 ) -> GracefulServer:
     """A ``GracefulServer`` for an app made by ``create_app``."""
     config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=int(drain_timeout + _UVICORN_GRACE_S),
+        app, host=host, port=port, timeout_graceful_shutdown=int(drain_timeout + UVICORN_GRACE_S),
         **kw,
     )  # fmt: skip
     return GracefulServer(config, app.state.engine, drain_timeout)
-
-
-API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser)
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of ``pagedllm serve``'s flags alone: a replica's argv is rebuilt from it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the engine and serve until SIGTERM / Ctrl-C; 0 on a clean exit."""
     from pagedllm.engine.llm_engine import LLMEngine
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from pagedllm.server.data_parallel import run_data_parallel
 
-        return run_data_parallel(args)
+        return run_data_parallel(args, serve_parser())
     config = config_from_args(args, SERVE)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
         from pagedllm.engine.executor.tensor_parallel import run_worker_node
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal so that the
     # previous handler runs; ours turns it into a clean exit instead of death by signal.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    previous = signal.signal(signal.SIGTERM, exit_cleanly)
     try:
         server.run()
     except SystemExit as exc:
@@ -162,7 +163,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _exit_cleanly(signum: int, frame: object) -> None:
-    raise SystemExit(0)

@@ -24,21 +24,21 @@ import time
 
 import httpx
 
+from pagedllm.server.process import API_KEY_ENV, UVICORN_GRACE_S, exit_cleanly
 from pagedllm.util.net import port_free
 
 REPLICA_START_TIMEOUT_S = 600.0
 
 
-def run_data_parallel(args: argparse.Namespace) -> int:
+def run_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Start the replicas (or, on a machine with ``--node-rank > 0``, their ranks) and
-    serve the router until SIGTERM / Ctrl-C; 0 on a clean exit."""
-    from pagedllm.server.cli import _UVICORN_GRACE_S, API_KEY_ENV, _exit_cleanly
-
+    serve the router until SIGTERM / Ctrl-C; 0 on a clean exit. ``parser``: the serve
+    flags that ``args`` came from (``server.cli.serve_parser``)."""
     master_ports = replica_master_ports(args)
     check_http_ports(args)
     procs: list[subprocess.Popen] = []
     # uvicorn re-raises SIGTERM after its shutdown; a clean exit lets the replicas stop.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    previous = signal.signal(signal.SIGTERM, exit_cleanly)
     api_key = args.api_key
     # The key reaches the replicas through their environment, not their argv (ps shows it).
     env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
@@ -46,7 +46,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         urls = []
         for i, master_port in enumerate(master_ports):
             port = args.port + 1 + i
-            argv = replica_argv(args, port, master_port)
+            argv = replica_argv(parser, args, port, master_port)
             command = [sys.executable, "-m", "pagedllm.cli", "serve", *argv]
             procs.append(subprocess.Popen(command, env=env))
             urls.append(f"http://{_client_host(args.host)}:{port}")
@@ -66,7 +66,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
                 proc.terminate()
         for proc in procs:
             try:
-                proc.wait(args.shutdown_timeout + _UVICORN_GRACE_S)
+                proc.wait(args.shutdown_timeout + UVICORN_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
     return 0
@@ -121,13 +121,11 @@ def check_http_ports(args: argparse.Namespace) -> None:
             )
 
 
-def replica_argv(args: argparse.Namespace, port: int, master_port: int | None) -> list[str]:
-    """This command's flags for one replica: the same values, its own HTTP port and
-    rendezvous port, no data parallelism."""
-    from pagedllm.server.cli import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+def replica_argv(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, port: int, master_port: int | None
+) -> list[str]:
+    """This command's flags (``args``, parsed by ``parser``) for one replica: the same values,
+    its own HTTP port and rendezvous port, no data parallelism."""
     argv = ["--port", str(port)]
     if master_port is not None:
         argv += ["--master-port", str(master_port)]
