@@ -53,7 +53,7 @@ from pagedllm.engine.outputs import (
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsClose, SupportsDiskTier
+from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
 # Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
@@ -247,7 +247,7 @@ class LLMEngine:
             ),
             self.kv,
         )
-        if config.num_scheduler_steps > 1 and not getattr(runner, "supports_multi_step", False):
+        if config.num_scheduler_steps > 1 and not runner.supports_multi_step:
             raise ValueError(
                 f"num_scheduler_steps={config.num_scheduler_steps} needs a runner that runs "
                 f"several decode steps per schedule ({type(runner).__name__} does not)"
@@ -1037,8 +1037,7 @@ def _release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
     """What ``LLMEngine.close`` releases: the disk tier's writer, the runner's ranks."""
     if disk_store is not None:
         disk_store.close()
-    if isinstance(runner, SupportsClose):
-        runner.close()
+    runner.close()
 
 
 def _kv_manager(
@@ -1101,29 +1100,29 @@ def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:
     return {"layer_types": kinds, "sliding_window": window}
 
 
-def _kv_dtype_bytes(runner: Any) -> float:
+def _kv_dtype_bytes(runner: ModelRunner) -> float:
     """Bytes per cached element, scales included (4 for a runner without a spec)."""
-    spec = getattr(runner, "spec", None)
+    spec = runner.spec
     return spec.element_bytes if spec is not None else 4
 
 
-def _kv_cache_dtype_name(runner: Any) -> str | None:
+def _kv_cache_dtype_name(runner: ModelRunner) -> str | None:
     """The cache's format for the start-up report: its dtype name, or the quantization."""
-    spec = getattr(runner, "spec", None)
+    spec = runner.spec
     if spec is None:
         return None
     return spec.quantization or str(spec.dtype).removeprefix("torch.")
 
 
-def _kv_bytes_per_token(runner: Any) -> float | None:
+def _kv_bytes_per_token(runner: ModelRunner) -> float | None:
     """Bytes a token takes in the runner's cache tensors, scales included (None for a
     runner without any)."""
-    spec = getattr(runner, "spec", None)
+    spec = runner.spec
     return None if spec is None else spec.bytes_per_token
 
 
-def _staging_block_bytes(runner: Any) -> int | None:
-    spec = getattr(runner, "spec", None)
+def _staging_block_bytes(runner: ModelRunner) -> int | None:
+    spec = runner.spec
     if spec is None or spec.quantization is None:
         return None
     return spec.staging_bytes_per_slot

@@ -9,26 +9,41 @@ from pagedllm.routes import Routes
 
 if TYPE_CHECKING:
     from pagedllm.worker.disk_store import DiskKVStore
+    from pagedllm.worker.kv_cache import KVCacheSpec
 
 
 class ModelRunner(Protocol):
     """Runs one scheduled step: swaps, copies, forward, sampling.
 
     Implementations: ``pagedllm.worker.model_runner.TorchModelRunner`` (real
-    weights) and ``pagedllm.worker.fake_runner.FakeModelRunner`` (no weights,
+    weights), ``pagedllm.worker.fake_runner.FakeModelRunner`` (no weights,
     deterministic tokens computed from the context read back through the block
-    tables, so that any paging bug changes the output).
+    tables, so that any paging bug changes the output) and
+    ``pagedllm.engine.executor.tensor_parallel.TensorParallelRunner`` (N ranks).
+
+    Every member here is one the engine reads; optional capabilities are the named
+    Protocols below (``SupportsDiskTier``, ``ResizableRunner``).
     """
 
     vocab_size: int
     block_size: int
     num_blocks: int  # device-tier KV blocks
     num_host_blocks: int  # host-tier (swap) KV blocks
+    # Whether ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding) runs.
+    supports_multi_step: bool
+    # The layout of the KV tensors (the start-up report and the stats read it); None for a
+    # runner that keeps no tensors.
+    spec: KVCacheSpec | None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def routes(self) -> Routes | None:
         """Which implementation runs each capability of a step (None: no real model)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel ranks);
+        idempotent. ``LLMEngine.close`` calls it."""
         ...
 
 
@@ -62,11 +77,3 @@ class ResizableRunner(Protocol):
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Keep device blocks ``0 .. num_blocks - 1``; new ones may hold anything."""
         ...
-
-
-@runtime_checkable
-class SupportsClose(Protocol):
-    """A runner holding processes or connections (tensor-parallel ranks) that
-    ``LLMEngine.close`` must release."""
-
-    def close(self) -> None: ...

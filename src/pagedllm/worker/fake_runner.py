@@ -113,6 +113,8 @@ class FakeModelRunner:
 
     # Every block in one layout.
     first_block_nbytes: int | None = None
+    # Token ids in lists, no KV tensors.
+    spec = None
 
     def kv_fingerprint(self) -> dict[str, Any]:
         return {"runner": "fake", "vocab_size": self.vocab_size, "block_size": self.block_size}
@@ -190,6 +192,9 @@ class FakeModelRunner:
         del self.device_slots[size:]
         self.device_slots.extend([None] * (size - len(self.device_slots)))
         self.num_blocks = num_blocks
+
+    def close(self) -> None:
+        """Nothing held outside this object."""
 
     def next_token(self, context: Sequence[int], sample_index: int = 0) -> int:
         """The token this runner generates after ``context`` (used by tests as a

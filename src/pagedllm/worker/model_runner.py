@@ -168,6 +168,9 @@ class TorchModelRunner:
         self.kv_cache.resize(num_blocks)
         self.num_blocks = num_blocks
 
+    def close(self) -> None:
+        """Nothing held outside this process: the tensors go with the runner."""
+
     def routes(self) -> Routes:
         """The model's routes (attention, linears, decode loop, sampler) and its dtype."""
         routes = self.model.routes(self.spec.quantization)
