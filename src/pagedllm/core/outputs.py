@@ -46,6 +46,8 @@ class ScheduledSequence(NamedTuple):
     # A model whose layers are grouped by attention kind (``core/kv_groups.py``): the
     # block tables of groups 1.. (``block_table`` is group 0's); empty for one group.
     group_block_tables: tuple[tuple[int, ...], ...] = ()
+    # Which parallel sample of its request this sequence is (``Request.sample_index``).
+    sample_index: int = 0
 
     @property
     def num_prompt_logprobs(self) -> int:

@@ -61,6 +61,9 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Which of its request's n parallel samples this is: 0 the parent, j the j-th child
+    # (a seeded request's sample j draws from ``seed + j``).
+    sample_index: int = 0
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -390,8 +390,9 @@ class Scheduler:
         self.kv.release_out_of_window(request)
         return request
 
-    def fork(self, parent: Request, child_id: str) -> Request:
-        """A new running request sharing all of ``parent``'s blocks (and tokens)."""
+    def fork(self, parent: Request, child_id: str, sample_index: int = 0) -> Request:
+        """A new running request sharing all of ``parent``'s blocks (and tokens);
+        ``sample_index``: which parallel sample of the parent it is."""
         if child_id in self.requests:
             raise ValueError(f"request_id {child_id!r} is already in use")
         child = Request(
@@ -403,6 +404,7 @@ class Scheduler:
             priority=parent.priority,
             cache_salt=parent.cache_salt,
             output_token_ids=list(parent.output_token_ids),
+            sample_index=sample_index,
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
@@ -708,7 +710,7 @@ class Scheduler:
     ) -> list[SequenceUpdate]:
         # Fork before the parent appends its own token: children copy its state.
         children = [
-            self.fork(request, child_request_id(request.request_id, j))
+            self.fork(request, child_request_id(request.request_id, j), j)
             for j in range(1, len(tokens))
         ]
         updates = []
@@ -795,6 +797,7 @@ class Scheduler:
             request.prompt_token_ids,
             request.output_token_ids,
             self.kv.group_block_tables(request.request_id),
+            request.sample_index,
         )
 
     def _will_fork(self, request: Request) -> bool:

@@ -37,15 +37,6 @@ from pagedllm.sampling_params import SamplingParams
 _DEFAULT_PARAMS = SamplingParams(temperature=0.0)
 
 
-def child_seed(seed: int, request_id: str) -> int:
-    """The seed of one parallel sample: the parent keeps ``seed``; child ``id#j``
-    (see ``core.scheduler.child_request_id``) uses ``seed + j``."""
-    head, sep, tail = request_id.rpartition("#")
-    if sep and head and tail.isdigit():
-        return seed + int(tail)
-    return seed
-
-
 @dataclass(slots=True)
 class _Rows:
     """The batch expanded to one row per sample (internal)."""
@@ -259,16 +250,20 @@ class Sampler:
         uniform = torch.rand(len(seqs), device=device)
         for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
             if p.seed is not None:
-                generator = self._generator(seq.request_id, p.seed, device)
+                generator = self._generator(seq, p.seed, device)
                 uniform[i] = torch.rand(1, generator=generator, device=device)[0]
         return uniform
 
-    def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(request_id)
+    def _generator(
+        self, seq: ScheduledSequence, seed: int, device: torch.device
+    ) -> torch.Generator:
+        """The sequence's own generator: parallel sample j of a request draws from
+        ``seed + j``, so that the n samples differ and each is reproducible."""
+        generator = self._generators.get(seq.request_id)
         if generator is None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(child_seed(seed, request_id) % (2**63))
-            self._generators[request_id] = generator
+            generator.manual_seed((seed + seq.sample_index) % (2**63))
+            self._generators[seq.request_id] = generator
         return generator
 
     def _logprobs(
