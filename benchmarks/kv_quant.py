@@ -68,7 +68,8 @@ from pagedllm.kv_dtypes import (  # noqa: E402
 )
 from pagedllm.model.config import ModelConfig  # noqa: E402
 from pagedllm.worker.input_batch import build_input_batch  # noqa: E402
-from pagedllm.worker.kv_cache import KVCacheSpec, make_kv_cache  # noqa: E402
+from pagedllm.worker.kv_cache import KVCacheSpec  # noqa: E402
+from pagedllm.worker.kv_quant import make_kv_cache  # noqa: E402
 from throughput import Workload, resolve_model, standard_workload  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"

@@ -12,8 +12,8 @@ from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.core.outputs import ScheduledSequence
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, kv_bytes_per_block
 from pagedllm.worker.input_batch import build_input_batch
-from pagedllm.worker.kv_cache import KVCacheSpec, make_kv_cache
-from pagedllm.worker.kv_quant import QuantizedKVCache
+from pagedllm.worker.kv_cache import KVCacheSpec
+from pagedllm.worker.kv_quant import QuantizedKVCache, make_kv_cache
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,9 +25,6 @@ from pagedllm.attention.base import AttentionMetadata
 from pagedllm.core.kv_groups import kv_cache_layout
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_cache_dtype, kv_bytes_per_block
 from pagedllm.worker.allocator import BlockArena, total_memory_bytes
-
-if TYPE_CHECKING:
-    from pagedllm.worker.kv_quant import QuantizedKVCache
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -208,22 +204,6 @@ def check_tier_sizes(num_blocks: int, num_host_blocks: int) -> None:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
     if num_host_blocks < 0:
         raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
-
-
-def make_kv_cache(
-    spec: KVCacheSpec,
-    num_blocks: int,
-    num_host_blocks: int = 0,
-    device: torch.device | str = "cpu",
-    **kwargs: object,
-) -> KVCache | QuantizedKVCache:
-    """A ``QuantizedKVCache`` when ``spec.quantization`` is set, else a ``KVCache``
-    (``kwargs``: its keyword options)."""
-    if spec.quantization is None:
-        return KVCache(spec, num_blocks, num_host_blocks, device, **kwargs)
-    from pagedllm.worker.kv_quant import QuantizedKVCache
-
-    return QuantizedKVCache(spec, num_blocks, num_host_blocks, device)
 
 
 def available_memory_bytes(device: torch.device | str = "cpu") -> int:

@@ -32,6 +32,7 @@ import torch
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.quant import BlockCodec, QuantizedCache, QuantStep
 from pagedllm.worker.kv_cache import (
+    KVCache,
     KVCacheSpec,
     check_tier_sizes,
     read_blocks_reference,
@@ -386,3 +387,18 @@ def _index_pair(
     src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_device or src_device)
     return src, dst
+
+
+def make_kv_cache(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_host_blocks: int = 0,
+    device: torch.device | str = "cpu",
+    **kwargs: object,
+) -> KVCache | QuantizedKVCache:
+    """A ``QuantizedKVCache`` when ``spec.quantization`` is set, else a ``KVCache``
+    (``kwargs``: its keyword options). Here, not in ``kv_cache.py``: the choice needs both
+    classes, and ``kv_cache.py`` must not import this module back."""
+    if spec.quantization is None:
+        return KVCache(spec, num_blocks, num_host_blocks, device, **kwargs)
+    return QuantizedKVCache(spec, num_blocks, num_host_blocks, device)

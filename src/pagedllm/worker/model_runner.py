@@ -32,12 +32,8 @@ from pagedllm.routes import Routes
 from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
-from pagedllm.worker.kv_cache import (
-    KVCacheSpec,
-    cache_dtypes,
-    make_kv_cache,
-    num_blocks_from_budget,
-)
+from pagedllm.worker.kv_cache import KVCacheSpec, cache_dtypes, num_blocks_from_budget
+from pagedllm.worker.kv_quant import make_kv_cache
 from pagedllm.worker.sampler import Sampler, token_logprobs
 from pagedllm.worker.threads import ThreadGovernor
 
