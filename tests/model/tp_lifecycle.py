@@ -123,7 +123,7 @@ def snapshot(workers: list[int]) -> dict[str, Any]:
     return {
         "workers_alive": [pid for pid in workers if Path(f"/proc/{pid}").exists()],
         "group_initialized": dist.is_initialized(),
-        "shm_named": leftover_names(),
+        "shm_named": leftover_names([os.getpid(), *workers]),
         "shm_mapped": sorted({line.split(maxsplit=5)[-1] for line in maps if PREFIX in line}),
         "threads": sorted(t.name for t in threading.enumerate()),
         "native_threads": len(os.listdir("/proc/self/task")),

@@ -34,7 +34,7 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +65,13 @@ def shm_available() -> bool:
     return x86 and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-def leftover_names() -> list[str]:
-    """Files of this module under /dev/shm (tests check that none stay behind)."""
+def leftover_names(pids: Iterable[int] | None = None) -> list[str]:
+    """Files of this module under /dev/shm (tests check that none stay behind); with ``pids``,
+    only those the given processes created, so runs in other processes do not count."""
     if not SHM_DIR.is_dir():
         return []
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+    prefixes = (PREFIX,) if pids is None else tuple(f"{PREFIX}{pid}-" for pid in pids)
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefixes))
 
 
 @dataclass
