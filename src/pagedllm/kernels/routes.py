@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 
 from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows
 from pagedllm.kernels.ops import layer_ops
+from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
 
 
 def small_gemm_route(dtype: torch.dtype, ops: Any) -> str:
@@ -22,14 +24,17 @@ def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
     rows), on oneDNN's packed layout, or on plain torch."""
     small = onednn = plain = 0
     example = None
+    formats: Counter[str] = Counter()
     for t in linears:
-        if t.small is not None:
+        if t.quant is not None:
+            formats[t.quant.format] += 1
+        elif t.small is not None:
             small, example = small + 1, t.small
         elif t.packed is not None:
             onednn += 1
         else:
             plain += 1
-    parts = []
+    parts = [quant_route(formats, ops)] if formats else []
     if example is not None:
         beyond = "oneDNN" if example.dtype == torch.bfloat16 else "torch"
         isa = small_gemm_route(example.dtype, ops)
@@ -40,6 +45,19 @@ def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
     if plain:
         parts.append(f"{plain} on torch F.linear")
     return "; ".join(parts)
+
+
+def quant_route(formats: Counter[str], ops: Any) -> str:
+    """How the linears kept quantized run: "7 kept quantized (Q4_1 x7) on own kernel
+    quant_gemm (avx512_vnni) up to 16 rows, dequantised tiles on torch beyond"."""
+    counts = ", ".join(f"{name} x{n}" for name, n in sorted(formats.items()))
+    kept = f"{formats.total()} kept quantized ({counts})"
+    if ops is None:
+        return f"{kept}, dequantised per call on torch (no C++ kernels)"
+    return (
+        f"{kept} on own kernel quant_gemm ({ops.quant_gemm_isa()}) up to "
+        f"{QUANT_GEMM_MAX_ROWS} rows, dequantised tiles on torch beyond"
+    )
 
 
 def sampler_route(head: LinearTensors, ops: Any, *, in_head: bool = True) -> str:

@@ -295,7 +295,7 @@ class DecoderForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             weight = self.embed_tokens.weight
-            logits = linear(hidden, weight, None, self.packed_head, self.small_head, self.ops)
+            logits = linear(hidden, weight, None, self.packed_head, self.small_head, None, self.ops)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

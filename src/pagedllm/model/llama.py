@@ -31,6 +31,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
+from pagedllm.kernels.quant import QuantWeight
 from pagedllm.kernels.routes import linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
@@ -47,22 +48,35 @@ def pack_linears(model: nn.Module, ops: Any) -> None:
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
     small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
-    plain weight) where this CPU runs that kernel, else oneDNN's."""
+    plain weight) where this CPU runs that kernel, else oneDNN's. A weight kept quantized
+    (``keep_quantized``) is its only copy and runs on ``kernels/quant.py``."""
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
+    quant: QuantWeight | None = None
     ops: Any = None
 
+    def keep_quantized(self, weight: QuantWeight) -> None:
+        """Run on ``weight`` as stored; the float weight is dropped (an empty tensor of
+        the model's dtype stands in its place)."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {weight.shape} != {tuple(self.weight.shape)}")
+        self.quant = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def pack(self, ops: Any = None) -> None:
+        if self.quant is not None:
+            self.ops = ops
+            return
         self.packed, self.small = pack_for_cpu(self.weight, ops)
         self.ops = ops if self.small is not None else None
 
     @property
     def tensors(self) -> LinearTensors:
-        return LinearTensors(self.weight, self.bias, self.packed, self.small)
+        return LinearTensors(self.weight, self.bias, self.packed, self.small, self.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
+        return linear(x, *self.tensors, self.ops)
 
 
 def describe_routes(
@@ -394,7 +408,8 @@ class LlamaForCausalLM(nn.Module):
         inside the LM head without writing the logits (``small_gemm_argmax``: the same
         roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
         None where that kernel does not apply (then use ``compute_logits``)."""
-        _, bias, _, packed = self._head()
+        head = self._head()
+        bias, packed = head.bias, head.small
         if (
             packed is None
             or packed.dtype != torch.bfloat16
