@@ -79,10 +79,8 @@ def test_layout_dequantises_as_gguf_does(format) -> None:
     assert torch.equal(dequantize(weight), reference)
     if ops is None:
         pytest.skip("the C++ kernels did not build")
-    assert torch.equal(
-        ops.quant_dequantize(weight.qs, weight.d, weight.m, weight.code, torch.float32), reference
-    )
-    bf16 = ops.quant_dequantize(weight.qs, weight.d, weight.m, weight.code, torch.bfloat16)
+    assert torch.equal(ops.quant_dequantize(weight.data, torch.float32), reference)
+    bf16 = ops.quant_dequantize(weight.data, torch.bfloat16)
     assert torch.equal(bf16, reference.to(torch.bfloat16))
 
 
@@ -92,7 +90,7 @@ def test_layout_dequantises_as_gguf_does(format) -> None:
 def test_quant_gemm_matches_the_float_reference(format, num_rows) -> None:
     weight, reference = gguf_weight(format, 72, 576)
     x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows))
-    out = ops.quant_gemm(x, weight.qs, weight.d, weight.m, weight.code, None)
+    out = ops.quant_gemm(x, weight.data, None)
     assert out.shape == (num_rows, 72) and out.dtype == torch.float32
     assert relative_error(out, F.linear(x, reference)) <= 1e-2
     assert relative_error(out, emulated(x, weight, reference)) <= 1e-5
@@ -104,7 +102,7 @@ def test_quant_gemm_in_bf16_with_bias(format) -> None:
     weight, reference = gguf_weight(format, 40, 160, seed=1)
     x = torch.randn(2, 160).to(torch.bfloat16)
     bias = torch.randn(40).to(torch.bfloat16)
-    out = ops.quant_gemm(x, weight.qs, weight.d, weight.m, weight.code, bias)
+    out = ops.quant_gemm(x, weight.data, bias)
     assert out.dtype == torch.bfloat16
     expected = F.linear(x.float(), reference, bias.float())
     assert relative_error(out, expected) <= 1e-2
@@ -121,7 +119,7 @@ def test_every_route_gives_the_same_bits(format) -> None:
         saved = ops.set_quant_gemm_isa(name)
         try:
             if ops.quant_gemm_isa() == name:
-                outs[name] = ops.quant_gemm(x, weight.qs, weight.d, weight.m, weight.code, None)
+                outs[name] = ops.quant_gemm(x, weight.data, None)
         finally:
             ops.set_quant_gemm_isa(saved)
     if len(outs) < 2:

@@ -116,3 +116,30 @@ def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> N
     place_quantized(model, "layers.0.self_attn.qkv_proj.weight", parts, qkv.weight)
     assert qkv.quant is None
     assert torch.equal(qkv.weight, torch.cat([dequantize(parts[p]) for p in ("q", "k", "v")]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_decoder_equals_the_layer_loop(tmp_path, checkpoints, monkeypatch, dtype) -> None:
+    """Decode steps of a quantized model run every layer in one C++ call (quant_gemm inside
+    decoder_layers), with the per-layer loop's results bit for bit."""
+    from pagedllm.model import fast_path
+
+    from .test_decoder_layers import run_steps
+
+    gguf_file = write_tiny_gguf(checkpoints("qwen2_bias"), tmp_path / "t.gguf", False, "Q4_1")
+    calls = []
+    real = fast_path.decoder_layers
+    monkeypatch.setattr(fast_path, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for whole in (True, False):
+        model = load_model(gguf_file, dtype, load_tokenizer=False).model
+        runner = TorchModelRunner(model, block_size=16, num_blocks=64)
+        if model.fast_path is None or model.fast_path.plan is None:
+            pytest.skip("no one-call decoder here (no kernels, or no small_gemm for the head)")
+        if not whole:
+            model.fast_path.plan = None
+        results.append(run_steps(runner))
+    assert len(calls) >= 6  # the decode steps
+    for whole_step, loop_step in zip(*results, strict=True):
+        for request_id, row in whole_step.items():
+            assert torch.equal(row, loop_step[request_id])

@@ -142,7 +142,7 @@ def place_quantized(
         isinstance(module, Linear)
         and leaf == "weight"
         and len(kept) == len(order)
-        and len({w.code for w in kept}) == 1
+        and len({w.data.dtype for w in kept}) == 1
     ):
         module.keep_quantized(kept[0] if len(kept) == 1 else concat_rows(kept))
         return

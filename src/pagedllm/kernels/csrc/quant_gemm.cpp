@@ -2,12 +2,14 @@
 // weight), for decode-sized row counts; quant_dequantize expands rows of such a weight for
 // the float GEMM that prompts use (kernels/quant.py chooses).
 //
-// Weight w [N, K], K a multiple of 32; block b of row n holds w[n][32b .. 32b + 31]:
-//   q8 (Q8_0):        qs int8  [N, K]      w = d * q
-//   q4 (Q4_0, Q4_1):  qs uint8 [N, K / 2]  w = d * q + m, q in 0..15; byte j of a block holds
-//                                          q of element j (low nibble) and of j + 16 (high),
-//                                          as GGUF stores it; Q4_0 is m = -8 d
-//   d, m: fp16 [N, K / 32]
+// Weight w [N, K], K a multiple of 32, as one tensor with a row per weight row: the row's
+// quants as GGUF stores them, then its blocks' fp16 scales d, then (q4) their minimums m. The
+// tensor's dtype names the layout, so that it passes for a weight wherever decoder_layers
+// takes one (a small_gemm weight is float32 or bf16):
+//   q8 (Q8_0), int8 [N, K + 2 K/32]:          q int8, w = d q
+//   q4 (Q4_0, Q4_1), uint8 [N, K/2 + 4 K/32]:  q in 0..15, w = d q + m; byte j of block b's 16
+//                                              holds q of element j (low nibble) and j + 16
+//                                              (high), as GGUF stores it; Q4_0 is m = -8 d
 // Activations are quantised per 32-block on the fly: xq = round(x * 127 / max|x|) in int8,
 // dx = max|x| / 127, sx = dx * sum(xq). Then
 //   y[r][n] = sum_b d[n][b] dx[r][b] dot(q[n][b], xq[r][b]) + m[n][b] sx[r][b]  (+ bias)
@@ -97,58 +99,73 @@ std::string set_quant_gemm_isa(const std::string& isa) {
 // A weight after the checks.
 struct Weight {
   Format format;
-  const uint8_t* qs = nullptr;
-  const uint16_t* d = nullptr;  // fp16 bits
-  const uint16_t* m = nullptr;  // fp16 bits (q4), else null
-  int64_t n = 0, k = 0;
+  const uint8_t* data = nullptr;
+  int64_t n = 0, k = 0, stride = 0;
 
   int64_t blocks() const { return k / BLOCK; }
-  int64_t row_bytes() const { return format == Format::q8 ? k : k / 2; }
+  int64_t quant_bytes() const { return format == Format::q8 ? k : k / 2; }
+  const uint8_t* row(int64_t i) const { return data + i * stride; }
+  // Row i's fp16 scales (d) and minimums (m, q4), blocks() of each.
+  const uint16_t* d(int64_t i) const { return reinterpret_cast<const uint16_t*>(row(i) + quant_bytes()); }
+  const uint16_t* m(int64_t i) const { return d(i) + blocks(); }
 };
 
-Weight check_weight(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t format) {
-  TORCH_CHECK(format == 0 || format == 1, "quant_gemm: unknown format ", format, " (0: q8, 1: q4)");
-  Weight w;
-  w.format = static_cast<Format>(format);
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.element_size() == 1, "quant_gemm: qs must be 2-D contiguous bytes");
-  TORCH_CHECK(d.dim() == 2 && d.is_contiguous() && d.scalar_type() == at::kHalf, "quant_gemm: d must be 2-D contiguous fp16");
-  w.n = qs.size(0);
-  w.k = w.format == Format::q8 ? qs.size(1) : 2 * qs.size(1);
-  TORCH_CHECK(w.k % BLOCK == 0 && d.size(0) == w.n && d.size(1) == w.k / BLOCK, "quant_gemm: d must be [N, K / 32]");
-  w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-  w.d = reinterpret_cast<const uint16_t*>(d.data_ptr());
-  if (w.format == Format::q4) {
-    TORCH_CHECK(m.has_value() && m->sizes() == d.sizes() && m->is_contiguous() && m->scalar_type() == at::kHalf,
-                "quant_gemm: q4 needs m, fp16 shaped as d");
-    w.m = reinterpret_cast<const uint16_t*>(m->data_ptr());
-  }
-  return w;
+Weight check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte),
+              "quant_gemm: the weight must be a 2-D contiguous int8 (q8) or uint8 (q4) tensor");
+  Weight q;
+  q.format = w.scalar_type() == at::kChar ? Format::q8 : Format::q4;
+  q.n = w.size(0);
+  q.stride = w.size(1);
+  // A row of k weights: q8 k + k/16 bytes (17 per 16 weights), q4 k/2 + k/8 (5 per 8).
+  q.k = q.format == Format::q8 ? q.stride / 17 * 16 : q.stride / 5 * 8;
+  const int64_t expected = q.format == Format::q8 ? q.k / 16 * 17 : q.k / 8 * 5;
+  TORCH_CHECK(q.k % BLOCK == 0 && expected == q.stride, "quant_gemm: a weight row of ", q.stride,
+              " bytes is no whole number of 32-blocks");
+  q.data = static_cast<const uint8_t*>(w.data_ptr());
+  return q;
 }
 
 // x [rows, k] (float32 or bf16) quantised per block: xq int8 [rows, k], dx and sx [rows, k / 32].
+// One set per thread, reused from call to call (a decode step makes a few hundred calls).
 struct Activations {
   std::vector<int8_t> xq;
-  std::vector<float> dx, sx;
+  std::vector<float> dx, sx, row;
 };
 
-Activations quantize_rows(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0), k = xf.size(1), blocks = k / BLOCK;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
-  const float* src = xf.data_ptr<float>();
+template <typename T>
+void quantize_block(const T* v, float* tmp, int8_t* xq, float& dx, float& sx) {
+  float amax = 0.f;
+  for (int j = 0; j < BLOCK; ++j) {
+    tmp[j] = static_cast<float>(v[j]);
+    amax = std::max(amax, std::fabs(tmp[j]));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int j = 0; j < BLOCK; ++j) {
+    const int q = static_cast<int>(std::nearbyint(tmp[j] * inv));  // to nearest, ties to even
+    xq[j] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  dx = amax / 127.f;
+  sx = dx * static_cast<float>(sum);
+}
+
+const Activations& quantize_rows(const at::Tensor& x) {
+  thread_local Activations a;
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), blocks = k / BLOCK;
+  a.xq.resize(rows * k);
+  a.dx.resize(rows * blocks);
+  a.sx.resize(rows * blocks);
+  a.row.resize(BLOCK);
   for (int64_t i = 0; i < rows * blocks; ++i) {
-    const float* v = src + i * BLOCK;
-    float amax = 0.f;
-    for (int j = 0; j < BLOCK; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int j = 0; j < BLOCK; ++j) {
-      const int q = static_cast<int>(std::nearbyint(v[j] * inv));  // to nearest, ties to even
-      a.xq[i * BLOCK + j] = static_cast<int8_t>(q);
-      sum += q;
+    if (xc.scalar_type() == at::kFloat) {
+      quantize_block(xc.data_ptr<float>() + i * BLOCK, a.row.data(), a.xq.data() + i * BLOCK, a.dx[i], a.sx[i]);
+    } else {
+      quantize_block(xc.data_ptr<c10::BFloat16>() + i * BLOCK, a.row.data(), a.xq.data() + i * BLOCK, a.dx[i],
+                     a.sx[i]);
     }
-    a.dx[i] = amax / 127.f;
-    a.sx[i] = a.dx[i] * static_cast<float>(sum);
   }
   return a;
 }
@@ -193,31 +210,46 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// sum over blocks of m[b] sx[b] (q4's minimums against the activations' block sums).
+inline float min_term(const uint16_t* m, const float* sx, int64_t blocks) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b)));
+    acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), acc);
+  }
+  float sum = hsum(acc);
+  for (; b < blocks; ++b) sum += _cvtsh_ss(m[b]) * sx[b];
+  return sum;
+}
+
 // out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), as float sums
-// (bias not yet added): each weight block is loaded once for the RB rows.
+// (bias not yet added): each weight block is loaded once for the RB rows. Even and odd
+// blocks go to two sums per row, so that one row's multiply-adds do not wait on each other.
 template <Route R, Format F, int RB>
 void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out) {
   const int64_t blocks = w.blocks(), k = w.k;
+  const int8_t* xq = a.xq.data() + r0 * k;
+  const float* dx = a.dx.data() + r0 * blocks;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w.qs + n * w.row_bytes();
-    const uint16_t* d = w.d + n * blocks;
-    __m256 acc[RB];
-    float corr[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    const uint8_t* row = w.row(n);
+    const uint16_t* d = w.d(n);
+    __m256 acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const __m256i q = load_block<F>(row, b);
       const float dw = _cvtsh_ss(d[b]);
       for (int r = 0; r < RB; ++r) {
-        const int64_t i = (r0 + r) * blocks + b;
-        const __m256i s = block_dot<R, F>(q, a.xq.data() + (r0 + r) * k + b * BLOCK);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * a.dx[i]), acc[r]);
-      }
-      if constexpr (F == Format::q4) {
-        const float mw = _cvtsh_ss(w.m[n * blocks + b]);
-        for (int r = 0; r < RB; ++r) corr[r] += mw * a.sx[(r0 + r) * blocks + b];
+        const __m256i s = block_dot<R, F>(q, xq + r * k + b * BLOCK);
+        __m256& sum = acc[r][b & 1];
+        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * dx[r * blocks + b]), sum);
       }
     }
-    for (int r = 0; r < RB; ++r) out[(r0 + r) * w.n + n] = hsum(acc[r]) + corr[r];
+    for (int r = 0; r < RB; ++r) {
+      float y = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+      if constexpr (F == Format::q4) y += min_term(w.m(n), a.sx.data() + (r0 + r) * blocks, blocks);
+      out[(r0 + r) * w.n + n] = y;
+    }
   }
 }
 
@@ -253,9 +285,8 @@ void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64
 #endif
 
 // out = x @ w.T (+ bias) in x's dtype (float32 or bf16), x [rows, K].
-at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                      int64_t format, const std::optional<at::Tensor>& bias) {
-  const Weight w = check_weight(qs, d, m, format);
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const Weight w = check_weight(weight);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k, "quant_gemm: x must be [rows, ", w.k, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bf16");
   const Route route = current_route();
@@ -264,7 +295,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   at::Tensor out = at::empty({rows, w.n}, x.options().dtype(at::kFloat));
   if (rows == 0) return out.to(x.scalar_type());
 #if defined(QUANT_AVX2)
-  const Activations a = quantize_rows(x);
+  const Activations& a = quantize_rows(x);
   float* o = out.data_ptr<float>();
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
 #endif
@@ -299,10 +330,10 @@ inline __m128i to_bf16(__m256 v) {
 template <Format F, typename T>
 void dequantize_row(const Weight& w, int64_t n, T* out) {
   const int64_t blocks = w.blocks();
-  const uint8_t* row = w.qs + n * w.row_bytes();
+  const uint8_t* row = w.row(n);
   for (int64_t b = 0; b < blocks; ++b) {
-    const float dw = _cvtsh_ss(w.d[n * blocks + b]);
-    const float mw = F == Format::q4 ? _cvtsh_ss(w.m[n * blocks + b]) : 0.f;
+    const float dw = _cvtsh_ss(w.d(n)[b]);
+    const float mw = F == Format::q4 ? _cvtsh_ss(w.m(n)[b]) : 0.f;
     __m256 v[4];
     dequantize_block<F>(row, b, dw, mw, v);
     for (int i = 0; i < 4; ++i) {
@@ -331,12 +362,11 @@ void dequantize_rows(const Weight& w, T* out) {
 #endif
 
 // The weight's rows as a [N, K] tensor of `dtype` (float32 or bf16): w = d q (+ m), in float.
-at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                            int64_t format, at::ScalarType dtype) {
-  const Weight w = check_weight(qs, d, m, format);
+at::Tensor quant_dequantize(const at::Tensor& weight, at::ScalarType dtype) {
+  const Weight w = check_weight(weight);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bf16");
   TORCH_CHECK(current_route() != Route::none, "quant_dequantize needs AVX2 with FMA and F16C");
-  at::Tensor out = at::empty({w.n, w.k}, qs.options().dtype(dtype));
+  at::Tensor out = at::empty({w.n, w.k}, weight.options().dtype(dtype));
 #if defined(QUANT_AVX2)
   if (dtype == at::kFloat) {
     dequantize_rows(w, out.data_ptr<float>());
@@ -352,8 +382,8 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& d, const std
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa() -> str", &quant_gemm_isa);
   m.def("set_quant_gemm_isa(str isa) -> str", &set_quant_gemm_isa);
-  m.def("quant_gemm(Tensor x, Tensor qs, Tensor d, Tensor? m, int format, Tensor? bias=None) -> Tensor");
-  m.def("quant_dequantize(Tensor qs, Tensor d, Tensor? m, int format, ScalarType dtype) -> Tensor");
+  m.def("quant_gemm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("quant_dequantize(Tensor weight, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
