@@ -52,10 +52,15 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(
-    checkpoint: Path, out: Path, quantize_q8: bool, linears: str | None = None
+    checkpoint: Path,
+    out: Path,
+    quantize_q8: bool,
+    linears: str | None = None,
+    embedding: str | None = None,
 ) -> Path:
     """A llama.cpp-style GGUF of a tiny HF checkpoint (2-D weights Q8_0 when asked; the
-    linears' weights in the GGUF type ``linears`` when given)."""
+    linears' weights in the GGUF type ``linears``, the token embedding in ``embedding``,
+    when given)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -88,6 +93,8 @@ def write_tiny_gguf(
         kind = None
         if linears is not None and (name.endswith("proj.weight") or name == "lm_head.weight"):
             kind = GGMLQuantizationType[linears]
+        elif embedding is not None and name == "model.embed_tokens.weight":
+            kind = GGMLQuantizationType[embedding]
         elif quantize_q8 and array.ndim == 2:
             kind = GGMLQuantizationType.Q8_0
         if kind is not None:

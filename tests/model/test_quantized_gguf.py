@@ -84,6 +84,24 @@ def test_quantized_linears_stay_close_to_the_dequantised_model(
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
 
 
+def test_a_quantized_embedding_is_the_tied_head_too(tmp_path, checkpoints) -> None:
+    """SmolLM2's layout: linears Q4_1, the token embedding Q8_0 and tied to the head; the
+    embedding is kept as stored, looked up and multiplied in that one copy."""
+    source = checkpoints("llama_tied")
+    gguf_file = write_tiny_gguf(source, tmp_path / "t.gguf", False, "Q4_1", embedding="Q8_0")
+    quantized = load_model(gguf_file, dtype="float32", load_tokenizer=False)
+    reference = load_model(gguf_file, dtype="float32", load_tokenizer=False, keep_quantized=False)
+    table = quantized.model.embed_tokens
+    assert table.quant is not None and table.quant.format == "Q8_0"
+    assert table.weight.numel() == 0 and quantized.dtype == torch.float32
+    ids = torch.tensor([[3, 200], [0, 319]])
+    assert torch.equal(table(ids), reference.model.embed_tokens(ids))
+    worst, top1 = run_in_lockstep(reference.model, quantized.model, PROMPTS)
+    assert worst <= MAX_KL, f"KL {worst:.2e}"
+    assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
+    assert "(Q4_1 x8, Q8_0 x1)" in quantized.model.routes().linears
+
+
 def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
     gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q4_1")
     loaded = load_model(gguf_file, dtype="float32", load_tokenizer=False)
@@ -143,3 +161,17 @@ def test_one_call_decoder_equals_the_layer_loop(tmp_path, checkpoints, monkeypat
     for whole_step, loop_step in zip(*results, strict=True):
         for request_id, row in whole_step.items():
             assert torch.equal(row, loop_step[request_id])
+
+
+def test_tensor_parallel_shards_keep_the_quantized_rows(tmp_path, checkpoints) -> None:
+    """A rank keeps its rows of a quantized linear (q/k/v pieces in order), still quantized."""
+    from pagedllm.kernels.quant import dequantize
+    from pagedllm.model.tensor_parallel import _shard_rows
+
+    gguf_file = write_tiny_gguf(checkpoints("llama_gqa"), tmp_path / "t.gguf", False, "Q8_0")
+    qkv = load_model(gguf_file, dtype="float32", load_tokenizer=False).model.layers[0].self_attn
+    qkv = qkv.qkv_proj
+    full = dequantize(qkv.quant)
+    _shard_rows(qkv, [(0, 32), (64, 80), (96, 112)])
+    assert qkv.out_features == 64 and qkv.quant.shape == (64, 64)
+    assert torch.equal(dequantize(qkv.quant), torch.cat((full[0:32], full[64:80], full[96:112])))

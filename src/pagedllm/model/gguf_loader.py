@@ -1,9 +1,9 @@
 """Read a ``.gguf`` file as a Hugging Face checkpoint: config dict, tensors, tokenizer.
 
 Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) to
-float32, except, when asked (``keep_quantized``: the loader asks), the linears of the
-Llama-family decoder stored as Q8_0, Q4_0 or Q4_1: those come as ``QuantWeight`` (their
-blocks repacked once for ``kernels/quant.py``, the only copy of the weight). llama.cpp stores Llama q/k projection rows permuted for its own rotary
+float32, except, when asked (``keep_quantized``: the loader asks), the linears and the
+token embedding of the Llama-family decoder stored as Q8_0, Q4_0 or Q4_1: those come as
+``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``, the only copy). llama.cpp stores Llama q/k projection rows permuted for its own rotary
 layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
 The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
 Gemma 3: llama.cpp stores the norms' weights with Gemma's ``1 +`` folded in (taken off
@@ -64,11 +64,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# The linears' weights (Hugging Face names end so) that may stay quantized.
-_LINEAR_SUFFIXES = tuple(
+# The weights (Hugging Face names end so) that may stay quantized: the linears', and the
+# token embedding (a tied LM head's weight too).
+_KEPT_SUFFIXES = tuple(
     f"{name}.weight"
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-) + ("lm_head.weight",)
+) + ("lm_head.weight", "embed_tokens.weight")
 # Families whose decoder runs quantized linears (model/llama.py's).
 _QUANTIZED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -161,7 +162,7 @@ def gguf_tensors(
         name = hf_tensor_name(tensor.name, gemma)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         kind = tensor.tensor_type.name
-        if keep_quantized and kind in FORMATS and name.endswith(_LINEAR_SUFFIXES):
+        if keep_quantized and kind in FORMATS and name.endswith(_KEPT_SUFFIXES):
             yield name, quantized_tensor(tensor.data, kind, shape, name, config, unpermute)
             continue
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.

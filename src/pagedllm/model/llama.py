@@ -31,7 +31,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
-from pagedllm.kernels.quant import QuantWeight
+from pagedllm.kernels.quant import QuantWeight, dequantize_rows
 from pagedllm.kernels.routes import linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
@@ -77,6 +77,31 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, *self.tensors, self.ops)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be kept quantized as stored (``keep_quantized``: a
+    GGUF's token embedding, which a tied LM head also reads): its only copy; the rows a
+    step looks up are dequantised."""
+
+    quant: QuantWeight | None = None
+
+    def keep_quantized(self, weight: QuantWeight) -> None:
+        """Look rows up in ``weight``; the float table is dropped (an empty tensor of the
+        model's dtype stands in its place)."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized table {weight.shape} != {tuple(self.weight.shape)}")
+        self.quant = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return super().forward(input_ids)
+        from pagedllm.kernels.ops import layer_ops
+
+        rows = self.quant.rows(input_ids.reshape(-1).cpu())
+        table = dequantize_rows(rows, self.weight.dtype, layer_ops())
+        return table.view(*input_ids.shape, self.embedding_dim)
 
 
 def describe_routes(
@@ -338,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         # Builds the CPU fast path in optimize_for_cpu() (the loader gives
         # ``fast_path.CpuFastPath.build``); None keeps the modules.
         self.fast_path_builder = fast_path_builder
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
@@ -389,7 +414,10 @@ class LlamaForCausalLM(nn.Module):
 
         ops = layer_ops()
         pack_linears(self, ops)
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens.quant is not None:
+            weight = self.embed_tokens.weight
+            self.tied_head = LinearTensors(weight, None, None, None, self.embed_tokens.quant)
+        elif self.lm_head is None:
             weight = self.embed_tokens.weight
             self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
         self.head_ops = ops

@@ -130,16 +130,16 @@ def place_quantized(
     model: nn.Module, name: str, parts: dict[str, QuantWeight], param: torch.Tensor
 ) -> None:
     """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in one layout
-    keeps them fused as stored; otherwise its quantized parts are dequantised into its
-    float weight."""
-    from pagedllm.model.llama import Linear
+    keeps them fused as stored, as does a token embedding; otherwise the quantized parts
+    are dequantised into the float weight."""
+    from pagedllm.model.llama import Embedding, Linear
 
     module_name, leaf = name.rsplit(".", 1)
     module = model.get_submodule(module_name)
     order = _PARTS.get(module_name.split(".")[-1], ("",))
     kept = [parts[part] for part in order if part in parts]
     if (
-        isinstance(module, Linear)
+        isinstance(module, (Linear, Embedding))
         and leaf == "weight"
         and len(kept) == len(order)
         and len({w.data.dtype for w in kept}) == 1
