@@ -223,30 +223,51 @@ inline float min_term(const uint16_t* m, const float* sx, int64_t blocks) {
   return sum;
 }
 
+// Eight blocks' int32 sums (eight lanes each) as one vector of eight totals, block j's in lane j.
+inline __m256i totals8(const __m256i s[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(s[0], s[1]), t1 = _mm256_hadd_epi32(s[2], s[3]);
+  const __m256i t2 = _mm256_hadd_epi32(s[4], s[5]), t3 = _mm256_hadd_epi32(s[6], s[7]);
+  // u0's low lane: blocks 0-3 over their elements' low halves; its high lane: the high halves.
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
 // out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), as float sums
-// (bias not yet added): each weight block is loaded once for the RB rows. Even and odd
-// blocks go to two sums per row, so that one row's multiply-adds do not wait on each other.
+// (bias not yet added): each weight block is loaded once for the RB rows. Blocks go eight
+// at a time: their integer sums reduced to eight totals, scaled by eight d dx at once (a
+// total is exact in float: at most 32 x 128 x 127); the blocks past the last eight one by one.
 template <Route R, Format F, int RB>
 void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out) {
-  const int64_t blocks = w.blocks(), k = w.k;
+  const int64_t blocks = w.blocks(), k = w.k, whole = blocks / 8 * 8;
   const int8_t* xq = a.xq.data() + r0 * k;
   const float* dx = a.dx.data() + r0 * blocks;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
     const uint16_t* d = w.d(n);
-    __m256 acc[RB][2];
-    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < whole; b += 8) {
+      __m256i q[8];
+      for (int j = 0; j < 8; ++j) q[j] = load_block<F>(row, b + j);
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      for (int r = 0; r < RB; ++r) {
+        __m256i s[8];
+        for (int j = 0; j < 8; ++j) s[j] = block_dot<R, F>(q[j], xq + r * k + (b + j) * BLOCK);
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * blocks + b));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(s)), scale, acc[r]);
+      }
+    }
+    float tail[RB] = {};
+    for (int64_t b = whole; b < blocks; ++b) {
       const __m256i q = load_block<F>(row, b);
       const float dw = _cvtsh_ss(d[b]);
       for (int r = 0; r < RB; ++r) {
         const __m256i s = block_dot<R, F>(q, xq + r * k + b * BLOCK);
-        __m256& sum = acc[r][b & 1];
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * dx[r * blocks + b]), sum);
+        tail[r] += dw * dx[r * blocks + b] * hsum(_mm256_cvtepi32_ps(s));
       }
     }
     for (int r = 0; r < RB; ++r) {
-      float y = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+      float y = hsum(acc[r]) + tail[r];
       if constexpr (F == Format::q4) y += min_term(w.m(n), a.sx.data() + (r0 + r) * blocks, blocks);
       out[(r0 + r) * w.n + n] = y;
     }
