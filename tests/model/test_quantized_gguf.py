@@ -112,6 +112,23 @@ def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
         assert f"quant_gemm ({loaded.model.head_ops.quant_gemm_isa()})" in linears
 
 
+def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
+    import json
+
+    from pagedllm.cli import main
+    from pagedllm.kernels.ops import layer_ops
+
+    gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q4_0")
+    assert main(["env", "--model", str(gguf_file), "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    ops = layer_ops()
+    isa = "none" if ops is None else ops.quant_gemm_isa()
+    assert env["kernels"]["quant_gemm"] == isa
+    assert "8 kept quantized (Q4_0 x8)" in env["routes"]["linears"]
+    if ops is not None:
+        assert f"quant_gemm ({isa}) up to 16 rows" in env["routes"]["linears"]
+
+
 def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> None:
     """q in Q8_0, k and v in Q4_0: the fused qkv_proj cannot keep one layout, so it holds
     the dequantised floats."""
