@@ -59,7 +59,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention.select import get_backend  # noqa: E402
-from pagedllm.core.outputs import ScheduledSequence, TokenLogprob  # noqa: E402
+from pagedllm.core.outputs import ScheduledSequence  # noqa: E402
+from pagedllm.engine.outputs import Logprob, PromptLogprobs, top_logprobs  # noqa: E402
 from pagedllm.kv_dtypes import (  # noqa: E402
     FLOAT_BYTES,
     UNQUANTIZED_FIRST_BLOCK_DTYPES,
@@ -93,12 +94,15 @@ class Quality:
         return self.ppl - self.ppl_reference
 
 
-def bucket_kl(reference: TokenLogprob, test: TokenLogprob) -> float:
-    """KL(reference || test) over the top tokens both list, plus one bucket for the rest of
-    the vocabulary (a lower bound of the full KL)."""
-    test_lp = dict(zip(test.top_token_ids, test.top_logprobs, strict=True))
+def bucket_kl(
+    reference: Sequence[tuple[int, Logprob]], test: Sequence[tuple[int, Logprob]]
+) -> float:
+    """KL(reference || test) over the top tokens both list (``top_logprobs``), plus one
+    bucket for the rest of the vocabulary (a lower bound of the full KL)."""
+    test_lp = {token_id: entry.logprob for token_id, entry in test}
     kl, p_rest, q_rest = 0.0, 1.0, 1.0
-    for token_id, lp in zip(reference.top_token_ids, reference.top_logprobs, strict=True):
+    for token_id, entry in reference:
+        lp = entry.logprob
         if token_id in test_lp:
             p, q = math.exp(lp), math.exp(test_lp[token_id])
             kl += p * (lp - test_lp[token_id])
@@ -109,22 +113,25 @@ def bucket_kl(reference: TokenLogprob, test: TokenLogprob) -> float:
 
 
 def compare(
-    reference: Sequence[Sequence[TokenLogprob | None]],
-    test: Sequence[Sequence[TokenLogprob | None]],
+    prompts: Sequence[Sequence[int]],
+    reference: Sequence[PromptLogprobs],
+    test: Sequence[PromptLogprobs],
+    top_k: int,
 ) -> Quality:
-    """Per-prompt lists of prompt logprobs (vLLM's shape: None first) compared position by
-    position."""
+    """Per-prompt lists of prompt logprobs (vLLM's shape: None first, then the prompt
+    token and the ``top_k`` per position) compared position by position."""
     nll_ref = nll = kl = 0.0
     agree = positions = 0
-    for ref_prompt, test_prompt in zip(reference, test, strict=True):
-        for r, t in zip(ref_prompt, test_prompt, strict=True):
+    for prompt, ref_prompt, test_prompt in zip(prompts, reference, test, strict=True):
+        for token_id, r, t in zip(prompt, ref_prompt, test_prompt, strict=True):
             if r is None or t is None:
                 continue
             positions += 1
-            nll_ref -= r.logprob
-            nll -= t.logprob
-            kl += bucket_kl(r, t)
-            agree += r.top_token_ids[0] == t.top_token_ids[0]
+            nll_ref -= r[token_id].logprob
+            nll -= t[token_id].logprob
+            r_top, t_top = top_logprobs(r, token_id, top_k), top_logprobs(t, token_id, top_k)
+            kl += bucket_kl(r_top, t_top)
+            agree += r_top[0][0] == t_top[0][0]
     if not positions:
         raise ValueError("no scored positions")
     return Quality(
@@ -172,7 +179,7 @@ def prompt_logprobs(
     prompts: list[list[int]],
     top_k: int,
     first_block: bool | None = None,
-) -> list[tuple[TokenLogprob | None, ...]]:
+) -> list[PromptLogprobs]:
     llm = LLM(
         model=str(model),
         dtype=dtype,
@@ -196,7 +203,7 @@ def measure_quality(args: argparse.Namespace, model: Path) -> dict[str, Quality]
         test = prompt_logprobs(
             model, args.dtype, case.kv_dtype, prompts, args.top_k, case.first_block
         )
-        results[case.label] = compare(reference, test)
+        results[case.label] = compare(prompts, reference, test, args.top_k)
     return results
 
 

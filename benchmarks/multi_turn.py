@@ -127,7 +127,7 @@ def build_engine(args: argparse.Namespace, *, num_blocks: int, offload_dir: str 
         num_blocks=num_blocks,
         max_model_len=args.max_model_len,
         kv_offload_dir=offload_dir,
-        kv_offload_space=args.kv_offload_space,
+        kv_offload_size=int(args.kv_offload_space * (1 << 30)),
         num_threads=args.num_threads,
     )
     return LLMEngine.from_config(config)

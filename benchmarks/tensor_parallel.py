@@ -125,9 +125,9 @@ def main() -> None:
     for name in ("tp2-gloo", "tp2-shm"):
         engines = {**single, name: build_engine(path, args, name)}
         run_rounds(engines, workloads, args.rounds, results)
-        engines[name].engine.close()
+        engines[name].close()
     for llm in single.values():
-        llm.engine.close()
+        llm.close()
     report(results, args)
 
 

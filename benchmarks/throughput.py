@@ -22,9 +22,9 @@ ceiling measured in the same run, and a floor adds what no engine can avoid: eac
 streams every weight and its contexts' K/V at the memory bandwidth measured in the same run,
 or does its matrix work at the ceiling, whichever takes longer; prompts cost their matrix
 work at the ceiling (see ``Floor``). Both rates are sampled
-before the engines, before every turn and after them, and the highest reading counts: this
-machine's matrix rate swings 2-3x within minutes, and a ceiling read only at the ends once
-caught two slow moments (0.80 TFLOP/s) and put pagedllm at 47% of it. Where the CPU's own
+before the engines, before every turn and after them, and the highest reading counts: a
+shared machine's matrix rate swings within minutes, and a ceiling read only at the ends can
+catch two slow moments. Where the CPU's own
 multiply-add instruction for the dtype can be timed (``dot_peak.py``: bf16 dot products
 without AMX, float32 FMAs), a second floor puts the matrix work at that peak instead: a bound
 no kernel can beat. The last line is one JSON object keyed by engine.
@@ -32,9 +32,9 @@ no kernel can beat. The last line is one JSON object keyed by engine.
 ``--rounds N`` loads every engine once (vLLM in a child process that waits for its turn),
 then times N generates of each, the engines taking turns: figures are the median round, and
 the pagedllm / other ratio is the median of the per-round ratios. On a shared machine whose
-speed swings by 2x within minutes, that ratio is the one to quote. Before each turn the prefix
+speed swings within minutes, that ratio is the one to quote. Before each turn the prefix
 caches are reset (every round computes its prompts) and the machine is let go idle (vLLM's
-processes stay busy for about 2 s after each of its generates).
+processes stay busy for a while after each of its generates).
 
 ``--phases`` also times, in each engine's turn, a generate of the same prompts with one output
 token each (the prompt phase), and splits every engine's figure into the prompt phase and the
@@ -374,9 +374,8 @@ def settle(
     limit: float = 10.0,
 ) -> float:
     """Wait until the machine is idle (busy under `busy_below` over one `interval`), at most
-    `limit` seconds; returns the seconds waited. vLLM's processes stay busy for about 2 s
-    after loading and after each generate (a quarter of two cores, measured here), which
-    would slow whichever engine went next."""
+    `limit` seconds; returns the seconds waited. vLLM's processes stay busy for a while
+    after loading and after each generate, which would slow whichever engine went next."""
     waited = 0.0
     before = read()
     while waited < limit:

@@ -18,7 +18,7 @@ from pathlib import Path
 def vllm_env() -> dict[str, str]:
     """This process's environment with vLLM-CPU given every core: left unset, its OpenMP
     binding ("auto") keeps a core for its front end, and on a 2-core machine runs the model
-    on one thread (about half its speed on model (a)). An explicit setting is kept."""
+    on one thread. An explicit setting is kept."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     return env

@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineConfig": "pagedllm.engine.config",
     "RequestOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",
+    "Logprob": "pagedllm.engine.outputs",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
 }

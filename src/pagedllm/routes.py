@@ -11,14 +11,16 @@ from dataclasses import asdict, dataclass
 class Routes:
     """One line per capability: attention (the kernel's ISA), the layers with a sliding
     window or soft-capping where the model has them (their attention route), linears (own
-    kernel or oneDNN), the decode loop (one fused C++ call or per layer), the sampler, and
-    the dtype the model runs in with the reason for it."""
+    kernel or oneDNN), the LM head's path among them (and why it is off the own kernel),
+    the decode loop (one fused C++ call or per layer), the sampler, and the dtype the model
+    runs in with the reason for it."""
 
     attention: str
     linears: str
     decode_loop: str
     sampler: str
     windowed_attention: str = ""
+    lm_head: str = ""
     dtype: str = ""
     dtype_reason: str = ""
 

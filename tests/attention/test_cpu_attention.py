@@ -9,42 +9,31 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, ReferenceAttention, cpu
 from pagedllm.attention.base import FULL_ATTENTION, AttentionKind
-from pagedllm.attention.cpu import CpuAttention, load_extension
+from pagedllm.attention.cpu import CpuAttention
 from pagedllm.attention.select import get_backend
 
-HAS_EXTENSION = load_extension() is not None
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def backends() -> list:
-    params = [pytest.param(lambda: CpuAttention(use_extension=False), id="cpu-torch")]
-    mark = pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
-    params.append(
-        pytest.param(lambda: CpuAttention(use_extension=True), id="cpu-kernel", marks=mark)
-    )
-    params.append(
-        pytest.param(
-            lambda: CpuAttention(use_extension=True, bf16_dot=False),
-            id="cpu-kernel-fp32dot",
-            marks=mark,
-        )
-    )
-    params.append(
-        pytest.param(
-            lambda: CpuAttention(use_extension=True, amx=False),
-            id="cpu-kernel-no-amx",
-            marks=mark,
-        )
-    )
+# The backends the tests taking ``make_backend`` run on: CpuAttention's arguments by id
+# (None: the torch path, no kernels).
+BACKENDS = {
+    "cpu-torch": None,
+    "cpu-kernel": {},
+    "cpu-kernel-fp32dot": {"bf16_dot": False},
+    "cpu-kernel-no-amx": {"amx": False},
     # The kernel with every query length routed to it (prefill tiles included).
-    params.append(
-        pytest.param(
-            lambda: CpuAttention(use_extension=True, max_kernel_query_len=10**9),
-            id="cpu-kernel-all",
-            marks=mark,
-        )
-    )
-    return params
+    "cpu-kernel-all": {"max_kernel_query_len": 10**9},
+}
+needs_kernels = pytest.mark.usefixtures("kernel_ops")
+
+
+@pytest.fixture(params=list(BACKENDS))
+def make_backend(request):
+    """A factory of the backend the parameter names; the kernel ones need the kernels built."""
+    kwargs = BACKENDS[request.param]
+    if kwargs is None:
+        return lambda: CpuAttention(use_extension=False)
+    request.getfixturevalue("kernel_ops")
+    return lambda: CpuAttention(use_extension=True, **kwargs)
 
 
 def make_step(
@@ -120,7 +109,6 @@ def check_against_reference(backend, step, kind: AttentionKind = FULL_ATTENTION)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
 def test_decode(make_backend, dtype, block_size):
@@ -129,7 +117,6 @@ def test_decode(make_backend, dtype, block_size):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
 def test_prefill(make_backend, dtype, block_size):
@@ -138,7 +125,6 @@ def test_prefill(make_backend, dtype, block_size):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
 def test_prefill_after_cached_prefix(make_backend, dtype, block_size):
@@ -148,7 +134,6 @@ def test_prefill_after_cached_prefix(make_backend, dtype, block_size):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_mixed_chunked_batch(make_backend, dtype):
     # A chunked-prefill step: decodes, a first chunk, a middle chunk, a last chunk.
@@ -157,7 +142,6 @@ def test_mixed_chunked_batch(make_backend, dtype):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(4, 4, 64), (8, 1, 64), (6, 2, 128), (4, 2, 32), (4, 2, 24)],
@@ -176,7 +160,6 @@ def test_head_layouts(make_backend, num_heads, num_kv_heads, head_dim):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 def test_long_context_decode_bf16(make_backend):
     shapes = [(1, 1000), (1, 777), (3, 513), (40, 1100), (300, 300)]
     step = make_step(shapes, block_size=16, dtype=torch.bfloat16, seed=7)
@@ -190,7 +173,6 @@ def test_long_context_decode_bf16(make_backend):
 PREFIX_ROUTES = [(0, 0), (0, 10**12), (10**6, 0)]
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
 @pytest.mark.parametrize("route", PREFIX_ROUTES, ids=["split-sdpa", "masked-sdpa", "kernel"])
@@ -206,7 +188,6 @@ def test_prefix_routes(make_backend, dtype, block_size, route, monkeypatch):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_long_context_after_cached_prefix_bf16(make_backend, block_size):
     # The benchmark's shapes, shortened: contexts on both sides of the kernel's limit and
@@ -216,7 +197,7 @@ def test_long_context_after_cached_prefix_bf16(make_backend, block_size):
     check_against_reference(make_backend(), step)
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 def test_long_prompts_are_one_batched_kernel_call_with_bf16_dot_products(monkeypatch):
     backend = CpuAttention(use_extension=True)
     if backend.amx or not backend.dot_products:
@@ -230,7 +211,7 @@ def test_long_prompts_are_one_batched_kernel_call_with_bf16_dot_products(monkeyp
     assert "every query over a context of up to" in backend.route(torch.bfloat16)
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_merge_attention_matches_torch(dtype, head_dim):
@@ -247,7 +228,7 @@ def test_merge_attention_matches_torch(dtype, head_dim):
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 @pytest.mark.parametrize("rows_per_task", [None, 1, 5, 64])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads"), [(8, 2), (8, 1), (16, 1), (2, 2)], ids=["g4", "g8", "g16", "g1"]
@@ -270,7 +251,6 @@ def test_kernel_row_tiles(rows_per_task, num_heads, num_kv_heads):
     check_against_reference(backend, step)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 def test_float32_query_with_bf16_cache(make_backend):
     query, key, value, k_cache, v_cache, meta, scale = make_step(
         [(1, 30), (6, 6), (3, 40)], block_size=16, dtype=torch.bfloat16, seed=5
@@ -284,7 +264,7 @@ def test_float32_query_with_bf16_cache(make_backend):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 def test_kernel_reads_through_block_table():
     # Swapping two blocks in the cache without fixing the table must change the output:
     # proves the kernel follows the table rather than assuming a layout.
@@ -310,7 +290,7 @@ def test_bad_arguments():
         CpuAttention(rows_per_task=0)
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 def test_kernel_leaves_matmuls_intact():
     # The kernel borrows the CPU's tile unit, whose configuration oneDNN caches per thread:
     # bf16 matmuls and SDPA before and after it must give identical results.
@@ -351,7 +331,6 @@ WINDOW_IDS = ["w1", "w5", "w16", "w37", "w4096", "cap2", "w20-cap3"]
 WINDOW_SHAPES = [(1, 1), (1, 70), (1, 129), (24, 24), (40, 40), (17, 50), (24, 48), (9, 57)]
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("kind", WINDOW_KINDS, ids=WINDOW_IDS)
@@ -360,7 +339,6 @@ def test_windows_and_softcap(make_backend, dtype, block_size, kind):
     check_against_reference(make_backend(), step, kind)
 
 
-@pytest.mark.parametrize("make_backend", backends())
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(4, 1, 256), (8, 1, 64), (6, 2, 128), (4, 2, 32), (4, 2, 24)],
@@ -380,7 +358,7 @@ def test_windows_every_head_layout(make_backend, num_heads, num_kv_heads, head_d
     check_against_reference(make_backend(), step, AttentionKind(sliding_window=40, softcap=5.0))
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_window_reads_no_block_before_it(dtype):
     # Every table entry before the window's first block points at a block of NaNs: a
@@ -401,7 +379,7 @@ def test_window_reads_no_block_before_it(dtype):
     check_against_reference(CpuAttention(use_extension=True), step, kind)
 
 
-@pytest.mark.skipif(not HAS_EXTENSION, reason="C++ kernel did not build")
+@needs_kernels
 def test_windowed_layers_give_every_query_to_the_kernel(monkeypatch):
     # Full layers here send long prompts to SDPA (the AVX2 path's context limit off).
     monkeypatch.setattr(cpu, "AVX2_LONG_QUERY_MAX_SEQ_LEN", 0)
@@ -423,14 +401,13 @@ def test_windowed_layers_give_every_query_to_the_kernel(monkeypatch):
 def flash_backend(**kwargs) -> CpuAttention:
     """The kernel on its flash prompt path (prefill_attention.cpp): bf16 dot products, no
     tile unit; skips where this CPU has no bf16 dot products."""
-    if not HAS_EXTENSION:
-        pytest.skip("C++ kernel did not build")
     backend = CpuAttention(use_extension=True, amx=False, max_kernel_query_len=10**9, **kwargs)
     if not backend.dot_products:
         pytest.skip("no AVX-512-bf16 dot products on this CPU: the flash prompt path is not built")
     return backend
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [16, 7, 1])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -454,6 +431,7 @@ def test_flash_prompt_kernel_across_key_blocks(block_size, num_heads, num_kv_hea
     check_against_reference(flash_backend(), step)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows_per_task", [4, 16, 37, 64])
 def test_flash_prompt_kernel_long_context_and_row_tasks(rows_per_task):
     # A long chunk after a cached prefix and a long whole prompt (the 4k benchmark's shapes,
@@ -463,6 +441,7 @@ def test_flash_prompt_kernel_long_context_and_row_tasks(rows_per_task):
     check_against_reference(flash_backend(rows_per_task=rows_per_task), step)
 
 
+@needs_kernels
 def test_flash_prompt_kernel_ignores_unwritten_cache_rows():
     # Cache rows past each context (the rest of its last block, padding columns of the
     # table) hold NaN bits: the kernel must never multiply them in, even by a zero weight.
@@ -486,6 +465,7 @@ def test_flash_prompt_kernel_ignores_unwritten_cache_rows():
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
 
 
+@needs_kernels
 @pytest.mark.parametrize(
     "kind",
     [
@@ -509,8 +489,6 @@ def avx2_backend(**kwargs) -> CpuAttention:
     """The kernel with every query length routed to it (unless kwargs say otherwise), on its
     AVX2 + FMA path (paged_attention_avx2.cpp); skips where this build runs fp32 on another
     path."""
-    if not HAS_EXTENSION:
-        pytest.skip("C++ kernel did not build")
     backend = CpuAttention(use_extension=True, **{"max_kernel_query_len": 10**9, **kwargs})
     if backend.fp32_isa != "avx2":
         pytest.skip(
@@ -559,6 +537,7 @@ AVX2_IDS = [
 AVX2_SHAPES = [(1, n) for n in (1, 7, 16, 17, 130, 300)] + [(3, 50), (16, 40), (5, 21), (16, 16)]
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), AVX2_LAYOUTS, ids=AVX2_IDS)
 def test_avx2_decode_and_short_chunks(block_size, num_heads, num_kv_heads, head_dim, monkeypatch):
@@ -573,6 +552,7 @@ def test_avx2_decode_and_short_chunks(block_size, num_heads, num_kv_heads, head_
     check_on_kernel(avx2_backend(), step, monkeypatch)
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -592,6 +572,7 @@ def test_avx2_windows_and_softcap(block_size, num_heads, num_kv_heads, head_dim,
     check_on_kernel(avx2_backend(), step, monkeypatch, kind)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows_per_task", [1, 3, 4, 16, 64])
 @pytest.mark.parametrize("kind", [FULL_ATTENTION, AttentionKind(sliding_window=40, softcap=5.0)])
 def test_avx2_row_tasks(rows_per_task, kind, monkeypatch):
@@ -602,6 +583,7 @@ def test_avx2_row_tasks(rows_per_task, kind, monkeypatch):
     check_on_kernel(avx2_backend(rows_per_task=rows_per_task), step, monkeypatch, kind)
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -624,6 +606,7 @@ def test_avx2_bf16_cache(block_size, num_heads, num_kv_heads, head_dim, monkeypa
     check_on_kernel(avx2_backend(), step, monkeypatch, kind)
 
 
+@needs_kernels
 def test_avx2_route_is_named():
     backend = avx2_backend()
     assert "C++ paged_attention (AVX2 fp32)" in backend.route(torch.float32)
@@ -631,6 +614,7 @@ def test_avx2_route_is_named():
     assert backend.kind_route(torch.float32, kind).startswith("C++ paged_attention (AVX2 fp32)")
 
 
+@needs_kernels
 def test_avx2_fp32_prompts_over_any_context_are_one_batched_kernel_call(monkeypatch):
     backend = avx2_prompt_backend()
     # Whole prompts and chunks after a prefix on both sides of the old 1024-token limit, and
@@ -644,6 +628,7 @@ def test_avx2_fp32_prompts_over_any_context_are_one_batched_kernel_call(monkeypa
     assert ks is not None and ks.rows_per_task == cpu.AVX2_ROWS_PER_TASK
 
 
+@needs_kernels
 def test_avx2_context_limit_sends_longer_prompts_to_sdpa(monkeypatch):
     # The route's limit, where one is set: sequences over a longer context go to SDPA.
     monkeypatch.setattr(cpu, "AVX2_LONG_QUERY_MAX_SEQ_LEN", 1024)
@@ -699,6 +684,7 @@ AVX2_PROMPT_SHAPES = [
 ]
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), AVX2_PROMPT_LAYOUTS, ids=AVX2_PROMPT_IDS
@@ -717,6 +703,7 @@ def test_avx2_prompt_path_across_key_blocks(
     check_on_kernel(avx2_prompt_backend(), step, monkeypatch)
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_avx2_prompt_path_past_the_old_context_limit(block_size, monkeypatch):
     # SmolLM2's heads over contexts past 1024 tokens (where SDPA took them before): whole
@@ -726,6 +713,7 @@ def test_avx2_prompt_path_past_the_old_context_limit(block_size, monkeypatch):
     check_on_kernel(avx2_prompt_backend(), step, monkeypatch)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows_per_task", [1, 5, 16, 37, 64])
 def test_avx2_prompt_path_row_tasks(rows_per_task, monkeypatch):
     # Tasks of few and many rows (up to 64 rows x 4 = 256 query vectors: many tiles), ranges
@@ -735,6 +723,7 @@ def test_avx2_prompt_path_row_tasks(rows_per_task, monkeypatch):
     check_on_kernel(avx2_prompt_backend(rows_per_task=rows_per_task), step, monkeypatch)
 
 
+@needs_kernels
 @pytest.mark.parametrize("block_size", [7, 16])
 @pytest.mark.parametrize("kind", WINDOW_KINDS, ids=WINDOW_IDS)
 def test_avx2_prompt_path_windows_and_softcap(block_size, kind, monkeypatch):
@@ -745,6 +734,7 @@ def test_avx2_prompt_path_windows_and_softcap(block_size, kind, monkeypatch):
     check_on_kernel(avx2_prompt_backend(), step, monkeypatch, kind)
 
 
+@needs_kernels
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(9, 3, 64), (8, 2, 128), (4, 2, 32)],
@@ -769,6 +759,7 @@ def test_avx2_prompt_path_bf16_cache(num_heads, num_kv_heads, head_dim, monkeypa
     check_on_kernel(backend, step, monkeypatch, AttentionKind(sliding_window=50, softcap=4.0))
 
 
+@needs_kernels
 def test_avx2_prompt_path_ignores_unwritten_cache_rows(monkeypatch):
     # Cache rows past each context (the rest of its last block, the table's padding columns)
     # hold NaN: the prompt path must never multiply them in, not even by a zero weight.

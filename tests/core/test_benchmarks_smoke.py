@@ -82,21 +82,29 @@ def test_kv_quant_bucket_kl_is_exact_over_the_whole_vocabulary_and_a_lower_bound
     import math
 
     from pagedllm.core.outputs import TokenLogprob
+    from pagedllm.engine.outputs import position_logprobs, top_logprobs
 
     bench = load("kv_quant")
     p = [0.5, 0.3, 0.15, 0.05]
     q = [0.4, 0.2, 0.3, 0.1]
     exact = sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
 
-    def entry(dist, k):
+    def position(dist, k, token_id=3):
+        """vLLM's dict of a position whose actual token is ``token_id`` (here the least
+        likely: outside a top 2, an entry more that the KL must not count)."""
         order = sorted(range(len(dist)), key=lambda i: -dist[i])[:k]
-        return TokenLogprob(
-            0, math.log(dist[0]), 1, tuple(order), tuple(math.log(dist[i]) for i in order)
+        top = tuple(math.log(dist[i]) for i in order)
+        return position_logprobs(
+            TokenLogprob(token_id, math.log(dist[token_id]), 4, tuple(order), top), None
         )
 
-    assert math.isclose(bench.bucket_kl(entry(p, 4), entry(q, 4)), exact, rel_tol=1e-9)
-    assert 0 <= bench.bucket_kl(entry(p, 2), entry(q, 2)) <= exact
-    same = bench.compare([[None, entry(p, 4)]], [[None, entry(p, 4)]])
+    def top(dist, k):
+        return top_logprobs(position(dist, k), 3, k)
+
+    assert math.isclose(bench.bucket_kl(top(p, 4), top(q, 4)), exact, rel_tol=1e-9)
+    assert len(top(p, 2)) == 2
+    assert 0 <= bench.bucket_kl(top(p, 2), top(q, 2)) <= exact
+    same = bench.compare([[1, 3]], [[None, position(p, 4)]], [[None, position(p, 4)]], 4)
     assert same.mean_kl == 0.0 and same.top1 == 1.0 and same.delta_ppl == 0.0
 
 

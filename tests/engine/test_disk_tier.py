@@ -145,6 +145,87 @@ def test_a_store_of_another_model_is_refused(
         tier_engine(path=foreign)
 
 
+STORE_DAMAGE = {
+    "bit-flip": lambda data: bytes([data[0] ^ 1]) + data[1:],
+    "torn": lambda data: data[: len(data) // 2],
+    "empty": lambda data: b"",
+    "garbage": lambda data: bytes(range(256)),
+    "not-an-object": lambda data: b"[]",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(STORE_DAMAGE))
+def test_a_damaged_store_file_is_set_aside_and_the_cache_starts_empty(
+    tier_engine: Callable[..., LLMEngine],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+) -> None:
+    engine = tier_engine()
+    history_and_next(engine, 5)
+    engine.close()
+    root = tmp_path / "kv"
+    old_blocks = block_files(root)
+    meta = root / "store.json"
+    meta.write_bytes(STORE_DAMAGE[damage](meta.read_bytes()))
+    with caplog.at_level("WARNING", logger="pagedllm.worker.disk_store"):
+        restarted = tier_engine()
+    [aside] = tmp_path.glob("kv.damaged-*")
+    assert str(aside) in caplog.text and "store.json" in caplog.text
+    assert [p.name for p in block_files(aside)] == [p.name for p in old_blocks]
+    assert block_files(root) == []
+    assert restarted.get_stats().disk.stores_set_aside == 1
+    # The new store works: a returning conversation finds its history on disk.
+    _, second = history_and_next(restarted, 6)
+    evict_everything(restarted)
+    assert ask(restarted, "c6-2", second).num_cached_tokens == history_blocks_tokens(second)
+    restarted.close()
+    assert tier_engine().get_stats().disk.stores_set_aside == 0
+
+
+def test_a_damaged_store_file_in_a_directory_not_ours_is_refused(
+    tier_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    foreign = tmp_path / "other"
+    (foreign / "blocks" / "ab").mkdir(parents=True)
+    (foreign / "store.json").write_bytes(b"")
+    (foreign / "blocks" / "ab" / f"{'ab' * 32}.kv").write_bytes(b"not a kv block")
+    with pytest.raises(ValueError, match="kv_offload_dir: cannot read .*store.json"):
+        tier_engine(path=foreign)
+    (foreign / "blocks" / "ab" / f"{'ab' * 32}.kv").unlink()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="kv_offload_dir: cannot read .*store.json"):
+        tier_engine(path=foreign)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_a_crash_while_writing_the_store_file_leaves_the_old_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pagedllm.worker import disk_store
+
+    meta = tmp_path / "store.json"
+    meta.write_text("old")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("power lost")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="power lost"):
+        disk_store.write_durably(meta, b"new")
+    assert meta.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["store.json"]  # no temporary left
+    assert len(synced) == 1  # the new file's bytes reached the disk before the rename
+    monkeypatch.undo()
+    synced.clear()
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    disk_store.write_durably(meta, b"new")
+    assert meta.read_text() == "new" and len(synced) == 2  # the file, then the directory
+
+
 def test_the_store_is_private_and_named_by_hashes_only(
     tier_engine: Callable[..., LLMEngine], tmp_path: Path
 ) -> None:
@@ -175,7 +256,7 @@ def test_the_byte_budget_keeps_the_most_recently_used_blocks(
     tier_engine: Callable[..., LLMEngine], tmp_path: Path
 ) -> None:
     file_nbytes = 104 + 8 * BS + 8 * BS
-    engine = tier_engine(kv_offload_space=12 * file_nbytes / 2**30)
+    engine = tier_engine(kv_offload_size=12 * file_nbytes)
     assert engine.kv.disk.capacity == 12
     for seed in (6, 7, 8):
         ask(engine, f"s{seed}", conversation(seed))

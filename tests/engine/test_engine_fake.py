@@ -182,12 +182,12 @@ def test_logprobs_are_returned_and_summed(fake_engine: Callable[..., LLMEngine])
     engine.add_request("lp", "logprobs", SamplingParams(max_tokens=5, temperature=0, logprobs=3))
     completion = run_all(engine)["lp"].outputs[0]
     assert len(completion.logprobs) == 5
-    for token, lp in zip(completion.token_ids, completion.logprobs, strict=True):
-        assert lp.token_id == token and lp.rank == 1  # greedy picks the top token
-        assert len(lp.top_token_ids) == 3 and lp.top_token_ids[0] == token
-        assert lp.logprob == pytest.approx(lp.top_logprobs[0]) and lp.logprob < 0
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert len(position) == 3  # the top 3, the sampled token among them
+        assert position[token].rank == 1 and position[token].logprob < 0  # greedy: the top
+        assert sorted(lp.rank for lp in position.values()) == [1, 2, 3]
     assert completion.cumulative_logprob == pytest.approx(
-        sum(x.logprob for x in completion.logprobs)
+        sum(position[t].logprob for t, position in zip(completion.token_ids, completion.logprobs))
     )
 
 

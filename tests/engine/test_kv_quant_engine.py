@@ -229,17 +229,21 @@ def test_prompt_logprobs_score_every_prompt_token(model_engine: Callable[..., LL
     assert second.num_cached_tokens == 0
     logprobs = first.prompt_logprobs
     assert len(logprobs) == len(prompt) and logprobs[0] is None
-    assert [lp.token_id for lp in logprobs[1:]] == list(prompt[1:])
-    assert all(len(lp.top_token_ids) == 3 for lp in logprobs[1:])
+    # vLLM's shape: the prompt token and the top 3 (the prompt token among them, or not).
+    assert all(prompt[p] in position for p, position in enumerate(logprobs) if p)
+    assert all(len(position) in (3, 4) for position in logprobs[1:])
     # The plain construction: log_softmax of the teacher-forced logits of the whole prompt.
     logits = engine.runner.row_logits([ScheduledSequence("x", tuple(prompt), 0, tuple(range(7)))])
     expected = torch.log_softmax(logits[:-1], dim=-1)
-    for p, lp in enumerate(logprobs[1:]):
+    for p, position in enumerate(logprobs[1:]):
+        lp = position[prompt[p + 1]]
         assert lp.logprob == pytest.approx(float(expected[p, prompt[p + 1]]), abs=1e-4)
-        assert lp.top_token_ids[0] == int(expected[p].argmax())
+        assert position[int(expected[p].argmax())].rank == 1
         assert lp.rank == int((expected[p] > expected[p, prompt[p + 1]]).sum()) + 1
-    assert [lp.logprob for lp in second.prompt_logprobs[1:]] == pytest.approx(
-        [lp.logprob for lp in logprobs[1:]], abs=1e-4
+    assert [
+        position[prompt[p + 1]].logprob for p, position in enumerate(second.prompt_logprobs[1:])
+    ] == pytest.approx(
+        [position[prompt[p + 1]].logprob for p, position in enumerate(logprobs[1:])], abs=1e-4
     )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm import LLM, OFFLINE_SCHEDULER_STEPS
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
 
 
 def test_generate_returns_outputs_in_input_order(fake_engine: Callable[..., LLMEngine]) -> None:
@@ -72,6 +75,46 @@ def test_token_prompts_can_carry_their_text(fake_engine: Callable[..., LLMEngine
         engine.add_request("x", "text prompt", params, prompt_text="other")
     with pytest.raises(TypeError, match="prompt_text"):
         engine.add_request("x", ids, params, prompt_text=5)  # type: ignore[arg-type]
+
+
+def test_close_is_idempotent_and_a_closed_llm_says_so(
+    fake_engine: Callable[..., LLMEngine],
+) -> None:
+    llm = LLM.from_engine(fake_engine())
+    llm.generate("short", SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    llm.close()
+    for use in (lambda: llm.generate("short", use_tqdm=False), llm.get_tokenizer):
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            use()
+
+
+def test_with_closes_the_llm_and_stops_its_disk_writer(
+    fake_engine: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
+    before = set(threading.enumerate())
+    with LLM.from_engine(fake_engine(kv_offload_dir=str(tmp_path / "kv"))) as llm:
+        writers = set(threading.enumerate()) - before
+        (output,) = llm.generate("short", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert output.finished and writers
+    assert not any(t.is_alive() for t in writers)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("short", use_tqdm=False)
+
+
+def test_a_dropped_engine_stops_its_disk_writer(tokenizer: Any, tmp_path: Path) -> None:
+    """No close(): collecting the engine releases what it started (its finalizer)."""
+    before = set(threading.enumerate())
+    engine = LLMEngine(
+        EngineConfig(block_size=4, max_model_len=32, kv_offload_dir=str(tmp_path / "kv")),
+        FakeModelRunner(16, 4, vocab_size=len(tokenizer)),
+        tokenizer,
+    )
+    writers = set(threading.enumerate()) - before
+    assert writers
+    del engine
+    gc.collect()
+    assert not any(t.is_alive() for t in writers)
 
 
 def test_llm_on_a_tiny_checkpoint(tiny_model_dir: Path, engines: list[LLMEngine]) -> None:

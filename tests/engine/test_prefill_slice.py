@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.engine.reports import cache_report
 from pagedllm.sampling_params import SamplingParams
+
+
+class FakeClock:
+    """A clock that moves only when told: step times are exact."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def test_no_cap_until_a_prompt_step_is_timed():
@@ -29,6 +40,20 @@ def test_cap_is_the_power_of_two_nearest_the_target(token_ms, expected):
     tuner.observe(0, 0.040)
     tuner.observe(100, 0.040 + 100 * token_ms / 1000)
     assert tuner.cap() == expected
+
+
+def test_steps_are_timed_on_the_given_clock():
+    clock = FakeClock()
+    tuner = PrefillSliceTuner(0.128, largest=512, clock=clock)
+    tuner.start_step()
+    clock.advance(0.040)
+    tuner.end_step(0)
+    tuner.start_step()
+    clock.advance(2 * (0.040 + 64 * 0.002))  # two forwards in one call
+    tuner.end_step(64, num_steps=2)
+    assert tuner.decode_s == pytest.approx(0.040, abs=1e-12)
+    assert tuner.token_s == pytest.approx(0.002, abs=1e-12)
+    assert tuner.cap() == 64
 
 
 def test_the_decode_steps_time_is_not_counted_as_prompt_work():
@@ -61,16 +86,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="largest"):
         PrefillSliceTuner(0.1, largest=SMALLEST_CAP - 1)
     for bad in (0, -5.0, True, "128"):
-        with pytest.raises(ValueError, match="max_prefill_ms_while_decoding"):
-            EngineConfig(model="x", max_prefill_ms_while_decoding=bad)
+        with pytest.raises(ValueError, match="max_prefill_time_while_decoding_s"):
+            EngineConfig(model="x", max_prefill_time_while_decoding_s=bad)
 
 
 class _SlowPrompts:
-    """Wraps a runner: each step takes 2 ms a prompt token (1-token entries decode); keeps
-    each step's entry sizes."""
+    """Wraps a runner: each step moves ``clock`` on by 2 ms a prompt token (1-token entries
+    decode, in no time); keeps each step's entry sizes."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, clock: FakeClock):
         self._runner = runner
+        self._clock = clock
         self.steps: list[list[int]] = []
 
     def __getattr__(self, name):
@@ -79,19 +105,22 @@ class _SlowPrompts:
     def execute(self, output):
         sizes = sorted(len(s.token_ids) for s in output.scheduled)
         self.steps.append(sizes)
-        time.sleep(sum(n for n in sizes if n > 1) * 0.002)
+        self._clock.advance(sum(n for n in sizes if n > 1) * 0.002)
         return self._runner.execute(output)
 
 
 def _timed_engine(fake_engine, token_cap: int):
-    """An engine with a 64 ms prompt slice (and ``token_cap``) over 2 ms prompt tokens."""
+    """An engine with a 64 ms prompt slice (and ``token_cap``) over 2 ms prompt tokens, timed
+    on a fake clock."""
     engine = fake_engine(
         num_blocks=256,
         max_num_batched_tokens=256,
         max_prefill_tokens_while_decoding=token_cap,
-        max_prefill_ms_while_decoding=64.0,
+        max_prefill_time_while_decoding_s=0.064,
     )
-    engine.runner = _SlowPrompts(engine.runner)
+    clock = FakeClock()
+    engine._slice_tuner.clock = clock
+    engine.runner = _SlowPrompts(engine.runner, clock)
     return engine
 
 
@@ -123,7 +152,7 @@ def test_the_engine_sets_the_schedulers_cap_from_its_steps(fake_engine, letter_i
 
 def test_without_the_option_the_cap_stays_as_given(fake_engine, letter_ids):
     engine = fake_engine(num_blocks=128, max_prefill_tokens_while_decoding=48)
-    engine.runner = _SlowPrompts(engine.runner)
+    engine.runner = _SlowPrompts(engine.runner, FakeClock())
     engine.add_request("a", letter_ids[:1] * 40, SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()

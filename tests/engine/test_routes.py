@@ -22,6 +22,7 @@ ROUTE_NAMES = [
     "decode_loop",
     "sampler",
     "windowed_attention",
+    "lm_head",
     "dtype",
     "dtype_reason",
 ]

@@ -10,10 +10,10 @@ import torch
 from pagedllm.attention import cpu
 from pagedllm.attention.base import write_kv
 from pagedllm.kernels import build, ops
-from pagedllm.kernels.build import build_extension, load_library
+from pagedllm.kernels.build import build_extension
 from pagedllm.kernels.ops import argmax_rows
 
-needs_library = pytest.mark.skipif(not load_library(), reason="C++ kernels did not build")
+needs_library = pytest.mark.usefixtures("kernel_ops")
 
 
 @needs_library

@@ -14,7 +14,7 @@ from pagedllm.kernels.ops import sample_rows
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, inverse_cdf
 
-needs_library = pytest.mark.skipif(not load_library(), reason="C++ kernels did not build")
+needs_library = pytest.mark.usefixtures("kernel_ops")
 
 
 def reference_interval(logits: torch.Tensor, inverse: torch.Tensor, tokens: torch.Tensor):

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import ops as kernel_ops
 from pagedllm.kernels.linear import (
     SMALL_GEMM_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS_BF16,
@@ -18,44 +17,30 @@ from pagedllm.kernels.linear import (
 )
 from pagedllm.model.llama import Linear
 
-ops = kernel_ops.layer_ops()
-BF16_ROUTES = ["amx", "avx512_bf16"]
-F32_ROUTES = ["avx512", "avx2"]
+from .isa_caps import ROUTES, small_gemm_capped
 
 
-@pytest.fixture(params=BF16_ROUTES)
-def bf16_route(request):
-    """Runs the test on one bf16 route, capped with set_small_gemm_isa; skips where this CPU
-    (or the build) lacks it."""
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
-    saved = ops.set_small_gemm_isa(request.param)
-    try:
-        if ops.small_gemm_isa() != request.param:
-            pytest.skip(f"this CPU has no {request.param} (small_gemm runs {ops.small_gemm_isa()})")
+@pytest.fixture
+def ops(kernel_ops):
+    """The kernels (tests/conftest.py builds them), by this file's short name."""
+    return kernel_ops
+
+
+@pytest.fixture(params=ROUTES[torch.bfloat16])
+def bf16_route(ops, request):
+    """Runs the test on one bf16 route; skips where this CPU (or the build) lacks it."""
+    with small_gemm_capped(torch.bfloat16, request.param):
         yield request.param
-    finally:
-        ops.set_small_gemm_isa(saved)
 
 
 on_bf16_routes = pytest.mark.usefixtures("bf16_route")
 
 
-@pytest.fixture(params=F32_ROUTES)
-def f32_route(request):
-    """Runs the test on one float32 route, capped with set_small_gemm_f32_isa; skips where
-    this CPU (or the build) lacks it."""
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
-    saved = ops.set_small_gemm_f32_isa(request.param)
-    try:
-        if ops.small_gemm_f32_isa() != request.param:
-            pytest.skip(
-                f"this CPU has no {request.param} (float32 runs {ops.small_gemm_f32_isa()})"
-            )
+@pytest.fixture(params=ROUTES[torch.float32])
+def f32_route(ops, request):
+    """Runs the test on one float32 route; skips where this CPU (or the build) lacks it."""
+    with small_gemm_capped(torch.float32, request.param):
         yield request.param
-    finally:
-        ops.set_small_gemm_f32_isa(saved)
 
 
 on_f32_routes = pytest.mark.usefixtures("f32_route")
@@ -68,7 +53,7 @@ def bf16(*shape: int, seed: int) -> torch.Tensor:
 @on_bf16_routes
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (768, 512), (512, 1536), (4000, 64)])
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 63, 64, 65, 130])
-def test_matches_linear(m, n, k):
+def test_matches_linear(ops, m, n, k):
     w, x, bias = bf16(n, k, seed=n), bf16(m, k, seed=m), bf16(n, seed=k)
     packed = ops.pack_small_gemm(w)
     for b in (None, bias):
@@ -82,7 +67,7 @@ def test_matches_linear(m, n, k):
 
 
 @on_bf16_routes
-def test_strided_rows_and_empty_batch():
+def test_strided_rows_and_empty_batch(ops):
     w = bf16(64, 64, seed=1)
     packed = ops.pack_small_gemm(w)
     wide = bf16(20, 96, seed=2)
@@ -93,7 +78,7 @@ def test_strided_rows_and_empty_batch():
 
 @on_bf16_routes
 @pytest.mark.parametrize("m", [16, 21])
-def test_rows_off_cache_lines_give_the_same_bits(m):
+def test_rows_off_cache_lines_give_the_same_bits(ops, m):
     # x starting 16 bytes into a line, rows 144 bytes apart: read through an aligned copy.
     w = bf16(96, 64, seed=3)
     packed = ops.pack_small_gemm(w)
@@ -106,7 +91,7 @@ def test_rows_off_cache_lines_give_the_same_bits(m):
 
 
 @on_bf16_routes
-def test_bad_shapes_raise():
+def test_bad_shapes_raise(ops):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.pack_small_gemm(bf16(24, 64, seed=0))
     packed = ops.pack_small_gemm(bf16(32, 64, seed=0))
@@ -117,7 +102,7 @@ def test_bad_shapes_raise():
 
 
 @on_bf16_routes
-def test_linear_routes_by_row_count():
+def test_linear_routes_by_row_count(ops):
     layer = Linear(64, 48, bias=True).to(torch.bfloat16)
     layer.pack(ops)
     assert layer.small is not None
@@ -128,9 +113,7 @@ def test_linear_routes_by_row_count():
         assert (got != F.linear(x, layer.weight, layer.bias)).float().mean().item() <= 1e-3
 
 
-def test_route_cap_is_checked_and_restored():
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
+def test_route_cap_is_checked_and_restored(ops):
     best = ops.small_gemm_isa()
     saved = ops.set_small_gemm_isa("none")
     try:
@@ -144,17 +127,20 @@ def test_route_cap_is_checked_and_restored():
     assert ops.small_gemm_isa() == best
 
 
-def test_not_packed_where_it_does_not_apply():
+def test_not_packed_where_it_does_not_apply(ops):
     assert pack_small_weight(torch.randn(32, 64).half(), ops) is None  # float16
     assert pack_small_weight(bf16(24, 64, seed=0), ops) is None  # rows not in 16s
     assert pack_small_weight(bf16(32, 40, seed=0), ops) is None  # columns not in 32s
-    assert pack_small_weight(bf16(32, 64, seed=0), None) is None  # no kernels
+
+
+def test_not_packed_without_kernels():
+    assert pack_small_weight(bf16(32, 64, seed=0), None) is None
 
 
 @on_f32_routes
 @pytest.mark.parametrize("n,k", [(16, 1), (64, 40), (48, 100), (768, 512), (960, 576), (512, 1536)])
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 9, 15, 16, 17, 64, 65])
-def test_float32_matches_linear(m, n, k):
+def test_float32_matches_linear(ops, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)
     w, x, bias = (torch.randn(*s, generator=gen) for s in ((n, k), (m, k), (n,)))
     packed = ops.pack_small_gemm(w)
@@ -174,7 +160,7 @@ def float32_problem(n: int, k: int, m: int, seed: int):
 
 @on_f32_routes
 @pytest.mark.parametrize("n,k", [(48, 40), (576, 576), (960, 576), (576, 1536), (3072, 64)])
-def test_float32_rows_do_not_depend_on_the_batch_or_threads(n, k):
+def test_float32_rows_do_not_depend_on_the_batch_or_threads(ops, n, k):
     # Each sum runs over K in order from zero whatever the register block and whichever
     # thread takes its chunk of column groups (3072 columns: 192 groups in many chunks):
     # row r of a batch has the bits of row r multiplied alone (what the fused decode path
@@ -211,7 +197,7 @@ def in_order_fma_sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 @on_f32_routes
 @pytest.mark.parametrize("n,k", [(64, 40), (48, 576)])
-def test_float32_is_the_in_order_fma_sum(n, k):
+def test_float32_is_the_in_order_fma_sum(ops, n, k):
     # The arithmetic both ISAs share, so each gives the other's bits.
     w, x, bias = float32_problem(n, k, 7, seed=n * k)
     packed = ops.pack_small_gemm(w)
@@ -219,8 +205,8 @@ def test_float32_is_the_in_order_fma_sum(n, k):
         assert torch.equal(ops.small_gemm(x, packed, b), in_order_fma_sums(x, w, b))
 
 
-def test_float32_routes_give_the_same_bits():
-    if ops is None or ops.small_gemm_f32_isa() != "avx512":
+def test_float32_routes_give_the_same_bits(ops):
+    if ops.small_gemm_f32_isa() != "avx512":
         pytest.skip("needs the AVX-512 float32 route beside the AVX2 one")
     w, x, bias = float32_problem(960, 576, 37, seed=9)
     packed = ops.pack_small_gemm(w)
@@ -234,9 +220,7 @@ def test_float32_routes_give_the_same_bits():
         ops.set_small_gemm_f32_isa(saved)
 
 
-def test_float32_route_cap_is_checked_and_restored():
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
+def test_float32_route_cap_is_checked_and_restored(ops):
     best = ops.small_gemm_f32_isa()
     packed = ops.pack_small_gemm(torch.randn(32, 64))
     saved = ops.set_small_gemm_f32_isa("none")
@@ -251,11 +235,9 @@ def test_float32_route_cap_is_checked_and_restored():
     assert ops.small_gemm_f32_isa() == best
 
 
-def test_float32_row_limit_follows_the_route():
+def test_float32_row_limit_follows_the_route(ops):
     # AVX2: the kernel takes prompt chunks up to its own limit (MKL's AVX2 sgemm is slower
     # there); AVX-512: decode batches only.
-    if ops is None:
-        pytest.skip("the C++ kernels did not build")
     layer = Linear(64, 48, bias=True)
     layer.pack(ops)
     saved = ops.set_small_gemm_f32_isa("avx2")
@@ -280,7 +262,7 @@ def test_float32_row_limit_follows_the_route():
 @on_bf16_routes
 @pytest.mark.parametrize("n,k", [(16, 32), (4000, 96), (32000, 512)])
 @pytest.mark.parametrize("m", [1, 5, 17, 64])
-def test_argmax_equals_argmax_of_the_logits(m, n, k):
+def test_argmax_equals_argmax_of_the_logits(ops, m, n, k):
     w, x, bias = bf16(n, k, seed=n + 1), bf16(m, k, seed=m + 1), bf16(n, seed=k + 1)
     packed = ops.pack_small_gemm(w)
     for b in (None, bias):
@@ -289,7 +271,7 @@ def test_argmax_equals_argmax_of_the_logits(m, n, k):
 
 
 @on_bf16_routes
-def test_argmax_ties_take_the_first_column_and_nan_wins():
+def test_argmax_ties_take_the_first_column_and_nan_wins(ops):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # two column ranges to merge
     try:
@@ -310,7 +292,7 @@ def test_argmax_ties_take_the_first_column_and_nan_wins():
 @on_bf16_routes
 @pytest.mark.parametrize("n", [16, 48, 3072])
 @pytest.mark.parametrize("m", [17, 32, 33, 48, 100, 256, 300])
-def test_register_blocks_at_the_edges(m, n):
+def test_register_blocks_at_the_edges(ops, m, n):
     # Blocks of 2 row tiles x 2 column groups: odd numbers of either, and a part-filled last
     # row tile, go through the 1-tile blocks; over 256 rows, blocks of rows.
     k = 64
@@ -326,7 +308,7 @@ def test_register_blocks_at_the_edges(m, n):
 
 @on_bf16_routes
 @pytest.mark.parametrize("threads", [1, 2])
-def test_argmax_ties_across_column_group_pairs(threads):
+def test_argmax_ties_across_column_group_pairs(ops, threads):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -345,7 +327,7 @@ def test_argmax_ties_across_column_group_pairs(threads):
 
 @on_bf16_routes
 @pytest.mark.parametrize("m", [1, 7, 16, 64])
-def test_same_bits_with_any_thread_count(m):
+def test_same_bits_with_any_thread_count(ops, m):
     # The thread governor (worker/threads.py) changes torch's thread count mid-run: every
     # sum must run in an order that does not depend on it, so greedy outputs stay the same.
     w, x = bf16(3072, 576, seed=7), bf16(m, 576, seed=8)

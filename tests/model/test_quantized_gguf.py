@@ -99,7 +99,8 @@ def test_a_quantized_embedding_is_the_tied_head_too(tmp_path, checkpoints) -> No
     worst, top1 = run_in_lockstep(reference.model, quantized.model, PROMPTS)
     assert worst <= MAX_KL, f"KL {worst:.2e}"
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
-    assert "(Q4_1 x8, Q8_0 x1)" in quantized.model.routes().linears
+    routes = quantized.model.routes()
+    assert "Q8_0 kept as stored" in routes.lm_head and "Q4_1 kept as stored" in routes.linears
 
 
 def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
@@ -107,9 +108,11 @@ def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
     loaded = load_model(gguf_file, dtype="float32", load_tokenizer=False)
     loaded.model.optimize_for_cpu()
     linears = loaded.model.routes().linears
-    assert "8 kept quantized (Q4_1 x8)" in linears
-    if loaded.model.head_ops is not None:
-        assert f"quant_gemm ({loaded.model.head_ops.quant_gemm_isa()})" in linears
+    if loaded.model.head_ops is None:
+        assert "8 on torch, Q4_1 dequantised per call" in linears
+    else:
+        isa = loaded.model.head_ops.quant_gemm_isa()
+        assert f"8 on own kernel quant_gemm ({isa}, Q4_1 kept as stored) up to 16 rows" in linears
 
 
 def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
@@ -124,9 +127,9 @@ def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
     ops = layer_ops()
     isa = "none" if ops is None else ops.quant_gemm_isa()
     assert env["kernels"]["quant_gemm"] == isa
-    assert "8 kept quantized (Q4_0 x8)" in env["routes"]["linears"]
     if ops is not None:
-        assert f"quant_gemm ({isa}) up to 16 rows" in env["routes"]["linears"]
+        expected = f"8 on own kernel quant_gemm ({isa}, Q4_0 kept as stored) up to 16 rows"
+        assert expected in env["routes"]["linears"]
 
 
 def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> None:

@@ -22,6 +22,7 @@ from pagedllm.model.tensor_parallel import shard_range
 from pagedllm.testing import make_tiny_checkpoint
 
 PARITY = Path(__file__).with_name("tp_parity.py")
+LIFECYCLE = Path(__file__).with_name("tp_lifecycle.py")
 TIMEOUT_S = 240
 
 
@@ -136,3 +137,37 @@ def test_tp_collective_is_checked_against_the_machines():
     assert not uses_shared_memory(across)  # auto keeps gloo across machines
     assert uses_shared_memory(EngineConfig(model="m", tensor_parallel_size=2))
     assert not uses_shared_memory(EngineConfig(model="m", tp_collective="gloo"))
+
+
+def test_tp_llms_in_sequence_release_everything_however_they_end(tmp_path: Path):
+    """Issue 47: a second TP=2 ``LLM`` in one process used to fail ("trying to initialize
+    the default process group twice"). One ended by ``close()``, by a ``with`` block or by
+    dropping it (collected at once, or by ``gc.collect()``) leaves nothing behind; one
+    dropped inside a reference cycle is collected when the next one starts."""
+    path_a = make_tiny_checkpoint(tmp_path / "a", "llama", seed=1)
+    path_b = make_tiny_checkpoint(tmp_path / "b", "qwen2", seed=2)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(LIFECYCLE), str(path_a), str(path_b)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tensor-parallel shutdown" not in done.stderr  # the one left open: ranks told
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    cycles, baseline, (tokens_a, tokens_b) = (
+        report["cycles"],
+        report["baseline"],
+        report["reference"],
+    )
+    assert [c["end"] for c in cycles] == ["cycle", "close", "with", "collect", "drop"]
+    assert [c["tokens"] for c in cycles] == [tokens_a, tokens_b, tokens_a, tokens_b, tokens_a]
+    held = cycles[0]  # uncollected: the next start had to collect it
+    assert held["group_initialized"] and len(held["workers_alive"]) == 1
+    for cycle in cycles[1:]:
+        assert cycle["workers_alive"] == [], cycle["end"]
+        assert not cycle["group_initialized"], cycle["end"]
+        assert cycle["shm_named"] == cycle["shm_mapped"] == [], cycle["end"]
+        assert cycle["threads"] == baseline["threads"], cycle["end"]
+        assert cycle["native_threads"] == baseline["native_threads"], cycle["end"]
+    assert "closed" in cycles[1]["error_after_close"]
+    assert "close() the other" in cycles[1]["second_refused"]  # one group per process

@@ -72,7 +72,7 @@ def main(path: str, tp: int, master_port: int | None = None, collective: str = "
             }
         )
     )
-    llm.engine.close()
+    llm.close()
 
 
 def parse(argv: list[str]) -> tuple[str, int, int | None, str]:

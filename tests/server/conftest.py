@@ -8,7 +8,9 @@ held by a request (nothing leaked), then shuts the engine's step thread down.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,11 +92,38 @@ async def cache_report(engine: Any, llm: LLMEngine | None = None) -> dict[str, A
         return build_cache_report(llm.get_stats())
 
 
-def hold_core(engine: Any, llm: LLMEngine, gate: Any) -> Any:
-    """A future for a utility call that keeps the engine core (a thread here) busy until
-    ``gate`` is set: whatever is sent meanwhile waits, as behind a long step."""
-    llm.hold_for_test = lambda: gate.wait(10)  # a utility is any public method
-    return asyncio.ensure_future(engine.call_utility("hold_for_test"))
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]], deadline_s: float = 10.0, *, what: str
+) -> None:
+    """Poll ``condition`` (a function or a coroutine function) until it holds; after
+    ``deadline_s`` seconds fail, saying ``what`` was awaited."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"waited {deadline_s} s for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def hold_core(engine: Any, llm: LLMEngine, gate: Any) -> Any:
+    """Start a utility call that keeps the engine core (a thread here) busy until ``gate``
+    is set, and return its future once the core is inside it: whatever is sent meanwhile
+    waits, as behind a long step."""
+    inside = threading.Event()
+
+    def hold() -> bool:
+        inside.set()
+        return gate.wait(10)
+
+    llm.hold_for_test = hold  # a utility is any public method
+    held = asyncio.ensure_future(engine.call_utility("hold_for_test"))
+    await wait_until(inside.is_set, what="the engine core to enter the held utility call")
+    return held
 
 
 async def wait_pool_free(

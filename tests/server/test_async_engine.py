@@ -17,7 +17,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 
-from .conftest import LETTERS, hold_core
+from .conftest import LETTERS, hold_core, wait_until
 
 
 def _engine(
@@ -83,6 +83,35 @@ def test_stop_strings_cut_the_text_as_offline(tokenizer):
     assert "".join(d.choices[0].text for d in deltas) == text[: text.index(stop)]
     assert deltas[-1].choices[0].finish_reason == "stop"
     assert deltas[-1].choices[0].stop_reason == stop
+
+
+def test_stream_output_carries_vllms_logprobs_as_offline(tokenizer):
+    """The server's RequestStream gives the offline engine's logprobs: vLLM's shape,
+    decoded where the text is (n=2, prompt logprobs, the real sampler)."""
+    from pagedllm import LLM
+
+    params = SamplingParams(
+        n=2, max_tokens=5, temperature=0.8, seed=4, logprobs=2, prompt_logprobs=1
+    )
+
+    async def main():
+        engine = AsyncEngine.in_thread(_engine(tokenizer, use_sampler=True)[0])
+        stream = await engine.add_request("r", [97, 98, 99, 100, 101], params)
+        deltas = [d async for d in stream]
+        await engine.shutdown()
+        return deltas, stream.output()
+
+    deltas, served = asyncio.run(main())
+    llm = LLM.from_engine(_engine(tokenizer, use_sampler=True)[0])
+    [offline] = llm.generate([[97, 98, 99, 100, 101]], params, use_tqdm=False)
+    assert served.prompt_logprobs == offline.prompt_logprobs
+    assert served.prompt_logprobs[0] is None and len(served.prompt_logprobs) == 5
+    for c, o in zip(served.outputs, offline.outputs, strict=True):
+        assert c.token_ids == o.token_ids and c.logprobs == o.logprobs
+        assert c.cumulative_logprob == o.cumulative_logprob
+        assert all(t in position for t, position in zip(c.token_ids, c.logprobs, strict=True))
+        streamed = [p for d in deltas for x in d.choices if x.index == c.index for p in x.logprobs]
+        assert streamed == c.logprobs
 
 
 def test_slow_steps_never_block_the_event_loop(tokenizer):
@@ -162,9 +191,9 @@ def test_queue_bound_counts_requests_without_output(tokenizer):
     async def main():
         engine = AsyncEngine.in_thread(llm, max_queued_requests=1)
         engine.start()
-        held = hold_core(engine, llm, gate)
+        held = await hold_core(engine, llm, gate)
         first = asyncio.ensure_future(engine.add_request("one", [97], SamplingParams(max_tokens=2)))
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.num_queued == 1, what="the first request to be queued")
         with pytest.raises(QueueFullError):
             await engine.add_request("two", [97], SamplingParams(max_tokens=2))
         gate.set()
@@ -264,11 +293,11 @@ def test_cancelled_add_is_aborted_not_leaked(tokenizer):
     async def main():
         engine = AsyncEngine.in_thread(llm)
         engine.start()
-        held = hold_core(engine, llm, gate)
+        held = await hold_core(engine, llm, gate)
         adding = asyncio.ensure_future(
             engine.add_request("gone", [97] * 8, SamplingParams(max_tokens=50))
         )
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.num_in_flight == 1, what="the add to be sent")
         adding.cancel()  # the client went away while its add waited behind the gate
         gate.set()
         await held

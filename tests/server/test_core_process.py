@@ -94,7 +94,7 @@ def test_echoed_prompt_logprobs_cross_the_process_boundary(tokenizer_dir):
     assert whole["tokens"][:n] == list(prompt) and len(whole["tokens"]) == n + 2
     assert whole["token_logprobs"][0] is None and whole["top_logprobs"][0] is None
     assert all(lp in (0.0, MISS_LOGPROB) for lp in whole["token_logprobs"][1:n])
-    assert all(len(top) == 1 for top in whole["top_logprobs"][1:n])
+    assert all(len(top) == 2 for top in whole["top_logprobs"][1:n])  # the top-2 asked for
     assert {k: v[:n] for k, v in first.items()} == {k: v[:n] for k, v in whole.items()}
 
 

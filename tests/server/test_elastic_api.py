@@ -11,7 +11,7 @@ from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.server.app import create_app
 from pagedllm.testing import FakeEngineFactory
 
-from .conftest import sse_events, wait_pool_free
+from .conftest import sse_events, wait_pool_free, wait_until
 
 BLOCK = 4096  # FakeModelRunner's kv_block_bytes
 
@@ -26,7 +26,7 @@ def test_resize_under_load_keeps_streams_exact_and_reports(make_harness):
             asyncio.ensure_future(client.post("/v1/completions", json={**payload, "prompt": p}))
             for p in prompts
         ]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: h.runner.num_steps > 0, what="the requests' first step")
         shrink = await client.post("/v1/cache/resize", json={"kv_cache_memory": 24 * BLOCK})
         assert shrink.status_code == 200, shrink.text
         report = shrink.json()
@@ -60,6 +60,12 @@ def test_resize_rejects_bad_bodies_and_needs_the_key(make_harness):
             response = await client.post("/v1/cache/resize", json=bad, headers=auth)
             assert response.status_code == 400, bad
             assert response.json()["error"]["message"]
+        # too big for a float, for an int64 (the wire), for the machine's free memory
+        for size in ("9" * 400 + "GiB", 2**63, "1000000TiB"):
+            body = {"kv_cache_memory": size}
+            response = await client.post("/v1/cache/resize", json=body, headers=auth)
+            assert response.status_code == 400, size
+            assert response.json()["error"]["param"] == "kv_cache_memory", size
         ok = await client.post("/v1/cache/resize", json={"kv_cache_memory": "128KiB"}, headers=auth)
         assert ok.json()["blocks_after"] == 32
 
@@ -91,12 +97,13 @@ def test_resize_and_automatic_shrink_across_the_process_boundary(tokenizer_dir):
                 assert all(o.status_code == 200 for o in outs)
                 cache = (await c.get("/v1/cache")).json()
                 assert cache["elastic"]["automatic"] and cache["elastic"]["grows"] >= 1
+
                 # Idle: the core's idle tick shrinks the pool to the packed prompt cache.
-                for _ in range(100):
-                    cache = (await c.get("/v1/cache")).json()
-                    if cache["elastic"]["shrinks"]:
-                        break
-                    await asyncio.sleep(0.05)
+                async def shrunk() -> bool:
+                    return (await c.get("/v1/cache")).json()["elastic"]["shrinks"] > 0
+
+                await wait_until(shrunk, what="the idle shrink")
+                cache = (await c.get("/v1/cache")).json()
                 packed = cache["blocks_used"] + cache["blocks_cached_free"]
                 assert cache["blocks_total"] == max(16, packed)
                 manual = await c.post("/v1/cache/resize", json={"kv_cache_memory": 64 * BLOCK})

@@ -15,7 +15,7 @@ import httpx
 
 from pagedllm.server.router import create_router_app
 
-from .conftest import StreamingASGITransport, sse_events, wait_pool_free
+from .conftest import StreamingASGITransport, sse_events, wait_pool_free, wait_until
 
 PREFIXES = [list(range(97, 97 + 20)), list(range(100, 100 + 20)), list(range(103, 103 + 20))]
 
@@ -496,16 +496,23 @@ def test_a_silent_event_stream_marks_its_replica_unhealthy_routing_goes_on(make_
     async def steps(client: httpx.AsyncClient) -> dict:
         router = app.state.router
         router.start()
-        await _until(lambda: all(r.streaming for r in router.replicas))
+        await wait_until(
+            lambda: all(r.streaming for r in router.replicas), what="every replica's event stream"
+        )
         transports[1].hung.set()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await _until(lambda: not router.replicas[1].healthy)
+        await wait_until(
+            lambda: not router.replicas[1].healthy, what="the silent replica to be marked unhealthy"
+        )
         noticed_s = loop.time() - started
         seq = router.replicas[0].view.next_seq
         later = [await _complete(client, _prompt(1, i)) for i in range(3)]
         log = harnesses[0].llm.kv.events
-        await _until(lambda: router.replicas[0].view.next_seq == log.next_seq > seq)
+        await wait_until(
+            lambda: router.replicas[0].view.next_seq == log.next_seq > seq,
+            what="the view to catch up with the log",
+        )
         report = (await client.get("/v1/router")).json()
         return {"later": later, "report": report, "noticed_s": noticed_s}
 
@@ -516,14 +523,6 @@ def test_a_silent_event_stream_marks_its_replica_unhealthy_routing_goes_on(make_
     assert not replicas[1]["healthy"] and not replicas[1]["event_stream"]
     assert replicas[0]["requests"] == 3 and replicas[1]["requests"] == 0
     assert all(len(out["choices"][0]["text"]) for out in result["later"])
-
-
-async def _until(condition: Any, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 def _other_prompt(i: int) -> list[int]:
@@ -599,7 +598,10 @@ def test_a_streamed_view_is_current_when_routing_a_polled_one_a_poll_behind(make
             await _complete(client, _prompt(0, 0))
             log = harness.llm.kv.events
             if feed == "stream":  # pushed, so it may still be on its way after the answer
-                await _until(lambda: router.replicas[0].view.next_seq == log.next_seq)
+                await wait_until(
+                    lambda: router.replicas[0].view.next_seq == log.next_seq,
+                    what="the view to catch up with the log",
+                )
             first_block = router.replicas[0].view.hashes.copy()
             direct = httpx.AsyncClient(
                 transport=StreamingASGITransport(harness.app), base_url="http://replica"
@@ -611,7 +613,10 @@ def test_a_streamed_view_is_current_when_routing_a_polled_one_a_poll_behind(make
             index = set(harness.llm.kv.pool.hashed_blocks().values())
             assert first_block and not first_block & index  # tenant 0's blocks are gone
             if feed == "stream":
-                await _until(lambda: router.replicas[0].view.next_seq == log.next_seq)
+                await wait_until(
+                    lambda: router.replicas[0].view.next_seq == log.next_seq,
+                    what="the view to catch up with the log",
+                )
             out = await _complete(client, _prompt(0, 1))
             report = (await client.get("/v1/router")).json()["replicas"][0]
             return {"cached": out["usage"]["prompt_tokens_details"]["cached_tokens"], **report}
@@ -681,24 +686,33 @@ def test_the_view_resyncs_from_a_snapshot_after_a_gap_and_after_a_restart():
         view = router.replicas[0].view
         router.start()
         try:
-            await _until(lambda: router.replicas[0].streaming and view.hashes == {h[0]})
+            await wait_until(
+                lambda: router.replicas[0].streaming and view.hashes == {h[0]},
+                what="the streamed view to hold the first hash",
+            )
             # in sequence: applied
             replica.next_seq = 2
             replica.hashes = [h[0], h[1]]
             await replica.frames.put(replica.batch(0, [("+", h[1]), ("-", h[2])]))
-            await _until(lambda: view.next_seq == 2)
+            await wait_until(lambda: view.next_seq == 2, what="the view to reach event 2")
             assert view.hashes == {h[0], h[1]}
             # a gap (events 2-4 never came): the stream is dropped, a poll's snapshot
             # puts the view right, a new stream follows on
             replica.next_seq, replica.hashes = 6, [h[1], h[3], h[4]]
             await replica.frames.put(replica.batch(5, [("+", h[4])]))
-            await _until(lambda: replica.num_streams == 2 and router.replicas[0].streaming)
+            await wait_until(
+                lambda: replica.num_streams == 2 and router.replicas[0].streaming,
+                what="the router to resubscribe after the gap",
+            )
             assert (view.hashes, view.next_seq) == ({h[1], h[3], h[4]}, 6)
             # the replica restarts (another epoch, its log from 0): the stream ends, the
             # next read is a snapshot of the new index
             replica.epoch, replica.next_seq, replica.hashes = "e2", 1, [h[5]]
             await replica.frames.put(None)
-            await _until(lambda: view.epoch == "e2" and replica.num_streams == 3)
+            await wait_until(
+                lambda: view.epoch == "e2" and replica.num_streams == 3,
+                what="the view to resync to the restarted replica",
+            )
             assert (view.hashes, view.next_seq) == ({h[5]}, 1)
             assert router.replicas[0].healthy
         finally:
@@ -706,3 +720,17 @@ def test_the_view_resyncs_from_a_snapshot_after_a_gap_and_after_a_restart():
             await router.stop()
 
     asyncio.run(main())
+
+
+def test_a_token_id_past_int64_is_the_replicas_400_not_a_router_500(make_harness):
+    """The router packs token ids as int64 for its hash chain; it reads a body as the
+    replica will, so one it cannot pack goes on to the replica, which refuses it."""
+    harnesses = [make_harness(num_blocks=64, block_size=4)]
+    app, _ = _router(harnesses)
+
+    async def body(client: httpx.AsyncClient) -> tuple[int, Any]:
+        prompt = _prompt(0, 0) + [2**63]
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        return response.status_code, response.json()["error"]["param"]
+
+    assert _run(app, harnesses, body) == (400, "prompt")

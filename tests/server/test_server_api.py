@@ -7,6 +7,7 @@ tables, so ``Harness.expected_text`` says exactly what every completion must be.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from unittest.mock import ANY
 
@@ -46,6 +47,27 @@ def test_models_and_health(make_harness):
         assert models["data"][0]["max_model_len"] == 128
         ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
         assert ok.status_code == 200 and ok.json()["model"] == "tiny"
+
+    h.run(body)
+
+
+def test_openapi_describes_the_bodies_the_routes_read_themselves(make_harness):
+    h = make_harness()
+
+    async def body(client):
+        schema = (await client.get("/openapi.json")).json()
+        for path, model in [("/v1/completions", "CompletionRequest"),
+                            ("/v1/chat/completions", "ChatCompletionRequest"),
+                            ("/v1/cache/resize", "CacheResizeRequest")]:  # fmt: skip
+            content = schema["paths"][path]["post"]["requestBody"]["content"]
+            assert content["application/json"]["schema"] == {
+                "$ref": f"#/components/schemas/{model}"
+            }
+        # every reference resolves (the bodies' own models, such as ChatMessage, too)
+        refs = set(re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(schema)))
+        assert refs and refs <= set(schema["components"]["schemas"])
+        since = schema["paths"]["/v1/cache/events"]["get"]["parameters"][0]
+        assert since["schema"]["maximum"] == 2**63 - 1
 
     h.run(body)
 
@@ -502,3 +524,21 @@ def test_disk_tier_in_usage_cache_report_and_metrics(make_harness, tmp_path):
         assert values["pagedllm_kv_disk_read_bytes_total"] == disk["bytes_read"]
 
     h.run(body)
+
+
+def test_a_damaged_disk_store_is_set_aside_and_counted(make_harness, tmp_path):
+    root = tmp_path / "kv"
+    (root / "blocks" / "ab").mkdir(parents=True)
+    (root / "store.json").write_text('{"format": 1, "mod')  # a torn write
+    (root / "blocks" / "ab" / f"{'ab' * 32}.kv").write_bytes(b"PGLMKV\x00\x01 and the rest")
+    h = make_harness(num_blocks=8, max_model_len=32, engine_kw={"kv_offload_dir": str(root)})
+
+    async def body(client):
+        r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        values = _samples((await client.get("/metrics")).text)
+        assert values["pagedllm_kv_disk_stores_set_aside_total"] == 1
+        assert (await client.get("/v1/cache")).json()["disk"]["stores_set_aside"] == 1
+
+    h.run(body)
+    assert len(list(tmp_path.glob("kv.damaged-*"))) == 1

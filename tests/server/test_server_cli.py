@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from pagedllm.engine.args import config_from_args
+from pagedllm.engine.config import SERVE
 from pagedllm.server import cli
 
 from .conftest import sse_events
@@ -38,12 +40,12 @@ def test_flags_and_defaults():
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ([], (512, 256, cli.SERVER_MAX_PREFILL_MS_WHILE_DECODING)),
+        ([], (512, 256, 0.128)),
         (["--max-prefill-tokens-while-decoding", "64"], (512, 64, None)),
-        (["--max-prefill-ms-while-decoding", "50"], (512, 256, 50.0)),
+        (["--max-prefill-time-while-decoding", "50ms"], (512, 256, 0.05)),
         (
             ["--max-num-batched-tokens", "2048"],
-            (2048, 256, cli.SERVER_MAX_PREFILL_MS_WHILE_DECODING),
+            (2048, 256, 0.128),
         ),
         (["--no-enable-chunked-prefill"], (None, None, None)),
     ],
@@ -51,10 +53,9 @@ def test_flags_and_defaults():
 def test_scheduling_defaults_set_the_prompt_slice_in_time_unless_a_cap_is_given(flags, expected):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(flags)
-    cli.apply_server_scheduling_defaults(args)
-    got = (args.max_num_batched_tokens, args.max_prefill_tokens_while_decoding,
-           args.max_prefill_ms_while_decoding)  # fmt: skip
+    config = config_from_args(parser.parse_args(flags), SERVE)
+    got = (config.max_num_batched_tokens, config.max_prefill_tokens_while_decoding,
+           config.max_prefill_time_while_decoding_s)  # fmt: skip
     assert got == expected
 
 

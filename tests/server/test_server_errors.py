@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.engine.async_engine import EngineClosedError
 
-from .conftest import ASGIStream, hold_core, sse_events, wait_pool_free
+from .conftest import ASGIStream, hold_core, sse_events, wait_pool_free, wait_until
 
 BAD_COMPLETIONS = [
     # (raw body, expected param or None, words the message must contain)
@@ -37,6 +37,19 @@ BAD_COMPLETIONS = [
     ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", ["token ids"]),
     ('{"prompt": "x", "cache_salt": ""}', "cache_salt", []),
     ('{"prompt": "x", "best_of": 3}', "best_of", []),
+    # numbers the engine core cannot take (msgpack and torch hold 64 bits; nan is no setting)
+    ('{"prompt": "x", "n": 129}', "n", ["128"]),
+    ('{"prompt": "x", "priority": 9223372036854775808}', "priority", ["less than or equal"]),
+    ('{"prompt": "x", "seed": -9223372036854775809}', "seed", ["greater than or equal"]),
+    ('{"prompt": "x", "top_k": 9223372036854775808}', "top_k", []),
+    ('{"prompt": "x", "min_tokens": 9223372036854775808}', "min_tokens", []),
+    ('{"prompt": "x", "stop_token_ids": [18446744073709551616]}', "stop_token_ids[0]", []),
+    ('{"prompt": "x", "logit_bias": {"18446744073709551616": 1}}', "logit_bias", ["token ids"]),
+    ('{"prompt": "x", "logit_bias": {"-5": 1}}', "logit_bias", ["token ids"]),
+    ('{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias.5", ["finite"]),
+    ('{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty", ["finite"]),
+    ('{"prompt": [1, 9223372036854775808]}', "prompt", ["prompt must be"]),
+    ('{"prompt": "x", "max_tokens": 9223372036854775807}', "max_tokens", ["context length"]),
 ]
 
 BAD_CHATS = [
@@ -87,6 +100,31 @@ def test_bad_requests_never_reach_the_engine(make_harness, path, cases):
         # and the server still serves
         ok = await client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
         assert ok.status_code == 200
+
+    h.run(body)
+
+
+BAD_QUERIES = [
+    # (path and query, the parameter named)
+    ("/v1/cache/events?since=-4162009810236935719308230656", "since"),
+    ("/v1/cache/events?since=9223372036854775808", "since"),
+    ("/v1/cache/events?since=-1", "since"),
+    ("/v1/cache/events?since=x", "since"),
+    ("/v1/cache/events/stream?since=18446744073709551616", "since"),
+    ("/v1/cache/events/stream?heartbeat=0", "heartbeat"),
+    ("/v1/cache/events/stream?heartbeat=nan", "heartbeat"),
+    ("/v1/cache/events/stream?heartbeat=inf", "heartbeat"),
+    ("/v1/cache/advice?limit=0", "limit"),
+    ("/v1/cache/advice?limit=99999999999999999999", "limit"),
+]
+
+
+def test_bad_query_parameters_are_400s_naming_them(make_harness):
+    h = make_harness()
+
+    async def body(client):
+        for path, param in BAD_QUERIES:
+            _check_error(await client.get(path), 400, param, [param])
 
     h.run(body)
 
@@ -152,13 +190,11 @@ def test_queue_bound_gives_429_with_retry_after(make_harness):
     async def body(client):
         # Hold the step thread so that accepted requests stay queued.
         h.engine.start()
-        held = hold_core(h.engine, h.llm, gate)
-        await asyncio.sleep(0.05)
+        held = await hold_core(h.engine, h.llm, gate)
         payload = {"prompt": "queued", "max_tokens": 3}
         first = [asyncio.ensure_future(client.post("/v1/completions", json=payload))
                  for _ in range(2)]  # fmt: skip
-        await asyncio.sleep(0.05)
-        assert h.engine.num_queued == 2
+        await wait_until(lambda: h.engine.num_queued == 2, what="two queued requests")
         r = await client.post("/v1/completions", json=payload)
         assert r.status_code == 429
         assert r.headers["retry-after"] == "1"
@@ -303,8 +339,11 @@ def test_disconnect_while_waiting_for_non_streamed_answer(make_harness):
         stream = ASGIStream(
             h.app, "/v1/completions", {"prompt": "patience", "max_tokens": 100}
         ).start()
-        await asyncio.sleep(0.1)
-        assert (await h.engine.get_stats()).num_running == 1
+
+        async def running() -> bool:
+            return (await h.engine.get_stats()).num_running == 1
+
+        await wait_until(running, what="the request to run")
         await stream.disconnect()
         await wait_pool_free(h.engine, timeout=2.0)
         assert (await h.engine.get_stats()).num_requests_aborted == 1
@@ -345,10 +384,10 @@ def test_disconnect_before_any_output_aborts(make_harness, stream):
 
     async def body(client):
         h.engine.start()
-        held = hold_core(h.engine, h.llm, gate)
+        held = await hold_core(h.engine, h.llm, gate)
         payload = {"prompt": "bye", "max_tokens": 50, "stream": stream}
         asgi = ASGIStream(h.app, "/v1/completions", payload).start()
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: h.engine.num_in_flight == 1, what="the add to be sent")
         asgi._disconnect.set()  # gone before the add went through
         gate.set()
         await held

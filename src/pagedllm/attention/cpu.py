@@ -423,8 +423,8 @@ class CpuAttention:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """The C++ row copy (``write_kv_``: a few microseconds for a decode step instead of
-        ~30 per index_copy_), or ``write_kv`` (the reference) for what the op does not take:
+        """The C++ row copy (``write_kv_``, cheaper than index_copy_ at decode sizes), or
+        ``write_kv`` (the reference) for what the op does not take:
         it refuses those layouts and dtypes with NotImplementedError, and bad slots with a
         RuntimeError that stands, before writing anything."""
         if self._write is not None:

@@ -30,8 +30,8 @@ class ScheduledSequence(NamedTuple):
     the same logits; the scheduler then forks n-1 children).
 
     A named tuple, not a frozen dataclass: one is built per running sequence per step,
-    and a frozen dataclass costs about three times as much to build (every field goes
-    through ``object.__setattr__``).
+    and a frozen dataclass costs more to build (every field goes through
+    ``object.__setattr__``).
     """
 
     request_id: str

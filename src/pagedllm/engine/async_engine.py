@@ -54,7 +54,15 @@ from pagedllm.engine.core import (
     unpack,
 )
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pagedllm.engine.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestDelta,
+    RequestOutput,
+    SampleLogprobs,
+    position_logprobs,
+    prompt_position_logprobs,
+)
 from pagedllm.engine.reports import stats_from_wire
 
 if TYPE_CHECKING:
@@ -95,12 +103,13 @@ class EngineClosedError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ChoiceDelta:
-    """What is new in one completion since the stream's last read."""
+    """What is new in one completion since the stream's last read (``logprobs`` in
+    vLLM's shape, one dict per new token)."""
 
     index: int
     text: str
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -122,7 +131,8 @@ class _Choice:
     index: int
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_read_tokens: int = 0
@@ -132,8 +142,13 @@ class _Choice:
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
         self.token_ids.extend(token_ids)
-        if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(logprobs)
+        if logprobs is not None and self.logprobs is not None:
+            tokenizer = self.detokenizer.tokenizer
+            self.logprobs.extend(position_logprobs(e, tokenizer) for e in logprobs)
+            # Summed as the offline engine sums them, a step at a time.
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
+                e.logprob for e in logprobs
+            )
         self.detokenizer.add_tokens(token_ids)
 
     def finish(self, reason: str, stop_reason: int | str | None) -> None:
@@ -153,7 +168,7 @@ class _Choice:
         token_ids = self.token_ids[self.num_read_tokens :]
         logprobs = None
         if self.logprobs is not None:
-            logprobs = tuple(self.logprobs[self.num_read_logprobs :])
+            logprobs = self.logprobs[self.num_read_logprobs :]
         finish = None if self.finish_read else self.finish_reason
         if not (text or token_ids or logprobs or finish):
             return None
@@ -166,11 +181,10 @@ class _Choice:
 
     def output(self) -> CompletionOutput:
         """Everything so far, as the offline engine reports it."""
-        logprobs = tuple(self.logprobs) if self.logprobs is not None else None
-        cumulative = sum(lp.logprob for lp in logprobs) if logprobs is not None else None
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
         return CompletionOutput(
-            self.index, self.detokenizer.text, tuple(self.token_ids), cumulative, logprobs,
-            self.finish_reason, self.stop_reason,
+            self.index, self.detokenizer.text, tuple(self.token_ids), self.cumulative_logprob,
+            logprobs, self.finish_reason, self.stop_reason,
         )  # fmt: skip
 
 
@@ -204,7 +218,7 @@ class RequestStream:
         self.arrival_event_seq: int | None = None
         self.error: str | None = None
         # RequestOutput.prompt_logprobs, once the core sends them (with the first tokens).
-        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._tokenizer = tokenizer
         self._owner = owner
         self._choices: dict[int, _Choice] = {}
@@ -256,7 +270,7 @@ class RequestStream:
         self.cache_event_seq = delta.cache_event_seq
         self.arrival_event_seq = delta.arrival_event_seq
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_logprobs = prompt_position_logprobs(delta.prompt_logprobs, self._tokenizer)
         if delta.error is not None:
             self.error = delta.error
         if delta.finished:
@@ -281,7 +295,13 @@ class RequestStream:
         detokenizer = IncrementalDetokenizer.for_params(
             self._tokenizer, self.prompt_token_ids, params
         )
-        return _Choice(index, detokenizer, logprobs=[] if params.logprobs is not None else None)
+        wants = params.logprobs is not None
+        return _Choice(
+            index,
+            detokenizer,
+            logprobs=[] if wants else None,
+            cumulative_logprob=0.0 if wants else None,
+        )
 
 
 # ---------------------------------------------------------------- where the core runs

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
+from pagedllm.engine.config import GENERATE
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt")
     out.add_argument("--quiet", action="store_true", help="no start-up report or progress")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, GENERATE)
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             if args.beam_width
             else None
         )
-        config = config_from_args(args)
+        config = config_from_args(args, GENERATE)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,11 +24,13 @@ parent process is gone, or when a collective times out (``distributed_timeout_s`
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -160,8 +162,10 @@ def start_tensor_parallel(
     if config.node_rank != 0:
         raise ValueError("only machine 0 (--node-rank 0) runs the engine")
     check_supported(loaded.model, config.tensor_parallel_size)
+    _require_no_group()
     port = config.master_port or free_port()
     processes = start_rank_processes(config, port, skip_rank0=True)
+    comm = None
     try:
         comm, control = init_rank(config, 0, port)
         broadcast_object(config, control)
@@ -171,11 +175,45 @@ def start_tensor_parallel(
         )
         runner.send_sizes()
     except BaseException:
-        for process in processes:
-            process.kill()
+        _abandon(processes, comm)
         raise
-    atexit.register(runner.close)
+    # The engine's finalizer stops the ranks at exit too, but its hook may run after
+    # multiprocessing's, which kills daemon ranks mid-collective; this one, registered
+    # after the ranks started, runs first. A weak reference: it must not keep the runner.
+    atexit.register(_close_if_alive, weakref.ref(runner))
     return loaded, runner
+
+
+def _close_if_alive(runner_ref: weakref.ref[TensorParallelRunner]) -> None:
+    runner = runner_ref()
+    if runner is not None:
+        runner.close()
+
+
+def _require_no_group() -> None:
+    """A process has one default group. An engine that was dropped but sits in a reference
+    cycle still holds it until the cycle is collected (the first import of torch.fx, made
+    while a model is built, leaves such a cycle through the callers' frames), so collect
+    before giving up."""
+    if dist.is_initialized():
+        gc.collect()
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already has a torch.distributed process group: close() the "
+            "other tensor-parallel LLM (or engine) first"
+        )
+
+
+def _abandon(processes: list[Any], comm: Any) -> None:
+    """Undo a start that failed part way: the ranks may never have joined, so there is
+    nobody to tell; kill them and leave the group, so that a later start can form one."""
+    for process in processes:
+        process.kill()
+        process.join(5)
+    if comm is not None:
+        comm.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +276,9 @@ class TensorParallelRunner:
         return self.runner.execute(scheduler_output)
 
     def close(self) -> None:
-        """Stop the worker ranks and leave the process group (idempotent)."""
+        """Stop the worker ranks and leave the process group (idempotent), so that
+        another group can form in this process. ``LLMEngine.close`` calls it, also when
+        the engine is garbage-collected or the interpreter exits."""
         if self._closed:
             return
         self._closed = True

@@ -239,12 +239,14 @@ class ElasticPool:
         *,
         step_fraction: float = 0.15,
         policy: ElasticPolicy | None = None,
+        free_bytes: Callable[[], int] | None = None,
     ) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.runner = runner
         self.step_fraction = step_fraction
         self.policy = policy
+        self.free_bytes = free_bytes  # the device's free memory now (None: unknown)
         self.last_report: ResizeReport | None = None
         # Reports of the last few resizes by id (``start``'s answer), for callers that poll.
         self._reports: dict[int, ResizeReport] = {}
@@ -295,6 +297,7 @@ class ElasticPool:
                 f"kv cache size {num_bytes} bytes is less than one block "
                 f"({runner.kv_block_bytes} bytes)"
             )
+        self._check_room(num_bytes, requested, runner)
         if self._tally is not None:
             self._tally.limited_by = "superseded by another resize"
             self._complete(settle=True)
@@ -381,6 +384,19 @@ class ElasticPool:
         )
 
     # ---- internal ----------------------------------------------------------------------
+
+    def _check_room(self, num_bytes: int, requested: int, runner: ResizableRunner) -> None:
+        """Refuse up front a grow past the device's free memory: the allocation would fail
+        late, or on a CPU that overcommits the OOM killer would end the process."""
+        more = (requested - self.kv.num_blocks) * runner.kv_block_bytes
+        if self.free_bytes is None or more <= 0:
+            return
+        free = self.free_bytes()
+        if more > free:
+            raise ValueError(
+                f"kv cache size {num_bytes} bytes would grow the pool by {more} bytes, "
+                f"more than the {free} bytes free on the device"
+            )
 
     def _resizable(self) -> ResizableRunner:
         if not isinstance(self.runner, ResizableRunner):

@@ -3,18 +3,25 @@
 Mirrors vLLM's names so its users feel at home::
 
     from pagedllm import LLM, SamplingParams
-    llm = LLM(model="default", kv_cache_memory=2 << 30)
-    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32)):
-        print(out.outputs[0].text)
+    with LLM(model="default", kv_cache_memory=2 << 30) as llm:
+        for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32)):
+            print(out.outputs[0].text)
+
+``close()`` (or the end of the ``with``) releases what the engine started: tensor-parallel
+ranks and their process group, shared memory, the disk tier's writer. An ``LLM`` that is
+merely dropped releases them when it is garbage-collected, and any left at interpreter
+exit are released then; either way another ``LLM`` can start in the same process.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.config import OFFLINE, make_config
+from pagedllm.engine.config import OFFLINE_SCHEDULER_STEPS as OFFLINE_SCHEDULER_STEPS
 from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
@@ -27,34 +34,59 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
-# Greedy decode steps per schedule for offline batches (multi-step decoding). Measured on
-# model (a) bf16, 32-step blocks alternated in one process: 0.95 of the one-step time at 64
-# sequences, 0.93 at 8 (the engine's per-step Python at 64 sequences: 8.6% -> 4.7%).
-OFFLINE_SCHEDULER_STEPS = 8
-
-
 class LLM:
     """An engine for offline batches. Keyword arguments are ``EngineConfig`` fields
     (``dtype``, ``block_size``, ``kv_cache_memory`` in bytes or ``memory_fraction``,
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_prefix_caching``, ``preemption_mode``, ``swap_space`` in GiB, ...).
+    ``enable_prefix_caching``, ``preemption_mode``, ``swap_memory`` in bytes, ...); the
+    old ``swap_space`` and ``kv_offload_space`` (GiB) still work, with a warning.
 
-    ``num_scheduler_steps`` defaults to ``OFFLINE_SCHEDULER_STEPS`` here (the server keeps
-    1): an offline batch returns whole completions, so nothing is lost when greedy tokens
-    come several steps per schedule, and the per-token Python is paid once for them."""
+    Defaults are the ``OFFLINE`` preset over ``EngineConfig``'s (``engine/config.py``):
+    ``num_scheduler_steps`` is ``OFFLINE_SCHEDULER_STEPS`` here (the server keeps 1), as
+    an offline batch returns whole completions."""
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
-        kwargs.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
-        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **kwargs))
-        self._ids = itertools.count()
+        config = make_config({"model": str(model), **kwargs}, OFFLINE, stacklevel=2)
+        self._own(LLMEngine.from_config(config))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an existing engine (for example one on a ``FakeModelRunner``)."""
+        """Wrap an existing engine (for example one on a ``FakeModelRunner``);
+        ``close()`` closes it."""
         llm = cls.__new__(cls)
-        llm.engine = engine
-        llm._ids = itertools.count()
+        llm._own(engine)
         return llm
+
+    def _own(self, engine: LLMEngine) -> None:
+        # The engine releases its parts itself when it is collected (LLMEngine.close).
+        self._engine: LLMEngine | None = engine
+        self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; ``RuntimeError`` once the LLM is closed."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed; create a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """Release everything the engine started (idempotent); the LLM cannot be used
+        afterwards. Also done by ``with LLM(...) as llm:``, on garbage collection and at
+        interpreter exit."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

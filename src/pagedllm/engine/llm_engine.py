@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,10 +37,19 @@ from pagedllm.core.scheduler import (
     child_request_id,
 )
 from pagedllm.core.tiers import DiskTier
-from pagedllm.engine.config import GIB, EngineConfig
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
-from pagedllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SequenceDelta
+from pagedllm.engine.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestDelta,
+    RequestOutput,
+    SampleLogprobs,
+    SequenceDelta,
+    position_logprobs,
+    prompt_position_logprobs,
+)
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
@@ -102,7 +112,7 @@ class EngineStats:
     kv_cache_dtype: str | None = None
     kv_bytes_per_token: float | None = None
     # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
-    # measured step times with max_prefill_ms_while_decoding); None: the step's budget.
+    # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
     max_prefill_tokens_while_decoding: int | None = None
 
 
@@ -125,6 +135,9 @@ class _Sequence:
     num_sent: int = 0
     num_logprobs_sent: int = 0
     delta_finished: bool = False
+    # ``logprobs`` in vLLM's shape, decoded as far as outputs have been read
+    # (``step_deltas`` leaves it empty: the server decodes).
+    logprob_positions: SampleLogprobs = field(default_factory=list)
 
     def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
         """The detokenizer, once given the request's output tokens before ``end``."""
@@ -155,6 +168,8 @@ class _Group:
     # (after preemption) writes the same positions again.
     prompt_logprobs: dict[int, TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False  # in a RequestDelta (step_deltas)
+    # prompt_logprobs in vLLM's shape, decoded once; None again when a position is written.
+    prompt_logprob_positions: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -213,6 +228,9 @@ class LLMEngine:
         self.model_config = model_config
         self.max_model_len = self._resolve_max_model_len(model_config)
         self.disk_store, disk = self._open_disk_tier(config, runner)
+        # A finalizer, not __del__: it holds the parts, not the engine, so it runs when
+        # the engine is collected (a cycle through it included) and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _release, self.disk_store, runner)
         self.kv = _kv_manager(config, runner, model_config, disk)
         self._slice_tuner = _slice_tuner(config, self.max_model_len)
         self.scheduler = Scheduler(
@@ -249,12 +267,13 @@ class LLMEngine:
             runner,
             step_fraction=config.compaction_step_fraction,
             policy=_elastic_policy(config, runner),
+            free_bytes=lambda: _free_memory_bytes(config.device),
         )
         if self.elastic.policy is not None:
             self.scheduler.max_num_blocks = self.elastic.policy.max_blocks
         if config.preemption_mode == "swap" and runner.num_host_blocks == 0:
             logger.warning(
-                "preemption_mode='swap' without a host tier (swap_space=0): "
+                "preemption_mode='swap' without a host tier (swap_memory=0): "
                 "preempted requests will be recomputed"
             )
 
@@ -264,8 +283,6 @@ class LLMEngine:
         import torch
 
         from pagedllm.model.loader import load_model
-        from pagedllm.worker.kv_cache import available_memory_bytes
-        from pagedllm.worker.model_runner import kv_cache_spec
 
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
@@ -283,6 +300,22 @@ class LLMEngine:
             loaded, runner = start_tensor_parallel(config, loaded, build_runner)
         else:
             runner = build_runner(config, loaded.model)
+        try:
+            engine = cls._around(config, runner, loaded)
+        except BaseException:
+            _release(None, runner)  # the ranks started above; nobody else will stop them
+            raise
+        engine.model_name = loaded.name
+        if engine.startup_report:
+            logger.info("%s", engine.startup_report)
+        return engine
+
+    @classmethod
+    def _around(cls, config: EngineConfig, runner: ModelRunner, loaded: Any) -> LLMEngine:
+        """The engine of ``from_config`` around its runner and loaded model."""
+        from pagedllm.worker.kv_cache import available_memory_bytes
+        from pagedllm.worker.model_runner import kv_cache_spec
+
         # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
         spec = kv_cache_spec(
             loaded.model,
@@ -291,7 +324,7 @@ class LLMEngine:
             config.unquantized_first_block,
         )
         memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
-        engine = cls(
+        return cls(
             config,
             runner,
             loaded.tokenizer,
@@ -299,10 +332,6 @@ class LLMEngine:
             memory_bytes=memory,
             dtype_reason=loaded.dtype_reason,
         )
-        engine.model_name = loaded.name
-        if engine.startup_report:
-            logger.info("%s", engine.startup_report)
-        return engine
 
     # ------------------------------------------------------------------ requests
 
@@ -499,7 +528,8 @@ class LLMEngine:
                 forward = self.scheduler.reject_loads(forward, moved.failed_loads)
         failed: list[_Group] = []
         culprits: dict[str, Exception] = {}
-        started = time.perf_counter()
+        if self._slice_tuner is not None:
+            self._slice_tuner.start_step()
         try:
             result = self.runner.execute(forward)
         except Exception as exc:
@@ -507,7 +537,7 @@ class LLMEngine:
             result, culprits = self._retry_alone(forward)
             failed = self._fail_culprits(culprits)
         else:  # a retried step's time says nothing of one forward's
-            self._time_prompt_slice(forward, time.perf_counter() - started)
+            self._time_prompt_slice(forward)
         self._counters["steps"] += forward.num_steps
         num_computed = forward.num_batched_tokens
         if culprits:
@@ -524,13 +554,13 @@ class LLMEngine:
                 touched[group.request_id] = group
         return list(touched.values())
 
-    def _time_prompt_slice(self, forward: SchedulerOutput, seconds: float) -> None:
-        """With ``max_prefill_ms_while_decoding``: the step's time to the tuner, and the
+    def _time_prompt_slice(self, forward: SchedulerOutput) -> None:
+        """With ``max_prefill_time_while_decoding_s``: the step's end to the tuner, and the
         scheduler's prompt-token cap to what it answers."""
         if self._slice_tuner is None:
             return
         prompt_tokens = sum(len(s.token_ids) for s in forward.scheduled if len(s.token_ids) > 1)
-        self._slice_tuner.observe(prompt_tokens, seconds / forward.num_steps)
+        self._slice_tuner.end_step(prompt_tokens, forward.num_steps)
         cap = self._slice_tuner.cap()
         config = self.scheduler.config
         if cap is not None and cap != config.max_prefill_tokens_while_decoding:
@@ -590,11 +620,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the disk tier's writes and stop its writer (idempotent). The engine's
-        requests are untouched. A tensor-parallel runner stops its ranks."""
-        if self.disk_store is not None:
-            self.disk_store.close()
-        if isinstance(self.runner, SupportsClose):
-            self.runner.close()
+        requests are untouched. A tensor-parallel runner stops its ranks. Done by itself
+        when the engine is garbage-collected or the interpreter exits."""
+        self._finalizer()
 
     # ------------------------------------------------------------------ internals
 
@@ -603,7 +631,7 @@ class LLMEngine:
         config: EngineConfig, runner: ModelRunner
     ) -> tuple[DiskKVStore | None, DiskTier | None]:
         """The store in ``config.kv_offload_dir`` (attached to the runner) and the core's
-        books of it, sized from ``kv_offload_space``; (None, None) without a directory."""
+        books of it, sized from ``kv_offload_size``; (None, None) without a directory."""
         if config.kv_offload_dir is None:
             return None, None
         if not isinstance(runner, SupportsDiskTier):
@@ -615,11 +643,11 @@ class LLMEngine:
             payload_nbytes=runner.block_nbytes,
             first_payload_nbytes=runner.first_block_nbytes,
         )
-        capacity = int(config.kv_offload_space * GIB) // store.file_nbytes
+        capacity = config.kv_offload_size // store.file_nbytes
         if capacity == 0:
             store.close()
             raise ValueError(
-                f"kv_offload_space ({config.kv_offload_space} GiB) holds no block "
+                f"kv_offload_size ({config.kv_offload_size} bytes) holds no block "
                 f"({store.file_nbytes} bytes each)"
             )
         runner.attach_disk_store(store)
@@ -657,6 +685,7 @@ class LLMEngine:
                 by_position = owner[0].prompt_logprobs
                 for j, logprob in enumerate(logprobs):
                     by_position[seq.start_position + 1 + j] = logprob
+                owner[0].prompt_logprob_positions = None
 
     def _apply(
         self, update: SequenceUpdate, *, lazy_text: bool = False, final_text: bool = True
@@ -755,7 +784,7 @@ class LLMEngine:
         if group.error is not None and not completions:
             completions = [CompletionOutput(0, "", (), finish_reason="error")]
         first = group.seqs.get(0)
-        prompt_logprobs = group.prompt_logprobs_tuple()
+        prompt_logprobs = self._prompt_logprob_positions(group)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -769,8 +798,7 @@ class LLMEngine:
             arrival_event_seq=first.request.arrival_event_seq if first else None,
         )
 
-    @staticmethod
-    def _completion(seq: _Sequence) -> CompletionOutput:
+    def _completion(self, seq: _Sequence) -> CompletionOutput:
         finished = seq.finish_reason is not None
         detokenizer = seq.text_detokenizer()
         return CompletionOutput(
@@ -778,10 +806,27 @@ class LLMEngine:
             text=detokenizer.text if finished else detokenizer.visible_text,
             token_ids=tuple(seq.request.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
-            logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=self._logprob_positions(seq),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def _logprob_positions(self, seq: _Sequence) -> SampleLogprobs | None:
+        """``seq``'s logprobs in vLLM's shape (a copy: an earlier output keeps its own);
+        each token is decoded once however often outputs are read."""
+        if seq.logprobs is None:
+            return None
+        done = seq.logprob_positions
+        done.extend(position_logprobs(e, self.tokenizer) for e in seq.logprobs[len(done) :])
+        return list(done)
+
+    def _prompt_logprob_positions(self, group: _Group) -> PromptLogprobs | None:
+        if group.prompt_logprob_positions is None:
+            entries = group.prompt_logprobs_tuple()
+            if entries is None:
+                return None
+            group.prompt_logprob_positions = prompt_position_logprobs(entries, self.tokenizer)
+        return group.prompt_logprob_positions
 
     def _retry_alone(
         self, forward: SchedulerOutput
@@ -988,6 +1033,14 @@ def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy 
     return ElasticPolicy(runner.num_blocks, max_blocks, idle_s=config.elastic_idle_s)
 
 
+def _release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
+    """What ``LLMEngine.close`` releases: the disk tier's writer, the runner's ranks."""
+    if disk_store is not None:
+        disk_store.close()
+    if isinstance(runner, SupportsClose):
+        runner.close()
+
+
 def _kv_manager(
     config: EngineConfig, runner: Any, model_config: Any, disk: DiskTier | None
 ) -> KVCacheManager | HybridKVCacheManager:
@@ -1019,6 +1072,12 @@ def _kv_manager(
         # Each cached-free first block keeps a staging slot: as many as running sequences.
         max_cached_first_blocks=config.max_num_seqs if config.unquantized_first_block else None,
     )
+
+
+def _free_memory_bytes(device: str) -> int:
+    from pagedllm.worker.kv_cache import available_memory_bytes
+
+    return available_memory_bytes(device)
 
 
 def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
@@ -1081,8 +1140,8 @@ def _attention_backend(config: EngineConfig) -> Any:
 def build_runner(config: EngineConfig, model: Any) -> Any:
     """A ``TorchModelRunner`` for ``model``, its device tier sized by ``num_blocks`` or the
     memory budget (per rank under tensor parallelism: the model's config has the rank's
-    KV heads), its host tier by ``num_host_blocks`` or ``swap_space``."""
-    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY, GIB
+    KV heads), its host tier by ``num_host_blocks`` or ``swap_memory``."""
+    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY
     from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec
 
     spec = kv_cache_spec(
@@ -1090,7 +1149,7 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
     )
     num_host_blocks = config.num_host_blocks
     if num_host_blocks is None:
-        num_host_blocks = int(config.swap_space * GIB) // spec.bytes_per_block
+        num_host_blocks = config.swap_memory // spec.bytes_per_block
     common = dict(
         block_size=config.block_size,
         num_host_blocks=num_host_blocks,
@@ -1108,11 +1167,11 @@ def build_runner(config: EngineConfig, model: Any) -> Any:
 
 
 def _slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:
-    if config.max_prefill_ms_while_decoding is None or not config.enable_chunked_prefill:
+    if config.max_prefill_time_while_decoding_s is None or not config.enable_chunked_prefill:
         return None
     # A token cap given too is the most the tuner picks (and the cap until it has timed a step).
     largest = config.resolved_max_num_batched_tokens(max_model_len)
     if config.max_prefill_tokens_while_decoding is not None:
         largest = min(largest, config.max_prefill_tokens_while_decoding)
     largest = max(largest, SMALLEST_CAP)
-    return PrefillSliceTuner(config.max_prefill_ms_while_decoding / 1000, largest)
+    return PrefillSliceTuner(config.max_prefill_time_while_decoding_s, largest)

@@ -2,8 +2,7 @@
 
 Every decoding stream waits for the whole step, so the prompt tokens a decoding step takes
 set the streams' inter-token gaps. A fixed token count means very different gaps on
-different machines and dtypes (256 prompt tokens of SmolLM2 are ~0.1 s in bf16 on an
-AVX-512-bf16 CPU and ~0.55 s in float32 on an AVX2 one), so the server gives a time instead:
+different machines and dtypes, so the server gives a time instead:
 ``PrefillSliceTuner`` watches the steps' durations and keeps the cap at the power of two of
 prompt tokens nearest to ``target_s`` of prompt work.
 """
@@ -11,6 +10,8 @@ prompt tokens nearest to ``target_s`` of prompt work.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 # Steps with fewer prompt tokens than this say too little about a token's cost.
 MIN_SAMPLE_TOKENS = 16
@@ -23,17 +24,34 @@ class PrefillSliceTuner:
     """Estimates a decode step's time and a prompt token's extra time from the steps it is
     shown (exponential moving averages), and answers the prompt-token cap that keeps a
     decoding step's prompt work near ``target_s``: a power of two between ``SMALLEST_CAP`` and
-    ``largest``."""
+    ``largest``. ``clock`` (seconds) times the steps between ``start_step`` and ``end_step``;
+    tests give a fake one."""
 
-    def __init__(self, target_s: float, largest: int) -> None:
+    def __init__(
+        self, target_s: float, largest: int, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         if not target_s > 0:
             raise ValueError(f"the prompt slice's time must be positive, got {target_s!r}")
         if largest < SMALLEST_CAP:
             raise ValueError(f"largest cap must be at least {SMALLEST_CAP}, got {largest}")
         self.target_s = target_s
         self.largest = largest
+        self.clock = clock
         self.decode_s: float | None = None  # a step without prompt tokens
         self.token_s: float | None = None  # one prompt token beyond that
+        self._started: float | None = None
+
+    def start_step(self) -> None:
+        """A step to be timed starts now."""
+        self._started = self.clock()
+
+    def end_step(self, prompt_tokens: int, num_steps: int = 1) -> None:
+        """The step ``start_step`` began has ended: ``num_steps`` forwards, each with
+        ``prompt_tokens`` of prompt work, observed at their mean time."""
+        assert self._started is not None, "end_step without start_step"
+        seconds = self.clock() - self._started
+        self._started = None
+        self.observe(prompt_tokens, seconds / num_steps)
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """One step: ``prompt_tokens`` of prompt work (the rest decodes), ``seconds`` long."""

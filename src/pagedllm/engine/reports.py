@@ -132,6 +132,7 @@ def _disk_entry(stats: EngineStats) -> dict[str, Any] | None:
         "loads": disk.loads,
         "load_seconds": disk.load_seconds,
         "misses_corrupt": disk.misses_corrupt,
+        "stores_set_aside": disk.stores_set_aside,
         "write_errors": disk.write_errors,
         "writes_queued": disk.writes_queued,
     }

@@ -1,7 +1,7 @@
 """A shared-memory all-gather for tensor-parallel ranks on one machine.
 
-Gloo's all-gather over loopback costs about half a millisecond a call, whatever the size,
-and a decode step makes 4 per layer. Ranks that share a machine can instead exchange
+Gloo's all-gather over loopback has a large fixed cost a call, whatever the size, and a
+decode step makes 4 per layer. Ranks that share a machine can instead exchange
 pieces through memory: each rank owns one file under ``/dev/shm`` (two slots of
 ``capacity`` bytes), and one control file holds a line per rank (call counters, pid,
 buffer generation and capacity).

@@ -36,20 +36,30 @@ def small_gemm_max_rows(small: torch.Tensor) -> int:
 
 def pack_small_weight(weight: torch.Tensor, ops: Any) -> torch.Tensor | None:
     """The weight laid out for ``ops.small_gemm`` (``kernels/csrc/small_gemm.cpp``), or
-    None where that kernel does not apply: bf16 needs the tile unit or AVX-512-bf16 and rows in 16s,
-    columns in 32s; float32 needs AVX-512 or AVX2 with FMA and rows in 16s."""
-    bf16 = weight.dtype == torch.bfloat16
-    if (
-        ops is None
-        or weight.device.type != "cpu"
-        or weight.dtype not in (torch.bfloat16, torch.float32)
-        or weight.dim() != 2
-        or weight.shape[0] % 16
-        or (bf16 and weight.shape[1] % 32)
-        or not ops.small_gemm_available(bf16)
-    ):
+    None where that kernel does not apply (``small_gemm_refusal``)."""
+    if small_gemm_refusal(weight, ops) is not None:
         return None
     return ops.pack_small_gemm(weight.detach())
+
+
+def small_gemm_refusal(weight: torch.Tensor, ops: Any) -> str | None:
+    """Why ``ops.small_gemm`` does not take ``weight``, in words for the routes, or None
+    where it does: bf16 needs the tile unit or AVX-512-bf16 and rows in 16s, columns in
+    32s; float32 needs AVX-512 or AVX2 with FMA and rows in 16s."""
+    bf16 = weight.dtype == torch.bfloat16
+    if ops is None:
+        return "the C++ kernels did not load"
+    if weight.device.type != "cpu":
+        return f"the weight is on {weight.device.type}"
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
+        return f"a {weight.dim()}-D {weight.dtype} weight, not a bf16 or float32 matrix"
+    if weight.shape[0] % 16:
+        return f"{weight.shape[0]} rows, not a multiple of 16"
+    if bf16 and weight.shape[1] % 32:
+        return f"{weight.shape[1]} columns, not a multiple of 32"
+    if not ops.small_gemm_available(bf16):
+        return f"this CPU has no {'bf16' if bf16 else 'float32'} route"
+    return None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -79,11 +89,14 @@ class LinearTensors(NamedTuple):
     quant: QuantWeight | None = None
 
 
-def pack_for_cpu(weight: torch.Tensor, ops: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+# A weight's packed copies: (oneDNN's, small_gemm's), one of them at most.
+Packs = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def pack_for_cpu(weight: torch.Tensor, ops: Any) -> Packs:
     """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
     small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
-    measured within 5% of the packed copy at prefill sizes, where the reorder is small next
-    to the work)."""
+    which at prefill sizes is small next to the work)."""
     small = pack_small_weight(weight, ops)
     return (pack_weight(weight) if small is None else None), small
 

@@ -4,69 +4,75 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows
+from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows, small_gemm_refusal
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
 
+# The routes read the kernels from layer_ops() rather than from a model: a model keeps
+# ops only beside the weights it packed, so an unpacked head has none to describe others.
 
-def small_gemm_route(dtype: torch.dtype, ops: Any) -> str:
+
+def small_gemm_route(dtype: torch.dtype) -> str:
     """The ISA ``small_gemm`` runs ``dtype`` on: bf16 "amx" or "avx512_bf16", float32
     "avx512" or "avx2" ("none" where it has none)."""
+    ops = layer_ops()
+    if ops is None:
+        return "none"
     return ops.small_gemm_isa() if dtype == torch.bfloat16 else ops.small_gemm_f32_isa()
 
 
-def linear_route(linears: Iterable[LinearTensors], ops: Any) -> str:
-    """How a model's linears run: how many on pagedllm's own kernel (and up to how many
-    rows), on oneDNN's packed layout, or on plain torch."""
-    small = onednn = plain = 0
-    example = None
-    formats: Counter[str] = Counter()
-    for t in linears:
-        if t.quant is not None:
-            formats[t.quant.format] += 1
-        elif t.small is not None:
-            small, example = small + 1, t.small
-        elif t.packed is not None:
-            onednn += 1
-        else:
-            plain += 1
-    parts = [quant_route(formats, ops)] if formats else []
-    if example is not None:
-        beyond = "oneDNN" if example.dtype == torch.bfloat16 else "torch"
-        isa = small_gemm_route(example.dtype, ops)
-        rows = small_gemm_max_rows(example)
-        parts.append(f"{small} on own kernel small_gemm ({isa}) up to {rows} rows, {beyond} beyond")
-    if onednn:
-        parts.append(f"{onednn} on oneDNN (packed bf16)")
-    if plain:
-        parts.append(f"{plain} on torch F.linear")
-    return "; ".join(parts)
+def linear_path(linear: LinearTensors) -> str:
+    """Where one linear runs, as ``kernels/linear.py``'s ``linear`` picks: pagedllm's own
+    kernel (up to how many rows, and what beyond), oneDNN's packed layout, or plain torch."""
+    if linear.quant is not None:
+        return quant_path(linear.quant.format)
+    small = linear.small
+    if small is not None:
+        beyond = "oneDNN" if small.dtype == torch.bfloat16 else "torch"
+        isa, rows = small_gemm_route(small.dtype), small_gemm_max_rows(small)
+        return f"own kernel small_gemm ({isa}) up to {rows} rows, {beyond} beyond"
+    if linear.packed is not None:
+        return "oneDNN (packed bf16)"
+    return "torch F.linear"
 
 
-def quant_route(formats: Counter[str], ops: Any) -> str:
-    """How the linears kept quantized run: "7 kept quantized (Q4_1 x7) on own kernel
-    quant_gemm (avx512_vnni) up to 16 rows, dequantised tiles on torch beyond"."""
-    counts = ", ".join(f"{name} x{n}" for name, n in sorted(formats.items()))
-    kept = f"{formats.total()} kept quantized ({counts})"
+def quant_path(format: str) -> str:
+    """Where a linear kept quantized (GGUF ``format``) runs."""
+    ops = layer_ops()
     if ops is None:
-        return f"{kept}, dequantised per call on torch (no C++ kernels)"
+        return f"torch, {format} dequantised per call (no C++ kernels)"
     return (
-        f"{kept} on own kernel quant_gemm ({ops.quant_gemm_isa()}) up to "
+        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {format} kept as stored) up to "
         f"{QUANT_GEMM_MAX_ROWS} rows, dequantised tiles on torch beyond"
     )
 
 
-def sampler_route(head: LinearTensors, ops: Any, *, in_head: bool = True) -> str:
+def linear_route(linears: Iterable[LinearTensors]) -> str:
+    """How a model's linears run: how many on each ``linear_path``, the most first."""
+    counts = Counter(linear_path(t) for t in linears).most_common()
+    return "; ".join(f"{count} on {path}" for path, count in counts)
+
+
+def head_route(head: LinearTensors) -> str:
+    """Where the LM head runs (``linear_path``) and, off small_gemm, why: a vocabulary
+    that is not a multiple of 16 leaves the head on another path than the layers."""
+    path = linear_path(head)
+    if head.small is not None or head.quant is not None:
+        return path
+    reason = small_gemm_refusal(head.weight, layer_ops())
+    return path if reason is None else f"{path}; not small_gemm: {reason}"
+
+
+def sampler_route(head: LinearTensors, *, in_head: bool = True) -> str:
     """How tokens are picked: greedy ones (``in_head``: inside the LM head where the kernel
     allows) and sampled ones (``sampled_route``)."""
-    if ops is None:
+    if layer_ops() is None:
         greedy = "greedy: torch argmax"
     elif in_head and head.small is not None and head.small.dtype == torch.bfloat16:
-        isa = small_gemm_route(head.small.dtype, ops)
+        isa = small_gemm_route(head.small.dtype)
         greedy = f"greedy: argmax inside the LM head (small_gemm_argmax, {isa})"
     else:
         greedy = "greedy: C++ argmax_rows over the logits"

@@ -19,23 +19,26 @@ through the backend like every model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
-from pagedllm.kernels.linear import LinearTensors, linear, pack_for_cpu
+from pagedllm.kernels.linear import Packs, linear
 from pagedllm.model.base import FastPath, FastPathBuilder
 from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
     MLP,
     Attention,
+    Embedding,
     KVCaches,
     Linear,
     RMSNorm,
     activation,
     describe_routes,
+    head_tensors,
     pack_linears,
     rope_inv_freq,
     rotary,
@@ -227,7 +230,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             GeneralDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
@@ -246,9 +249,10 @@ class DecoderForCausalLM(nn.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(config.rope, config.head_dim)
         local = config.local_rope
         self.local_inv_freq = None if local is None else rope_inv_freq(local, config.head_dim)
-        self.ops = None
-        self.packed_head: torch.Tensor | None = None
-        self.small_head: torch.Tensor | None = None
+        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies
+        # (oneDNN's, small_gemm's; ``head_tensors``).
+        self.tied_packs: Packs = (None, None)
+        self.head_ops: Any = None
 
     def forward(
         self,
@@ -291,11 +295,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden [S, hidden_size] -> logits [S, vocab_size] (float32 unless ``float32`` is
         False), soft-capped where the model says so."""
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        else:
-            weight = self.embed_tokens.weight
-            logits = linear(hidden, weight, None, self.packed_head, self.small_head, None, self.ops)
+        logits = linear(hidden, *head_tensors(self), self.head_ops)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -308,21 +308,14 @@ class DecoderForCausalLM(nn.Module):
 
     def routes(self, kv_quantization: str | None = None) -> Routes:
         """Which implementation runs each capability of this model's steps."""
-        head = (
-            self.lm_head.tensors
-            if self.lm_head is not None
-            else LinearTensors(self.embed_tokens.weight, None, self.packed_head, self.small_head)
-        )
-        ops = self.ops if self.lm_head is None else self.lm_head.ops
         decode = (
             "module by module (torch ops)"
             if self.fast_path is None
             else self.fast_path.route(kv_quantization)
         )
         return describe_routes(
-            self, self.backend, head, ops, decode, greedy_in_head=False,
-            kv_quantization=kv_quantization,
-        )  # fmt: skip
+            self, self.backend, decode, greedy_in_head=False, kv_quantization=kv_quantization
+        )
 
     def optimize_for_cpu(self) -> None:
         """Pack the linears (and a tied head) for the CPU kernels; a no-op elsewhere."""
@@ -332,9 +325,7 @@ class DecoderForCausalLM(nn.Module):
 
         ops = layer_ops()
         pack_linears(self, ops)
-        if self.lm_head is None:
-            self.packed_head, self.small_head = pack_for_cpu(self.embed_tokens.weight, ops)
-            self.ops = ops if self.small_head is not None else None
+        self.head_ops = ops
         if self.fast_path_builder is not None:
             self.fast_path = self.fast_path_builder(self, ops)
 

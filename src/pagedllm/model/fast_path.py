@@ -177,7 +177,7 @@ def fused_layer_of(layer: DecoderLayer) -> FusedLayer:
 class FusedLayer(NamedTuple):
     """A decoder layer flattened for ``fused_layer``: plain tensors and sizes, so that a
     decode step makes no nn.Module calls or attribute lookups (on a 30-layer model those
-    cost about 0.1 ms a layer, several percent of a small batch's step)."""
+    add up to a real share of a small batch's step)."""
 
     norm1: torch.Tensor
     norm1_eps: float
@@ -264,7 +264,7 @@ def _after_attention(
 class DecoderPlan(NamedTuple):
     """Every layer's tensors as ``decoder_layers`` (``kernels/csrc/decoder_layers.cpp``)
     takes them: one C++ call runs ``fused_layer`` for all layers, without Python between
-    the ops (1-2 ms of a 5-20 ms decode step on the benchmark model)."""
+    the ops (a real share of a small decode step)."""
 
     norm1: list[torch.Tensor]
     qkv: list[torch.Tensor]

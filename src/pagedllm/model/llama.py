@@ -27,22 +27,26 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import (
     LinearTensors,
+    Packs,
     linear,
     pack_for_cpu,
     small_gemm_max_rows,
 )
 from pagedllm.kernels.quant import QuantWeight, dequantize_rows
-from pagedllm.kernels.routes import linear_route, sampler_route
+from pagedllm.kernels.routes import head_route, linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
 from pagedllm.routes import Routes
 
 
 def pack_linears(model: nn.Module, ops: Any) -> None:
-    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels."""
+    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels, and a head
+    tied to the embedding (``lm_head`` None) its own (``tied_packs``)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(ops)
+    if model.lm_head is None and model.embed_tokens.quant is None:
+        model.tied_packs = pack_for_cpu(model.embed_tokens.weight, ops)
 
 
 class Linear(nn.Linear):
@@ -107,16 +111,16 @@ class Embedding(nn.Embedding):
 def describe_routes(
     model: nn.Module,
     backend: AttentionBackend,
-    head: LinearTensors,
-    ops: Any,
     decode_loop: str,
     *,
     greedy_in_head: bool = True,
     kv_quantization: str | None = None,
 ) -> Routes:
     """A model's ``Routes``: its attention backend's (over a cache quantized as
-    ``kv_quantization``, if any), its ``Linear`` modules' (and a tied head's), its decode
-    loop and its greedy sampler (``greedy_in_head``: the model offers ``greedy_tokens``)."""
+    ``kv_quantization``, if any), its ``Linear`` modules' and its LM head's (tied or not),
+    its decode loop and its greedy sampler (``greedy_in_head``: the model offers
+    ``greedy_tokens``)."""
+    head = head_tensors(model)
     dtype = head.weight.dtype
     linears = [m.tensors for m in model.modules() if isinstance(m, Linear)]
     if not any(t.weight is head.weight for t in linears):
@@ -128,10 +132,21 @@ def describe_routes(
             else backend.quant_route(dtype, kv_quantization)
         ),
         windowed_attention=kinds_route(model, backend, dtype),
-        linears=linear_route(linears, ops),
+        linears=linear_route(linears),
+        lm_head=head_route(head),
         decode_loop=decode_loop,
-        sampler=sampler_route(head, ops, in_head=greedy_in_head),
+        sampler=sampler_route(head, in_head=greedy_in_head),
     )
+
+
+def head_tensors(model: nn.Module) -> LinearTensors:
+    """The LM head's weight, bias and packed copies: the embedding's weight and
+    ``tied_packs`` (or its table kept quantized) when the two are tied (``lm_head`` None)."""
+    if model.lm_head is not None:
+        return model.lm_head.tensors
+    # The weight is read here, not kept: loading (to_empty) replaces the parameter.
+    table = model.embed_tokens
+    return LinearTensors(table.weight, None, *model.tied_packs, table.quant)
 
 
 def kinds_route(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> str:
@@ -199,10 +214,10 @@ def rotary(
 
 class RotaryTable:
     """``rotary`` of every position below the largest one seen so far, kept in one dtype:
-    a step's cos and sin are then two row gathers instead of seven small ops (0.13-0.17 ms
-    of a 64-sequence decode step, measured). Rows are computed by ``rotary`` itself, all at
-    once when the table grows (to the next power of two), so a row can differ from a per-step
-    ``rotary`` only where torch's vector and scalar cos/sin differ (a float32 ulp)."""
+    a step's cos and sin are then two row gathers instead of seven small ops. Rows are
+    computed by ``rotary`` itself, all at once when the table grows (to the next power of
+    two), so a row can differ from a per-step ``rotary`` only where torch's vector and scalar
+    cos/sin differ (a float32 ulp)."""
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq
@@ -302,7 +317,7 @@ class Heads(NamedTuple):
 
 def split_heads(qkv: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, q + 2 kv] -> q [T, H, D], k, v [T, KV, D], q and k RMS-normalized where configured.
-    One view and one split (Tensor.split's Python wrapper alone took ~10 us)."""
+    One view and one split (Tensor.split's Python wrapper is dear at decode sizes)."""
     rows = qkv.view(qkv.shape[0], sum(heads.counts), heads.head_dim)
     q, k, v = rows.split_with_sizes(heads.counts, dim=1)
     if heads.qk_norm is not None:
@@ -379,8 +394,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by optimize_for_cpu(): the CPU fast path (``model/fast_path.py``), or None: the
         # module-by-module forward below, which stays the ground truth.
         self.fast_path: FastPath | None = None
-        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies.
-        self.tied_head = LinearTensors(self.embed_tokens.weight, None, None, None)
+        # Set by optimize_for_cpu() when the head is tied: the embedding's packed copies
+        # (oneDNN's, small_gemm's; ``head_tensors``).
+        self.tied_packs: Packs = (None, None)
         self.head_ops: Any = None
 
     def forward(
@@ -414,12 +430,6 @@ class LlamaForCausalLM(nn.Module):
 
         ops = layer_ops()
         pack_linears(self, ops)
-        if self.lm_head is None and self.embed_tokens.quant is not None:
-            weight = self.embed_tokens.weight
-            self.tied_head = LinearTensors(weight, None, None, None, self.embed_tokens.quant)
-        elif self.lm_head is None:
-            weight = self.embed_tokens.weight
-            self.tied_head = LinearTensors(weight, None, *pack_for_cpu(weight, ops))
         self.head_ops = ops
         if self.fast_path_builder is not None:
             self.fast_path = self.fast_path_builder(self, ops)
@@ -428,7 +438,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden_size] -> float32 logits [S, vocab_size]; ``float32=False``
         leaves them in the head's dtype (for the sampler's greedy argmax, which needs no
         float32 copy)."""
-        logits = linear(hidden, *self._head(), self.head_ops)
+        logits = linear(hidden, *head_tensors(self), self.head_ops)
         return logits.float() if float32 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -436,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
         inside the LM head without writing the logits (``small_gemm_argmax``: the same
         roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
         None where that kernel does not apply (then use ``compute_logits``)."""
-        head = self._head()
+        head = head_tensors(self)
         bias, packed = head.bias, head.small
         if (
             packed is None
@@ -455,14 +465,7 @@ class LlamaForCausalLM(nn.Module):
             if self.fast_path is None
             else self.fast_path.route(kv_quantization)
         )
-        return describe_routes(
-            self, self.backend, self._head(), self.head_ops, decode, kv_quantization=kv_quantization
-        )
-
-    def _head(self) -> LinearTensors:
-        """The LM head's weight, bias and packed copies: the embedding's when the two are
-        tied."""
-        return self.lm_head.tensors if self.lm_head is not None else self.tied_head
+        return describe_routes(self, self.backend, decode, kv_quantization=kv_quantization)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim] (``rotary``)."""

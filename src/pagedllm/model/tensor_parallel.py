@@ -40,7 +40,7 @@ from pagedllm.kernels.linear import LinearTensors, linear
 from pagedllm.kernels.quant import dequantize
 from pagedllm.kernels.routes import sampled_route
 from pagedllm.model.base import KVCaches
-from pagedllm.model.llama import Linear, LlamaForCausalLM
+from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors
 from pagedllm.routes import Routes
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
@@ -135,6 +135,8 @@ class VocabEmbedding(nn.Module):
     """My vocabulary rows of the embedding; other tokens embed to zeros, and the ranks'
     rows are added in rank order (one of them is the token's, the others exact zeros)."""
 
+    quant = None  # a shard is float (``head_tensors`` asks every embedding)
+
     def __init__(self, weight: torch.Tensor, start: int, comm: Collective) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -212,8 +214,7 @@ class TensorParallelModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """My vocabulary's logits, then everyone's (the runner samples from all)."""
         inner = self.inner
-        head = inner.lm_head.tensors if inner.lm_head is not None else inner.tied_head
-        logits = linear(hidden, *head, inner.head_ops)
+        logits = linear(hidden, *head_tensors(inner), inner.head_ops)
         logits = gather_padded(self.comm, logits, self.vocab_width, self.full_config.vocab_size)
         return logits.float() if float32 else logits
 
@@ -290,4 +291,4 @@ def _shard_vocab(model: LlamaForCausalLM, vocab: tuple[int, int], comm: Collecti
     model.embed_tokens = VocabEmbedding(weight, start, comm)
     if model.lm_head is not None:
         _shard_rows(model.lm_head, [vocab])
-    model.tied_head = LinearTensors(model.embed_tokens.weight, None, None, None)
+    model.tied_packs = (None, None)

@@ -9,6 +9,7 @@ which is what a serving engine's memory fraction is applied to.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -356,7 +357,10 @@ def parse_size(text: str | int, bare_unit: int = GIB) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or (unit and unit not in _UNITS):
         raise ValueError(f"not a size: {text!r} (examples: 24GiB, 512MiB, 2GB)")
-    value = int(float(match.group(1)) * (_UNITS[unit] if unit else bare_unit))
+    number = float(match.group(1)) * (_UNITS[unit] if unit else bare_unit)
+    if not math.isfinite(number):  # so many digits that float() gave inf
+        raise ValueError(f"not a size: {text!r} is too large")
+    value = int(number)
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value

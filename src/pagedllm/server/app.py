@@ -21,10 +21,13 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import FiniteFloat
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,9 +42,18 @@ from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.elastic import add_elastic_routes
-from pagedllm.server.errors import APIError, bad_request
+from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.protocol import ModelCard, ModelList
+from pagedllm.server.protocol import (
+    REQUEST_BODIES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Count,
+    ModelCard,
+    ModelList,
+    Positive,
+    body_schema,
+)
 from pagedllm.server.request_log import DEFAULT_MAX_RECORDS, RecentRequests
 from pagedllm.server.serving import ServerContext
 from pagedllm.server.sse import EventStreamResponse
@@ -51,6 +63,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 # The dashboard page is public; the JSON it polls needs the key (see server/dashboard.py).
 PUBLIC_PATHS = frozenset({"/health", DASHBOARD_PATH})
+# Seconds of silence before an events stream sends a keep-alive.
+Heartbeat = Annotated[FiniteFloat, Query(gt=0, le=60)]
 
 
 class BearerAuth:
@@ -116,6 +130,7 @@ def create_app(
     app.state.engine = async_engine
     _add_routes(app, ctx)
     _add_error_handlers(app, ctx)
+    _document_bodies(app)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app
@@ -151,11 +166,11 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
@@ -169,7 +184,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return JSONResponse(await report())
 
     @app.get("/v1/cache/events")
-    async def cache_events(since: int = 0, epoch: str | None = None) -> Response:
+    async def cache_events(since: Count = 0, epoch: str | None = None) -> Response:
         # A router's feed (server/cache_events.py), read in the core between two steps.
         body = await ctx.engine.call_utility("events_report", epoch, since)
         return JSONResponse(body)
@@ -178,17 +193,13 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/cache/events/stream")
     async def cache_events_stream(
-        since: int = 0, epoch: str | None = None, heartbeat: float = 1.0
+        since: Count = 0, epoch: str | None = None, heartbeat: Heartbeat = 1.0
     ) -> Response:
         # The same feed, pushed as the core logs it (server/cache_events.py).
-        if not 0 < heartbeat <= 60:
-            raise bad_request("heartbeat must be in (0, 60] seconds", param="heartbeat")
         return EventStreamResponse(feed.stream(epoch, since, heartbeat))
 
     @app.get("/v1/cache/advice")
-    async def cache_advice(limit: int | None = None) -> Response:
-        if limit is not None and limit < 1:
-            raise bad_request("limit must be a positive integer", param="limit")
+    async def cache_advice(limit: Positive | None = None) -> Response:
         log = ctx.requests.to_log(limit)
         if not len(log):
             raise bad_request("no finished requests yet: send some, then ask again")
@@ -203,6 +214,24 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     add_dashboard_routes(app, ctx)
     add_elastic_routes(app, ctx)
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the bodies the routes read themselves (``REQUEST_BODIES``) to the OpenAPI
+    document's components, where their ``openapi_extra`` points."""
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = plain()
+            _, defs = models_json_schema(
+                [(model, "validation") for model in REQUEST_BODIES],
+                ref_template="#/components/schemas/{model}",
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _advice(ctx: ServerContext, log: CacheLog) -> dict[str, Any]:
@@ -228,6 +257,10 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         ctx.metrics.rejected.labels(str(exc.status)).inc()
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request: Request, exc: RequestValidationError) -> Response:
+        return await api_error(request, from_validation_error(exc))
 
     @app.exception_handler(EngineClosedError)
     async def engine_closed(request: Request, exc: EngineClosedError) -> Response:

@@ -105,15 +105,20 @@ def _spec(
     else:
         asked, param = req.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), asked, "messages", param)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    logprobs = _num_top(req) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs)
     return RequestSpec(request_id, prompt.token_ids, params, req.priority, req.cache_salt)
+
+
+def _num_top(req: ChatCompletionRequest) -> int:
+    """Alternatives per token the request asks for (``top_logprobs``, 0 when unset)."""
+    return req.top_logprobs or 0
 
 
 def _choice(ctx: ServerContext, req: ChatCompletionRequest, c: Any) -> ChatChoice:
     logprobs = None
     if req.logprobs and c.logprobs is not None:
-        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids)
+        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, _num_top(req))
     return ChatChoice(
         index=c.index,
         message=AssistantMessage(content=c.text),
@@ -155,7 +160,7 @@ async def chat_events(
 def _chat_delta(ctx: ServerContext, req: ChatCompletionRequest, c: ChoiceDelta) -> ChatStreamChoice:
     logprobs = None
     if req.logprobs and c.logprobs:
-        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids)
+        logprobs = chat_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, _num_top(req))
     return ChatStreamChoice(
         index=c.index,
         delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),

@@ -25,21 +25,9 @@ import uvicorn
 
 from pagedllm.engine.args import add_engine_arguments, config_from_args
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.config import SERVE
 from pagedllm.engine.core import ConfigEngineFactory
 from pagedllm.server.app import DEFAULT_MAX_QUEUED_REQUESTS, create_app
-
-# Tokens a server step takes when --max-num-batched-tokens is not given (the offline LLM
-# keeps 2048): prompts prefill in small slices between decode steps, so a new request's
-# first token does not wait behind other whole prompts; chosen by measurement
-# (docs/performance.md).
-SERVER_MAX_NUM_BATCHED_TOKENS = 512
-# The prompt work of a server step that also decodes, unless a token cap is given: the
-# decoding streams wait for the whole step. In time, so that one default serves fast and slow
-# machines (256 tokens were best on an AVX-512-bf16 CPU, ~0.1 s of work there, and 64 on an
-# AVX2 one in float32, ~0.14 s); chosen by measurement (docs/performance.md). The token cap
-# until the first prompt step has been timed:
-SERVER_MAX_PREFILL_MS_WHILE_DECODING = 128.0
-SERVER_MAX_PREFILL_TOKENS_WHILE_DECODING = 256
 
 # uvicorn's own deadline comes this long after ours, so that streams we end have time
 # to send their last event before uvicorn would cancel them mid-stream.
@@ -78,7 +66,7 @@ API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags and the server flags to ``parser``."""
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, SERVE)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     group.add_argument("--port", type=int, default=8000)
@@ -126,19 +114,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser)
 
 
-def apply_server_scheduling_defaults(args: argparse.Namespace) -> None:
-    """The server's step budget and prompt slice where the flags leave them open (chunked
-    prefill only): a given token cap is kept as it is; otherwise the slice is set in time."""
-    if not args.enable_chunked_prefill:
-        return
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = SERVER_MAX_NUM_BATCHED_TOKENS
-    if args.max_prefill_tokens_while_decoding is None:
-        args.max_prefill_tokens_while_decoding = SERVER_MAX_PREFILL_TOKENS_WHILE_DECODING
-        if args.max_prefill_ms_while_decoding is None:
-            args.max_prefill_ms_while_decoding = SERVER_MAX_PREFILL_MS_WHILE_DECODING
-
-
 def run(args: argparse.Namespace) -> int:
     """Build the engine and serve until SIGTERM / Ctrl-C; 0 on a clean exit."""
     from pagedllm.engine.llm_engine import LLMEngine
@@ -154,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
         from pagedllm.server.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
-    apply_server_scheduling_defaults(args)
-    config = config_from_args(args)
+    config = config_from_args(args, SERVE)
     if config.node_rank > 0:  # a machine of a multi-node tensor-parallel engine: ranks only
         from pagedllm.engine.distributed import run_worker_node
 

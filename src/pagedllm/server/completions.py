@@ -140,9 +140,13 @@ def _choice(
     prefix = prompt.text if req.echo and prompt.text else ""
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
-        logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, len(prefix))
+        logprobs = completion_logprobs(
+            ctx.tokenizer, c.logprobs, c.token_ids, req.logprobs, len(prefix)
+        )
     if req.echo and req.logprobs is not None and prompt_logprobs is not None:
-        logprobs = echo_logprobs(ctx.tokenizer, prompt.token_ids, prompt_logprobs, logprobs)
+        logprobs = echo_logprobs(
+            ctx.tokenizer, prompt.token_ids, prompt_logprobs, req.logprobs, logprobs
+        )
     return CompletionChoice(
         index=prompt_index * req.n + c.index,
         text=prefix + c.text,
@@ -214,9 +218,11 @@ def _completion_delta(
     logprobs = None
     if req.logprobs is not None and c.logprobs:
         start = offset + (len(prompt.text or "") if req.echo and first else 0)
-        logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, start)
+        logprobs = completion_logprobs(ctx.tokenizer, c.logprobs, c.token_ids, req.logprobs, start)
     if req.echo and first and req.logprobs is not None and stream.prompt_logprobs is not None:
-        logprobs = echo_logprobs(ctx.tokenizer, prompt.token_ids, stream.prompt_logprobs, logprobs)
+        logprobs = echo_logprobs(
+            ctx.tokenizer, prompt.token_ids, stream.prompt_logprobs, req.logprobs, logprobs
+        )
     offsets[c.index] = offset + len(text)
     return CompletionChoice(
         index=index_base + c.index,

@@ -15,9 +15,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedllm.engine.args import parse_size
 from pagedllm.server.errors import bad_request
-from pagedllm.server.protocol import CacheResizeRequest
+from pagedllm.server.protocol import CacheResizeRequest, body_schema
 from pagedllm.server.serving import ServerContext, parse_body
 
 # How often the route asks the core whether the resize is done.
@@ -25,11 +24,11 @@ POLL_S = 0.01
 
 
 def add_elastic_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/v1/cache/resize")
+    @app.post("/v1/cache/resize", openapi_extra=body_schema(CacheResizeRequest))
     async def resize(request: Request) -> Response:
         body = parse_body(CacheResizeRequest, await request.body())
         try:
-            num_bytes = parse_size(body.kv_cache_memory)
+            num_bytes = body.kv_cache_memory  # bytes by now (protocol.ByteSize)
             resize_id = await ctx.engine.call_utility("start_resize", num_bytes, body.preempt)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="kv_cache_memory") from None

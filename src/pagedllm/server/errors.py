@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -83,9 +84,13 @@ def _is_field_name(item: str) -> bool:
     return not item[:1].isupper()  # model class names tag union members too
 
 
-def from_validation_error(error: ValidationError) -> APIError:
-    """A 400 naming the first offending field (or saying the JSON is malformed)."""
-    errors = error.errors(include_url=False)
+def from_validation_error(error: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming the first offending field (or saying the JSON is malformed). FastAPI's
+    errors (query parameters) start their location with where the field was: "query"."""
+    if isinstance(error, RequestValidationError):
+        errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in error.errors()]
+    else:
+        errors = error.errors(include_url=False)
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]

@@ -161,6 +161,11 @@ def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
         "Disk-tier blocks found truncated or corrupt (recomputed).",
         disk["misses_corrupt"],
     )
+    yield _counter(
+        "kv_disk_stores_set_aside",
+        "Damaged disk stores renamed aside at start-up (the cache started empty).",
+        disk["stores_set_aside"],
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -3,6 +3,8 @@
 Requests are validated in strict JSON mode: ``"16"`` is not an integer and ``true`` is
 not a number, so a wrong type is a 400 naming the field rather than a silent coercion.
 Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata`` ...).
+Every number is bounded here (``Int64`` and its kin, ``FiniteFloat``), so a value the engine
+core cannot take is a 400 naming its field rather than a failure past the edge.
 
 Responses are built with ``model_dump_json`` so that the field order, and therefore the
 bytes of every SSE event, is fixed by the order of the fields below.
@@ -11,12 +13,52 @@ bytes of every SSE event, is fixed by the order of the fields below.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from annotated_types import Interval
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, model_serializer
 
-# Token-id prompts: one prompt or a batch of them.
-TokenIds = list[int]
+from pagedllm.planner.presets import parse_size
+
+# Integers cross to the engine core in msgpack, whose integers are 64-bit, and reach torch
+# as int64: a larger one would fail there, as a 500. Every integer a client sends (query
+# parameters too) is one of these or has tighter bounds of its own in its Field (never
+# both: the type's bound would override the Field's); every float is a FiniteFloat.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Interval(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Interval(ge=0, le=INT64_MAX)]  # token ids, sequence numbers
+Positive = Annotated[int, Interval(ge=1, le=INT64_MAX)]  # lengths, limits
+TopK = Annotated[int, Interval(ge=-1, le=INT64_MAX)]  # -1 and 0: no top-k
+
+# Token-id prompts: one prompt or a batch of them (the vocabulary is checked later:
+# a negative id is "outside the vocabulary" too).
+TokenIds = list[Int64]
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """JSON keys are strings: each must spell a token id."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= INT64_MAX):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
+
+
+def _size_in_bytes(size: str | int) -> int:
+    """``"2GiB"`` or a number of bytes, as a positive int64."""
+    num_bytes = parse_size(size)
+    if not 0 < num_bytes <= INT64_MAX:
+        raise ValueError(f"size must be positive and at most {INT64_MAX} bytes, got {size!r}")
+    return num_bytes
+
+
+LogitBias = Annotated[
+    dict[str, FiniteFloat],
+    AfterValidator(_token_id_keys),
+    Field(json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,18}$"}}),
+]
+ByteSize = Annotated[str | Positive, AfterValidator(_size_in_bytes)]
 
 
 class _Request(BaseModel):
@@ -32,20 +74,20 @@ class SamplingFields(_Request):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    temperature: FiniteFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: FiniteFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: TopK | None = None
+    min_p: FiniteFloat | None = Field(default=None, ge=0.0, le=1.0)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Count] | None = None
     response_format: dict[str, Any] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: FiniteFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat | None = Field(default=None, gt=0.0)
+    logit_bias: LogitBias | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -53,15 +95,15 @@ class SamplingFields(_Request):
     user: str | None = None
     # pagedllm / vLLM extensions
     cache_salt: str | None = Field(default=None, min_length=1)
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: Positive | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Positive | None = None
     suffix: str | None = None
     # Each choice also carries its generated token ids (always so without a tokenizer).
     return_token_ids: bool = False
@@ -80,8 +122,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -230,5 +272,16 @@ class ModelList(_Response):
 class CacheResizeRequest(_Request):
     """``POST /v1/cache/resize``: the KV cache's new size, ``"2GiB"`` or bytes."""
 
-    kv_cache_memory: str | int
+    kv_cache_memory: ByteSize
     preempt: bool = False
+
+
+# The bodies the routes read themselves (``parse_body``), so that the OpenAPI document
+# describes them all the same (``body_schema``; the app adds them to its components).
+REQUEST_BODIES = (CompletionRequest, ChatCompletionRequest, CacheResizeRequest)
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body is ``model``."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}

@@ -420,14 +420,15 @@ class Router:
     def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The token ids the replica will see for this body, or None where the router
         cannot tell (a malformed body: the replica answers it)."""
+        from pagedllm.server.chat import render_chat_prompt
+        from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+
         try:
             if path.endswith("/chat/completions"):
-                from pagedllm.server.chat import render_chat_prompt
-                from pagedllm.server.protocol import ChatCompletionRequest
-
                 req = ChatCompletionRequest.model_validate(body)
                 return render_chat_prompt(self.tokenizer, req).token_ids
-            prompt = body.get("prompt")
+            # Validated as the replica will: the hash chain packs token ids as int64.
+            prompt = CompletionRequest.model_validate(body).prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch goes to one replica: route by its first prompt
             if isinstance(prompt, str):

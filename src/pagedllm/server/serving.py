@@ -30,7 +30,7 @@ from pagedllm.engine.async_engine import (
     RequestStream,
     StreamDelta,
 )
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.outputs import Logprob, RequestOutput, top_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
@@ -120,12 +120,6 @@ def check_common(req: SamplingFields) -> None:
         raise bad_request(
             f"response_format {kind!r} is not supported (only 'text')", param="response_format"
         )
-    if req.logit_bias:
-        for key in req.logit_bias:
-            if not key.lstrip("-").isdigit():
-                raise bad_request(
-                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-                )
 
 
 def check_length(
@@ -189,7 +183,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
     if req.stop_token_ids is not None:
         kwargs["stop_token_ids"] = req.stop_token_ids
     if req.logit_bias:
-        kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        kwargs["logit_bias"] = req.logit_bias
     kwargs.update(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
@@ -375,24 +369,36 @@ def new_id(prefix: str, request: Request) -> str:
 # ---------------------------------------------------------------- logprobs
 
 
-def _logprob_triples(
-    entries: Sequence[Any], token_ids: Sequence[int]
-) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
-    """(token id, logprob, top alternatives) from ``TokenLogprob``s or vLLM-style dicts;
-    a None entry (a prompt's first token) gives (token id, None, None)."""
-    triples: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
-    for i, entry in enumerate(entries):
-        if entry is None:
-            triples.append((token_ids[i], None, None))
-        elif isinstance(entry, dict):
-            token_id = token_ids[i]
-            values = {k: float(getattr(v, "logprob", v)) for k, v in entry.items()}
-            top = sorted(values.items(), key=lambda kv: -kv[1])
-            triples.append((token_id, values.get(token_id, float("-inf")), top))
-        else:
-            top = list(zip(entry.top_token_ids, entry.top_logprobs, strict=False))
-            triples.append((entry.token_id, float(entry.logprob), top))
-    return triples
+def _scored_tokens(
+    tokenizer: Any,
+    positions: Sequence[dict[int, Logprob] | None],
+    token_ids: Sequence[int],
+    num_top: int,
+) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+    """Per token: its text, its logprob and the ``num_top`` most likely tokens as (text,
+    logprob), most likely first; a None position (a prompt's first token) gives (text,
+    None, None)."""
+    scored: list[tuple[str, float | None, list[tuple[str, float]] | None]] = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        if position is None:
+            scored.append((token_text(tokenizer, token_id), None, None))
+            continue
+        top = top_logprobs(position, token_id, num_top)
+        actual = position[token_id]
+        scored.append(
+            (
+                _listed_text(tokenizer, token_id, actual),
+                actual.logprob,
+                [(_listed_text(tokenizer, t, lp), lp.logprob) for t, lp in top],
+            )
+        )
+    return scored
+
+
+def _listed_text(tokenizer: Any, token_id: int, logprob: Logprob) -> str:
+    return (
+        token_text(tokenizer, token_id) if logprob.decoded_token is None else logprob.decoded_token
+    )
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -401,18 +407,19 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 
 
 def completion_logprobs(
-    tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[int], offset: int
+    tokenizer: Any,
+    positions: Sequence[dict[int, Logprob] | None],
+    token_ids: Sequence[int],
+    num_top: int,
+    offset: int,
 ) -> CompletionLogprobs:
-    """The legacy parallel lists; None entries (an echoed prompt's first token) give
+    """The legacy parallel lists; None positions (an echoed prompt's first token) give
     nulls, as vLLM's echo does."""
     result = CompletionLogprobs()
-    for token_id, logprob, top in _logprob_triples(entries, token_ids):
-        text = token_text(tokenizer, token_id)
+    for text, logprob, top in _scored_tokens(tokenizer, positions, token_ids, num_top):
         result.tokens.append(text)
         result.token_logprobs.append(logprob)
-        result.top_logprobs.append(
-            None if top is None else {token_text(tokenizer, t): lp for t, lp in top}
-        )
+        result.top_logprobs.append(None if top is None else dict(top))
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -421,12 +428,13 @@ def completion_logprobs(
 def echo_logprobs(
     tokenizer: Any,
     prompt_token_ids: Sequence[int],
-    prompt_logprobs: Sequence[Any],
+    prompt_logprobs: Sequence[dict[int, Logprob] | None],
+    num_top: int,
     generated: CompletionLogprobs | None,
 ) -> CompletionLogprobs:
     """An echoed completion's logprobs: the prompt's tokens (offsets from 0, the first
     null) followed by ``generated``'s."""
-    result = completion_logprobs(tokenizer, prompt_logprobs, prompt_token_ids, 0)
+    result = completion_logprobs(tokenizer, prompt_logprobs, prompt_token_ids, num_top, 0)
     if generated is not None:
         result.tokens += generated.tokens
         result.token_logprobs += generated.token_logprobs
@@ -435,14 +443,14 @@ def echo_logprobs(
     return result
 
 
-def chat_logprobs(tokenizer: Any, entries: Sequence[Any], token_ids: Sequence[int]) -> ChatLogprobs:
+def chat_logprobs(
+    tokenizer: Any, positions: Sequence[dict[int, Logprob]], token_ids: Sequence[int], num_top: int
+) -> ChatLogprobs:
     content = []
-    for token_id, logprob, top in _logprob_triples(entries, token_ids):
-        text = token_text(tokenizer, token_id)
-        alternatives = []
-        for t, lp in top or ():
-            alt = token_text(tokenizer, t)
-            alternatives.append(TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode())))
+    for text, logprob, top in _scored_tokens(tokenizer, positions, token_ids, num_top):
+        alternatives = [
+            TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode())) for alt, lp in top or ()
+        ]
         content.append(
             ChatTokenLogprob(
                 token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=alternatives

@@ -6,10 +6,9 @@ Step buffers (``keep_step_buffers``): kept in the heap instead of fresh pages fr
 glibc serves allocations above its mmap threshold (128 KiB, rising to at most 32 MiB as
 large blocks are freed) with fresh ``mmap`` pages, and gives freed heap tops back to the
 kernel. A model step allocates the same activation buffers every time (a 2048-token prefill
-step: 2-13 MB each), so each step pays page faults and zeroing on every one of them:
-measured here, a [2048, 512] x [512, 3072] bf16 matmul ran at 0.50 TFLOP/s with the default
-settings and 0.71 with the settings below, and the LM head on [2048, 512] twice as fast.
-This is what vLLM's CPU backend gets from preloading tcmalloc; ``mallopt`` does it in-process.
+step: 2-13 MB each), so each step pays page faults and zeroing on every one of them, which
+slows the step's large products. This is what vLLM's CPU backend gets from preloading
+tcmalloc; ``mallopt`` does it in-process.
 """
 
 from __future__ import annotations

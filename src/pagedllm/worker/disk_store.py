@@ -18,6 +18,14 @@ asked, is a miss: the block is recomputed, never read wrong.
 Writes run on one background thread, in the order asked (a drop after a store of the
 same hash deletes it); each goes to a temporary file renamed into place, so a reader
 never sees half a block. A store still in flight is served from memory.
+
+A cache must not keep the server from starting: a ``store.json`` that cannot be read
+(a torn write, a flipped bit) in a directory that is recognisably a store (nothing but
+``store.json`` and ``blocks/``, whose files carry our magic) sets the whole directory
+aside as ``DIR.damaged-<UTC time>`` (logged, counted in ``stats().stores_set_aside``) and
+an empty store starts in its place; any other directory is refused. ``store.json`` is
+written durably (fsync'd, renamed into place, the directory fsync'd), so a crash leaves
+the old file or the new one.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import queue
 import struct
@@ -40,6 +49,8 @@ import torch
 import xxhash
 
 from pagedllm.worker.allocator import BlockArena
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _MAGIC = b"PGLMKV\x00\x01"
@@ -84,12 +95,14 @@ class DiskStoreStats:
     misses_corrupt: int
     write_errors: int
     writes_queued: int
+    stores_set_aside: int = 0  # 1 when a damaged store was renamed at opening
 
 
 class DiskKVStore:
     """A content-addressed store of KV blocks in ``path``, bound to one ``fingerprint``
     (model, dtype, block size, KV layout, format). ``ValueError`` when ``path`` holds
-    another fingerprint's store or other files."""
+    another fingerprint's store or other files. ``set_aside``: where a damaged store
+    found at ``path`` was moved (None: none was)."""
 
     def __init__(
         self,
@@ -111,6 +124,7 @@ class DiskKVStore:
         self.fingerprint = {"format": FORMAT_VERSION, **dict(fingerprint)}
         canonical = json.dumps(self.fingerprint, sort_keys=True, default=str).encode()
         self.digest = hashlib.sha256(canonical).digest()
+        self.set_aside: Path | None = None
         self._open_directory()
         self._blocks_dir = str(self.path / "blocks")
         self.file_nbytes = _PREFIX_NBYTES + 8 * block_size + payload_nbytes
@@ -222,6 +236,7 @@ class DiskKVStore:
             misses_corrupt=c["corrupt"],
             write_errors=c["write_errors"],
             writes_queued=self._queue.qsize(),
+            stores_set_aside=int(self.set_aside is not None),
         )
 
     def block_path(self, block_hash: bytes) -> str:
@@ -236,28 +251,58 @@ class DiskKVStore:
         if path.exists() and not path.is_dir():
             raise ValueError(f"kv_offload_dir {str(path)!r} is not a directory")
         if meta.exists():
-            self._check_fingerprint(meta)
-        elif path.exists() and any(path.iterdir()):
+            self._check_store_file(meta)
+        if not meta.exists():  # a new directory, or the damaged store just set aside
+            self._create(meta)
+        os.chmod(path, 0o700)  # our store, whoever made the directory
+        (path / "blocks").mkdir(mode=0o700, exist_ok=True)
+
+    def _create(self, meta: Path) -> None:
+        path = self.path
+        if path.exists() and any(path.iterdir()):
             raise ValueError(
                 f"kv_offload_dir {str(path)!r} is not empty and holds no pagedllm KV store "
                 f"({_STORE_FILE}); give an empty or new directory"
             )
-        else:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            text = json.dumps(self.fingerprint, sort_keys=True, indent=1, default=str)
-            _write_atomically(meta, text.encode())
-        os.chmod(path, 0o700)  # our store, whoever made the directory
-        (path / "blocks").mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        text = json.dumps(self.fingerprint, sort_keys=True, indent=1, default=str)
+        write_durably(meta, text.encode())
 
-    def _check_fingerprint(self, meta: Path) -> None:
+    def _check_store_file(self, meta: Path) -> None:
         try:
-            theirs = json.loads(meta.read_text())
+            theirs = json.loads(meta.read_bytes())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"kv_offload_dir: cannot read {str(meta)!r}: {exc}") from None
+            self._move_aside(f"cannot read {str(meta)!r}: {exc}")
+            return
+        if not isinstance(theirs, dict):
+            self._move_aside(f"cannot read {str(meta)!r}: not a JSON object")
+            return
+        self._check_fingerprint(theirs)
+
+    def _move_aside(self, problem: str) -> None:
+        """Rename the damaged store beside itself, or refuse a directory not ours."""
+        if not _looks_like_a_store(self.path):
+            raise ValueError(
+                f"kv_offload_dir: {problem}; the directory holds no pagedllm KV blocks"
+            )
+        aside = _free_name(self.path, time.strftime("damaged-%Y%m%dT%H%M%SZ", time.gmtime()))
+        try:
+            os.rename(self.path, aside)
+        except OSError as exc:
+            raise ValueError(f"kv_offload_dir: {problem}; cannot set it aside: {exc}") from None
+        self.set_aside = aside
+        logger.warning(
+            "kv_offload_dir: %s; the damaged store was set aside as %s (delete it when not "
+            "needed) and an empty store starts in its place",
+            problem,
+            aside,
+        )
+
+    def _check_fingerprint(self, theirs: dict[str, object]) -> None:
         ours = json.loads(json.dumps(self.fingerprint, sort_keys=True, default=str))
         if theirs == ours:
             return
-        keys = sorted(set(theirs) | set(ours)) if isinstance(theirs, dict) else []
+        keys = sorted(set(theirs) | set(ours))
         diffs = [
             f"{k}: store has {theirs.get(k)!r}, this engine {ours.get(k)!r}"
             for k in keys
@@ -265,7 +310,7 @@ class DiskKVStore:
         ]
         raise ValueError(
             f"kv_offload_dir {str(self.path)!r} holds KV blocks of another model or KV layout "
-            f"({'; '.join(diffs) or 'unreadable fingerprint'}); give another directory, or "
+            f"({'; '.join(diffs)}); give another directory, or "
             f"empty this one to start over"
         )
 
@@ -375,8 +420,43 @@ def _token_bytes(token_ids: Sequence[int], block_size: int) -> bytes:
     return struct.pack(f"<{block_size}q", *token_ids)
 
 
-def _write_atomically(path: str | Path, *parts: bytes | np.ndarray) -> None:
-    """Write to a temporary file beside ``path`` (0600), then rename it into place."""
+def _looks_like_a_store(path: Path) -> bool:
+    """Our layout in ``path`` and nothing else (a crash may leave temporary files), and
+    its block files (if any) carry our magic."""
+    names = {e.name for e in path.iterdir() if not e.name.startswith(".tmp-")}
+    if names != {_STORE_FILE, "blocks"} or not (path / "blocks").is_dir():
+        return False
+    files = [e for e in _walk_files(path / "blocks") if e.name.endswith(".kv")]
+    return not files or any(_has_magic(e.path) for e in files)
+
+
+def _has_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    """``path.suffix``, or ``path.suffix-N`` when that is taken."""
+    candidate = path.with_name(f"{path.name}.{suffix}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}.{suffix}-{n}")
+        n += 1
+    return candidate
+
+
+def write_durably(path: str | Path, data: bytes) -> None:
+    """``data`` as ``path``, surviving a crash whole: the old file or the new one."""
+    _write_atomically(path, data, durable=True)
+
+
+def _write_atomically(path: str | Path, *parts: bytes | np.ndarray, durable: bool = False) -> None:
+    """Write to a temporary file beside ``path`` (0600), then rename it into place;
+    ``durable``: fsync the file before the rename and the directory after. Block files
+    skip the fsyncs: a block lost or torn by a crash is a checksum miss, recomputed."""
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".tmp-{name}-{os.getpid()}-{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -386,10 +466,23 @@ def _write_atomically(path: str | Path, *parts: bytes | np.ndarray) -> None:
                 view = memoryview(part).cast("B")
                 while view:
                     view = view[handle.write(view) :]
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         _unlink(tmp)
         raise
+    if durable:
+        _fsync_directory(head or ".")
+
+
+def _fsync_directory(path: str) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _walk_files(root: Path) -> list[os.DirEntry[str]]:

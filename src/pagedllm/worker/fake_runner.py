@@ -229,7 +229,8 @@ class FakeModelRunner:
     def _prompt_logprobs(self, seq: ScheduledSequence) -> tuple[TokenLogprob, ...] | None:
         """The prompt tokens this chunk scores, as this runner's certain model sees them:
         the token it would generate after the context (read back through the block table)
-        has log-probability 0, any other ``MISS_LOGPROB`` with rank 2."""
+        has log-probability 0, any other ``MISS_LOGPROB`` with rank 2. The top-k, as a real
+        sampler gives k: that token, then the lowest other ids (ties at rank 2)."""
         count = seq.num_prompt_logprobs
         if not count:
             return None
@@ -241,7 +242,7 @@ class FakeModelRunner:
             predicted = self.next_token([-1 if t is None else t for t in context[: p + 1]])
             actual = seq.prompt_token_ids[p + 1]
             hit = actual == predicted
-            top = ((predicted,), (0.0,)) if k else ((), ())
+            top = _certain_top(predicted, k)
             result.append(TokenLogprob(actual, 0.0 if hit else MISS_LOGPROB, 1 if hit else 2, *top))
         return tuple(result)
 
@@ -273,8 +274,11 @@ class FakeModelRunner:
         for context, seq in zip(contexts, scheduled, strict=True):
             tokens = tuple(self.next_token(context, j) for j in range(seq.num_samples))
             sampled.append(tokens)
-            wants = seq.sampling_params is not None and seq.sampling_params.logprobs is not None
-            logprobs.append(tuple(_certain(t) for t in tokens) if wants and tokens else None)
+            k = seq.sampling_params.logprobs if seq.sampling_params is not None else None
+            if k is None or not tokens:
+                logprobs.append(None)
+            else:
+                logprobs.append(tuple(_certain(t, k) for t in tokens))
         return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(logprobs))
 
     def _sample(
@@ -302,5 +306,11 @@ class FakeModelRunner:
         return row
 
 
-def _certain(token_id: int) -> TokenLogprob:
-    return TokenLogprob(token_id, 0.0, 1, (token_id,), (0.0,))
+def _certain_top(token_id: int, k: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The top-k of a distribution certain of ``token_id``: it, then the lowest other ids."""
+    others = [t for t in range(k) if t != token_id][: max(k - 1, 0)]
+    return (token_id, *others)[:k], (0.0, *[MISS_LOGPROB] * len(others))[:k]
+
+
+def _certain(token_id: int, k: int) -> TokenLogprob:
+    return TokenLogprob(token_id, 0.0, 1, *_certain_top(token_id, k))

@@ -121,7 +121,7 @@ class InputBuffers:
         """Grow the buffer (keeping its rows) to at least ``num_rows`` x ``width``; each
         dimension that grows at least doubles, the other stays (doubling the columns on
         every new row made a batch that ramps up one sequence at a time allocate 2^n
-        columns: 11 ms a row rewrite, gigabytes, by 20 sequences)."""
+        columns)."""
         rows, columns = self._tables.shape
         if num_rows <= rows and width <= columns:
             return

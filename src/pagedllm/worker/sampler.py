@@ -310,7 +310,7 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     """Row-wise argmax as ints (first index of the maximum, NaN wins, as torch.argmax).
 
     ``argmax_rows`` is the C++ kernel on CPU float32/bf16 logits (no float32 copy of bf16
-    logits, ~10x faster than torch's reduction) and torch's argmax elsewhere.
+    logits, a vectorised scan instead of torch's reduction) and torch's argmax elsewhere.
     """
     return argmax_rows(logits).tolist()
 

@@ -1,12 +1,11 @@
 // Small CPU kernels around the model step.
 //
-// write_kv_: this step's K/V rows into their cache slots. index_copy_ takes ~30 us per call
-// for a 64-token decode step (its strided source goes through TensorIterator), 16 calls a
-// step for model (a); a row copy per token is a few microseconds.
+// write_kv_: this step's K/V rows into their cache slots, a row copy per token: index_copy_
+// sends its strided source through TensorIterator, dear at decode sizes.
 //
-// argmax_rows: greedy sampling. ATen's argmax walks a row one element at a time (~3 ns per
-// logit, ~6 ms for 64 x 32000); a vectorised scan with a running max and index per lane is
-// ~10x faster. Ties resolve to the lowest index, as torch.argmax does.
+// argmax_rows: greedy sampling, a vectorised scan with a running max and index per lane:
+// ATen's argmax walks a row one element at a time. Ties resolve to the lowest index, as
+// torch.argmax does.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -171,7 +170,7 @@ T* ptr(const at::Tensor& t) {
 
 #if defined(PAGEDLLM_OPS_AVX2)
 // Whole 8-lane vectors with plain loads and stores, the tail with masked ones (a masked store
-// is microcoded on AMD Zen: slow enough to double a row's time if every vector took one).
+// is microcoded on AMD Zen, too slow to take for every vector).
 // f(i, m, whole) handles lanes [i, i + 8) under mask m (all lanes, and whole, but at the tail).
 template <typename F>
 inline void for_lanes(int64_t n, F&& f) {

@@ -1,16 +1,16 @@
 // Every decoder layer of one step in one call: the Python loop of llama.fused_layer, with the
 // same ops in the same order, so the results are the same bit for bit. What it removes is
-// Python: about a dozen op calls a layer, each 3-6 us through torch.ops, which cost 1-2 ms of
-// a decode step (of 5-20 ms). It takes only steps the per-layer path would give entirely to
-// pagedllm's kernels (every linear on small_gemm, or on quant_gemm where its weight is kept
-// quantized, every sequence on paged_attention, the C++ K/V write); the caller checks that
+// Python: about a dozen torch.ops calls a layer, a real share of a small decode step. It
+// takes only steps the per-layer path would give entirely to pagedllm's kernels (every linear
+// on small_gemm, or on quant_gemm where its weight is kept quantized, every sequence on
+// paged_attention, the C++ K/V write); the caller checks that
 // and keeps the Python loop for the rest.
 //
 // quant_decoder_layers is the same loop over a quantized cache: each layer's K/V go through
 // quant_write (windows, seals, staging) and its attention through quant_attention, as
 // CpuAttention.forward runs them layer by layer.
 //
-// The ops are called through the dispatcher (unboxed, ~0.1 us), so this file needs nothing
+// The ops are called through the dispatcher (unboxed, cheap), so this file needs nothing
 // from the files that define them.
 
 #include <ATen/ATen.h>

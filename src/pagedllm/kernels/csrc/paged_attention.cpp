@@ -242,7 +242,7 @@ void attend_vec(const Args<T>& a, const Task& task, std::vector<float>& scores, 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---- AMX (tile matrix unit) for the scores pass.
-// On these CPUs the tile unit multiplies bf16 about 20x faster than the AVX-512 units, so
+// On these CPUs the tile unit multiplies bf16 far faster than the AVX-512 units, so
 // the scores of 16 keys x up to 16 query vectors are two tile multiplies (head_dim 64):
 // A = 16 K rows (read in place when they sit in one block), B = the task's query vectors
 // in the pair-interleaved layout the unit wants, C = 16 x 16 fp32 scores.
@@ -774,10 +774,9 @@ std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start
   // Dynamic hand-out, sequences with the most work first (keeps both cores busy with uneven
   // lengths), all of one sequence's tasks together: both cores then read the same context,
   // which stays in cache across its row tasks. Interleaving sequences task by task (as a
-  // plain longest-task-first order does when lengths tie) made every task fetch a different
-  // context: 4 x 2048-token contexts with 256-row chunks ran 1.2-1.4x slower. Within a
-  // sequence, longest rows first; the kv heads of one (sequence, rows) stay adjacent:
-  // `task_groups` hands them out together.
+  // plain longest-task-first order does when lengths tie) makes every task fetch a different
+  // context. Within a sequence, longest rows first; the kv heads of one (sequence, rows) stay
+  // adjacent: `task_groups` hands them out together.
   std::vector<int64_t> seq_cost(num_seqs, 0);
   for (const Task& t : tasks) seq_cost[t.seq] += t.cost;
   std::sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {

@@ -4,9 +4,8 @@
 //
 // One call takes a run of tasks that differ only in their kv head (task_groups' runs: one
 // sequence and range of query rows) and reads each token's K/V rows for all those heads
-// together: a block's rows are then one contiguous stretch of memory, read once. Read one
-// head at a time (a 256-byte piece of each 768-byte token row), the same blocks came from
-// memory at half the rate (a read-only test over 4 x 4096-token contexts, 3 kv heads).
+// together: a block's rows are then one contiguous stretch of memory, read once (read one
+// head at a time, a piece of each token row, the same blocks arrive more slowly).
 //
 // Two passes over the keys, as attend_vec: scores (every query vector of the run against each
 // K row), softmax in fp32 over the keys each row sees, then the sum of V weighted by the
@@ -104,9 +103,8 @@ inline __m256 hsum8(const __m256* a) {
 
 // The cache lines of context rows, prefetched a few at a time between the loads of the rows
 // being read (`step` in the tiles' inner loops). A key group's lines at once (96 for 3 kv
-// heads of 64 dims) outnumber L1's miss buffers: the burst held up the loads behind it until
-// it drained, so memory waited for the arithmetic and the arithmetic for memory: spread out,
-// 4 x 4096-token contexts (3 kv heads) ran 2x faster on one core.
+// heads of 64 dims) outnumber L1's miss buffers and hold up the loads behind them until they
+// drain; spread out, memory and arithmetic overlap instead of taking turns.
 template <typename T>
 struct Prefetcher {
   const T* cache;

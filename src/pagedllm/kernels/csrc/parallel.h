@@ -1,8 +1,7 @@
 // Work handed to the threads in chunks as they come free (at::parallel_for gives each thread
 // one fixed range). On a shared host one of two threads often runs slower than the other (a
 // neighbour on its core, a lower clock), and with a fixed split the faster one waits at the
-// barrier: 12.7% of the engine core's step time sat in libgomp's wait under small_gemm on the
-// AVX2 EPYC (docs/performance.md). Every index is still run exactly once, by one call of fn
+// barrier (docs/performance.md). Every index is still run exactly once, by one call of fn
 // over consecutive indices, so a result never depends on which thread ran it.
 #pragma once
 

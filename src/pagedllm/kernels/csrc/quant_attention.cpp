@@ -345,7 +345,7 @@ inline __mmask32 mask32(int64_t n) {
 // Scales of rows [t0, t0 + n) of one head of a sealed int8 block as 16 floats (0 past n).
 // Rows up to 4 scales apart (4 kv heads or fewer) span at most 61 halves: two masked loads
 // and one permute pick them, instead of 16 two-byte stores read back as one vector (a failed
-// store-to-load forward per block and head, a quarter of the score pass in a profile).
+// store-to-load forward per block and head).
 inline __m512 int8_scales(const Side& s, int64_t block, int64_t head, int64_t t0, int64_t n) {
   const c10::Half* base = s.scale + block * s.scale_block + head * s.scale_b + t0 * s.scale_a;
   const int64_t step = s.scale_a;

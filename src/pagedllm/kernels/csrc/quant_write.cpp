@@ -4,9 +4,9 @@
 // blocks that are full (quantized into the pool with their scales) and stage the ones still
 // open. Returns the K and V windows that quant_attention reads each query's own block from.
 //
-// write_step is about ten small torch ops a side and layer (0.6-0.9 ms a decode step over 30
-// layers); this is one call, and the one-call decoder loop over a quantized cache
-// (quant_decoder_layers) calls it through the dispatcher.
+// write_step is about ten small torch ops a side and layer; this is one call, and the
+// one-call decoder loop over a quantized cache (quant_decoder_layers) calls it through the
+// dispatcher.
 //
 // Encoding follows BlockCodec.encode step by step in fp32, with the roundings torch makes:
 // the scale rounded to fp16 first and the values divided by that stored scale, halves rounded

@@ -206,8 +206,8 @@ Bf16Gemm prepare_bf16(Isa isa, const at::Tensor& x, const at::Tensor& packed, co
   p.lda = x.stride(0);
   if (isa != Isa::amx) return p;
   // The tile unit reads whole 16-row tiles only: pad x with zero rows when m is not a
-  // multiple of 16. A plain copy, not a padded tensor (at::zeros + narrow + copy_ cost about
-  // 6 us a call). x's rows are read in place only when they start on cache lines.
+  // multiple of 16. A plain copy, not a padded tensor (three torch ops a call are dear at
+  // decode sizes). x's rows are read in place only when they start on cache lines.
   const int64_t padded_m = (p.m + ROWS - 1) / ROWS * ROWS;
   const bool aligned = pagedllm_vec::on_line(p.x) && (p.lda * 2) % 64 == 0;
   if (padded_m != p.m || p.lda < p.k || !aligned) {

@@ -53,7 +53,7 @@ void block(const float* x, int64_t lda, int64_t k, const float* wg, const float*
   }
   // + bias, or + 0.0 as the AVX-512 kernel does (the same bits in every case). Unrolled
   // explicitly: where GCC unrolls these loops itself it does so too late and keeps the
-  // sums on the stack, storing all of them at every k step (half the speed).
+  // sums on the stack, storing all of them at every k step.
 #pragma GCC unroll 16
   for (int j = 0; j < 2 * GB; ++j) {
     const __m256 add = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();

@@ -44,7 +44,7 @@ inline __m256 softcap256(__m256 x, float cap) {
 
 // A load kept in a register. Without the empty asm GCC folds the load into every FMA that
 // uses the value (once per query vector): AVX2 code here is bound by loads (two per cycle at
-// best), and the folded copies cost 25-30% of the dot products.
+// best), and the folded copies slow the dot products down.
 inline __m256 load_reg(const float* p) {
   __m256 x = _mm256_loadu_ps(p);
   __asm__("" : "+x"(x));
