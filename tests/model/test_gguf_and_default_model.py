@@ -51,8 +51,16 @@ def gguf_name(hf_name: str) -> str:
     return f"{GGUF_NAMES[name]}.{kind}"
 
 
-def write_tiny_gguf(checkpoint: Path, out: Path, quantize_q8: bool) -> Path:
-    """A llama.cpp-style GGUF of a tiny HF checkpoint (2-D weights Q8_0 when asked)."""
+def write_tiny_gguf(
+    checkpoint: Path,
+    out: Path,
+    quantize_q8: bool,
+    linears: str | None = None,
+    embedding: str | None = None,
+) -> Path:
+    """A llama.cpp-style GGUF of a tiny HF checkpoint (2-D weights Q8_0 when asked; the
+    linears' weights in the GGUF type ``linears``, the token embedding in ``embedding``,
+    when given)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -82,9 +90,15 @@ def write_tiny_gguf(checkpoint: Path, out: Path, quantize_q8: bool) -> Path:
             array = llama_cpp_permute(array, heads)
         elif ".k_proj.weight" in name:
             array = llama_cpp_permute(array, kv_heads)
-        if quantize_q8 and array.ndim == 2:
-            data = quantize(array, GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name(name), data, raw_dtype=GGMLQuantizationType.Q8_0)
+        kind = None
+        if linears is not None and (name.endswith("proj.weight") or name == "lm_head.weight"):
+            kind = GGMLQuantizationType[linears]
+        elif embedding is not None and name == "model.embed_tokens.weight":
+            kind = GGMLQuantizationType[embedding]
+        elif quantize_q8 and array.ndim == 2:
+            kind = GGMLQuantizationType.Q8_0
+        if kind is not None:
+            writer.add_tensor(gguf_name(name), quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), array)
     writer.write_header_to_file()
@@ -112,7 +126,8 @@ def add_tokenizer(writer, checkpoint: Path) -> None:
 
 
 def last_logits(path, prompts, block_size: int = 4) -> list[torch.Tensor]:
-    loaded = load_model(path, dtype="float32", load_tokenizer=False)
+    """Each prompt's last logits, every GGUF tensor dequantised to float32."""
+    loaded = load_model(path, dtype="float32", load_tokenizer=False, keep_quantized=False)
     driver = HandDriver(TorchModelRunner(loaded.model, block_size=block_size, num_blocks=64))
     seqs = [driver.add(f"r{i}", p) for i, p in enumerate(prompts)]
     rows = driver.step([driver.schedule(s, len(s.token_ids)) for s in seqs])

@@ -39,6 +39,7 @@ SOURCES = tuple(
         "gemma_layers.cpp",
         "quant_attention.cpp",
         "quant_write.cpp",
+        "quant_gemm.cpp",
         "sample.cpp",
     )
 )

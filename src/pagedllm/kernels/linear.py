@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.quant import QuantWeight, quant_linear
+
 # Up to this many rows (the default max_num_seqs: every decode batch), float32 linears run on
 # pagedllm's small-batch kernel, which streams decode-step weights faster than MKL; more rows
 # go to torch. bf16 goes on with the kernel up to its own limit (prompt chunks), beyond which
@@ -77,12 +79,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class LinearTensors(NamedTuple):
-    """A linear's weight and bias with its pre-packed copies: ``linear``'s arguments."""
+    """A linear's weight and bias with its pre-packed copies: ``linear``'s arguments. A
+    weight kept quantized (``quant``) has no other copy: ``weight`` is then empty."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     packed: torch.Tensor | None
     small: torch.Tensor | None
+    quant: QuantWeight | None = None
 
 
 # A weight's packed copies: (oneDNN's, small_gemm's), one of them at most.
@@ -103,9 +107,13 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
     small: torch.Tensor | None,
+    quant: QuantWeight | None,
     ops: Any,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) on the fastest form of the weight for x's row count."""
+    """x @ weight.T (+ bias) on the fastest form of the weight for x's row count; a
+    quantized weight on ``quant_linear``."""
+    if quant is not None:
+        return quant_linear(x, quant, bias, ops)
     # Every route takes at least SMALL_GEMM_MAX_ROWS: a decode batch never asks the library
     # for its route (one dispatcher call per linear per step).
     if (

@@ -14,6 +14,7 @@ KERNEL_FLAGS = (
     "avx512f",
     "avx512bw",
     "avx512_vnni",
+    "avx_vnni",
     "avx512_bf16",
     "amx_tile",
     "amx_bf16",

@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows, small_gemm_refusal
 from pagedllm.kernels.ops import layer_ops
+from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
 
 # The routes read the kernels from layer_ops() rather than from a model: a model keeps
 # ops only beside the weights it packed, so an unpacked head has none to describe others.
@@ -26,6 +27,8 @@ def small_gemm_route(dtype: torch.dtype) -> str:
 def linear_path(linear: LinearTensors) -> str:
     """Where one linear runs, as ``kernels/linear.py``'s ``linear`` picks: pagedllm's own
     kernel (up to how many rows, and what beyond), oneDNN's packed layout, or plain torch."""
+    if linear.quant is not None:
+        return quant_path(linear.quant.format)
     small = linear.small
     if small is not None:
         beyond = "oneDNN" if small.dtype == torch.bfloat16 else "torch"
@@ -34,6 +37,17 @@ def linear_path(linear: LinearTensors) -> str:
     if linear.packed is not None:
         return "oneDNN (packed bf16)"
     return "torch F.linear"
+
+
+def quant_path(format: str) -> str:
+    """Where a linear kept quantized (GGUF ``format``) runs."""
+    ops = layer_ops()
+    if ops is None:
+        return f"torch, {format} dequantised per call (no C++ kernels)"
+    return (
+        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {format} kept as stored) up to "
+        f"{QUANT_GEMM_MAX_ROWS} rows, dequantised tiles on torch beyond"
+    )
 
 
 def linear_route(linears: Iterable[LinearTensors]) -> str:
@@ -46,7 +60,7 @@ def head_route(head: LinearTensors) -> str:
     """Where the LM head runs (``linear_path``) and, off small_gemm, why: a vocabulary
     that is not a multiple of 16 leaves the head on another path than the layers."""
     path = linear_path(head)
-    if head.small is not None:
+    if head.small is not None or head.quant is not None:
         return path
     reason = small_gemm_refusal(head.weight, layer_ops())
     return path if reason is None else f"{path}; not small_gemm: {reason}"

@@ -32,6 +32,7 @@ from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
     MLP,
     Attention,
+    Embedding,
     KVCaches,
     Linear,
     RMSNorm,
@@ -229,7 +230,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             GeneralDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )

@@ -31,6 +31,7 @@ from pagedllm.attention.base import (
 )
 from pagedllm.attention.quant import QuantizedCache
 from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
+from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
     DecoderLayer,
@@ -83,7 +84,7 @@ class CpuFastPath:
         if self.gather is not None:
             return "fused C++ ops layer by layer, gathers between the ranks' ops"
         if self.plan is None:
-            return "fused C++ ops, layer by layer from Python (not every linear on small_gemm)"
+            return "fused C++ ops, layer by layer from Python (not every linear on own kernel)"
         if kv_quantization is not None:
             return (
                 "fused C++: every layer in one call (quant_decoder_layers: quant_write, "
@@ -291,14 +292,15 @@ class DecoderPlan(NamedTuple):
 
 def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan | None:
     """The plan for ``decoder_layers``, or None where it cannot stand in for the loop of
-    ``fused_layer``: every linear needs its small-batch copy (``small_gemm``), one norm
-    epsilon and one attention backend, and no q/k norms."""
+    ``fused_layer``: every linear needs its small-batch copy (``small_gemm``) or its
+    quantized weight (``quant_gemm``), one norm epsilon and one attention backend, and no
+    q/k norms."""
     if not layers:
         return None
     first = layers[0]
     linears = [t for layer in layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (
-        not on_one_small_gemm(linears)
+        not on_own_kernels(linears)
         or any(layer.heads != first.heads or layer.scale != first.scale for layer in layers)
         or first.heads.qk_norm is not None
         or any(layer.backend is not first.backend for layer in layers)
@@ -308,25 +310,46 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
     sliding_windows, softcaps, kind = kind_arguments([layer.kind for layer in layers])
     return DecoderPlan(
         norm1=[layer.norm1 for layer in layers],
-        qkv=[layer.qkv.small for layer in layers],
+        qkv=[kernel_weight(layer.qkv) for layer in layers],
         qkv_bias=[layer.qkv.bias for layer in layers],
-        o=[layer.o.small for layer in layers],
+        o=[kernel_weight(layer.o) for layer in layers],
         o_bias=[layer.o.bias for layer in layers],
         norm2=[layer.norm2 for layer in layers],
-        gate_up=[layer.gate_up.small for layer in layers],
+        gate_up=[kernel_weight(layer.gate_up) for layer in layers],
         gate_up_bias=[layer.gate_up.bias for layer in layers],
-        down=[layer.down.small for layer in layers],
+        down=[kernel_weight(layer.down) for layer in layers],
         down_bias=[layer.down.bias for layer in layers],
         final_norm=final_norm.weight,
         eps=final_norm.eps,
         heads=first.heads,
         scale=first.scale,
         backend=first.backend,
-        max_rows=small_gemm_max_rows(first.qkv.small),
+        max_rows=min(kernel_max_rows(t) for t in linears),
         sliding_windows=sliding_windows,
         softcaps=softcaps,
         kind=kind,
     )
+
+
+def on_own_kernels(linears: list[LinearTensors]) -> bool:
+    """Every linear on one of pagedllm's kernels (``decoder_layers`` runs each on its own):
+    ``small_gemm`` (all in one dtype) or, kept quantized, ``quant_gemm``."""
+    dtypes = {t.small.dtype for t in linears if t.small is not None}
+    return all(t.small is not None or t.quant is not None for t in linears) and len(dtypes) <= 1
+
+
+def kernel_weight(t: LinearTensors) -> torch.Tensor:
+    """The weight ``decoder_layers`` takes: small_gemm's copy, or the quantized layout (its
+    dtype, int8 or uint8, tells the C++ loop to call quant_gemm)."""
+    if t.small is not None:
+        return t.small
+    assert t.quant is not None
+    return t.quant.data
+
+
+def kernel_max_rows(t: LinearTensors) -> int:
+    """The most rows ``t``'s kernel takes in the one-call loop."""
+    return QUANT_GEMM_MAX_ROWS if t.quant is not None else small_gemm_max_rows(t.small)
 
 
 def on_one_small_gemm(linears: list[LinearTensors]) -> bool:

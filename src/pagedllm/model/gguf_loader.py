@@ -1,7 +1,9 @@
-"""Read a ``.gguf`` file as a Hugging Face checkpoint: config dict, dequantised tensors, tokenizer.
+"""Read a ``.gguf`` file as a Hugging Face checkpoint: config dict, tensors, tokenizer.
 
 Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) to
-float32. llama.cpp stores Llama q/k projection rows permuted for its own rotary
+float32, except, when asked (``keep_quantized``: the loader asks), the linears and the
+token embedding of the Llama-family decoder stored as Q8_0, Q4_0 or Q4_1: those come as
+``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``, the only copy). llama.cpp stores Llama q/k projection rows permuted for its own rotary
 layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
 The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
 Gemma 3: llama.cpp stores the norms' weights with Gemma's ``1 +`` folded in (taken off
@@ -21,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagedllm.kernels.quant import FORMATS, QuantWeight, from_gguf_blocks
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -60,18 +64,29 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The weights (Hugging Face names end so) that may stay quantized: the linears', and the
+# token embedding (a tied LM head's weight too).
+_KEPT_SUFFIXES = tuple(
+    f"{name}.weight"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+) + ("lm_head.weight", "embed_tokens.weight")
+# Families whose decoder runs quantized linears (model/llama.py's).
+_QUANTIZED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+Tensor = torch.Tensor | QuantWeight
 
 
 def read_gguf(
-    path: str | Path,
-) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], Callable[[], Any]]:
-    """(HF config dict, iterator of (HF name, float32 tensor), tokenizer loader)."""
+    path: str | Path, keep_quantized: bool = False
+) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]], Callable[[], Any]]:
+    """(HF config dict, iterator of (HF name, float32 tensor or ``QuantWeight``), tokenizer
+    loader). ``keep_quantized``: linears in a format of ``kernels/quant.py`` come as stored."""
     from gguf import GGUFReader
 
     path = Path(path)
     reader = GGUFReader(str(path))
     config = gguf_config(reader)
-    return config, gguf_tensors(reader, config), lambda: gguf_tokenizer(path)
+    return config, gguf_tensors(reader, config, keep_quantized), lambda: gguf_tokenizer(path)
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:
@@ -133,15 +148,23 @@ def _gemma3_config(reader: Any, tokens: list[str]) -> dict[str, Any]:
     }
 
 
-def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised float32 tensors under their Hugging Face names."""
+def gguf_tensors(
+    reader: Any, config: dict[str, Any], keep_quantized: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """Tensors under their Hugging Face names: dequantised to float32, or as stored
+    (``QuantWeight``) for a linear in a kept format when ``keep_quantized``."""
     from gguf.quants import dequantize
 
     unpermute = config["model_type"] == "llama"
     gemma = config["model_type"] == "gemma3_text"
+    keep_quantized = keep_quantized and config["model_type"] in _QUANTIZED_FAMILIES
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, gemma)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        kind = tensor.tensor_type.name
+        if keep_quantized and kind in FORMATS and name.endswith(_KEPT_SUFFIXES):
+            yield name, quantized_tensor(tensor.data, kind, shape, name, config, unpermute)
+            continue
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(array.reshape(shape))
@@ -152,6 +175,27 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, tor
         elif gemma and name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp folded Gemma's 1 + weight in
         yield name, weight
+
+
+def quantized_tensor(
+    blocks: np.ndarray,
+    kind: str,
+    shape: tuple[int, ...],
+    name: str,
+    config: dict[str, Any],
+    unpermute: bool,
+) -> QuantWeight:
+    """A linear's blocks repacked (``from_gguf_blocks``), q/k rows put back in Hugging
+    Face's rotary order where llama.cpp permuted them (rows are whole blocks apart)."""
+    weight = from_gguf_blocks(blocks, kind, (shape[0], shape[1]))
+    heads = None
+    if unpermute and name.endswith("self_attn.q_proj.weight"):
+        heads = config["num_attention_heads"]
+    elif unpermute and name.endswith("self_attn.k_proj.weight"):
+        heads = config["num_key_value_heads"]
+    if heads is None:
+        return weight
+    return weight.rows(unpermute_rotary(torch.arange(shape[0]), heads))
 
 
 def hf_tensor_name(gguf_name: str, gemma: bool = False) -> str:

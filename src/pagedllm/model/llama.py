@@ -32,6 +32,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
+from pagedllm.kernels.quant import QuantWeight, dequantize_rows
 from pagedllm.kernels.routes import head_route, linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
@@ -44,29 +45,67 @@ def pack_linears(model: nn.Module, ops: Any) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(ops)
-    if model.lm_head is None:
+    if model.lm_head is None and model.embed_tokens.quant is None:
         model.tied_packs = pack_for_cpu(model.embed_tokens.weight, ops)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
     small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
-    plain weight) where this CPU runs that kernel, else oneDNN's."""
+    plain weight) where this CPU runs that kernel, else oneDNN's. A weight kept quantized
+    (``keep_quantized``) is its only copy and runs on ``kernels/quant.py``."""
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
+    quant: QuantWeight | None = None
     ops: Any = None
 
+    def keep_quantized(self, weight: QuantWeight) -> None:
+        """Run on ``weight`` as stored; the float weight is dropped (an empty tensor of
+        the model's dtype stands in its place)."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {weight.shape} != {tuple(self.weight.shape)}")
+        self.quant = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def pack(self, ops: Any = None) -> None:
+        if self.quant is not None:
+            self.ops = ops
+            return
         self.packed, self.small = pack_for_cpu(self.weight, ops)
         self.ops = ops if self.small is not None else None
 
     @property
     def tensors(self) -> LinearTensors:
-        return LinearTensors(self.weight, self.bias, self.packed, self.small)
+        return LinearTensors(self.weight, self.bias, self.packed, self.small, self.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.small, self.ops)
+        return linear(x, *self.tensors, self.ops)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be kept quantized as stored (``keep_quantized``: a
+    GGUF's token embedding, which a tied LM head also reads): its only copy; the rows a
+    step looks up are dequantised."""
+
+    quant: QuantWeight | None = None
+
+    def keep_quantized(self, weight: QuantWeight) -> None:
+        """Look rows up in ``weight``; the float table is dropped (an empty tensor of the
+        model's dtype stands in its place)."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized table {weight.shape} != {tuple(self.weight.shape)}")
+        self.quant = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return super().forward(input_ids)
+        from pagedllm.kernels.ops import layer_ops
+
+        rows = self.quant.rows(input_ids.reshape(-1).cpu())
+        table = dequantize_rows(rows, self.weight.dtype, layer_ops())
+        return table.view(*input_ids.shape, self.embedding_dim)
 
 
 def describe_routes(
@@ -102,11 +141,12 @@ def describe_routes(
 
 def head_tensors(model: nn.Module) -> LinearTensors:
     """The LM head's weight, bias and packed copies: the embedding's weight and
-    ``tied_packs`` when the two are tied (``lm_head`` None)."""
+    ``tied_packs`` (or its table kept quantized) when the two are tied (``lm_head`` None)."""
     if model.lm_head is not None:
         return model.lm_head.tensors
     # The weight is read here, not kept: loading (to_empty) replaces the parameter.
-    return LinearTensors(model.embed_tokens.weight, None, *model.tied_packs)
+    table = model.embed_tokens
+    return LinearTensors(table.weight, None, *model.tied_packs, table.quant)
 
 
 def kinds_route(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> str:
@@ -338,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         # Builds the CPU fast path in optimize_for_cpu() (the loader gives
         # ``fast_path.CpuFastPath.build``); None keeps the modules.
         self.fast_path_builder = fast_path_builder
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers)
         )
@@ -406,7 +446,8 @@ class LlamaForCausalLM(nn.Module):
         inside the LM head without writing the logits (``small_gemm_argmax``: the same
         roundings and ties as an argmax of ``compute_logits(hidden, float32=False)``), or
         None where that kernel does not apply (then use ``compute_logits``)."""
-        _, bias, _, packed = head_tensors(self)
+        head = head_tensors(self)
+        bias, packed = head.bias, head.small
         if (
             packed is None
             or packed.dtype != torch.bfloat16

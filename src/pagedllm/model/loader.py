@@ -4,7 +4,9 @@
 
     load_model("path/to/hf_dir")        config.json + *.safetensors (single, or sharded
                                          with model.safetensors.index.json) + tokenizer
-    load_model("path/to/model.gguf")    dequantised through the ``gguf`` package
+    load_model("path/to/model.gguf")    linears in Q8_0 / Q4_0 / Q4_1 kept as stored
+                                         (kernels/quant.py), the rest dequantised through
+                                         the ``gguf`` package
     load_model("default")               SmolLM2-135M-Instruct, converted once (default_model.py)
 
 Nothing is downloaded from a model hub.
@@ -23,6 +25,7 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.kernels.probe import CpuInfo, cpu_info
+from pagedllm.kernels.quant import QuantWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 
@@ -57,11 +60,14 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    keep_quantized: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. ``ValueError`` for anything unsupported.
 
     ``dtype``: "float32", "bfloat16", "float16" or "auto" (``choose_dtype``: bfloat16 for a
     float32 checkpoint on a CPU with bf16 dot products, else the config's ``torch_dtype``). ``backend``: the attention backend (default: the fastest available, ``get_backend("auto")``).
+    ``keep_quantized``: a GGUF's linears stored in a format of ``kernels/quant.py`` run as
+    stored on the CPU (their only copy); False dequantises every tensor to ``dtype``.
     """
     named = _named_model(str(model))
     if named is not None:
@@ -72,7 +78,8 @@ def load_model(
     if path.suffix == ".gguf" and path.is_file():
         from pagedllm.model.gguf_loader import read_gguf
 
-        raw_config, weights, tokenizer_loader = read_gguf(path)
+        keep = keep_quantized and torch.device(device).type == "cpu"
+        raw_config, weights, tokenizer_loader = read_gguf(path, keep_quantized=keep)
     elif path.is_dir():
         raw_config = _read_config(path)
         weights = iter_safetensors(path)
@@ -137,12 +144,13 @@ def choose_dtype(
 
 def build_model(
     config: ModelConfig,
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, torch.Tensor | QuantWeight]],
     dtype: torch.dtype,
     backend: AttentionBackend | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.nn.Module:
-    """Allocate the model without initialising it, then load the weights in."""
+    """Allocate the model without initialising it, then load the weights in (a
+    ``QuantWeight`` as it is: its linear keeps it instead of a float weight)."""
     if backend is None:
         from pagedllm.attention.select import get_backend
 
@@ -150,7 +158,10 @@ def build_model(
     with torch.device("meta"):
         model = new_model(config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
+    model.load_weights(
+        (name, tensor if isinstance(tensor, QuantWeight) else tensor.to(dtype))
+        for name, tensor in weights
+    )
     return model.eval().requires_grad_(False)
 
 

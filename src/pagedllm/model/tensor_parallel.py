@@ -37,6 +37,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear
+from pagedllm.kernels.quant import dequantize
 from pagedllm.kernels.routes import sampled_route
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors
@@ -133,6 +134,8 @@ class GatheredLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """My vocabulary rows of the embedding; other tokens embed to zeros, and the ranks'
     rows are added in rank order (one of them is the token's, the others exact zeros)."""
+
+    quant = None  # a shard is float (``head_tensors`` asks every embedding)
 
     def __init__(self, weight: torch.Tensor, start: int, comm: Collective) -> None:
         super().__init__()
@@ -231,10 +234,16 @@ class TensorParallelModel(nn.Module):
 
 
 def _shard_rows(linear_module: Linear, ranges: list[tuple[int, int]]) -> None:
-    """Keep only these output rows (of weight and bias), in this order."""
-    weight = torch.cat([linear_module.weight[a:b] for a, b in ranges]).clone()
-    linear_module.weight = nn.Parameter(weight, requires_grad=False)
-    linear_module.out_features = weight.shape[0]
+    """Keep only these output rows (of weight and bias, or of the weight kept quantized),
+    in this order."""
+    if linear_module.quant is not None:
+        rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+        linear_module.quant = linear_module.quant.rows(rows)
+        linear_module.out_features = len(rows)
+    else:
+        weight = torch.cat([linear_module.weight[a:b] for a, b in ranges]).clone()
+        linear_module.weight = nn.Parameter(weight, requires_grad=False)
+        linear_module.out_features = weight.shape[0]
     if linear_module.bias is not None:
         bias = torch.cat([linear_module.bias[a:b] for a, b in ranges]).clone()
         linear_module.bias = nn.Parameter(bias, requires_grad=False)
@@ -274,7 +283,11 @@ def _shard_mlp(mlp: nn.Module, comm: Collective) -> None:
 
 def _shard_vocab(model: LlamaForCausalLM, vocab: tuple[int, int], comm: Collective) -> None:
     start, stop = vocab
-    weight = model.embed_tokens.weight[start:stop].clone()
+    table = model.embed_tokens
+    if table.quant is not None:  # each rank's vocabulary shard in float, as before
+        weight = dequantize(table.quant.rows(slice(start, stop)), table.weight.dtype)
+    else:
+        weight = table.weight[start:stop].clone()
     model.embed_tokens = VocabEmbedding(weight, start, comm)
     if model.lm_head is not None:
         _shard_rows(model.lm_head, [vocab])

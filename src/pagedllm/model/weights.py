@@ -2,7 +2,9 @@
 
 A checkpoint tensor lands in a slice of one parameter: a part (q/k/v rows of
 ``qkv_proj``, gate/up rows of ``gate_up_proj``), an expert (the first index of the stacked
-``experts_gate_up`` / ``experts_down``), or both. Experts come per expert (Mixtral's
+``experts_gate_up`` / ``experts_down``), or both. A ``QuantWeight`` (a GGUF linear kept as
+stored) is not copied: once all parts of its linear have come, in one layout, the linear
+keeps them fused as its only weight (``Linear.keep_quantized``). Experts come per expert (Mixtral's
 ``block_sparse_moe.experts.E.w1/w2/w3``, Qwen3-MoE's and DeepSeek's
 ``mlp.experts.E.gate_proj/up_proj/down_proj``) or already stacked (transformers 5's
 ``mlp.experts.gate_up_proj`` / ``down_proj``).
@@ -15,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from pagedllm.kernels.quant import QuantWeight, concat_rows, dequantize
 
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),
@@ -81,12 +85,13 @@ def part_rows(model: nn.Module, param: str, part: str, rows: int) -> tuple[int, 
     return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[part]
 
 
-def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every checkpoint tensor into its slice; ``ValueError`` for an unknown name, a
-    shape mismatch, or a parameter slice left unset."""
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+    """Copy every checkpoint tensor into its slice (quantized ones: ``place_quantized``);
+    ``ValueError`` for an unknown name, a shape mismatch, or a parameter slice left unset."""
     params = dict(model.named_parameters())
     config = model.config  # type: ignore[attr-defined]
     loaded: set[Target] = set()
+    quantized: dict[str, dict[str, QuantWeight]] = {}
     for hf_name, tensor in weights:
         target = map_name(hf_name, bool(config.tie_word_embeddings), config.num_hidden_layers)
         if target is None:
@@ -105,13 +110,49 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
             raise ValueError(
                 f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
-        with torch.no_grad():
-            dest.copy_(tensor)
+        if isinstance(tensor, QuantWeight):
+            if target.expert is not None:
+                raise ValueError(f"quantized expert weight {hf_name!r} is not supported")
+            quantized.setdefault(target.param, {})[target.part] = tensor
+        else:
+            with torch.no_grad():
+                dest.copy_(tensor)
         loaded.update(_covered(target, param))
+    for name, parts in quantized.items():
+        place_quantized(model, name, parts, params[name])
     missing = [t for t in expected_targets(params) if t not in loaded]
     if missing:
         shown = ", ".join(_describe(t) for t in missing[:8])
         raise ValueError(f"checkpoint lacks weights: {shown}")
+
+
+def place_quantized(
+    model: nn.Module, name: str, parts: dict[str, QuantWeight], param: torch.Tensor
+) -> None:
+    """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in one layout
+    keeps them fused as stored, as does a token embedding; otherwise the quantized parts
+    are dequantised into the float weight."""
+    from pagedllm.model.llama import Embedding, Linear
+
+    module_name, leaf = name.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    order = _PARTS.get(module_name.split(".")[-1], ("",))
+    kept = [parts[part] for part in order if part in parts]
+    if (
+        isinstance(module, (Linear, Embedding))
+        and leaf == "weight"
+        and len(kept) == len(order)
+        and len({w.data.dtype for w in kept}) == 1
+    ):
+        module.keep_quantized(kept[0] if len(kept) == 1 else concat_rows(kept))
+        return
+    with torch.no_grad():
+        for part, weight in parts.items():
+            dest = param.data
+            if part:
+                start, stop = part_rows(model, name, part, dest.shape[0])
+                dest = dest[start:stop]
+            dest.copy_(dequantize(weight, dest.dtype))
 
 
 def expected_targets(params: dict[str, nn.Parameter]) -> list[Target]:

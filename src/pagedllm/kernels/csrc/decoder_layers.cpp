@@ -2,7 +2,8 @@
 // same ops in the same order, so the results are the same bit for bit. What it removes is
 // Python: about a dozen torch.ops calls a layer, a real share of a small decode step. It
 // takes only steps the per-layer path would give entirely to pagedllm's kernels (every linear
-// on small_gemm, every sequence on paged_attention, the C++ K/V write); the caller checks that
+// on small_gemm, or on quant_gemm where its weight is kept quantized, every sequence on
+// paged_attention, the C++ K/V write); the caller checks that
 // and keeps the Python loop for the rest.
 //
 // quant_decoder_layers is the same loop over a quantized cache: each layer's K/V go through
@@ -46,6 +47,7 @@ struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pagedllm::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("pagedllm::add_rms_norm");
   c10::TypedOperatorHandle<SmallGemm> small_gemm = op<SmallGemm>("pagedllm::small_gemm");
+  c10::TypedOperatorHandle<SmallGemm> quant_gemm = op<SmallGemm>("pagedllm::quant_gemm");
   c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
   c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("pagedllm::silu_mul");
@@ -77,13 +79,20 @@ const QuantOps& quant_ops() {
   return handles;
 }
 
+// x @ w.T (+ bias) on the weight's kernel: quant_gemm for a block-quantized weight (int8 or
+// uint8: kernels/quant.py's layout), else small_gemm.
+at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias) {
+  const bool quantized = w.scalar_type() == at::kChar || w.scalar_type() == at::kByte;
+  return quantized ? f.quant_gemm.call(x, w, bias) : f.small_gemm.call(x, w, bias);
+}
+
 template <typename List>
 void check_layers(size_t n, const List& list, const char* name) {
   TORCH_CHECK(list.size() == n, "decoder_layers: ", name, " has ", list.size(), " entries for ", n, " layers");
 }
 
-// Every layer's weights: the norms', the four linears' small_gemm-packed weights and optional
-// biases, and the final norm.
+// Every layer's weights: the norms', the four linears' weights (small_gemm-packed, or
+// block-quantized for quant_gemm) and optional biases, and the final norm.
 struct Weights {
   at::TensorList norm1, qkv;
   const OptTensors& qkv_bias;
@@ -129,7 +138,7 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
   at::Tensor out_of_layer;
   for (size_t i = 0; i < n; ++i) {
     if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, w.norm1[i], w.eps);
-    const at::Tensor qkv_out = f.small_gemm.call(x, w.qkv[i], w.qkv_bias.get(i));
+    const at::Tensor qkv_out = linear(f, x, w.qkv[i], w.qkv_bias.get(i));
     TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
     // One view and one split, as llama.split_heads.
     const auto heads =
@@ -140,10 +149,10 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
     }
-    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i));
+    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i));
     x = f.add_rms_norm.call(projected, residual, w.norm2[i], w.eps);
-    const at::Tensor act = f.silu_mul.call(f.small_gemm.call(x, w.gate_up[i], w.gate_up_bias.get(i)));
-    out_of_layer = f.small_gemm.call(act, w.down[i], w.down_bias.get(i));
+    const at::Tensor act = f.silu_mul.call(linear(f, x, w.gate_up[i], w.gate_up_bias.get(i)));
+    out_of_layer = linear(f, act, w.down[i], w.down_bias.get(i));
   }
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }

@@ -1,0 +1,197 @@
+"""A GGUF's linears kept quantized as stored (Q8_0, Q4_0, Q4_1; kernels/quant.py) against the
+same file with every tensor dequantised to float32 by the ``gguf`` package.
+
+Both models run the same tokens (the reference's greedy ones, so that one flipped token cannot
+send the two down different texts): a prompt step (32 rows: the float GEMM over dequantised
+tiles) then decode steps (4 rows: quant_gemm with int8 activations). Each step's logits stay
+within a KL of 1e-5 nats of the reference's (measured: at most 1.5e-6), and the top-1
+token agrees on at least 95% of the rows (measured: 96-100%; a random tiny model has near
+ties).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.model import load_model
+from pagedllm.model.llama import Linear
+from pagedllm.worker.model_runner import TorchModelRunner
+
+from .parity_helpers import PROMPTS, HandDriver
+from .test_gguf_and_default_model import write_tiny_gguf
+
+pytest.importorskip("gguf")
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1"]
+MAX_KL = 1e-5
+MIN_TOP1 = 0.95
+DECODE_STEPS = 6
+
+
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(reference || other) of the softmaxes, in nats, the largest over the rows."""
+    log_p = torch.log_softmax(reference.double(), -1)
+    log_q = torch.log_softmax(other.double(), -1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).max())
+
+
+def run_in_lockstep(reference, quantized, prompts) -> tuple[float, float]:
+    """(largest KL, top-1 agreement) over a prompt step and DECODE_STEPS decode steps, both
+    models fed the reference's greedy tokens."""
+    drivers = [
+        HandDriver(TorchModelRunner(model, block_size=4, num_blocks=64))
+        for model in (reference, quantized)
+    ]
+    seqs = [[d.add(f"r{i}", p) for i, p in enumerate(prompts)] for d in drivers]
+    steps = [
+        d.step([d.schedule(s, len(s.token_ids)) for s in ss])
+        for d, ss in zip(drivers, seqs, strict=True)
+    ]
+    worst, agree, total = 0.0, 0, 0
+    for step in range(DECODE_STEPS + 1):
+        expected = torch.stack([steps[0][f"r{i}"] for i in range(len(prompts))])
+        actual = torch.stack([steps[1][f"r{i}"] for i in range(len(prompts))])
+        worst = max(worst, kl_divergence(expected, actual))
+        agree += int((expected.argmax(-1) == actual.argmax(-1)).sum())
+        total += len(prompts)
+        if step == DECODE_STEPS:
+            break
+        tokens = expected.argmax(-1).tolist()
+        for d, ss in zip(drivers, seqs, strict=True):
+            for seq, token in zip(ss, tokens, strict=True):
+                d.append(seq.request_id, token)
+        steps = [
+            d.step([d.schedule(s, 1) for s in ss]) for d, ss in zip(drivers, seqs, strict=True)
+        ]
+    return worst, agree / total
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_quantized_linears_stay_close_to_the_dequantised_model(
+    tmp_path, checkpoints, variant, format
+) -> None:
+    gguf_file = write_tiny_gguf(checkpoints(variant), tmp_path / "t.gguf", False, linears=format)
+    quantized = load_model(gguf_file, dtype="float32", load_tokenizer=False)
+    reference = load_model(gguf_file, dtype="float32", load_tokenizer=False, keep_quantized=False)
+    kept = [m for m in quantized.model.modules() if isinstance(m, Linear) and m.quant is not None]
+    # qkv, o, gate/up, down per layer, and the untied head: the only copies of their weights.
+    assert len(kept) == 4 * quantized.config.num_hidden_layers + 1
+    assert all(m.weight.numel() == 0 and m.quant.format == format for m in kept)
+    worst, top1 = run_in_lockstep(reference.model, quantized.model, PROMPTS)
+    assert worst <= MAX_KL, f"KL {worst:.2e}"
+    assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
+
+
+def test_a_quantized_embedding_is_the_tied_head_too(tmp_path, checkpoints) -> None:
+    """SmolLM2's layout: linears Q4_1, the token embedding Q8_0 and tied to the head; the
+    embedding is kept as stored, looked up and multiplied in that one copy."""
+    source = checkpoints("llama_tied")
+    gguf_file = write_tiny_gguf(source, tmp_path / "t.gguf", False, "Q4_1", embedding="Q8_0")
+    quantized = load_model(gguf_file, dtype="float32", load_tokenizer=False)
+    reference = load_model(gguf_file, dtype="float32", load_tokenizer=False, keep_quantized=False)
+    table = quantized.model.embed_tokens
+    assert table.quant is not None and table.quant.format == "Q8_0"
+    assert table.weight.numel() == 0 and quantized.dtype == torch.float32
+    ids = torch.tensor([[3, 200], [0, 319]])
+    assert torch.equal(table(ids), reference.model.embed_tokens(ids))
+    worst, top1 = run_in_lockstep(reference.model, quantized.model, PROMPTS)
+    assert worst <= MAX_KL, f"KL {worst:.2e}"
+    assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
+    routes = quantized.model.routes()
+    assert "Q8_0 kept as stored" in routes.lm_head and "Q4_1 kept as stored" in routes.linears
+
+
+def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
+    gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q4_1")
+    loaded = load_model(gguf_file, dtype="float32", load_tokenizer=False)
+    loaded.model.optimize_for_cpu()
+    linears = loaded.model.routes().linears
+    if loaded.model.head_ops is None:
+        assert "8 on torch, Q4_1 dequantised per call" in linears
+    else:
+        isa = loaded.model.head_ops.quant_gemm_isa()
+        assert f"8 on own kernel quant_gemm ({isa}, Q4_1 kept as stored) up to 16 rows" in linears
+
+
+def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
+    import json
+
+    from pagedllm.cli import main
+    from pagedllm.kernels.ops import layer_ops
+
+    gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q4_0")
+    assert main(["env", "--model", str(gguf_file), "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    ops = layer_ops()
+    isa = "none" if ops is None else ops.quant_gemm_isa()
+    assert env["kernels"]["quant_gemm"] == isa
+    if ops is not None:
+        expected = f"8 on own kernel quant_gemm ({isa}, Q4_0 kept as stored) up to 16 rows"
+        assert expected in env["routes"]["linears"]
+
+
+def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> None:
+    """q in Q8_0, k and v in Q4_0: the fused qkv_proj cannot keep one layout, so it holds
+    the dequantised floats."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagedllm.kernels.quant import dequantize, from_gguf_blocks
+    from pagedllm.model.weights import place_quantized
+
+    gguf_file = write_tiny_gguf(checkpoints("llama_gqa"), tmp_path / "t.gguf", False)
+    model = load_model(gguf_file, dtype="float32", load_tokenizer=False).model
+    rng = torch.Generator().manual_seed(0)
+    parts = {}
+    for part, rows, kind in (("q", 64, "Q8_0"), ("k", 32, "Q4_0"), ("v", 32, "Q4_0")):
+        blocks = quantize(
+            (torch.randn(rows, 64, generator=rng) * 0.1).numpy(), GGMLQuantizationType[kind]
+        )
+        parts[part] = from_gguf_blocks(blocks, kind, (rows, 64))
+    qkv = model.layers[0].self_attn.qkv_proj
+    place_quantized(model, "layers.0.self_attn.qkv_proj.weight", parts, qkv.weight)
+    assert qkv.quant is None
+    assert torch.equal(qkv.weight, torch.cat([dequantize(parts[p]) for p in ("q", "k", "v")]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_decoder_equals_the_layer_loop(tmp_path, checkpoints, monkeypatch, dtype) -> None:
+    """Decode steps of a quantized model run every layer in one C++ call (quant_gemm inside
+    decoder_layers), with the per-layer loop's results bit for bit."""
+    from pagedllm.model import fast_path
+
+    from .test_decoder_layers import run_steps
+
+    gguf_file = write_tiny_gguf(checkpoints("qwen2_bias"), tmp_path / "t.gguf", False, "Q4_1")
+    calls = []
+    real = fast_path.decoder_layers
+    monkeypatch.setattr(fast_path, "decoder_layers", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for whole in (True, False):
+        model = load_model(gguf_file, dtype, load_tokenizer=False).model
+        runner = TorchModelRunner(model, block_size=16, num_blocks=64)
+        if model.fast_path is None or model.fast_path.plan is None:
+            pytest.skip("no one-call decoder here (no kernels, or no small_gemm for the head)")
+        if not whole:
+            model.fast_path.plan = None
+        results.append(run_steps(runner))
+    assert len(calls) >= 6  # the decode steps
+    for whole_step, loop_step in zip(*results, strict=True):
+        for request_id, row in whole_step.items():
+            assert torch.equal(row, loop_step[request_id])
+
+
+def test_tensor_parallel_shards_keep_the_quantized_rows(tmp_path, checkpoints) -> None:
+    """A rank keeps its rows of a quantized linear (q/k/v pieces in order), still quantized."""
+    from pagedllm.kernels.quant import dequantize
+    from pagedllm.model.tensor_parallel import _shard_rows
+
+    gguf_file = write_tiny_gguf(checkpoints("llama_gqa"), tmp_path / "t.gguf", False, "Q8_0")
+    qkv = load_model(gguf_file, dtype="float32", load_tokenizer=False).model.layers[0].self_attn
+    qkv = qkv.qkv_proj
+    full = dequantize(qkv.quant)
+    _shard_rows(qkv, [(0, 32), (64, 80), (96, 112)])
+    assert qkv.out_features == 64 and qkv.quant.shape == (64, 64)
+    assert torch.equal(dequantize(qkv.quant), torch.cat((full[0:32], full[64:80], full[96:112])))
