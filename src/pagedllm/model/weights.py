@@ -13,7 +13,7 @@ keeps them fused as its only weight (``Linear.keep_quantized``). Experts come pe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -126,20 +126,26 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Quan
         raise ValueError(f"checkpoint lacks weights: {shown}")
 
 
+@runtime_checkable
+class KeepsQuantized(Protocol):
+    """A module that can hold a weight as stored (``llama.Linear``, ``llama.Embedding``);
+    named here so loading does not import the model it fills."""
+
+    def keep_quantized(self, weight: QuantWeight) -> None: ...
+
+
 def place_quantized(
     model: nn.Module, name: str, parts: dict[str, QuantWeight], param: torch.Tensor
 ) -> None:
     """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in one layout
     keeps them fused as stored, as does a token embedding; otherwise the quantized parts
     are dequantised into the float weight."""
-    from pagedllm.model.llama import Embedding, Linear
-
     module_name, leaf = name.rsplit(".", 1)
     module = model.get_submodule(module_name)
     order = _PARTS.get(module_name.split(".")[-1], ("",))
     kept = [parts[part] for part in order if part in parts]
     if (
-        isinstance(module, (Linear, Embedding))
+        isinstance(module, KeepsQuantized)
         and leaf == "weight"
         and len(kept) == len(order)
         and len({w.data.dtype for w in kept}) == 1
