@@ -56,7 +56,8 @@ class SamplingParams:
     """How to sample one request's completions (vLLM names and defaults).
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
-    ``max_tokens=None`` lets the engine fill it with ``max_model_len - prompt``.
+    ``max_tokens=None`` lets the engine fill it: all the room the prompt leaves
+    (``Scheduler.default_max_tokens``).
     ``stop`` strings are matched across token boundaries by the detokenizer and
     left out of the text unless ``include_stop_str_in_output``.
     ``logprobs=k`` returns, per generated token, its log-probability and the top k.

@@ -334,3 +334,19 @@ def test_many_requests_on_a_tiny_cache_all_finish(mode: str) -> None:
     assert s.stats().num_preemptions > 0
     stats = s.kv.stats()
     assert stats.blocks_used == 0 and stats.host_blocks_used == 0
+
+
+def test_max_num_tokens_is_exactly_what_check_fits_admits() -> None:
+    s = make(num_blocks=4, max_model_len=64)
+    assert s.max_num_tokens() == 17  # 16 cached tokens and the last, never written
+    s.check_fits(10, 7)
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        s.check_fits(10, 8)
+    assert s.default_max_tokens(10) == 7
+    with pytest.raises(ValueError, match="leaves no room"):
+        s.default_max_tokens(17)
+    roomy = make(num_blocks=64, max_model_len=64)
+    assert roomy.max_num_tokens() == 64
+    request = req("filled", 10, max_tokens=None)
+    roomy.add_request(request)
+    assert request.sampling_params.max_tokens == 54 == roomy.max_tokens(request)

@@ -192,7 +192,11 @@ class Scheduler:
         """Queue a request; ``ValueError`` when it could never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_fits(request.num_prompt_tokens, self._max_tokens(request), self._n(request))
+        params = request.sampling_params
+        if params is not None and params.max_tokens is None:
+            default = self.default_max_tokens(request.num_prompt_tokens)
+            request.sampling_params = params.with_max_tokens(default)
+        self.check_fits(request.num_prompt_tokens, self.max_tokens(request), self._n(request))
         self._enqueue(request)
         self.waiting.append(request)
         request.arrival_event_seq = self.kv.events.next_seq
@@ -204,25 +208,51 @@ class Scheduler:
         limit = self.config.max_model_len
         if num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
-        if num_prompt_tokens + max_tokens > limit:
+        num_tokens = num_prompt_tokens + max_tokens
+        if num_tokens > limit:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({limit})"
+                f"{num_tokens} tokens exceeds max_model_len ({limit})"
             )
-        # The last sampled token is never written to the cache.
-        num_tokens = num_prompt_tokens + max_tokens - 1
-        block_size = self._block_size
-        needed = self.kv.blocks_needed(num_tokens, self.config.max_num_batched_tokens)
-        # The pool may be resized at run time; an elastic pool may grow to max_num_blocks.
-        total = max(self.kv.usable_blocks, self.max_num_blocks or 0)
+        needed, total = self._blocks_needed(num_tokens), self._capacity_blocks()
         if needed > total:
             raise ValueError(
-                f"request needs {needed} KV blocks ({num_tokens} tokens) but the whole cache "
-                f"holds {total} blocks ({total * block_size} tokens); lower max_tokens or "
-                f"give the cache more memory"
+                f"request needs {needed} KV blocks ({num_tokens - 1} tokens) but the whole "
+                f"cache holds {total} blocks ({total * self._block_size} tokens); lower "
+                f"max_tokens or give the cache more memory"
             )
         if n > self.config.max_num_seqs:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+
+    def max_num_tokens(self) -> int:
+        """The most tokens (prompt + ``max_tokens``) one request may have: ``max_model_len``,
+        or fewer when the whole cache holds fewer (``check_fits`` admits exactly these)."""
+        low, high = 0, self.config.max_model_len  # fits: low; and everything above high fails
+        total = self._capacity_blocks()
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._blocks_needed(middle) <= total:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """``max_tokens`` of a request that sets none: all the room its prompt leaves."""
+        limit = self.max_num_tokens()
+        if num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) leaves no room for output within "
+                f"the {limit} tokens a request may have (max_model_len and the cache's size)"
+            )
+        return limit - num_prompt_tokens
+
+    def max_tokens(self, request: Request) -> int:
+        """The most output tokens ``request`` may have."""
+        params = request.sampling_params
+        if params is None or params.max_tokens is None:
+            return max(self.max_num_tokens() - request.num_prompt_tokens, 0)
+        return params.max_tokens
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work. Mutates block tables and queues.
@@ -304,7 +334,7 @@ class Scheduler:
                 return 1
             # Step j's input sits at position num_tokens - 1 + j < max_model_len.
             limit = min(limit, config.max_model_len - num_tokens)
-            wanted = max(wanted, self._max_tokens(request) - num_output)
+            wanted = max(wanted, self.max_tokens(request) - num_output)
         return max(1, min(limit, wanted))
 
     def _schedule_steps(self, step: _Step, num_steps: int) -> bool:
@@ -452,10 +482,9 @@ class Scheduler:
     def max_blocks_needed(self) -> int:
         """Blocks the largest unfinished request holds at its longest: a pool smaller
         than this could never finish it."""
-        step = self.config.max_num_batched_tokens
         return max(
             (
-                self.kv.blocks_needed(r.num_prompt_tokens + self._max_tokens(r) - 1, step)
+                self._blocks_needed(r.num_prompt_tokens + self.max_tokens(r))
                 for r in self.requests.values()
             ),
             default=0,
@@ -749,7 +778,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         if (
-            num_output >= self._max_tokens(request)
+            num_output >= self.max_tokens(request)
             or len(request.all_token_ids) >= self.config.max_model_len
         ):
             self._finish(request, RequestStatus.FINISHED_LENGTH)
@@ -809,11 +838,14 @@ class Scheduler:
         params = request.sampling_params
         return 1 if params is None else params.n
 
-    def _max_tokens(self, request: Request) -> int:
-        params = request.sampling_params
-        if params is None or params.max_tokens is None:
-            return self.config.max_model_len - request.num_prompt_tokens
-        return params.max_tokens
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` holds at its peak: the last sampled token is
+        never written to the cache, and a sliding window bounds the rest."""
+        return self.kv.blocks_needed(num_tokens - 1, self.config.max_num_batched_tokens)
+
+    def _capacity_blocks(self) -> int:
+        """The pool may be resized at run time; an elastic pool may grow to max_num_blocks."""
+        return max(self.kv.usable_blocks, self.max_num_blocks or 0)
 
     def _priority_key(self, request: Request) -> tuple[int, float, int]:
         return (request.priority, request.arrival_time, self._arrival_order[request.request_id])

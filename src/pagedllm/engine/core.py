@@ -288,6 +288,7 @@ class EngineCore:
             "vocab_size": int(engine.runner.vocab_size),
             "block_size": int(engine.runner.block_size),
             "num_blocks": engine.cache_capacity_blocks(),
+            "max_num_tokens": engine.max_num_tokens(),
             "pid": os.getpid(),
         }
 

@@ -451,6 +451,11 @@ class LLMEngine:
         report = self.elastic.report_for(resize_id)
         return None if report is None else report.to_dict()
 
+    def max_num_tokens(self) -> int:
+        """The most tokens (prompt + ``max_tokens``) one request may have now
+        (``Scheduler.max_num_tokens``: the server checks requests against it)."""
+        return self.scheduler.max_num_tokens()
+
     def cache_capacity_blocks(self) -> int:
         """The most device blocks one request may count on: the pool's size (the target
         of a shrink under way), or the automatic elastic pool's MAX."""
@@ -673,9 +678,7 @@ class LLMEngine:
         if self.scheduler.waiting:
             # Admission order (see Scheduler): priority, then arrival.
             first = min(self.scheduler.waiting, key=lambda r: (r.priority, r.arrival_time))
-            params = first.sampling_params
-            max_tokens = (params.max_tokens or 0) if params is not None else 0
-            next_len = len(first.prompt_token_ids) + max_tokens
+            next_len = first.num_prompt_tokens + self.scheduler.max_tokens(first)
         return token_ids, next_len
 
     def _record_prompt_logprobs(self, forward: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -929,13 +932,7 @@ class LLMEngine:
 
     def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         if params.max_tokens is None:
-            room = self.max_model_len - num_prompt_tokens
-            if room < 1:
-                raise ValueError(
-                    f"prompt ({num_prompt_tokens} tokens) leaves no room for output within "
-                    f"max_model_len ({self.max_model_len})"
-                )
-            params = params.with_max_tokens(room)
+            params = params.with_max_tokens(self.scheduler.default_max_tokens(num_prompt_tokens))
         if self._extra_eos_ids and not params.ignore_eos:
             extra = tuple(i for i in self._extra_eos_ids if i not in params.stop_token_ids)
             if extra:

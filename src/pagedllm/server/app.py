@@ -149,6 +149,7 @@ def _build_context(engine: AsyncEngine, served_model_name: str | None) -> Server
         vocab_size=info["vocab_size"],
         block_size=info["block_size"],
         num_blocks=info["num_blocks"],
+        max_num_tokens=info["max_num_tokens"],
     )
 
 

@@ -27,11 +27,11 @@ from pagedllm.server.serving import (
     ServerContext,
     chat_logprobs,
     check_common,
+    check_length,
     check_model,
     new_id,
     outputs_of,
     parse_body,
-    resolve_max_tokens,
     respond,
     sampling_params,
     usage_of,
@@ -104,9 +104,9 @@ def _spec(
         asked, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         asked, param = req.max_tokens, "max_tokens"
-    max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), asked, "messages", param)
+    check_length(ctx, len(prompt.token_ids), asked, "messages", param)
     logprobs = _num_top(req) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs)
+    params = sampling_params(req, asked, logprobs)
     return RequestSpec(request_id, prompt.token_ids, params, req.priority, req.cache_salt)
 
 

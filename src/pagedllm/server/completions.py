@@ -23,13 +23,13 @@ from pagedllm.server.serving import (
     Prompt,
     ServerContext,
     check_common,
+    check_length,
     check_model,
     completion_logprobs,
     echo_logprobs,
     new_id,
     outputs_of,
     parse_body,
-    resolve_max_tokens,
     respond,
     sampling_params,
     usage_of,
@@ -117,10 +117,8 @@ def _spec(
 ) -> RequestSpec:
     """Engine request ``{request_id}-{index}`` for the index-th prompt of a batch."""
     prompt_param = "prompt" if batch == 1 else f"prompt[{index}]"
-    max_tokens = resolve_max_tokens(
-        ctx, len(prompt.token_ids), req.max_tokens, prompt_param, "max_tokens"
-    )
-    params = sampling_params(req, max_tokens, req.logprobs)
+    check_length(ctx, len(prompt.token_ids), req.max_tokens, prompt_param, "max_tokens")
+    params = sampling_params(req, req.max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         # The echoed prompt's logprobs too, as vLLM returns them.
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)

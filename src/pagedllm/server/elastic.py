@@ -36,4 +36,5 @@ def add_elastic_routes(app: FastAPI, ctx: ServerContext) -> None:
             await asyncio.sleep(POLL_S)
         # Requests are checked against the cache's size before they reach the engine.
         ctx.num_blocks = await ctx.engine.call_utility("cache_capacity_blocks")
+        ctx.max_num_tokens = await ctx.engine.call_utility("max_num_tokens")
         return JSONResponse(report)

@@ -64,6 +64,8 @@ class ServerContext:
     vocab_size: int
     block_size: int
     num_blocks: int
+    # The most tokens one request may have (``Scheduler.max_num_tokens``, asked of the core).
+    max_num_tokens: int
     requests: RecentRequests = field(default_factory=RecentRequests)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -81,10 +83,6 @@ class ServerContext:
                 param=param,
             )
         return self.engine.tokenizer
-
-    @property
-    def cache_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +121,24 @@ def check_common(req: SamplingFields) -> None:
 
 
 def check_length(
-    ctx: ServerContext, num_prompt: int, max_tokens: int, prompt_param: str, tokens_param: str
+    ctx: ServerContext,
+    num_prompt: int,
+    max_tokens: int | None,
+    prompt_param: str,
+    tokens_param: str,
 ) -> None:
-    """A 400 naming both numbers when a request can never run."""
+    """A 400 naming the field when a request can never run. The limit is the core's
+    (``Scheduler.max_num_tokens``); a ``max_tokens`` of None is filled in there."""
+    if max_tokens is None:
+        if num_prompt >= ctx.max_num_tokens:
+            raise bad_request(
+                f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
+                f"the {ctx.max_num_tokens} tokens a request may have (this model's maximum "
+                f"context length is {ctx.max_model_len})",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return
     total = num_prompt + max_tokens
     param = prompt_param if num_prompt >= ctx.max_model_len else tokens_param
     if total > ctx.max_model_len:
@@ -136,39 +149,19 @@ def check_length(
             param=param,
             code="context_length_exceeded",
         )
-    if total > ctx.cache_tokens:
+    if total > ctx.max_num_tokens:
         raise bad_request(
-            f"the request needs {total} tokens of KV cache ({num_prompt} in the prompt + "
-            f"{max_tokens} max_tokens) but the whole cache holds {ctx.cache_tokens} tokens "
-            f"({ctx.num_blocks} blocks of {ctx.block_size})",
+            f"the request needs {total} tokens ({num_prompt} in the prompt + {max_tokens} "
+            f"max_tokens) but the KV cache ({ctx.num_blocks} blocks of {ctx.block_size}) "
+            f"holds at most {ctx.max_num_tokens} tokens of one request",
             param=param,
             code="context_length_exceeded",
         )
 
 
-def resolve_max_tokens(
-    ctx: ServerContext,
-    num_prompt: int,
-    max_tokens: int | None,
-    prompt_param: str,
-    tokens_param: str,
-) -> int:
-    """``max_tokens`` as asked, or (when None) all the room the prompt leaves."""
-    if max_tokens is None:
-        limit = min(ctx.max_model_len, ctx.cache_tokens)
-        if num_prompt >= limit:
-            raise bad_request(
-                f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
-                f"this model's maximum context length of {limit} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        return limit - num_prompt
-    check_length(ctx, num_prompt, max_tokens, prompt_param, tokens_param)
-    return max_tokens
-
-
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     """SamplingParams from the request (only the fields the client set, plus the fills)."""
     kwargs: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs}
     for name in (
