@@ -7,9 +7,11 @@
     add_requests() -- ["add", id, specs] ------->    own process (``launch``: `pagedllm serve`)
     abort()        -- ["abort", ids] ----------->      or a thread (``in_thread``: tests,
     call_utility() -- ["utility", id, name, args]>      ``create_app(LLMEngine)``)
+    a stop string  -- ["stop", id, [[i, stop]]] >    finishes those sequences
     reader task    <-- ["deltas", ...] ----------    one message per step: new token ids
                    <-- ["events", batch] --------    cache events, once watch_cache_events
-       RequestStream: detokenizes, keeps the text, hands out what is new
+       RequestStream: its OutputProcessor state (text, stop strings: "stop" to the
+       core) hands out what is new
     core watcher   <-- the process/thread ended      every stream fails, /health says 503
 
 The core never shares this interpreter's lock when it runs in its own process: HTTP,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -34,13 +37,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 import zmq.asyncio
 
-from pagedllm.core.outputs import TokenLogprob
 from pagedllm.engine.core import (
     EngineCore,
     EngineFactory,
@@ -53,16 +54,13 @@ from pagedllm.engine.core import (
     run_core_loop,
     unpack,
 )
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.outputs import (
-    CompletionOutput,
-    PromptLogprobs,
-    RequestDelta,
-    RequestOutput,
-    SampleLogprobs,
-    position_logprobs,
-    prompt_position_logprobs,
+from pagedllm.engine.output_processor import (
+    ChoiceDelta,
+    OutputProcessor,
+    RequestState,
+    StreamDelta,
 )
+from pagedllm.engine.outputs import PromptLogprobs, RequestDelta, RequestOutput
 from pagedllm.engine.reports import stats_from_wire
 
 if TYPE_CHECKING:
@@ -89,6 +87,8 @@ DEFAULT_READY_TIMEOUT_S = 600.0
 # Seconds a stopping core gets to exit (its disk tier finishes queued writes) before it
 # is killed.
 _STOP_TIMEOUT_S = 60.0
+# Messages that only end work: sent (or dropped) quietly when the core is gone.
+_ALWAYS_SENT = frozenset({"abort", "stop", "shutdown"})
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
                                        "KeyError": KeyError}  # fmt: skip
 
@@ -101,93 +101,6 @@ class EngineClosedError(RuntimeError):
     """The engine is shutting down, or its core has died."""
 
 
-@dataclass(frozen=True, slots=True)
-class ChoiceDelta:
-    """What is new in one completion since the stream's last read (``logprobs`` in
-    vLLM's shape, one dict per new token)."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: SampleLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass(frozen=True, slots=True)
-class StreamDelta:
-    """One read of a ``RequestStream``: the completions with something new."""
-
-    request_id: str
-    choices: tuple[ChoiceDelta, ...]
-    finished: bool
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One completion as the server sees it: all its tokens, its text, what was read."""
-
-    index: int
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_read_tokens: int = 0
-    num_read_chars: int = 0
-    num_read_logprobs: int = 0
-    finish_read: bool = False
-
-    def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
-        self.token_ids.extend(token_ids)
-        if logprobs is not None and self.logprobs is not None:
-            tokenizer = self.detokenizer.tokenizer
-            self.logprobs.extend(position_logprobs(e, tokenizer) for e in logprobs)
-            # Summed as the offline engine sums them, a step at a time.
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
-                e.logprob for e in logprobs
-            )
-        self.detokenizer.add_tokens(token_ids)
-
-    def finish(self, reason: str, stop_reason: int | str | None) -> None:
-        self.finish_reason, self.stop_reason = reason, stop_reason
-        self.detokenizer.finish()
-
-    @property
-    def text(self) -> str:
-        """The text so far; while running, without what a stop string could take back."""
-        if self.finish_reason is not None:
-            return self.detokenizer.text
-        return self.detokenizer.visible_text
-
-    def read(self) -> ChoiceDelta | None:
-        """Everything new since the last read (None: nothing)."""
-        text = self.text[self.num_read_chars :]
-        token_ids = self.token_ids[self.num_read_tokens :]
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = self.logprobs[self.num_read_logprobs :]
-        finish = None if self.finish_read else self.finish_reason
-        if not (text or token_ids or logprobs or finish):
-            return None
-        self.num_read_chars += len(text)
-        self.num_read_tokens = len(self.token_ids)
-        self.num_read_logprobs = len(self.logprobs or ())
-        self.finish_read = finish is not None
-        stop = self.stop_reason if finish else None
-        return ChoiceDelta(self.index, text, tuple(token_ids), logprobs, finish, stop)
-
-    def output(self) -> CompletionOutput:
-        """Everything so far, as the offline engine reports it."""
-        logprobs = list(self.logprobs) if self.logprobs is not None else None
-        return CompletionOutput(
-            self.index, self.detokenizer.text, tuple(self.token_ids), self.cumulative_logprob,
-            logprobs, self.finish_reason, self.stop_reason,
-        )  # fmt: skip
-
-
 class RequestStream:
     """One request's outputs, as an async iterator of ``StreamDelta``.
 
@@ -198,40 +111,40 @@ class RequestStream:
     ``output()`` is everything so far, cumulative (the non-streaming answer).
     """
 
-    def __init__(
-        self,
-        spec: RequestSpec,
-        prompt_token_ids: list[int],
-        tokenizer: Any,
-        owner: AsyncEngine,
-        arrival_time: float,
-    ) -> None:
-        self.request_id = spec.request_id
-        self.params = spec.params
-        self.prompt = spec.prompt if isinstance(spec.prompt, str) else None
-        self.prompt_token_ids = tuple(prompt_token_ids)
+    def __init__(self, state: RequestState, owner: AsyncEngine, arrival_time: float) -> None:
+        self.request_id = state.request_id
+        self.params = state.params
         self.arrival_time = arrival_time
         self.first_output_time: float | None = None
         self.finished = False
-        self.num_cached_tokens = 0
-        self.cache_event_seq: int | None = None
-        self.arrival_event_seq: int | None = None
-        self.error: str | None = None
-        # RequestOutput.prompt_logprobs, once the core sends them (with the first tokens).
-        self.prompt_logprobs: PromptLogprobs | None = None
-        self._tokenizer = tokenizer
+        self._state = state
         self._owner = owner
-        self._choices: dict[int, _Choice] = {}
-        self._got_final = False
         self._failure: BaseException | None = None
+        self._closed = False  # aborted: nothing more is delivered
         self._ready = asyncio.Event()
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self._state.prompt_token_ids
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._state.num_cached_tokens
+
+    @property
+    def error(self) -> str | None:
+        return self._state.error
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        return self._state.prompt_logprobs()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
         while True:
-            delta = self._read()
+            delta = None if self._failure or self._closed else self._state.read()
             if delta is not None:
                 return delta
             if self._failure is not None:
@@ -247,61 +160,22 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
     def output(self) -> RequestOutput:
-        choices = tuple(self._choices[i].output() for i in sorted(self._choices))
-        if self.error is not None and not choices:
-            choices = (CompletionOutput(0, "", (), finish_reason="error"),)
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, choices,
-            self._got_final, self.num_cached_tokens, self.error,
-            cache_event_seq=self.cache_event_seq, prompt_logprobs=self.prompt_logprobs,
-            arrival_event_seq=self.arrival_event_seq,
-        )  # fmt: skip
+        return self._state.output()
 
     # Called on the event loop by the AsyncEngine.
-    def _put(self, delta: RequestDelta) -> None:
-        for seq in delta.seqs:
-            choice = self._choices.get(seq.index)
-            if choice is None:
-                choice = self._choices[seq.index] = self._new_choice(seq.index)
-            choice.add(seq.token_ids, seq.logprobs)
-            if seq.finish_reason is not None:
-                choice.finish(seq.finish_reason, seq.stop_reason)
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.cache_event_seq = delta.cache_event_seq
-        self.arrival_event_seq = delta.arrival_event_seq
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = prompt_position_logprobs(delta.prompt_logprobs, self._tokenizer)
-        if delta.error is not None:
-            self.error = delta.error
-        if delta.finished:
-            self.finished = self._got_final = True
+    def _put(self, delta: RequestDelta) -> list[tuple[int, str]]:
+        """Apply a core delta; returns the sequences a stop string ended."""
+        self._owner.output_processor.process(delta)
+        self.finished = self._state.finished
         self._ready.set()
+        return self._state.take_stopped()
 
     def _fail(self, error: BaseException) -> None:
-        if self._got_final:
+        if self._state.finished:
             return
         self._failure = error
         self.finished = True
         self._ready.set()
-
-    def _read(self) -> StreamDelta | None:
-        choices = [d for i in sorted(self._choices) if (d := self._choices[i].read())]
-        if not choices:
-            return None
-        return StreamDelta(self.request_id, tuple(choices), self._got_final, self.error)
-
-    def _new_choice(self, index: int) -> _Choice:
-        params = self.params
-        detokenizer = IncrementalDetokenizer.for_params(
-            self._tokenizer, self.prompt_token_ids, params
-        )
-        wants = params.logprobs is not None
-        return _Choice(
-            index,
-            detokenizer,
-            logprobs=[] if wants else None,
-            cumulative_logprob=0.0 if wants else None,
-        )
 
 
 # ---------------------------------------------------------------- where the core runs
@@ -421,6 +295,7 @@ class AsyncEngine:
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be at least 1, got {max_queued_requests}")
         self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
         self.max_queued_requests = max_queued_requests
         self.host = host
         self._streams: dict[str, RequestStream] = {}
@@ -535,7 +410,11 @@ class AsyncEngine:
             if request_id in self._streams or ids.count(request_id) > 1:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
         now = time.monotonic()
-        streams = [RequestStream(s, list(s.prompt), self.tokenizer, self, now) for s in specs]
+        processor = self.output_processor
+        streams = [
+            RequestStream(processor.add_request(s.request_id, None, s.prompt, s.params), self, now)
+            for s in specs
+        ]
         for stream in streams:
             self._streams[stream.request_id] = stream
         self._num_queued += len(streams)
@@ -660,12 +539,12 @@ class AsyncEngine:
         return RequestSpec(spec.request_id, ids, spec.params, spec.priority, spec.cache_salt)
 
     def _send(self, message: list[Any]) -> None:
-        if self._stopped and message[0] != "shutdown" and message[0] != "abort":
+        if self._stopped and message[0] not in _ALWAYS_SENT:
             raise EngineClosedError("the engine has stopped")
         try:
             self._sync_to_core.send(pack(message), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the core is gone and its queue is full, or closed
-            if message[0] not in ("abort", "shutdown"):
+            if message[0] not in _ALWAYS_SENT:
                 raise EngineClosedError(f"the engine core is unreachable: {exc}") from None
 
     async def _call(self, kind: str, *args: Any) -> Any:
@@ -756,29 +635,37 @@ class AsyncEngine:
             del self._streams[stream.request_id]
             if stream.first_output_time is None:
                 self._num_queued -= 1
-        stream.finished = True
-        stream._choices.clear()  # aborted: nothing more is delivered
+        self.output_processor.abort_request(stream.request_id)
+        stream.finished = stream._closed = True
         stream._ready.set()  # a waiting iterator ends instead of hanging
 
     def _deliver(self, deltas: Sequence[RequestDelta], now: float) -> None:
+        seen = []  # as the streams saw them: a stop string finishes a request here
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
-                continue  # aborted by its client meanwhile
+                continue  # aborted by its client meanwhile, or ended by a stop string
             if stream.first_output_time is None:
                 stream.first_output_time = now
                 self._num_queued -= 1
-            if delta.finished:
-                del self._streams[delta.request_id]
             try:
-                stream._put(delta)
+                stopped = stream._put(delta)
             except Exception as exc:  # fails this stream only (detokenizing, say)
                 logger.exception("stream %s failed", delta.request_id)
                 stream._fail(exc)
                 self.abort(delta.request_id)
+                seen.append(delta)
+                continue
+            if stream.finished:
+                del self._streams[delta.request_id]
+            if stopped and not delta.finished:
+                self._send(["stop", delta.request_id, [list(s) for s in stopped]])
+            if delta.finished != stream.finished:
+                delta = dataclasses.replace(delta, finished=stream.finished)
+            seen.append(delta)
         for listener in self._listeners:
             try:
-                listener(deltas, now)
+                listener(seen, now)
             except Exception:
                 logger.exception("output listener failed")
 

@@ -8,6 +8,7 @@ message loop, and the wire format between it and the server.
     AsyncEngine   --- input socket (PUSH) -->  run_core_loop: between two steps, runs
                                                  ["add", call_id, specs]
                                                  ["abort", request_ids]
+                                                 ["stop", request_id, [[index, stop]]]
                                                  ["utility", call_id, name, args]
                                                  ["shutdown"]
                   <-- output socket (PULL) --  ["ready", info]            (once, first)
@@ -17,8 +18,9 @@ message loop, and the wire format between it and the server.
                                                ["dead", message]          (the loop broke)
 
 Every message is one msgpack frame over ZeroMQ. A step sends each advanced request's
-new token ids (``RequestDelta``); the server detokenizes. ``LLM`` (offline) drives the
-same ``LLMEngine`` in its own thread, with no loop and no sockets.
+new token ids (``RequestDelta``); the server builds the outputs (``OutputProcessor``:
+text, stop strings) and sends "stop" for the sequences a stop string ended. ``LLM``
+(offline) drives the same ``LLMEngine`` in its own thread, with no loop and no sockets.
 
 Utility calls: ``["utility", id, name, args]`` runs ``name(*args)`` on the core between two
 steps -- one of ``EngineCore.UTILITIES`` or else a public method of the ``LLMEngine`` -- and
@@ -248,6 +250,10 @@ class EngineCore:
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         self.engine.abort_request(list(request_ids))
 
+    def stop_sequences(self, request_id: str, stopped: Sequence[Sequence[Any]]) -> None:
+        """Finish the sequences the server's stop strings ended: (index, stop string)."""
+        self.engine.stop_sequences(request_id, [(int(i), str(stop)) for i, stop in stopped])
+
     def close(self) -> None:
         """Let the engine finish what must not be lost (the disk tier's queued writes)."""
         self.engine.close()
@@ -376,6 +382,7 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
             outbox, parent_pid, call_id, lambda: core.add_requests([decode_spec(s) for s in specs])
         ),
         "abort": lambda ids: core.abort_requests(ids) or True,
+        "stop": lambda request_id, stopped: core.stop_sequences(request_id, stopped) or True,
         "utility": lambda call_id, name, args: _answer(
             outbox, parent_pid, call_id, lambda: core.call_utility(name, args)
         ),

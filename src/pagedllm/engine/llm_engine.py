@@ -2,7 +2,11 @@
 
 The loop is three verbs::
 
-    scheduler.schedule() -> runner.execute() -> scheduler.update() (+ detokenize)
+    scheduler.schedule() -> runner.execute() -> scheduler.update()
+
+``step_deltas`` reports each advanced request's new tokens (``RequestDelta``); ``step``
+hands them to the ``OutputProcessor`` (text, stop strings, ``RequestOutput``), which the
+server runs in its own process instead.
 
 A request of ``n`` samples is one group: the parent computes the prompt once and
 the scheduler forks ``n - 1`` children sharing its blocks. The engine never raises
@@ -38,18 +42,9 @@ from pagedllm.core.scheduler import (
 )
 from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
-from pagedllm.engine.outputs import (
-    CompletionOutput,
-    PromptLogprobs,
-    RequestDelta,
-    RequestOutput,
-    SampleLogprobs,
-    SequenceDelta,
-    position_logprobs,
-    prompt_position_logprobs,
-)
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.outputs import RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
@@ -118,38 +113,16 @@ class EngineStats:
 
 @dataclass(slots=True)
 class _Sequence:
-    """One completion of a group (internal)."""
+    """One completion of a group (internal): what ``step_deltas`` has reported of it."""
 
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
-    cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # How many of the request's output tokens the detokenizer has been given: a lazy step
-    # on a sequence without stop strings leaves its tokens in the request, and they are
-    # handed on, decoded as one window, when the text is read (``text_detokenizer``).
-    num_detokenized: int = 0
-    # What ``step_deltas`` has reported of this sequence so far.
     num_sent: int = 0
     num_logprobs_sent: int = 0
     delta_finished: bool = False
-    # ``logprobs`` in vLLM's shape, decoded as far as outputs have been read
-    # (``step_deltas`` leaves it empty: the server decodes).
-    logprob_positions: SampleLogprobs = field(default_factory=list)
-
-    def detokenizer_through(self, end: int) -> IncrementalDetokenizer:
-        """The detokenizer, once given the request's output tokens before ``end``."""
-        if self.num_detokenized < end:
-            tokens = self.request.output_token_ids[self.num_detokenized : end]
-            self.num_detokenized = end
-            self.detokenizer.add_tokens(tokens, one_window=True)
-        return self.detokenizer
-
-    def text_detokenizer(self) -> IncrementalDetokenizer:
-        """The detokenizer, given every output token (read the text through this)."""
-        return self.detokenizer_through(len(self.request.output_token_ids))
 
 
 @dataclass(slots=True)
@@ -168,8 +141,6 @@ class _Group:
     # (after preemption) writes the same positions again.
     prompt_logprobs: dict[int, TokenLogprob] | None = None
     prompt_logprobs_sent: bool = False  # in a RequestDelta (step_deltas)
-    # prompt_logprobs in vLLM's shape, decoded once; None again when a position is written.
-    prompt_logprob_positions: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -254,6 +225,8 @@ class LLMEngine:
             )
         self.eos_token_id, self._extra_eos_ids = self._eos_ids(tokenizer, model_config)
         self._groups: dict[str, _Group] = {}
+        # The outputs of ``step``; a request has a state once ``step`` has advanced it.
+        self.output_processor = OutputProcessor(tokenizer)
         self._seq_owner: dict[str, tuple[_Group, int]] = {}
         self._counters = dict.fromkeys(
             ("steps", "prompt", "generation", "computed", "finished", "failed", "aborted"), 0
@@ -401,6 +374,22 @@ class LLMEngine:
             self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ABORTED)
             self._forget(group)
             self._counters["aborted"] += 1
+            self.output_processor.abort_request(request_id)
+
+    def stop_sequences(self, request_id: str, stopped: Iterable[tuple[int, str]]) -> None:
+        """Finish the sequences a stop string ended, as (index, stop string): the output
+        processor finds them (in the server's process on the server path, a step or so
+        later). Unknown requests and finished sequences are ignored."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for index, stop in stopped:
+            self.scheduler.finish_requests([group.seq_ids[index]], RequestStatus.FINISHED_STOPPED)
+            seq = group.seqs.get(index)
+            if seq is not None and seq.finish_reason is None:
+                group.finish(seq, "stop", stop)
+                seq.delta_finished = True  # the processor finished it: no delta says so again
+        self._maybe_forget(group)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt's token ids, validated as ``add_request`` does."""
@@ -474,43 +463,49 @@ class LLMEngine:
         """Run one step; returns the outputs of the requests it advanced, or with
         ``finished_only`` only of those it finished (or failed): offline generation needs no
         others, and building one per running request every step costs a good share of a
-        decode step's Python time (so does detokenizing each token: without stop strings the
-        text is then decoded when the request finishes). A shrink under way takes a bounded
-        slice of compaction first."""
-        groups = self._timed_step(lazy_text=finished_only, final_text=True)
-        if finished_only:
-            groups = [g for g in groups if g.finished]
-        return [self._output_and_maybe_forget(g) for g in groups]
+        decode step's Python time. A shrink under way takes a bounded slice of compaction
+        first. The sequences a stop string ended are finished before the next step."""
+        outputs = []
+        for group in self._timed_step():
+            state = self._output_state(group)
+            self.output_processor.process(self._delta_and_maybe_forget(group))
+            stopped = state.take_stopped()
+            if stopped:
+                self.stop_sequences(state.request_id, stopped)
+            if state.finished or not finished_only:
+                outputs.append(state.output())
+        return outputs
 
     def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
-        """Run one step for a caller that detokenizes itself (the server's engine core):
-        per advanced request, the token ids and logprobs new since the last call and the
-        finish reasons. No text is decoded here unless a stop string must be looked for.
+        """Run one step; per advanced request, the token ids and logprobs new since the
+        last call and the finish reasons. No text is decoded here: stop strings are the
+        output processor's (``step``'s, or the server's in its own process).
         ``on_scheduled()`` runs once the step is scheduled, before the model runs (the
         core pushes the cache events of the schedule's evictions then)."""
-        groups = self._timed_step(lazy_text=True, on_scheduled=on_scheduled)
-        return [self._delta_and_maybe_forget(g) for g in groups]
+        return [self._delta_and_maybe_forget(g) for g in self._timed_step(on_scheduled)]
 
-    def _timed_step(
-        self,
-        *,
-        lazy_text: bool,
-        final_text: bool = False,
-        on_scheduled: Callable[[], None] | None = None,
-    ) -> list[_Group]:
-        """The step of ``step`` and ``step_deltas``, between the elastic pool's hooks: the
-        groups it failed, then those it advanced."""
+    def _timed_step(self, on_scheduled: Callable[[], None] | None = None) -> list[_Group]:
+        """The step between the elastic pool's hooks: the groups it failed, then those it
+        advanced."""
         self.elastic.before_step()
         if not self.scheduler.has_unfinished_requests():
             return []
         started = time.perf_counter()
-        groups = self._step(lazy_text=lazy_text, final_text=final_text, on_scheduled=on_scheduled)
+        groups = self._step(on_scheduled)
         self.elastic.after_step(time.perf_counter() - started, time.monotonic())
         return groups
 
-    def _step(
-        self, *, lazy_text: bool, final_text: bool, on_scheduled: Callable[[], None] | None = None
-    ) -> list[_Group]:
+    def _output_state(self, group: _Group) -> RequestState:
+        """The output processor's state of ``group``, made the first time ``step`` meets it
+        (``step_deltas`` alone, the server's path, keeps none here)."""
+        state = self.output_processor.requests.get(group.request_id)
+        if state is None:
+            state = self.output_processor.add_request(
+                group.request_id, group.prompt, group.prompt_token_ids, group.params
+            )
+        return state
+
+    def _step(self, on_scheduled: Callable[[], None] | None = None) -> list[_Group]:
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             on_scheduled()
@@ -554,7 +549,7 @@ class LLMEngine:
             self._record_prompt_logprobs(forward, result)
         touched = {g.request_id: g for g in failed}
         for update in self.scheduler.update(forward, result):
-            group = self._apply(update, lazy_text=lazy_text, final_text=final_text)
+            group = self._apply(update)
             if group is not None:
                 touched[group.request_id] = group
         return list(touched.values())
@@ -688,14 +683,9 @@ class LLMEngine:
                 by_position = owner[0].prompt_logprobs
                 for j, logprob in enumerate(logprobs):
                     by_position[seq.start_position + 1 + j] = logprob
-                owner[0].prompt_logprob_positions = None
 
-    def _apply(
-        self, update: SequenceUpdate, *, lazy_text: bool = False, final_text: bool = True
-    ) -> _Group | None:
-        """Record a sequence's new tokens; ``lazy_text``: no output is read before the
-        request finishes, so (without stop strings) its text is decoded in one go then;
-        without ``final_text`` not even then (the caller detokenizes)."""
+    def _apply(self, update: SequenceUpdate) -> _Group | None:
+        """Record a sequence's new tokens and logprobs, and its finish."""
         request = update.request
         owner = self._seq_owner.get(request.request_id)
         if owner is None:
@@ -703,46 +693,14 @@ class LLMEngine:
         group, index = owner
         seq = group.seqs.get(index)
         if seq is None:
-            seq = self._new_sequence(group, index, request)
-            # The detokenizer starts at this update's tokens.
-            seq.num_detokenized = len(request.output_token_ids) - len(update.new_token_ids)
+            wants = group.params.logprobs is not None
+            seq = group.seqs[index] = _Sequence(index, request, [] if wants else None)
         self._counters["generation"] += len(update.new_token_ids)
         if seq.logprobs is not None and update.new_logprobs:
             seq.logprobs.extend(update.new_logprobs)
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
-                lp.logprob for lp in update.new_logprobs
-            )
-        if lazy_text and not seq.detokenizer.stop:
-            # Nothing can stop on text: leave the tokens in the request until it is read.
-            stop = None
-        else:
-            end = len(request.output_token_ids)  # this update's tokens included
-            new = update.new_token_ids
-            stop = seq.detokenizer_through(end - len(new)).add_tokens(new)
-            seq.num_detokenized = end
-        if stop is not None:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            group.finish(seq, "stop", stop)
-        elif request.is_finished:
-            if final_text:
-                seq.text_detokenizer().finish()
+        if request.is_finished:
             group.finish(seq, request.status.value, request.stop_reason)
         return group
-
-    def _new_sequence(self, group: _Group, index: int, request: Request) -> _Sequence:
-        params = group.params
-        detokenizer = IncrementalDetokenizer.for_params(
-            self.tokenizer, group.prompt_token_ids, params
-        )
-        wants = params.logprobs is not None
-        seq = _Sequence(index, request, detokenizer, [] if wants else None, 0.0 if wants else None)
-        group.seqs[index] = seq
-        return seq
-
-    def _output_and_maybe_forget(self, group: _Group) -> RequestOutput:
-        output = self._output(group)
-        self._maybe_forget(group)
-        return output
 
     def _delta_and_maybe_forget(self, group: _Group) -> RequestDelta:
         deltas = [self._sequence_delta(group.seqs[i]) for i in sorted(group.seqs)]
@@ -781,55 +739,6 @@ class LLMEngine:
         if group.finished:
             self._forget(group)
             self._counters["failed" if group.error else "finished"] += 1
-
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = [self._completion(group.seqs[i]) for i in sorted(group.seqs)]
-        if group.error is not None and not completions:
-            completions = [CompletionOutput(0, "", (), finish_reason="error")]
-        first = group.seqs.get(0)
-        prompt_logprobs = self._prompt_logprob_positions(group)
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=tuple(completions),
-            finished=group.finished,
-            num_cached_tokens=first.request.num_cached_tokens if first else 0,
-            error=group.error,
-            prompt_logprobs=prompt_logprobs,
-            cache_event_seq=first.request.cache_event_seq if first else None,
-            arrival_event_seq=first.request.arrival_event_seq if first else None,
-        )
-
-    def _completion(self, seq: _Sequence) -> CompletionOutput:
-        finished = seq.finish_reason is not None
-        detokenizer = seq.text_detokenizer()
-        return CompletionOutput(
-            index=seq.index,
-            text=detokenizer.text if finished else detokenizer.visible_text,
-            token_ids=tuple(seq.request.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=self._logprob_positions(seq),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-
-    def _logprob_positions(self, seq: _Sequence) -> SampleLogprobs | None:
-        """``seq``'s logprobs in vLLM's shape (a copy: an earlier output keeps its own);
-        each token is decoded once however often outputs are read."""
-        if seq.logprobs is None:
-            return None
-        done = seq.logprob_positions
-        done.extend(position_logprobs(e, self.tokenizer) for e in seq.logprobs[len(done) :])
-        return list(done)
-
-    def _prompt_logprob_positions(self, group: _Group) -> PromptLogprobs | None:
-        if group.prompt_logprob_positions is None:
-            entries = group.prompt_logprobs_tuple()
-            if entries is None:
-                return None
-            group.prompt_logprob_positions = prompt_position_logprobs(entries, self.tokenizer)
-        return group.prompt_logprob_positions
 
     def _retry_alone(
         self, forward: SchedulerOutput
