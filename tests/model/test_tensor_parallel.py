@@ -58,6 +58,16 @@ def test_tp2_tokens_and_logits_equal_tp1(tmp_path: Path, arch: str, collective: 
     assert two["resized"] == one["resized"]
 
 
+def test_tp2_over_a_quantized_cache_equals_tp1(tmp_path: Path):
+    """Every rank's cache has rank 0's planned layout: the worker ranks once built theirs
+    in the model's dtype whatever kv_cache_dtype said, so only rank 0's heads were int8."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    one = _run(path, 1, "--kv-cache-dtype", "int8")
+    two = _run(path, 2, "--kv-cache-dtype", "int8")
+    assert two["tokens"] == one["tokens"]
+    assert two["logits"] == one["logits"]
+
+
 def test_two_machines_launched_apart_equal_one_rank(tmp_path: Path):
     """The torchrun-style rendezvous with two launch commands, as on two machines: node 0
     (the engine, rank 0) and ``pagedllm serve --node-rank 1`` (rank 1 only), meeting at

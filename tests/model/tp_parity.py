@@ -1,6 +1,7 @@
 """Run one workload through ``LLM(tensor_parallel_size=N)`` and print what it produced.
 
-``python tp_parity.py CHECKPOINT N [MASTER_PORT] [--tp-collective auto|shm|gloo]`` prints
+``python tp_parity.py CHECKPOINT N [MASTER_PORT] [--tp-collective auto|shm|gloo]
+[--kv-cache-dtype NAME]`` prints
 one JSON line: every request's tokens, the sha256 of every logits tensor the runner
 computed (in order, float32 bytes), their count, the engine's prefix hits and preemptions,
 and which collective gathered (``kind``) and the decode route that names it. ``test_tensor_parallel.py`` runs
@@ -16,7 +17,13 @@ import json
 import sys
 
 
-def main(path: str, tp: int, master_port: int | None = None, collective: str = "auto") -> None:
+def main(
+    path: str,
+    tp: int,
+    master_port: int | None = None,
+    collective: str = "auto",
+    kv_cache_dtype: str = "auto",
+) -> None:
     import torch
 
     from pagedllm.engine.llm import LLM
@@ -33,6 +40,7 @@ def main(path: str, tp: int, master_port: int | None = None, collective: str = "
         num_threads=1,
         distributed_timeout_s=60,
         tp_collective=collective,
+        kv_cache_dtype=kv_cache_dtype,
         **({} if master_port is None else {"nnodes": 2, "master_port": master_port}),
     )
     runner = llm.engine.runner
@@ -75,14 +83,15 @@ def main(path: str, tp: int, master_port: int | None = None, collective: str = "
     llm.close()
 
 
-def parse(argv: list[str]) -> tuple[str, int, int | None, str]:
-    collective = "auto"
-    if "--tp-collective" in argv:
-        at = argv.index("--tp-collective")
-        collective = argv[at + 1]
-        argv = argv[:at] + argv[at + 2 :]
+def parse(argv: list[str]) -> tuple[str, int, int | None, str, str]:
+    options = {"--tp-collective": "auto", "--kv-cache-dtype": "auto"}
+    for name in options:
+        if name in argv:
+            at = argv.index(name)
+            options[name] = argv[at + 1]
+            argv = argv[:at] + argv[at + 2 :]
     port = int(argv[2]) if len(argv) > 2 else None
-    return argv[0], int(argv[1]), port, collective
+    return argv[0], int(argv[1]), port, options["--tp-collective"], options["--kv-cache-dtype"]
 
 
 if __name__ == "__main__":

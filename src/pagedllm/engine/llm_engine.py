@@ -41,8 +41,10 @@ from pagedllm.core.scheduler import (
     child_request_id,
 )
 from pagedllm.core.tiers import DiskTier
+from pagedllm.engine.builder import start_model, startup_report
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
+from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
@@ -175,8 +177,9 @@ class LLMEngine:
     """Continuous batching over one ``ModelRunner`` (real or fake).
 
     ``tokenizer`` may be None when prompts are token ids (text is then empty).
-    ``model_config`` (a ``ModelConfig``) enables the start-up report and gives the
-    default ``max_model_len``.
+    ``model_config`` (a ``ModelConfig``) gives the default ``max_model_len`` and the
+    cache's groups. ``plan``: the sizes the runner's cache was made with
+    (``engine/kv_plan.py``); without one, the runner's own sizes are taken as given.
     """
 
     def __init__(
@@ -186,7 +189,7 @@ class LLMEngine:
         tokenizer: Any = None,
         *,
         model_config: Any = None,
-        memory_bytes: int | None = None,
+        plan: KVPlan | None = None,
         dtype_reason: str = "",
     ) -> None:
         if config.block_size != runner.block_size:
@@ -197,12 +200,13 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.plan = plan or plan_of_runner(config, runner)
         self.max_model_len = self._resolve_max_model_len(model_config)
-        self.disk_store, disk = self._open_disk_tier(config, runner)
+        self.disk_store, disk = self._open_disk_tier(config, runner, self.plan)
         # A finalizer, not __del__: it holds the parts, not the engine, so it runs when
         # the engine is collected (a cycle through it included) and at interpreter exit.
         self._finalizer = weakref.finalize(self, _release, self.disk_store, runner)
-        self.kv = _kv_manager(config, runner, model_config, disk)
+        self.kv = _kv_manager(config, self.plan, model_config, disk)
         self._slice_tuner = _slice_tuner(config, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -232,14 +236,14 @@ class LLMEngine:
             ("steps", "prompt", "generation", "computed", "finished", "failed", "aborted"), 0
         )
         self.routes = _with_dtype(runner.routes(), dtype_reason)
-        self.startup_report = self._make_startup_report(memory_bytes)
+        self.startup_report: str | None = None  # set by from_config
         self.model_name: str | None = None  # set by from_config
         self.elastic = ElasticPool(
             self.kv,
             self.scheduler,
             runner,
             step_fraction=config.compaction_step_fraction,
-            policy=_elastic_policy(config, runner),
+            policy=_elastic_policy(config, runner, self.plan),
             free_bytes=lambda: _free_memory_bytes(config.device),
         )
         if self.elastic.policy is not None:
@@ -252,59 +256,24 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, size the cache, build a ``TorchModelRunner``."""
-        import torch
-
-        from pagedllm.model.loader import load_model
-
-        torch.manual_seed(config.seed)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(
-            config.model,
-            config.dtype,
-            _attention_backend(config),
-            device=config.device,
-            load_tokenizer=not config.skip_tokenizer_init,
-        )
-        if config.tensor_parallel_size > 1:
-            from pagedllm.engine.executor.tensor_parallel import start_tensor_parallel
-
-            loaded, runner = start_tensor_parallel(config, loaded, build_runner)
-        else:
-            runner = build_runner(config, loaded.model)
+        """Load the model, plan the cache once, start the runner (``engine/builder.py``)."""
+        loaded, runner, plan = start_model(config, _attention_backend(config))
         try:
-            engine = cls._around(config, runner, loaded)
+            engine = cls(
+                config,
+                runner,
+                loaded.tokenizer,
+                model_config=loaded.config,
+                plan=plan,
+                dtype_reason=loaded.dtype_reason,
+            )
         except BaseException:
             _release(None, runner)  # the ranks started above; nobody else will stop them
             raise
         engine.model_name = loaded.name
-        if engine.startup_report:
-            logger.info("%s", engine.startup_report)
+        engine.startup_report = startup_report(engine)
+        logger.info("%s", engine.startup_report)
         return engine
-
-    @classmethod
-    def _around(cls, config: EngineConfig, runner: ModelRunner, loaded: Any) -> LLMEngine:
-        """The engine of ``from_config`` around its runner and loaded model."""
-        from pagedllm.worker.kv_cache import available_memory_bytes
-        from pagedllm.worker.model_runner import kv_cache_spec
-
-        # Per rank: the model's config says this rank's KV heads (model/tensor_parallel.py).
-        spec = kv_cache_spec(
-            loaded.model,
-            config.block_size,
-            config.kv_cache_dtype,
-            config.unquantized_first_block,
-        )
-        memory = available_memory_bytes(config.device) + runner.num_blocks * spec.bytes_per_block
-        return cls(
-            config,
-            runner,
-            loaded.tokenizer,
-            model_config=loaded.config,
-            memory_bytes=memory,
-            dtype_reason=loaded.dtype_reason,
-        )
 
     # ------------------------------------------------------------------ requests
 
@@ -609,8 +578,8 @@ class LLMEngine:
             disk=self.disk_store.stats() if self.disk_store is not None else None,
             elastic=self.elastic.stats() if isinstance(self.runner, ResizableRunner) else None,
             routes=self.routes,
-            kv_cache_dtype=_kv_cache_dtype_name(self.runner),
-            kv_bytes_per_token=_kv_bytes_per_token(self.runner),
+            kv_cache_dtype=self.plan.kv_cache_dtype,
+            kv_bytes_per_token=self.plan.bytes_per_token,
         )
 
     def flush_disk_tier(self) -> None:
@@ -628,10 +597,10 @@ class LLMEngine:
 
     @staticmethod
     def _open_disk_tier(
-        config: EngineConfig, runner: ModelRunner
+        config: EngineConfig, runner: ModelRunner, plan: KVPlan
     ) -> tuple[DiskKVStore | None, DiskTier | None]:
         """The store in ``config.kv_offload_dir`` (attached to the runner) and the core's
-        books of it, sized from ``kv_offload_size``; (None, None) without a directory."""
+        books of it, the plan's size; (None, None) without a directory."""
         if config.kv_offload_dir is None:
             return None, None
         if not isinstance(runner, SupportsDiskTier):
@@ -643,15 +612,8 @@ class LLMEngine:
             payload_nbytes=runner.block_nbytes,
             first_payload_nbytes=runner.first_block_nbytes,
         )
-        capacity = config.kv_offload_size // store.file_nbytes
-        if capacity == 0:
-            store.close()
-            raise ValueError(
-                f"kv_offload_size ({config.kv_offload_size} bytes) holds no block "
-                f"({store.file_nbytes} bytes each)"
-            )
         runner.attach_disk_store(store)
-        return store, DiskTier(capacity, store.scan())
+        return store, DiskTier(plan.num_disk_blocks, store.scan())
 
     def _group_waste(
         self, waste_inputs: tuple[dict[str, Any] | None, int | None]
@@ -849,7 +811,7 @@ class LLMEngine:
         return params.with_eos(self.eos_token_id)
 
     def _resolve_max_model_len(self, model_config: Any) -> int:
-        cache_tokens = _max_num_blocks(self.config, self.runner) * self.runner.block_size
+        cache_tokens = self.plan.max_num_blocks * self.plan.block_size
         model_limit = getattr(model_config, "max_position_embeddings", None)
         window = None if model_config is None else model_config.uniform_sliding_window
         requested = self.config.max_model_len
@@ -877,50 +839,6 @@ class LLMEngine:
             eos = config_ids[0]
         return eos, tuple(i for i in config_ids if i != eos)
 
-    def _make_startup_report(self, memory_bytes: int | None) -> str | None:
-        if self.model_config is None:
-            return None
-        from pagedllm.planner.report import startup_report
-
-        cfg = self.model_config
-        bytes_per_element = _kv_dtype_bytes(self.runner)
-        mla = cfg.mla
-        latent = {} if mla is None else {
-            "kv_lora_rank": mla.kv_lora_rank,
-            "qk_rope_head_dim": mla.qk_rope_head_dim,
-            "qk_nope_head_dim": mla.qk_nope_head_dim,
-            "v_head_dim": mla.v_head_dim,
-        }  # fmt: skip
-        report = startup_report(
-            {
-                "num_hidden_layers": cfg.num_hidden_layers,
-                "num_attention_heads": cfg.num_attention_heads,
-                "num_key_value_heads": cfg.num_key_value_heads,
-                "head_dim": cfg.head_dim,
-                "hidden_size": cfg.hidden_size,
-                "vocab_size": cfg.vocab_size,
-                "intermediate_size": cfg.intermediate_size,
-                "max_position_embeddings": cfg.max_position_embeddings,
-                **latent,
-                **_window_fields(cfg.sliding_windows),
-            },
-            bytes_per_element,
-            self.runner.block_size,
-            self.runner.num_blocks,
-            self.max_model_len,
-            memory_bytes=memory_bytes,
-            max_num_seqs=self.config.max_num_seqs,
-            tp=self.config.tensor_parallel_size,
-            engine_bytes_per_token=_kv_bytes_per_token(self.runner),
-            kv_cache_dtype=_kv_cache_dtype_name(self.runner),
-            staging_block_bytes=_staging_block_bytes(self.runner),
-            unquantized_first_block=self.config.unquantized_first_block,
-            step_tokens=self.scheduler.config.max_num_batched_tokens,
-        )
-        if self.routes is None:
-            return report
-        return "\n".join([report, "routes:", *(f"  {line}" for line in self.routes.lines())])
-
 
 def _with_dtype(routes: Routes | None, dtype_reason: str) -> Routes | None:
     """The runner's routes with the model's dtype and why it runs in it."""
@@ -929,14 +847,15 @@ def _with_dtype(routes: Routes | None, dtype_reason: str) -> Routes | None:
     return replace(routes, dtype_reason=dtype_reason)
 
 
-def _elastic_policy(config: EngineConfig, runner: ModelRunner) -> ElasticPolicy | None:
+def _elastic_policy(
+    config: EngineConfig, runner: ModelRunner, plan: KVPlan
+) -> ElasticPolicy | None:
     """The automatic policy of ``--kv-cache-memory MIN:MAX`` (MIN is the start size)."""
     if config.kv_cache_memory_max is None:
         return None
     if not isinstance(runner, ResizableRunner):
         raise ValueError(f"kv_cache_memory_max: {type(runner).__name__} cannot resize")
-    max_blocks = _max_num_blocks(config, runner)
-    return ElasticPolicy(runner.num_blocks, max_blocks, idle_s=config.elastic_idle_s)
+    return ElasticPolicy(plan.num_blocks, plan.max_num_blocks, idle_s=config.elastic_idle_s)
 
 
 def _release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
@@ -947,7 +866,7 @@ def _release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
 
 
 def _kv_manager(
-    config: EngineConfig, runner: Any, model_config: Any, disk: DiskTier | None
+    config: EngineConfig, plan: KVPlan, model_config: Any, disk: DiskTier | None
 ) -> KVCacheManager | HybridKVCacheManager:
     """The block manager for the model: one per KV cache group (``core/kv_groups.py``)
     when it mixes attention kinds (Gemma's local and global layers), else one."""
@@ -960,17 +879,17 @@ def _kv_manager(
                 "full-attention layers yet"
             )
         return HybridKVCacheManager(
-            runner.num_blocks,
-            runner.block_size,
+            plan.num_blocks,
+            plan.block_size,
             layout.windows,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark=config.watermark,
         )
     return KVCacheManager(
-        runner.num_blocks,
-        runner.block_size,
+        plan.num_blocks,
+        plan.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
-        num_host_blocks=runner.num_host_blocks,
+        num_host_blocks=plan.num_host_blocks,
         watermark=config.watermark,
         disk=disk,
         sliding_window=None if layout is None else layout.windows[0],
@@ -985,53 +904,8 @@ def _free_memory_bytes(device: str) -> int:
     return available_memory_bytes(device)
 
 
-def _max_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
-    """The most blocks the device tier may hold: its size, or the elastic pool's MAX."""
-    if config.kv_cache_memory_max is None or not isinstance(runner, ResizableRunner):
-        return runner.num_blocks
-    return max(runner.num_blocks, config.kv_cache_memory_max // runner.kv_block_bytes)
-
-
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:
-    """A config's ``layer_types`` and ``sliding_window`` for the planner (nothing for a
-    model without windows)."""
-    window = next((w for w in windows if w is not None), None)
-    if window is None:
-        return {}
-    kinds = ["full_attention" if w is None else "sliding_attention" for w in windows]
-    return {"layer_types": kinds, "sliding_window": window}
-
-
-def _kv_dtype_bytes(runner: ModelRunner) -> float:
-    """Bytes per cached element, scales included (4 for a runner without a spec)."""
-    spec = runner.spec
-    return spec.element_bytes if spec is not None else 4
-
-
-def _kv_cache_dtype_name(runner: ModelRunner) -> str | None:
-    """The cache's format for the start-up report: its dtype name, or the quantization."""
-    spec = runner.spec
-    if spec is None:
-        return None
-    return spec.quantization or str(spec.dtype).removeprefix("torch.")
-
-
-def _kv_bytes_per_token(runner: ModelRunner) -> float | None:
-    """Bytes a token takes in the runner's cache tensors, scales included (None for a
-    runner without any)."""
-    spec = runner.spec
-    return None if spec is None else spec.bytes_per_token
-
-
-def _staging_block_bytes(runner: ModelRunner) -> int | None:
-    spec = runner.spec
-    if spec is None or spec.quantization is None:
-        return None
-    return spec.staging_bytes_per_slot
 
 
 def _attention_backend(config: EngineConfig) -> Any:
@@ -1040,35 +914,6 @@ def _attention_backend(config: EngineConfig) -> Any:
 
     name = config.attention_backend
     return get_backend("auto" if name is None else name)
-
-
-def build_runner(config: EngineConfig, model: Any) -> Any:
-    """A ``TorchModelRunner`` for ``model``, its device tier sized by ``num_blocks`` or the
-    memory budget (per rank under tensor parallelism: the model's config has the rank's
-    KV heads), its host tier by ``num_host_blocks`` or ``swap_memory``."""
-    from pagedllm.engine.config import DEFAULT_KV_CACHE_MEMORY
-    from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec
-
-    spec = kv_cache_spec(
-        model, config.block_size, config.kv_cache_dtype, config.unquantized_first_block
-    )
-    num_host_blocks = config.num_host_blocks
-    if num_host_blocks is None:
-        num_host_blocks = config.swap_memory // spec.bytes_per_block
-    common = dict(
-        block_size=config.block_size,
-        num_host_blocks=num_host_blocks,
-        kv_cache_dtype=config.kv_cache_dtype,
-        unquantized_first_block=config.unquantized_first_block,
-    )
-    if config.num_blocks is not None:
-        return TorchModelRunner(model, num_blocks=config.num_blocks, **common)
-    budget = config.kv_cache_memory
-    if budget is None and config.memory_fraction is None:
-        budget = DEFAULT_KV_CACHE_MEMORY
-    return TorchModelRunner.from_budget(
-        model, kv_cache_memory=budget, memory_fraction=config.memory_fraction, **common
-    )
 
 
 def _slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:

@@ -98,6 +98,11 @@ class DiskStoreStats:
     stores_set_aside: int = 0  # 1 when a damaged store was renamed at opening
 
 
+def disk_file_nbytes(block_size: int, payload_nbytes: int) -> int:
+    """Bytes of one block's file: header and checksum, its token ids, its payload."""
+    return _PREFIX_NBYTES + 8 * block_size + payload_nbytes
+
+
 class DiskKVStore:
     """A content-addressed store of KV blocks in ``path``, bound to one ``fingerprint``
     (model, dtype, block size, KV layout, format). ``ValueError`` when ``path`` holds
@@ -127,7 +132,7 @@ class DiskKVStore:
         self.set_aside: Path | None = None
         self._open_directory()
         self._blocks_dir = str(self.path / "blocks")
-        self.file_nbytes = _PREFIX_NBYTES + 8 * block_size + payload_nbytes
+        self.file_nbytes = disk_file_nbytes(block_size, payload_nbytes)
         self._pending: dict[bytes, tuple[bytes, np.ndarray]] = {}  # hash -> (tokens, payload)
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(_MAX_QUEUED)

@@ -47,6 +47,8 @@ class TorchModelRunner:
     model's dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``, or a quantized format
     (``"int8"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``worker/kv_quant.py``);
     ``unquantized_first_block``: a quantized cache keeps logical block 0 in full precision.
+    ``spec``: the layout the engine planned (``engine/kv_plan.py``); when given, it is the
+    cache's layout and the three arguments above are not read.
     """
 
     # Runs ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding).
@@ -63,12 +65,15 @@ class TorchModelRunner:
         unquantized_first_block: bool = False,
         sampler: Sampler | None = None,
         optimize: bool = True,
+        spec: KVCacheSpec | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.spec = kv_cache_spec(model, block_size, kv_cache_dtype, unquantized_first_block)
-        self.kv_cache_dtype = kv_cache_dtype
+        if spec is None:
+            spec = kv_cache_spec(model, block_size, kv_cache_dtype, unquantized_first_block)
+        self.spec = spec
+        block_size = spec.block_size
         self.kv_cache = make_kv_cache(self.spec, num_blocks, num_host_blocks, self.device)
         self.sampler = sampler or Sampler()
         self.input_buffers = InputBuffers(self.spec.layer_groups)
@@ -101,9 +106,10 @@ class TorchModelRunner:
         optimize: bool = True,
     ) -> TorchModelRunner:
         """Size the device tier from bytes or from a fraction of the free memory (the
-        pool's blocks with their scales; a quantized cache's staging is not counted)."""
+        pool's blocks with their scales; a quantized cache's staging is not counted). For
+        a runner made by hand: the engine sizes its cache in ``engine/kv_plan.py``."""
         device = next(model.parameters()).device
-        spec = kv_cache_spec(model, block_size, kv_cache_dtype)
+        spec = kv_cache_spec(model, block_size, kv_cache_dtype, unquantized_first_block)
         num_blocks = num_blocks_from_budget(
             spec, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, device=device
         )
@@ -116,10 +122,9 @@ class TorchModelRunner:
             block_size=block_size,
             num_blocks=num_blocks,
             num_host_blocks=num_host_blocks,
-            kv_cache_dtype=kv_cache_dtype,
-            unquantized_first_block=unquantized_first_block,
             sampler=sampler,
             optimize=optimize,
+            spec=spec,
         )
 
     @property

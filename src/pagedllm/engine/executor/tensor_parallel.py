@@ -179,7 +179,7 @@ class TensorParallelRunner:
         return self.runner.spec
 
     def send_sizes(self) -> None:
-        broadcast_object((self.num_blocks, self.num_host_blocks), self.control)
+        broadcast_object((self.spec, self.num_blocks, self.num_host_blocks), self.control)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -250,12 +250,14 @@ def worker_main(config: EngineConfig, rank: int, master_port: int, parent_pid: i
     comm, control = init_rank(config, rank, master_port)
     config = broadcast_object(None, control)  # rank 0's: the same model everywhere
     loaded = load_shard(config, comm)
-    num_blocks, num_host_blocks = broadcast_object(None, control)
+    # Rank 0's planned layout (dtype, quantization, first block) and sizes: every rank's.
+    spec, num_blocks, num_host_blocks = broadcast_object(None, control)
     runner = TorchModelRunner(
         loaded.model,
         block_size=config.block_size,
         num_blocks=num_blocks,
         num_host_blocks=num_host_blocks,
+        spec=spec,
     )
     while True:
         step = broadcast_object(None, control)
