@@ -113,3 +113,12 @@ def test_resize_and_automatic_shrink_across_the_process_boundary(tokenizer_dir):
                 await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_resize_sizes_are_bytes_unless_they_name_a_unit():
+    """The resize body reads sizes as the engine's flags do: a bare number is bytes, as a
+    string or an int (the planner's bare GiB is its own rule)."""
+    from pagedllm.server.protocol import CacheResizeRequest
+
+    for size, want in [("1048576", 1 << 20), (1 << 20, 1 << 20), ("2GiB", 2 << 30)]:
+        assert CacheResizeRequest(kv_cache_memory=size).kv_cache_memory == want

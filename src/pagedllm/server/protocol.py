@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from annotated_types import Interval
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, model_serializer
 
-from pagedllm.planner.presets import parse_size
+from pagedllm.engine.args import parse_size
 
 # Integers cross to the engine core in msgpack, whose integers are 64-bit, and reach torch
 # as int64: a larger one would fail there, as a 500. Every integer a client sends (query
