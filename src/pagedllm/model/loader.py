@@ -32,6 +32,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_NAME = "default"
 GEMMA_MODEL_NAME = "gemma-3-270m"  # opt-in: model/gemma_model.py
+QWEN_CODER_MODEL_NAME = "qwen2.5-coder-0.5b"  # opt-in: model/qwen_coder_model.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +181,7 @@ def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module
 
 def _named_model(model: str) -> tuple[Path, str] | None:
     """(directory, display name) of a model pagedllm fetches and converts by name, on
-    first use: "default" (SmolLM2) or "gemma-3-270m"; None for any other string."""
+    first use: "default" (SmolLM2), "gemma-3-270m" or "qwen2.5-coder-0.5b"; None for any other string."""
     if model == DEFAULT_MODEL_NAME:
         from pagedllm.model.default_model import ensure_default_model
 
@@ -189,6 +190,10 @@ def _named_model(model: str) -> tuple[Path, str] | None:
         from pagedllm.model.gemma_model import ensure_gemma_model
 
         return ensure_gemma_model(), GEMMA_MODEL_NAME
+    if model == QWEN_CODER_MODEL_NAME:
+        from pagedllm.model.qwen_coder_model import ensure_qwen_coder_model
+
+        return ensure_qwen_coder_model(), QWEN_CODER_MODEL_NAME
     return None
 
 
