@@ -211,6 +211,8 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
         kwargs["num_scheduler_steps"] = args.num_scheduler_steps
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    if args.device != "cpu":
+        kwargs["device"] = args.device
     llm = LLM(model=str(model), **kwargs)
     startup = time.perf_counter() - start
 
@@ -245,13 +247,16 @@ def start_pagedllm(model: Path, dtype: str, work: Workload, args: argparse.Names
     )
 
 
-def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) -> list[Started]:
+def start_hf(
+    model: Path, dtype: str, work: Workload, batch_sizes: list[int], device: str = "cpu"
+) -> list[Started]:
     """transformers generate, static left-padded batches in request order: one engine per
     batch size, sharing one loaded model."""
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    hf = hf.to(device)
     startup = time.perf_counter() - start
     pad_id = 0
 
@@ -261,8 +266,10 @@ def start_hf(model: Path, dtype: str, work: Workload, batch_sizes: list[int]) ->
             prompts = w.prompts[i : i + batch_size]
             new = max(w.max_tokens[i : i + batch_size])
             width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+            )
             with torch.inference_mode():
                 hf.generate(
                     input_ids=ids,
@@ -734,6 +741,50 @@ def report_neighbours(
 # ---------------------------------------------------------------- main
 
 
+def report_roofline_and_floor(
+    model: Path, work: Workload, dtype_name: str, rates: MachineRates, results: dict
+) -> None:
+    """Each engine's share of the CPU's F.linear ceiling, and the floor no engine beats."""
+    flops = workload_flops(model, work)
+    rates.sample()
+    ceilings = rates.ceilings
+    print(
+        "roofline: workload = "
+        f"{flops / 1e12:.3f} TFLOP of matrix work; F.linear ceiling "
+        + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in ceilings.items())
+    )
+    for engine, res in results.items():
+        if "elapsed_s" not in res:
+            continue
+        achieved = flops / res["elapsed_s"]
+        fractions = {k: round(achieved / v, 4) for k, v in ceilings.items()}
+        res["roofline"] = {
+            "achieved_tflop_per_s": round(achieved / 1e12, 4),
+            "fraction_of_ceiling": fractions,
+        }
+        print(
+            f"  {engine}: {achieved / 1e12:.3f} TFLOP/s = "
+            + ", ".join(f"{f:.1%} of the {k} ceiling" for k, f in fractions.items())
+        )
+    # As for the ceiling: the highest reading (the lowest floor) counts.
+    bandwidth = rates.bandwidth
+    floor = workload_floor(model, work, torch.finfo(getattr(torch, dtype_name)).bits // 8)
+    ceiling = ceilings[dtype_name]
+    decode_s, prompts_s = floor.seconds(bandwidth, ceiling)
+    floor_s = decode_s + prompts_s
+    print(
+        f"floor: {len(floor.step_flops)} decode steps, each the longer of streaming its bytes "
+        f"({floor.decode_weight_bytes / 1e9:.1f} GB of weights + {floor.kv_bytes / 1e9:.1f} GB "
+        f"of K/V in all, at {bandwidth / 1e9:.1f} GB/s measured) and its matrix work "
+        f"({floor.decode_flops / 1e12:.2f} TFLOP in all, at the ceiling; the longer in "
+        f"{floor.compute_bound_steps(bandwidth, ceiling)} steps) = {decode_s:.2f} s; prompts "
+        f"{floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = {prompts_s:.2f} s; no engine "
+        f"finishes in under {floor_s:.2f} s ({work.num_output_tokens / floor_s:.0f} output tok/s)"
+    )
+    record_floor(results, floor_s, "floor")
+    report_peak_floor(floor, bandwidth, dtype_name, work.num_output_tokens, results)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="a", help="a | default | checkpoint directory")
@@ -750,6 +801,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="pagedllm's greedy decode steps per schedule (default: LLM's, 8)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device for pagedllm and transformers (cuda: no CPU roofline or floor)",
     )
     parser.add_argument("--skip-pagedllm", action="store_true")
     parser.add_argument(
@@ -789,7 +845,6 @@ def main(argv: list[str] | None = None) -> int:
     hf_batches = [int(x) for x in hf_sizes.split(",") if x.strip()]
     model = resolve_model(args.model)
     work = long_workload(num_requests) if args.long_contexts else standard_workload(num_requests)
-    dtype = getattr(torch, args.dtype)
     print(
         f"model={model} dtype={args.dtype} requests={num_requests} "
         f"prompt_tokens={work.num_prompt_tokens} output_tokens={work.num_output_tokens} "
@@ -799,15 +854,17 @@ def main(argv: list[str] | None = None) -> int:
     # The ceiling and the bandwidth are measured before and after the engines and before
     # every turn; the highest figure counts (a busy moment on a shared machine only lowers
     # it, and the engines' turns may meet faster minutes than either end of the run).
+    on_cpu = args.device == "cpu"
     rates = MachineRates(tuple(dict.fromkeys(("bfloat16", args.dtype))))
-    rates.sample()
+    if on_cpu:
+        rates.sample()
     engines: list[Started] = []
     results: dict[str, dict] = {}
     try:
         if not args.skip_pagedllm:
             engines.append(start_pagedllm(model, args.dtype, work, args))
         if hf_batches:
-            engines.extend(start_hf(model, args.dtype, work, hf_batches))
+            engines.extend(start_hf(model, args.dtype, work, hf_batches, args.device))
         if args.vs_vllm:
             try:
                 engines.append(start_vllm(args.vs_vllm, model, args.dtype, work))
@@ -816,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         times = run_rounds(
             engines,
             args.rounds,
-            partial(settle_and_sample, rates),
+            partial(settle_and_sample, rates) if on_cpu else settle,
             phases=args.phases,
             neighbours=args.neighbours,
         )
@@ -837,44 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in results and "error" in results["vllm"]:
         print(f"vllm: {results['vllm']['error']}")
 
-    flops = workload_flops(model, work)
-    rates.sample()
-    ceilings = rates.ceilings
-    print(
-        "roofline: workload = "
-        f"{flops / 1e12:.3f} TFLOP of matrix work; F.linear ceiling "
-        + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in ceilings.items())
-    )
-    for engine, res in results.items():
-        if "elapsed_s" not in res:
-            continue
-        achieved = flops / res["elapsed_s"]
-        fractions = {k: round(achieved / v, 4) for k, v in ceilings.items()}
-        res["roofline"] = {
-            "achieved_tflop_per_s": round(achieved / 1e12, 4),
-            "fraction_of_ceiling": fractions,
-        }
-        print(
-            f"  {engine}: {achieved / 1e12:.3f} TFLOP/s = "
-            + ", ".join(f"{f:.1%} of the {k} ceiling" for k, f in fractions.items())
-        )
-    # As for the ceiling: the highest reading (the lowest floor) counts.
-    bandwidth = rates.bandwidth
-    floor = workload_floor(model, work, torch.finfo(dtype).bits // 8)
-    ceiling = ceilings[args.dtype]
-    decode_s, prompts_s = floor.seconds(bandwidth, ceiling)
-    floor_s = decode_s + prompts_s
-    print(
-        f"floor: {len(floor.step_flops)} decode steps, each the longer of streaming its bytes "
-        f"({floor.decode_weight_bytes / 1e9:.1f} GB of weights + {floor.kv_bytes / 1e9:.1f} GB "
-        f"of K/V in all, at {bandwidth / 1e9:.1f} GB/s measured) and its matrix work "
-        f"({floor.decode_flops / 1e12:.2f} TFLOP in all, at the ceiling; the longer in "
-        f"{floor.compute_bound_steps(bandwidth, ceiling)} steps) = {decode_s:.2f} s; prompts "
-        f"{floor.prefill_flops / 1e12:.2f} TFLOP at the ceiling = {prompts_s:.2f} s; no engine "
-        f"finishes in under {floor_s:.2f} s ({work.num_output_tokens / floor_s:.0f} output tok/s)"
-    )
-    record_floor(results, floor_s, "floor")
-    report_peak_floor(floor, bandwidth, args.dtype, work.num_output_tokens, results)
+    if on_cpu:
+        report_roofline_and_floor(model, work, args.dtype, rates, results)
     if "pagedllm" in times:
         for other in ("hf", "vllm"):
             name = results.get(other, {}).get("name", other)
