@@ -114,6 +114,7 @@ BAD_QUERIES = [
     ("/v1/cache/events/stream?heartbeat=0", "heartbeat"),
     ("/v1/cache/events/stream?heartbeat=nan", "heartbeat"),
     ("/v1/cache/events/stream?heartbeat=inf", "heartbeat"),
+    ("/v1/cache/events/stream?heartbeat=1e-300", "heartbeat"),  # would spin
     ("/v1/cache/advice?limit=0", "limit"),
     ("/v1/cache/advice?limit=99999999999999999999", "limit"),
 ]
@@ -125,6 +126,25 @@ def test_bad_query_parameters_are_400s_naming_them(make_harness):
     async def body(client):
         for path, param in BAD_QUERIES:
             _check_error(await client.get(path), 400, param, [param])
+
+    h.run(body)
+
+
+def test_the_schema_documents_bad_requests_as_the_400s_they_are(make_harness):
+    """No route answers 422: the OpenAPI document says 400 with the error body it sends."""
+    from pagedllm.server.errors import ErrorResponse
+
+    h = make_harness()
+
+    async def body(client):
+        schema = (await client.get("/openapi.json")).json()
+        operations = [op for ops in schema["paths"].values() for op in ops.values()]
+        assert not [op["operationId"] for op in operations if "422" in op["responses"]]
+        stream = schema["paths"]["/v1/cache/events/stream"]["get"]["responses"]["400"]
+        ref = stream["content"]["application/json"]["schema"]["$ref"]
+        assert schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["required"] == ["error"]
+        answer = await client.get("/v1/cache/events/stream?heartbeat=0")
+        ErrorResponse.model_validate(answer.json())
 
     h.run(body)
 

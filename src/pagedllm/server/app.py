@@ -42,7 +42,12 @@ from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedllm.server.elastic import add_elastic_routes
-from pagedllm.server.errors import APIError, bad_request, from_validation_error
+from pagedllm.server.errors import (
+    APIError,
+    bad_request,
+    document_bad_requests,
+    from_validation_error,
+)
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
     REQUEST_BODIES,
@@ -64,7 +69,8 @@ DEFAULT_MAX_QUEUED_REQUESTS = 256
 # The dashboard page is public; the JSON it polls needs the key (see server/dashboard.py).
 PUBLIC_PATHS = frozenset({"/health", DASHBOARD_PATH})
 # Seconds of silence before an events stream sends a keep-alive.
-Heartbeat = Annotated[FiniteFloat, Query(gt=0, le=60)]
+# Under 10 ms a stream would only spin sending heartbeats.
+Heartbeat = Annotated[FiniteFloat, Query(ge=0.01, le=60)]
 
 
 class BearerAuth:
@@ -230,6 +236,7 @@ def _document_bodies(app: FastAPI) -> None:
                 ref_template="#/components/schemas/{model}",
             )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            document_bad_requests(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

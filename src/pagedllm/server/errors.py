@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 # pydantic puts the member type of a union in the error location ("prompt", "list[int]", 1);
@@ -25,6 +25,43 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (documented in the OpenAPI schema as such)."""
+
+    error: ErrorDetail
+
+
+def document_bad_requests(schema: dict[str, Any]) -> None:
+    """FastAPI documents a failed validation as 422 with its own body; this server answers
+    400 with ``ErrorResponse``. Rewrite ``schema`` (an OpenAPI document) to say so."""
+    ref = "#/components/schemas/{model}"
+    body = ErrorResponse.model_json_schema(ref_template=ref)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(body.pop("$defs"))
+    components["ErrorResponse"] = body
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {
+                    "description": "Bad request: the error names the offending field",
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}
+                        }
+                    },
+                }
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
 
 
 class APIError(Exception):
