@@ -193,6 +193,19 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """``ValueError`` naming the field when a token id it holds is not in the model's
+        vocabulary ``[0, vocab_size)`` (a stop id that can never be drawn, a bias on a
+        logit that does not exist)."""
+        fields = (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()))
+        for name, ids in fields:
+            for token_id in ids:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"{name} holds token id {token_id}, outside the vocabulary "
+                        f"[0, {vocab_size})"
+                    )
+
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         """A copy with ``max_tokens`` set (used to fill in ``None``)."""
         return replace(self, max_tokens=max_tokens)

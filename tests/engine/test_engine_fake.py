@@ -199,6 +199,11 @@ def test_add_request_rejects_bad_input(fake_engine: Callable[..., LLMEngine]) ->
         engine.add_request("ids", [1, 2, 10_000], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="at least one token"):
         engine.add_request("empty", [], SamplingParams(max_tokens=2))
+    vocab = engine.runner.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids holds token id {vocab}, outside"):
+        engine.add_request("stop", "hi", SamplingParams(max_tokens=2, stop_token_ids=[vocab]))
+    with pytest.raises(ValueError, match=f"logit_bias holds token id {vocab + 7}, outside"):
+        engine.add_request("bias", "hi", SamplingParams(max_tokens=2, logit_bias={vocab + 7: 1}))
     with pytest.raises(TypeError):
         engine.add_request("params", "hello", {"max_tokens": 3})
     engine.add_request("ok", "hello", SamplingParams(max_tokens=None))

@@ -35,6 +35,8 @@ BAD_COMPLETIONS = [
     ('{"prompt": "x", "model": "gpt-4"}', "model", ["gpt-4", "does not exist"]),
     ('{"prompt": [1, 2, 99999]}', "prompt", ["99999", "vocabulary"]),
     ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias", ["token ids"]),
+    ('{"prompt": "x", "logit_bias": {"99999": 1}}', None, ["logit_bias", "99999", "vocabulary"]),
+    ('{"prompt": "x", "stop_token_ids": [99999]}', None, ["stop_token_ids", "vocabulary"]),
     ('{"prompt": "x", "cache_salt": ""}', "cache_salt", []),
     ('{"prompt": "x", "best_of": 3}', "best_of", []),
     # numbers the engine core cannot take (msgpack and torch hold 64 bits; nan is no setting)

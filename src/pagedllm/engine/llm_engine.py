@@ -802,6 +802,7 @@ class LLMEngine:
         return text, token_ids
 
     def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        params.check_vocabulary(self.runner.vocab_size)
         if params.max_tokens is None:
             params = params.with_max_tokens(self.scheduler.default_max_tokens(num_prompt_tokens))
         if self._extra_eos_ids and not params.ignore_eos:
