@@ -6,10 +6,14 @@ it into an HTTP 400 with a useful message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+# The kinds of StructuredOutputsParams, in vLLM's names; exactly one is set.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -52,6 +56,120 @@ def _check_float(name: str, value: object) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names); exactly one kind is set.
+
+    ``json``: a JSON Schema (a dict, or its text); ``json_object``: any JSON object;
+    ``regex``: a regular expression the whole output matches; ``choice``: one of these
+    strings exactly; ``grammar``: a Lark grammar (GBNF/EBNF is converted), its rule
+    ``start`` (``root`` in GBNF) the whole output. ``disable_any_whitespace``: JSON
+    without free whitespace between tokens (vLLM's name; the default allows it).
+
+    The engine compiles it once per (kind, spec, tokenizer) off the step loop and masks
+    each draw to the tokens it allows; a sequence whose grammar is complete ends with
+    ``finish_reason="stop"``.
+    """
+
+    json: str | dict[str, Any] | None = field(default=None, hash=False)
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            object.__setattr__(self, "json", _check_schema(self.json))
+        if self.json_object not in (None, True, False):
+            raise ValueError(
+                f"structured_outputs.json_object must be a boolean, got {self.json_object!r}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _check_choice(self.choice))
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            found = " and ".join(set_kinds) if set_kinds else "none"
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, "
+                f"choice, grammar (got {found})"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which of ``STRUCTURED_KINDS`` is set."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def spec_text(self) -> str:
+        """The kind's spec as one canonical string (what the compile cache hashes): a
+        schema as sorted compact JSON, choices as a JSON list, the rest as given."""
+        kind = self.kind
+        if kind == "json":
+            return _canonical_json(self.json)
+        if kind == "json_object":
+            return '{"type":"object"}'
+        if kind == "choice":
+            return _canonical_json(list(self.choice or ()))
+        return str(getattr(self, kind))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StructuredOutputsParams:
+        """From a plain mapping (a request body's ``structured_outputs``, or the wire);
+        ``ValueError`` naming an unknown key."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"structured_outputs must be an object, got {data!r}")
+        known = {*STRUCTURED_KINDS, "disable_any_whitespace"}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"structured_outputs.{key} is not a known field")
+        return cls(**{k: v for k, v in data.items() if v is not None})
+
+
+def _check_schema(schema: object) -> str | dict[str, Any]:
+    """A JSON Schema as a dict or its text; ``ValueError`` naming the field otherwise."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    else:
+        parsed = schema
+    if not isinstance(parsed, dict | bool):
+        raise ValueError(
+            f"structured_outputs.json must be a JSON Schema object, got {type(parsed).__name__}"
+        )
+    if not isinstance(schema, str):
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"structured_outputs.json is not JSON data: {exc}") from None
+    return schema  # type: ignore[return-value]
+
+
+def _check_choice(choice: object) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, Sequence):
+        raise ValueError("structured_outputs.choice must be a list of strings")
+    out = tuple(choice)
+    if not out:
+        raise ValueError("structured_outputs.choice must not be empty")
+    for item in out:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {item!r}")
+    return out
+
+
+def _canonical_json(value: object) -> str:
+    if isinstance(value, str):
+        value = json.loads(value)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request's completions (vLLM names and defaults).
 
@@ -64,6 +182,8 @@ class SamplingParams:
     ``prompt_logprobs=k`` returns the same for every prompt token after the first
     (``RequestOutput.prompt_logprobs``); such a request computes its whole prompt (no
     prefix-cache hit), as in vLLM.
+    ``structured_outputs``: the output must match a JSON Schema, regex, choice or grammar
+    (``StructuredOutputsParams``).
     """
 
     n: int = 1
@@ -86,6 +206,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine: stop_token_ids plus the tokenizer's EOS (unless ignore_eos);
     # the sampler masks them while fewer than min_tokens have been generated.
     all_stop_token_ids: frozenset[int] | None = field(default=None, repr=False, compare=False)
@@ -123,6 +244,13 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self._check_logit_bias()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -230,8 +358,17 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # Every beam's draws masked by its own matcher; a beam whose grammar is complete ends.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         _check_int("beam_width", self.beam_width, minimum=1)
         _check_int("max_tokens", self.max_tokens, minimum=1)
         temperature = _check_float("temperature", self.temperature)

@@ -5,7 +5,7 @@ Nothing here holds a tensor: the worker is the only place block ids become tenso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -75,6 +75,12 @@ class SchedulerOutput:
     last output: ``BlockPool.take_released``) per-block state kept outside the pool, after
     the moves and except for blocks the moves just wrote.
 
+    ``token_bitmasks``: request id -> the tokens its next draw may take (structured
+    outputs: bit ``t % 32`` of little-endian 32-bit word ``t // 32`` is token t), for the
+    constrained sequences that draw this step; the worker masks their logits rows (every
+    one of a parent's ``num_samples`` draws) before sampling. Empty for an unconstrained
+    batch, which then pays nothing.
+
     ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
     scheduled sequence is a greedy decode of one token whose block table already holds
     ``num_steps`` slots from ``start_position`` on; the worker runs ``num_steps`` forward
@@ -91,6 +97,7 @@ class SchedulerOutput:
     num_steps: int = 1
     disk: DiskOps = NO_DISK_OPS
     released_block_ids: tuple[int, ...] = ()
+    token_bitmasks: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -311,7 +311,8 @@ class Scheduler:
         """How many decode steps this schedule may cover: 1, or up to
         ``num_scheduler_steps`` when nothing waits or is swapped out and every running
         request has one token to do, samples it as a plain argmax (no logprobs, penalties,
-        bias or pending ``min_tokens``; no stop strings, which the engine checks on text)
+        bias or pending ``min_tokens``; no stop strings, which the engine checks on text;
+        no structured outputs, whose grammar masks every draw)
         and has room below ``max_model_len``; no more steps than the longest remaining
         ``max_tokens`` needs."""
         config = self.config
@@ -330,6 +331,7 @@ class Scheduler:
                 or num_tokens - request.num_computed_tokens != 1
                 or not params.plain_greedy(num_output)
                 or params.stop
+                or params.structured_outputs is not None  # a mask before every draw
             ):
                 return 1
             # Step j's input sits at position num_tokens - 1 + j < max_model_len.

@@ -9,7 +9,10 @@ of a prompt have theirs, the best ``beam_width`` candidates by score are kept::
                                                 its first write: copy-on-write)
 
 and the old beams are freed (blocks still held by children stay). A candidate
-ending in EOS is complete. The algorithm and score are vLLM's ``LLM.beam_search``:
+ending in EOS is complete. With ``structured_outputs``, each beam has its own matcher (a
+child's is a copy of its parent's that consumes the new token): every beam's logits are
+masked before the top tokens are taken, a masked token is never a candidate, and a candidate
+whose grammar is complete is complete too (``finish_reason="stop"``). The algorithm and score are vLLM's ``LLM.beam_search``:
 ``score = cum_logprob / len(tokens) ** length_penalty`` (prompt included, a final
 EOS not counted); scores use the model's log-probabilities.
 """
@@ -17,8 +20,9 @@ EOS not counted); scores use the model's log-probabilities.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.outputs import TokenLogprob
@@ -71,6 +75,7 @@ class _Candidate:
     parent: _Beam
     cum_logprob: float
     score: float
+    grammar_complete: bool = False
 
 
 @dataclass(slots=True)
@@ -102,6 +107,10 @@ class _BeamSearch:
         )
         self._ids = (f"__beam-{i}" for i in itertools.count())
         self._results: dict[str, TokenLogprob] = {}
+        self.matchers = engine.matchers
+        self.grammar = None
+        if params.structured_outputs is not None:
+            self.grammar = engine.grammar_compiler().compile(params.structured_outputs)
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         instances = [self._start(p) for p in prompts]
@@ -118,15 +127,20 @@ class _BeamSearch:
         finally:
             live = [b.request.request_id for inst in instances for b in inst.beams]
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            self.matchers.release(live)
         return [self._finish(inst) for inst in instances]
 
     def _start(self, prompt: list[int]) -> _Instance:
         request = Request(next(self._ids), prompt, self.sampling, eos_token_id=self.eos)
         self.scheduler.add_request(request)
+        if self.grammar is not None:
+            self.matchers.add(request.request_id, self.grammar)
         return _Instance(list(prompt), [_Beam(request, 0.0)])
 
     def _step(self) -> None:
         output = self.scheduler.schedule()
+        if self.grammar is not None:
+            output = replace(output, token_bitmasks=self.matchers.bitmasks(output.scheduled))
         result = self.engine.runner.execute(output)
         for i, request in self.scheduler.advance(output):
             lps = result.logprobs[i] if i < len(result.logprobs) else None
@@ -140,8 +154,13 @@ class _BeamSearch:
             top = self._results.pop(beam.request.request_id)
             tokens = beam.request.all_token_ids
             for token, logprob in zip(top.top_token_ids, top.top_logprobs, strict=True):
+                if logprob == -math.inf:  # masked by the beam's grammar
+                    continue
                 candidate = self._candidate(tokens + [token], beam, beam.cum_logprob + logprob)
-                if token == self.eos and not self.params.ignore_eos:
+                if self.grammar is not None:
+                    beam_id = beam.request.request_id
+                    candidate.grammar_complete = self.matchers.completes_with(beam_id, token)
+                if candidate.grammar_complete or (token == self.eos and not self.params.ignore_eos):
                     inst.completed.append(candidate)
                 else:
                     candidates.append(candidate)
@@ -159,6 +178,7 @@ class _BeamSearch:
         else:
             inst.beams = [self._spawn(c) for c in chosen]
         self.scheduler.finish_requests(old, RequestStatus.FINISHED_STOPPED)
+        self.matchers.release(old)
 
     def _candidate(self, tokens: list[int], parent: _Beam, cum: float) -> _Candidate:
         score = beam_search_score(tokens, cum, self.eos, self.params.length_penalty)
@@ -179,6 +199,9 @@ class _BeamSearch:
                 output_token_ids=[*parent.output_token_ids, token],
             )
             self.scheduler.add_request(child)
+        if self.grammar is not None:
+            self.matchers.fork(parent.request_id, child.request_id)
+            self.matchers.advance(child.request_id, child.output_token_ids)
         return _Beam(child, candidate.cum_logprob)
 
     def _finish(self, inst: _Instance) -> BeamSearchOutput:
@@ -187,7 +210,9 @@ class _BeamSearch:
         sequences = []
         for c in best:
             output = tuple(c.tokens[num_prompt:])
-            ended = bool(output) and output[-1] == self.eos and not self.params.ignore_eos
+            ended = c.grammar_complete or (
+                bool(output) and output[-1] == self.eos and not self.params.ignore_eos
+            )
             sequences.append(
                 BeamSearchSequence(
                     tokens=tuple(c.tokens),

@@ -52,7 +52,7 @@ import msgpack
 
 from pagedllm.core.outputs import TokenLogprob
 from pagedllm.engine.outputs import RequestDelta, SequenceDelta
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import zmq
@@ -147,6 +147,9 @@ def encode_spec(spec: RequestSpec) -> list[Any]:
 
 def decode_spec(data: list[Any]) -> RequestSpec:
     request_id, prompt, params, priority, cache_salt = data
+    structured = params.pop("structured_outputs", None)
+    if structured is not None:  # a nested record: to_wire made it a dict
+        params["structured_outputs"] = StructuredOutputsParams.from_dict(structured)
     return RequestSpec(request_id, prompt, SamplingParams(**params), priority, cache_salt)
 
 

@@ -118,12 +118,16 @@ class LLM:
         ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``: the text
         reported in the output, not re-tokenized), or a list of those.
-        ``sampling_params``: one for all, or one per prompt.
+        ``sampling_params``: one for all, or one per prompt; its ``structured_outputs``
+        (a JSON Schema, regex, choice or grammar) is compiled here first, so a spec the
+        engine cannot take is a ``ValueError`` naming the feature before anything runs.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        for p in params:  # a refused grammar is a ValueError here, before anything runs
+            self.engine.check_structured_outputs(p)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):

@@ -25,6 +25,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,11 +49,20 @@ from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
+from pagedllm.engine.structured_outputs import (
+    Grammar,
+    GrammarCompiler,
+    Match,
+    SequenceMatchers,
+)
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
 
+# How long a step with nothing to run waits for a grammar being compiled (seconds): an
+# idle loop then sleeps instead of spinning; a step with work never waits for one.
+_IDLE_COMPILE_WAIT_S = 0.01
 # Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
 NO_TOKENIZER = (
     "this engine has no tokenizer (skip_tokenizer_init / --skip-tokenizer-init): "
@@ -229,6 +239,11 @@ class LLMEngine:
             )
         self.eos_token_id, self._extra_eos_ids = self._eos_ids(tokenizer, model_config)
         self._groups: dict[str, _Group] = {}
+        # Structured outputs: the compiler (made for the first constrained request), one
+        # matcher per constrained sequence, and the requests whose grammar is compiling.
+        self._grammars: GrammarCompiler | None = None
+        self.matchers = SequenceMatchers()
+        self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         # The outputs of ``step``; a request has a state once ``step`` has advanced it.
         self.output_processor = OutputProcessor(tokenizer)
         self._seq_owner: dict[str, tuple[_Group, int]] = {}
@@ -323,7 +338,7 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
-        self.scheduler.add_request(request)
+        self._queue(request)
         group = _Group(request_id, text, tuple(token_ids), params, seq_ids)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = {}
@@ -331,6 +346,40 @@ class LLMEngine:
         for j, seq_id in enumerate(seq_ids):
             self._seq_owner[seq_id] = (group, j)
         self._counters["prompt"] += len(token_ids)
+
+    def _queue(self, request: Request) -> None:
+        """To the scheduler; a constrained request whose grammar is still compiling waits
+        beside it (``_admit_compiled``), so no step waits for a compile. A grammar the
+        engine refuses raises ``ValueError`` here when its compile is already done."""
+        structured = request.sampling_params and request.sampling_params.structured_outputs
+        if not structured:
+            self.scheduler.add_request(request)
+            return
+        future = self.grammar_compiler().submit(structured)
+        if not future.done():
+            params = request.sampling_params
+            self.scheduler.check_fits(request.num_prompt_tokens, params.max_tokens, params.n)
+            self._compiling[request.request_id] = (request, future)
+            return
+        grammar = future.result()
+        self.scheduler.add_request(request)
+        self.matchers.add(request.request_id, grammar)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-outputs compiler of this engine's tokenizer (made on first use);
+        ``ValueError`` without a tokenizer."""
+        if self._grammars is None:
+            eos = [i for i in (self.eos_token_id, *self._extra_eos_ids) if i is not None]
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, eos)
+        return self._grammars
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` now (at most the compiler's time limit):
+        ``ValueError`` naming the field and the unsupported feature, before any request
+        is added (``LLM`` calls it: offline, the caller's thread is the API's)."""
+        structured = getattr(params, "structured_outputs", None)  # add_request checks the type
+        if structured is not None:
+            self.grammar_compiler().compile(structured)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (unknown or finished ids are ignored); frees their blocks."""
@@ -354,6 +403,7 @@ class LLMEngine:
             return
         for index, stop in stopped:
             self.scheduler.finish_requests([group.seq_ids[index]], RequestStatus.FINISHED_STOPPED)
+            self.matchers.release([group.seq_ids[index]])
             seq = group.seqs.get(index)
             if seq is not None and seq.finish_reason is None:
                 group.finish(seq, "stop", stop)
@@ -457,12 +507,35 @@ class LLMEngine:
         """The step between the elastic pool's hooks: the groups it failed, then those it
         advanced."""
         self.elastic.before_step()
+        failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return failed
         started = time.perf_counter()
         groups = self._step(on_scheduled)
         self.elastic.after_step(time.perf_counter() - started, time.monotonic())
-        return groups
+        return failed + groups
+
+    def _admit_compiled(self) -> list[_Group]:
+        """Hand the requests whose grammar has compiled to the scheduler; fail those whose
+        grammar was refused. Waits briefly only when there is nothing else to run."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            futures = [future for _, future in self._compiling.values()]
+            wait(futures, timeout=_IDLE_COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        failed: list[_Group] = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                grammar = future.result()
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                failed.extend(self._fail([request], exc))
+                continue
+            self.matchers.add(request_id, grammar)
+        return failed
 
     def _output_state(self, group: _Group) -> RequestState:
         """The output processor's state of ``group``, made the first time ``step`` meets it
@@ -476,6 +549,9 @@ class LLMEngine:
 
     def _step(self, on_scheduled: Callable[[], None] | None = None) -> list[_Group]:
         scheduler_output = self.scheduler.schedule()
+        if len(self.matchers):
+            masks = self.matchers.bitmasks(scheduler_output.scheduled)
+            scheduler_output = replace(scheduler_output, token_bitmasks=masks)
         if on_scheduled is not None:
             on_scheduled()
         forward = scheduler_output
@@ -489,7 +565,9 @@ class LLMEngine:
                 logger.exception("block moves failed; failing the step's requests")
                 return self._fail(self.scheduler.fail_last_step(), exc)
             forward = SchedulerOutput(
-                scheduled=scheduler_output.scheduled, num_steps=scheduler_output.num_steps
+                scheduled=scheduler_output.scheduled,
+                num_steps=scheduler_output.num_steps,
+                token_bitmasks=scheduler_output.token_bitmasks,
             )
             if moved.failed_loads:
                 # Their holders go back to waiting and are recomputed: a miss, not an error.
@@ -518,10 +596,38 @@ class LLMEngine:
             self._record_prompt_logprobs(forward, result)
         touched = {g.request_id: g for g in failed}
         for update in self.scheduler.update(forward, result):
+            if len(self.matchers):
+                for group in self._advance_grammar(update):
+                    touched[group.request_id] = group
             group = self._apply(update)
             if group is not None:
                 touched[group.request_id] = group
         return list(touched.values())
+
+    def _advance_grammar(self, update: SequenceUpdate) -> list[_Group]:
+        """Feed a constrained sequence's new tokens to its matcher; finish it ("stop") when
+        its grammar is complete. A parallel sample forked this step gets a matcher rebuilt
+        from its own output tokens. A token the grammar refuses fails the request (the
+        mask makes that a bug, never a guess); returns the groups it failed."""
+        request = update.request
+        seq_id = request.request_id
+        params = request.sampling_params
+        if params is None or params.structured_outputs is None:
+            return []
+        if request.is_finished:
+            self.matchers.release([seq_id])
+            return []
+        grammar = None
+        if seq_id not in self.matchers and update.parent_id is not None:
+            grammar = self.matchers.grammar_of(update.parent_id)
+        state = self.matchers.advance(seq_id, request.output_token_ids, grammar)
+        if state is Match.COMPLETE:
+            self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED)
+            self.matchers.release([seq_id])
+        elif state is Match.REJECTED:
+            reason = self.matchers.error(seq_id)
+            return self._fail([request], RuntimeError(f"the grammar refused a token: {reason}"))
+        return []
 
     def _time_prompt_slice(self, forward: SchedulerOutput) -> None:
         """With ``max_prefill_time_while_decoding_s``: the step's end to the tuner, and the
@@ -592,6 +698,8 @@ class LLMEngine:
         requests are untouched. A tensor-parallel runner stops its ranks. Done by itself
         when the engine is garbage-collected or the interpreter exits."""
         self._finalizer()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -734,7 +842,12 @@ class LLMEngine:
         culprits: dict[str, Exception] = {}
         finished_ids = forward.finished_request_ids  # releasing twice is harmless
         for i, seq in enumerate(forward.scheduled):
-            alone = SchedulerOutput(scheduled=(seq,), finished_request_ids=finished_ids)
+            mask = forward.token_bitmasks.get(seq.request_id)
+            alone = SchedulerOutput(
+                scheduled=(seq,),
+                finished_request_ids=finished_ids,
+                token_bitmasks={seq.request_id: mask} if mask is not None else {},
+            )
             try:
                 result = self.runner.execute(alone)
             except Exception as exc:
@@ -779,6 +892,8 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for seq_id in group.seq_ids:
             self._seq_owner.pop(seq_id, None)
+            self._compiling.pop(seq_id, None)
+        self.matchers.release(group.seq_ids)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

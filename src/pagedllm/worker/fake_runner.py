@@ -11,7 +11,7 @@ changes the output, and with ``strict=True`` it raises ``PagingError`` at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -175,10 +175,11 @@ class FakeModelRunner:
         else:
             contexts = [self._forward(seq) for seq in scheduler_output.scheduled]
             self.num_steps += 1
+            masks = scheduler_output.token_bitmasks
             if self._sampler is not None:
-                output = self._sample(contexts, scheduler_output.scheduled)
+                output = self._sample(contexts, scheduler_output.scheduled, masks)
             else:
-                output = self._deterministic(contexts, scheduler_output.scheduled)
+                output = self._deterministic(contexts, scheduler_output.scheduled, masks)
             if any(seq.num_prompt_logprobs for seq in scheduler_output.scheduled):
                 prompt = tuple(self._prompt_logprobs(s) for s in scheduler_output.scheduled)
                 output = replace(output, prompt_logprobs=prompt)
@@ -273,11 +274,18 @@ class FakeModelRunner:
         return ModelRunnerOutput(tuple(sampled), (None,) * len(sampled))
 
     def _deterministic(
-        self, contexts: list[list[int]], scheduled: Sequence[ScheduledSequence]
+        self,
+        contexts: list[list[int]],
+        scheduled: Sequence[ScheduledSequence],
+        token_bitmasks: Mapping[str, bytes],
     ) -> ModelRunnerOutput:
         sampled, logprobs = [], []
         for context, seq in zip(contexts, scheduled, strict=True):
-            tokens = tuple(self.next_token(context, j) for j in range(seq.num_samples))
+            mask = token_bitmasks.get(seq.request_id)
+            tokens = tuple(
+                _first_allowed(self.next_token(context, j), mask, self.vocab_size)
+                for j in range(seq.num_samples)
+            )
             sampled.append(tokens)
             k = seq.sampling_params.logprobs if seq.sampling_params is not None else None
             if k is None or not tokens:
@@ -287,15 +295,21 @@ class FakeModelRunner:
         return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(logprobs))
 
     def _sample(
-        self, contexts: list[list[int]], scheduled: Sequence[ScheduledSequence]
+        self,
+        contexts: list[list[int]],
+        scheduled: Sequence[ScheduledSequence],
+        token_bitmasks: Mapping[str, bytes],
     ) -> ModelRunnerOutput:
         rows = [
             self._logits_row(c) for c, s in zip(contexts, scheduled, strict=True) if s.num_samples
         ]
         import torch
 
+        from pagedllm.worker.sampler import apply_token_bitmask, bitmask_rows
+
         assert self._sampler is not None
         logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+        apply_token_bitmask(logits, *bitmask_rows(scheduled, token_bitmasks))
         return self._sampler(logits, scheduled)
 
     def _logits_row(self, context: list[int]) -> torch.Tensor:
@@ -309,6 +323,18 @@ class FakeModelRunner:
         row = row + allowed
         row[self.next_token(context)] += 4.0
         return row
+
+
+def _first_allowed(token_id: int, mask: bytes | None, vocab_size: int) -> int:
+    """``token_id`` if the grammar's mask allows it (or there is none), else the next
+    allowed id after it, wrapping around: still a function of the context alone."""
+    if mask is None:
+        return token_id
+    for offset in range(vocab_size):
+        candidate = (token_id + offset) % vocab_size
+        if mask[candidate // 8] >> (candidate % 8) & 1:
+            return candidate
+    return token_id  # nothing allowed: the grammar reports the token it rejects
 
 
 def _certain_top(token_id: int, k: int) -> tuple[tuple[int, ...], tuple[float, ...]]:

@@ -14,7 +14,7 @@ malloc's defaults.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -34,7 +34,12 @@ from pagedllm.worker.disk_store import DiskKVStore
 from pagedllm.worker.input_batch import InputBuffers, later_decode_steps
 from pagedllm.worker.kv_cache import KVCacheSpec, cache_dtypes, num_blocks_from_budget
 from pagedllm.worker.kv_quant import make_kv_cache
-from pagedllm.worker.sampler import Sampler, token_logprobs
+from pagedllm.worker.sampler import (
+    Sampler,
+    apply_token_bitmask,
+    bitmask_rows,
+    token_logprobs,
+)
 from pagedllm.worker.threads import ThreadGovernor
 
 
@@ -201,19 +206,21 @@ class TorchModelRunner:
         if scheduled and scheduler_output.num_steps > 1:
             output = self._execute_steps(scheduled, scheduler_output.num_steps)
         elif scheduled and any(seq.num_prompt_logprobs for seq in scheduled):
-            output = self._execute_with_prompt_logprobs(scheduled)
+            output = self._execute_with_prompt_logprobs(scheduled, scheduler_output.token_bitmasks)
         elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
-            # head where the model can (no logits written at all).
+            # head where the model can (no logits written at all), unless a grammar masks it.
             hidden = self.sampled_hidden(scheduled)
-            if self.sampler.uses_fast_path(scheduled):
+            fast = self.sampler.uses_fast_path(scheduled)
+            masks = bitmask_rows(scheduled, scheduler_output.token_bitmasks)
+            if fast and not masks[0]:
                 best = self._best_tokens(hidden).tolist()
                 output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
                 float32 = not self.sampler.takes_model_dtype(scheduled)
-                output = self.sampler(
-                    self._logits(hidden, float32=float32), scheduled, fast_path=False
-                )
+                logits = self._logits(hidden, float32=float32)
+                apply_token_bitmask(logits, *masks)
+                output = self.sampler(logits, scheduled, fast_path=fast)
         else:
             output = ModelRunnerOutput(failed_loads=failed_loads)
         if failed_loads and scheduled:
@@ -223,17 +230,17 @@ class TorchModelRunner:
         return output
 
     def _execute_with_prompt_logprobs(
-        self, scheduled: Sequence[ScheduledSequence]
+        self, scheduled: Sequence[ScheduledSequence], token_bitmasks: Mapping[str, bytes]
     ) -> ModelRunnerOutput:
         """A step in which some sequences want their prompt tokens' logprobs: every row's
-        hidden state is kept; the sampled rows go to the sampler as usual, and each prompt
-        row's logits score the prompt token after it."""
+        hidden state is kept; the sampled rows go to the sampler as usual (masked by their
+        grammars first), and each prompt row's logits score the prompt token after it."""
         batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
             hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
-            output = self.sampler(
-                self._logits(hidden[batch.logits_indices], float32=True), scheduled, fast_path=False
-            )
+            logits = self._logits(hidden[batch.logits_indices], float32=True)
+            apply_token_bitmask(logits, *bitmask_rows(scheduled, token_bitmasks))
+            output = self.sampler(logits, scheduled, fast_path=False)
             prompt: list[tuple[TokenLogprob, ...] | None] = []
             row = 0
             for seq in scheduled:

@@ -25,7 +25,7 @@ for 16 rows).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -299,6 +299,44 @@ class Sampler:
             per_seq_logprobs.append(tuple(lps) if k and all(lp is not None for lp in lps) else None)
             row += k
         return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(per_seq_logprobs))
+
+
+def bitmask_rows(
+    scheduled: Sequence[ScheduledSequence], token_bitmasks: Mapping[str, bytes]
+) -> tuple[list[int], list[bytes]]:
+    """The logits rows (one per sequence with ``num_samples > 0``, in order) that
+    ``SchedulerOutput.token_bitmasks`` constrains, and their masks."""
+    rows: list[int] = []
+    masks: list[bytes] = []
+    row = 0
+    for seq in scheduled:
+        if not seq.num_samples:
+            continue
+        mask = token_bitmasks.get(seq.request_id)
+        if mask is not None:
+            rows.append(row)
+            masks.append(mask)
+        row += 1
+    return rows, masks
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], masks: Sequence[bytes]) -> None:
+    """Structured outputs: in ``logits`` (written in place), set to -inf every token that
+    row ``rows[i]``'s mask ``masks[i]`` forbids (bit ``t % 32`` of little-endian 32-bit word
+    ``t // 32`` clear: token t is forbidden; tokens past the mask are forbidden). Runs
+    before any other stage, so greedy, sampled, n>1 and logprobs all see the masked rows."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(rows), -1)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    forbidden = ~allowed[:, :vocab].to(logits.device)
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    with torch.inference_mode():  # the runner's logits are inference tensors
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
