@@ -42,6 +42,11 @@ DEFAULT_COMPILE_TIME_LIMIT_S = 10.0
 # Compiled grammars kept per tokenizer (each holds its lexer: kilobytes to a few MB).
 DEFAULT_MAX_CACHED = 256
 _COMPILE_THREADS = 2
+# Free whitespace between JSON tokens (unless disable_any_whitespace): JSON's four
+# whitespace characters, at most this many in a row; an endless run is how a small model
+# most often fails an unbounded-whitespace grammar (it never reaches the closing brace).
+_MAX_WHITESPACE = 32
+_WHITESPACE = rf"[\x20\x0A\x0D\x09]{{0,{_MAX_WHITESPACE}}}"
 
 
 class GrammarError(ValueError):
@@ -198,7 +203,10 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.spec_text()
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.disable_any_whitespace:
+            options: dict[str, Any] = {"whitespace_flexible": False}
+        else:
+            options = {"whitespace_pattern": _WHITESPACE}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex or "")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
@@ -327,16 +328,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], masks: Sequen
     before any other stage, so greedy, sampled, n>1 and logprobs all see the masked rows."""
     if not rows:
         return
-    vocab = logits.shape[1]
-    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(rows), -1)
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), -1).bool()
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    forbidden = ~allowed[:, :vocab].to(logits.device)
-    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    num_rows, vocab = len(rows), logits.shape[1]
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(num_rows, -1)
+    # count pads with zero bits: a mask shorter than the vocabulary forbids the rest.
+    bits = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")
+    forbidden = (torch.from_numpy(bits) == 0).to(logits.device)
     with torch.inference_mode():  # the runner's logits are inference tensors
-        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        if num_rows == logits.shape[0] and list(rows) == list(range(num_rows)):
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            for i, row in enumerate(rows):
+                logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
