@@ -29,6 +29,7 @@ from pagedllm.server.serving import (
     check_common,
     check_length,
     check_model,
+    check_structured_outputs,
     new_id,
     outputs_of,
     parse_body,
@@ -70,6 +71,7 @@ def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Prompt:
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     req = parse_body(ChatCompletionRequest, await request.body())
     _check_request(ctx, req)
+    await check_structured_outputs(ctx, req)
     prompt = chat_prompt(ctx, req)
     request_id = new_id("chatcmpl", request)
 

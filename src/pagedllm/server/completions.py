@@ -25,6 +25,7 @@ from pagedllm.server.serving import (
     check_common,
     check_length,
     check_model,
+    check_structured_outputs,
     completion_logprobs,
     echo_logprobs,
     new_id,
@@ -73,6 +74,7 @@ def _check_token_ids(ctx: ServerContext, token_ids: Sequence[int], param: str) -
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     req = parse_body(CompletionRequest, await request.body())
     _check_request(ctx, req)
+    await check_structured_outputs(ctx, req)
     prompts = completion_prompts(ctx, req.prompt)
     request_id = new_id("cmpl", request)
     specs = [_spec(ctx, req, request_id, i, p, len(prompts)) for i, p in enumerate(prompts)]

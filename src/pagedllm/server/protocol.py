@@ -82,6 +82,8 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[Count] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: {"json": schema} | {"json_object": true} | {"regex"} | {"choice"} | {"grammar"}
+    structured_outputs: dict[str, Any] | None = None
     presence_penalty: FiniteFloat | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: FiniteFloat | None = Field(default=None, gt=0.0)

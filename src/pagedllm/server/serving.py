@@ -31,6 +31,7 @@ from pagedllm.engine.async_engine import (
     StreamDelta,
 )
 from pagedllm.engine.outputs import Logprob, RequestOutput, top_logprobs
+from pagedllm.engine.structured_outputs import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError, bad_request, from_validation_error
 from pagedllm.server.metrics import ServerMetrics
@@ -45,6 +46,7 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.request_log import RecentRequests
 from pagedllm.server.sse import DONE, EventStreamResponse, until_disconnect
+from pagedllm.server.structured import check_compiles, structured_outputs_of
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class ServerContext:
     max_num_tokens: int
     requests: RecentRequests = field(default_factory=RecentRequests)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Structured outputs' grammars, compiled here first (made for the first such request).
+    grammars: GrammarCompiler | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -113,11 +117,22 @@ def check_model(ctx: ServerContext, name: str | None) -> None:
 
 
 def check_common(req: SamplingFields) -> None:
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(
-            f"response_format {kind!r} is not supported (only 'text')", param="response_format"
-        )
+    structured_outputs_of(req)  # response_format / structured_outputs well formed
+
+
+async def check_structured_outputs(ctx: ServerContext, req: SamplingFields) -> None:
+    """Compile the request's grammar off the event loop (cached): a 400 naming the field,
+    the JSON-Schema feature and its path when the engine cannot take it."""
+    structured = structured_outputs_of(req)
+    if structured is None:
+        return
+    if ctx.grammars is None:
+        tokenizer = ctx.text_tokenizer(structured.field)
+        try:
+            ctx.grammars = GrammarCompiler(tokenizer, ctx.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=structured.field) from None
+    await check_compiles(ctx.grammars, structured)
 
 
 def check_length(
@@ -177,6 +192,9 @@ def sampling_params(
         kwargs["stop_token_ids"] = req.stop_token_ids
     if req.logit_bias:
         kwargs["logit_bias"] = req.logit_bias
+    structured = structured_outputs_of(req)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured.params
     kwargs.update(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
