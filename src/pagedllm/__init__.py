@@ -20,6 +20,7 @@ _EXPORTS = {
     "Logprob": "pagedllm.engine.outputs",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -191,3 +191,19 @@ def test_instruction_peak_names_its_unit_or_why_there_is_none(monkeypatch):
         pytest.skip("the bf16 dot-product peak needs AVX-512-bf16 without AMX")
     rate, why = peak.instruction_peak("bfloat16", seconds=0.02, rounds=1)
     assert why == "bf16 dot (vdpbf16ps zmm)" and rate > 1e9
+
+
+def test_structured_outputs_times_both_ways_and_caches_the_schema(capsys, tmp_path):
+    from pagedllm.testing import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1)
+    args = ["--model", str(model), "--num-seqs", "4", "--steps", "3", "--warmup-steps", "1",
+            "--rounds", "1"]  # fmt: skip
+    assert load("structured_outputs").main(args) == 0
+    result = last_json(capsys)
+    for config in ("unconstrained", "constrained"):
+        assert result[config]["step_ms"] > 0
+    assert result["constrained"]["masks_per_step"] == 4  # every sequence masked every step
+    assert result["unconstrained"]["masks_per_step"] == 0  # an unconstrained batch: none
+    assert result["second_request_cached"] is True
+    assert result["compile_ms"] > 0 and "constrained_step_slower" in result

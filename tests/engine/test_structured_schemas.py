@@ -238,3 +238,64 @@ def test_n4_samples_each_follow_their_own_matcher(
     assert max(distinct) > 1  # the samples differ
     assert engine.get_stats().num_preemptions > 0
     assert len(engine.matchers) == 0
+
+
+DEFAULT_MODEL_SCHEMAS = [
+    {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
+     "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+     "required": ["capital", "population_millions"], "additionalProperties": False},
+    {"type": "object", "properties": {"colours": {"type": "array", "maxItems": 3,
+     "items": {"enum": ["red", "green", "blue", "yellow"]}}}, "required": ["colours"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+     "reason": {"type": "string", "maxLength": 30}}, "required": ["answer"],
+     "additionalProperties": False},
+    {"$defs": {"city": {"type": "object", "properties": {"name": {"type": "string",
+     "maxLength": 15}, "id": {"type": "string", "format": "uuid"}}, "required": ["name"],
+     "additionalProperties": False}}, "type": "object",
+     "properties": {"cities": {"type": "array", "items": {"$ref": "#/$defs/city"},
+     "minItems": 1, "maxItems": 2}}, "required": ["cities"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+     "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["ok", "code"], "additionalProperties": False},
+]  # fmt: skip
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name some colours of the rainbow.",
+    "Is the sea salty?",
+    "Name two cities in Italy.",
+    "Give me a status code.",
+]
+
+
+@pytest.mark.slow
+def test_default_model_outputs_validate_where_free_text_does_not() -> None:
+    """SmolLM2-135M answers in prose; constrained (greedy and sampled, n=2) every answer
+    parses and validates."""
+    from pagedllm.model.default_model import ensure_default_model
+
+    try:
+        ensure_default_model()
+    except RuntimeError as error:
+        pytest.skip(f"default model unavailable: {error}")
+    with LLM(model="default", max_num_seqs=16, kv_cache_memory=256 << 20) as llm:
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        free = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=60), use_tqdm=False)
+        valid_free = 0
+        for output, schema in zip(free, DEFAULT_MODEL_SCHEMAS, strict=True):
+            try:
+                jsonschema.validate(json.loads(output.outputs[0].text), schema)
+                valid_free += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        assert valid_free == 0  # prose, not JSON
+        for temperature, n in ((0.0, 1), (0.8, 2)):
+            params = [
+                SamplingParams(temperature=temperature, n=n, seed=0, max_tokens=160,
+                               structured_outputs=StructuredOutputsParams(json=s))
+                for s in DEFAULT_MODEL_SCHEMAS
+            ]  # fmt: skip
+            prompts = [{"prompt_token_ids": llm.encode_chat(c)} for c in chats]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert check_valid(outputs, DEFAULT_MODEL_SCHEMAS) == n * len(QUESTIONS)
+        assert len(llm.engine.matchers) == 0

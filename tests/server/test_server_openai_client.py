@@ -169,3 +169,43 @@ def test_edge_values_answer_200_or_400_never_5xx(server: str) -> None:
         r = httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code in (200, 400), (extra, r.status_code, r.text)
     assert _cache(server)["blocks_used"] == 0
+
+
+def test_structured_outputs_through_the_client(client: openai.OpenAI) -> None:
+    """response_format json_schema (streamed and not) and vLLM's structured_outputs in
+    extra_body, on the tiny random model: its answers match all the same."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"enum": [1, 2, 3]}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "json please"}]
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, temperature=0.0, response_format=fmt
+    )
+    value = json.loads(plain.choices[0].message.content)
+    assert set(value) == {"name", "n"} and value["n"] in (1, 2, 3) and len(value["name"]) <= 5
+    assert plain.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=200, temperature=0.0,
+            response_format=fmt, stream=True,
+        )
+        if c.choices
+    )  # fmt: skip
+    assert streamed == plain.choices[0].message.content
+    picked = client.completions.create(
+        model="tiny", prompt="x", max_tokens=20, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )  # fmt: skip
+    assert picked.choices[0].text in ("red", "blue")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=5, response_format={"type": "yaml"}
+        )
+    assert "response_format.type" in str(info.value)

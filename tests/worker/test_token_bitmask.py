@@ -76,3 +76,13 @@ def test_every_draw_of_a_masked_row_is_allowed() -> None:
         assert set(out.sampled_token_ids[0]) <= allowed
     greedy = [ScheduledSequence("g", (1,), 0, (0,), 1, SamplingParams(temperature=0.0))]
     assert Sampler()(logits[:1], greedy).sampled_token_ids[0][0] in allowed
+
+
+def test_only_greedy_rows_whose_argmax_is_forbidden_are_redone() -> None:
+    from pagedllm.worker.sampler import forbidden_argmax
+
+    vocab = 40
+    masks = [_mask({3, 5}, vocab), _mask({7}, vocab), _mask(set(range(vocab)), vocab)]
+    best = [5, 9, 7, 39]  # row 0 (mask {3,5}) allowed; row 1 forbidden; row 3 allowed
+    assert forbidden_argmax(best, [0, 1, 3], masks) == ([1], [masks[1]])
+    assert forbidden_argmax([100], [0], [masks[0]]) == ([0], [masks[0]])  # past the mask

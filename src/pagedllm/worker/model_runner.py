@@ -38,6 +38,7 @@ from pagedllm.worker.sampler import (
     Sampler,
     apply_token_bitmask,
     bitmask_rows,
+    forbidden_argmax,
     token_logprobs,
 )
 from pagedllm.worker.threads import ThreadGovernor
@@ -213,8 +214,10 @@ class TorchModelRunner:
             hidden = self.sampled_hidden(scheduled)
             fast = self.sampler.uses_fast_path(scheduled)
             masks = bitmask_rows(scheduled, scheduler_output.token_bitmasks)
-            if fast and not masks[0]:
+            if fast:
                 best = self._best_tokens(hidden).tolist()
+                if masks[0]:
+                    best = self._masked_argmax(hidden, best, *masks)
                 output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
                 float32 = not self.sampler.takes_model_dtype(scheduled)
@@ -349,6 +352,21 @@ class TorchModelRunner:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         with torch.inference_mode():
             return self.model.compute_logits(hidden, float32=float32)
+
+    def _masked_argmax(
+        self, hidden: torch.Tensor, best: list[int], rows: list[int], masks: list[bytes]
+    ) -> list[int]:
+        """Greedy rows under a grammar: where the unmasked argmax is allowed it is the
+        answer; only the rows whose argmax the mask forbids get their logits, masked."""
+        redo, redo_masks = forbidden_argmax(best, rows, masks)
+        if not redo:
+            return best
+        index = torch.tensor(redo, dtype=torch.long, device=hidden.device)
+        logits = self._logits(hidden[index], float32=False)
+        apply_token_bitmask(logits, range(len(redo)), redo_masks)
+        for row, token in zip(redo, argmax_rows(logits).tolist(), strict=True):
+            best[row] = token
+        return best
 
     def _best_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's argmax [S]: inside the LM head where the model offers it, else of the

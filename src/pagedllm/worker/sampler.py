@@ -325,20 +325,59 @@ def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], masks: Sequen
     """Structured outputs: in ``logits`` (written in place), set to -inf every token that
     row ``rows[i]``'s mask ``masks[i]`` forbids (bit ``t % 32`` of little-endian 32-bit word
     ``t // 32`` clear: token t is forbidden; tokens past the mask are forbidden). Runs
-    before any other stage, so greedy, sampled, n>1 and logprobs all see the masked rows."""
+    before any other stage, so greedy, sampled, n>1 and logprobs all see the masked rows.
+
+    On CPU the rows are written through an integer view of their bits, branch-free
+    (``value & keep | -inf & ~keep``, ``keep`` all ones or zeros per token): a boolean
+    select over a mask of scattered bits mispredicts, and torch's element-wise ops pay
+    for their threads on a busy machine; the plain ``masked_fill`` is kept for other
+    devices and dtypes (and as the tests' reference)."""
     if not rows:
         return
     num_rows, vocab = len(rows), logits.shape[1]
     packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(num_rows, -1)
     # count pads with zero bits: a mask shorter than the vocabulary forbids the rest.
-    bits = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")
-    forbidden = (torch.from_numpy(bits) == 0).to(logits.device)
+    allowed = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")
+    bits = _NEG_INF_BITS.get(logits.dtype)
     with torch.inference_mode():  # the runner's logits are inference tensors
-        if num_rows == logits.shape[0] and list(rows) == list(range(num_rows)):
-            logits.masked_fill_(forbidden, float("-inf"))
-        else:
-            for i, row in enumerate(rows):
-                logits[row].masked_fill_(forbidden[i], float("-inf"))
+        if logits.device.type == "cpu" and logits.is_contiguous() and bits is not None:
+            raw = logits.view(bits[0]).numpy()
+            every_row = list(rows) == list(range(logits.shape[0]))
+            target = raw if every_row else raw[list(rows)]
+            keep = np.negative(allowed, dtype=target.dtype)  # 1 -> all ones, 0 -> 0
+            target &= keep
+            target |= np.invert(keep) & bits[1]
+            if not every_row:
+                raw[list(rows)] = target
+            return
+        forbidden = torch.from_numpy(allowed == 0).to(logits.device)
+        index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+def forbidden_argmax(
+    best: Sequence[int], rows: Sequence[int], masks: Sequence[bytes]
+) -> tuple[list[int], list[bytes]]:
+    """Greedy rows (``bitmask_rows``' ``rows`` and ``masks``) whose unmasked argmax
+    ``best[row]`` their mask forbids, and those masks. Every other masked row's argmax is
+    already the masked argmax, so only these need their logits and ``apply_token_bitmask``."""
+    redo_rows: list[int] = []
+    redo_masks: list[bytes] = []
+    for row, mask in zip(rows, masks, strict=True):
+        token = best[row]
+        if token // 8 >= len(mask) or not mask[token // 8] >> (token % 8) & 1:
+            redo_rows.append(row)
+            redo_masks.append(mask)
+    return redo_rows, redo_masks
+
+
+# A float dtype's integer view and the bits of its -inf in that view.
+_NEG_INF_BITS = {
+    dtype: (view, torch.tensor(float("-inf"), dtype=dtype).view(view).item())
+    for dtype, view in (
+        (torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)
+    )
+}  # fmt: skip
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
