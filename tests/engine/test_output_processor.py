@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pagedllm.core.outputs import TokenLogprob
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestDelta, SequenceDelta
@@ -28,6 +30,7 @@ def _start(tokenizer: Any, request_id: str = "r", **params: Any) -> tuple[Output
 
 def test_a_group_of_n_finishes_when_its_last_sequence_does(tokenizer):
     processor, state = _start(tokenizer, n=3, max_tokens=4)
+    [stop_id] = _ids(tokenizer, "d")
     processor.process(
         _delta("r", *(SequenceDelta(i, _ids(tokenizer, "ab"[: i % 2 + 1])) for i in (2, 0, 1)))
     )
@@ -38,14 +41,15 @@ def test_a_group_of_n_finishes_when_its_last_sequence_does(tokenizer):
         _delta(
             "r",
             SequenceDelta(0, _ids(tokenizer, "c"), finish_reason="length"),
-            SequenceDelta(2, _ids(tokenizer, "d"), finish_reason="stop", stop_reason=7),
+            SequenceDelta(2, _ids(tokenizer, "d"), finish_reason="stop", stop_reason=stop_id),
         )
     )
     output = state.output()
     assert state.finished and output.finished and "r" not in processor.requests
-    assert [c.text for c in output.outputs] == ["ac", "ab", "ad"]
+    # The stop token that ended sample 2 is not in its text (as in vLLM).
+    assert [c.text for c in output.outputs] == ["ac", "ab", "a"]
     assert [c.finish_reason for c in output.outputs] == ["length", "length", "stop"]
-    assert output.outputs[2].stop_reason == 7
+    assert output.outputs[2].stop_reason == stop_id
     assert state.take_stopped() == []  # the core finished them all itself
 
 
@@ -119,3 +123,22 @@ def test_an_aborted_request_is_forgotten(tokenizer):
     processor, _ = _start(tokenizer)
     processor.abort_request("r")
     assert processor.process(_delta("r", SequenceDelta(0, (1,)))) is None
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)])  # without and with stop strings
+def test_the_stop_token_that_ends_a_sequence_stays_out_of_its_text(tokenizer, stop):
+    """As vLLM: EOS or a ``stop_token_ids`` token ends the text before it, even when
+    special tokens are kept; ``include_stop_str_in_output`` keeps it."""
+    eos = tokenizer.eos_token_id
+    for keep, expected in ((False, "ab"), (True, "ab" + tokenizer.decode([eos]))):
+        processor, state = _start(
+            tokenizer, skip_special_tokens=False, include_stop_str_in_output=keep, stop=stop
+        )
+        processor.process(_delta("r", SequenceDelta(0, _ids(tokenizer, "a"))))
+        done = SequenceDelta(0, (*_ids(tokenizer, "b"), eos), finish_reason="stop")
+        processor.process(_delta("r", done, finished=True))
+        assert state.output().outputs[0].text == expected
+    # A complete grammar ends a sequence with "stop" and no reason on a token of its text.
+    processor, state = _start(tokenizer, skip_special_tokens=False, stop=stop)
+    processor.process(_delta("r", SequenceDelta(0, _ids(tokenizer, "ab"), finish_reason="stop")))
+    assert state.output().outputs[0].text == "ab"

@@ -111,7 +111,10 @@ class SequenceState:
         stop = None
         if self.detokenizer.stop:
             end = len(self.token_ids)
-            stop = self._detokenized(end - len(delta.token_ids)).add_tokens(delta.token_ids)
+            shown = delta.token_ids
+            if self._hides_stop_token(delta.finish_reason, delta.stop_reason):
+                shown = shown[:-1]
+            stop = self._detokenized(end - len(delta.token_ids)).add_tokens(shown)
             self.num_detokenized = end
         if stop is not None:
             self.finish("stop", stop)
@@ -126,7 +129,10 @@ class SequenceState:
     @property
     def text(self) -> str:
         """The text so far; while running, without what a stop string could take back."""
-        detokenizer = self._detokenized(len(self.token_ids))
+        end = len(self.token_ids)
+        if self._hides_stop_token(self.finish_reason, self.stop_reason):
+            end -= 1
+        detokenizer = self._detokenized(end)
         if self.finish_reason is None:
             return detokenizer.visible_text
         return detokenizer.finish()
@@ -163,6 +169,21 @@ class SequenceState:
         self.finish_read = finish is not None
         stop = self.stop_reason if finish else None
         return ChoiceDelta(self.index, text, tuple(token_ids), logprobs, finish, stop)
+
+    def _hides_stop_token(self, reason: str | None, stop_reason: int | str | None) -> bool:
+        """True when the sequence ended on a stop token, whose text stays out of the output
+        as in vLLM (unless include_stop_str_in_output): a ``stop_token_ids`` token (its id
+        is the stop reason) or EOS (a special token; a "stop" without a reason may also be
+        a complete grammar's, whose last token is text)."""
+        if reason != "stop" or isinstance(stop_reason, str) or not self.token_ids:
+            return False
+        if self.detokenizer.include_stop_str_in_output:
+            return False
+        last = self.token_ids[-1]
+        if stop_reason is not None:
+            return last == stop_reason
+        tokenizer = self.detokenizer.tokenizer
+        return tokenizer is not None and last in tokenizer.all_special_ids
 
     def _detokenized(self, end: int) -> IncrementalDetokenizer:
         """The detokenizer, once given the tokens before ``end`` (in one window)."""
