@@ -37,7 +37,7 @@ ENDLESS_STREAMS = frozenset({"/v1/cache/events/stream"})
 # small (blocks = bytes / this), so a grow costs the test little memory.
 KV_BLOCK_BYTES = 1 << 20
 # Fields the server refuses whatever the engine could do (another model, not supported).
-REFUSED_FIELDS = frozenset({"model", "suffix", "best_of", "tools", "response_format"})
+REFUSED_FIELDS = frozenset({"model", "suffix", "best_of", "response_format"})
 VOCAB_SIZE = 256  # the tiny tokenizer's bytes; its vocabulary holds a few more tokens
 
 

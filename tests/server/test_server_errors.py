@@ -71,9 +71,34 @@ BAD_CHATS = [
     ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs", []),
     (
         '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-        "tools",
+        "tools[0].function",
         [],
     ),  # fmt: skip
+    (
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        '"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": '
+        '{"name": "g"}}}',
+        "tool_choice.function.name",
+        ["'g'", "not among the tools"],
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        '"function": {"name": "f", "parameters": {"type": "object", "properties": '
+        '{"a": {"type": 5}}}}}]}',
+        "tools[0].function.parameters",
+        ["properties.a.type"],
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+        "tool_choice",
+        ["needs tools"],
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
+        '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}',
+        "messages[1].tool_calls[0].function.arguments",
+        ["object"],
+    ),
 ]
 
 

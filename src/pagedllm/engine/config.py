@@ -22,6 +22,7 @@ from pagedllm.kv_dtypes import (
     check_kv_cache_dtype,
     is_quantized,
 )
+from pagedllm.tool_calls.parsers import TOOL_CALL_PARSERS
 
 GIB = 1 << 30
 # Without --kv-cache-memory or --memory-fraction: enough for a few long sessions of
@@ -243,6 +244,14 @@ class EngineConfig:
         default=False,
         metadata=flag("load no tokenizer: requests give token ids and get token ids back"),
     )
+    # How chat requests with tools show them and read the model's calls (tool_calls/).
+    tool_call_parser: str = field(
+        default="auto",
+        metadata=flag("the tool-call format of chat requests with tools: auto (read from the "
+                      "chat template; generic when it shows no tools), a family (hermes, "
+                      "llama3_json, mistral), or generic (tools in a system prompt, "
+                      "<tool_call> blocks)", choices=TOOL_CALL_PARSERS),
+    )  # fmt: skip
     # Tensor parallelism (engine/executor/): ranks, and torchrun-style rendezvous
     # across machines (master_port None on one machine: a free port is picked).
     tensor_parallel_size: int = field(
@@ -333,6 +342,10 @@ class EngineConfig:
             )
         if self.num_threads is not None:
             self._check_positive("num_threads", self.num_threads)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         self._check_distributed()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -298,6 +298,7 @@ class EngineCore:
             "block_size": int(engine.runner.block_size),
             "num_blocks": engine.cache_capacity_blocks(),
             "max_num_tokens": engine.max_num_tokens(),
+            "tool_call_parser": engine.config.tool_call_parser,
             "pid": os.getpid(),
         }
 

@@ -156,6 +156,7 @@ def _build_context(engine: AsyncEngine, served_model_name: str | None) -> Server
         block_size=info["block_size"],
         num_blocks=info["num_blocks"],
         max_num_tokens=info["max_num_tokens"],
+        tool_call_parser=info.get("tool_call_parser", "auto"),
     )
 
 

@@ -30,6 +30,9 @@ Count = Annotated[int, Interval(ge=0, le=INT64_MAX)]  # token ids, sequence numb
 Positive = Annotated[int, Interval(ge=1, le=INT64_MAX)]  # lengths, limits
 TopK = Annotated[int, Interval(ge=-1, le=INT64_MAX)]  # -1 and 0: no top-k
 
+# Tools in one request (OpenAI's limit), and calls in one earlier assistant message.
+MAX_TOOLS = 128
+
 # Token-id prompts: one prompt or a batch of them (the vocabulary is checked later:
 # a negative id is "outside the vocabulary" too).
 TokenIds = list[Int64]
@@ -116,10 +119,50 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """An earlier call's function: ``arguments`` is JSON text, as OpenAI sends it."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCallMessagePart(_Request):
+    """One of an assistant message's earlier ``tool_calls``."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessagePart] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class FunctionDefinition(_Request):
+    """A tool's function; ``parameters`` is a JSON Schema (checked in tool_calls/tools.py)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -129,7 +172,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---------------------------------------------------------------- responses
@@ -208,9 +253,39 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class _DropsNone(_Response):
+    """A body whose None fields are left out."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ResponseFunction(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(_Response):
+    """``tool_calls`` only when the request had tools (then ``content`` is null when the
+    reply is only calls)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_calls(self, handler: Any) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(_Response):
@@ -230,15 +305,26 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class DeltaMessage(_Response):
+class DeltaFunction(_DropsNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropsNone):
+    """A call's stream delta: ``id``, ``type`` and the name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
+class DeltaMessage(_DropsNone):
     """A chat stream delta; absent fields are left out (``{}`` on the final chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

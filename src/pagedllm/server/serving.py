@@ -47,6 +47,7 @@ from pagedllm.server.protocol import (
 from pagedllm.server.request_log import RecentRequests
 from pagedllm.server.sse import DONE, EventStreamResponse, until_disconnect
 from pagedllm.server.structured import check_compiles, structured_outputs_of
+from pagedllm.tool_calls.render import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ServerContext:
     num_blocks: int
     # The most tokens one request may have (``Scheduler.max_num_tokens``, asked of the core).
     max_num_tokens: int
+    # ``--tool-call-parser``: how chats with tools show them and read the calls.
+    tool_call_parser: str = "auto"
     requests: RecentRequests = field(default_factory=RecentRequests)
     created: int = field(default_factory=lambda: int(time.time()))
     # Structured outputs' grammars, compiled here first (made for the first such request).
@@ -93,6 +96,7 @@ class ServerContext:
 class Prompt:
     token_ids: list[int]
     text: str | None  # None: token ids given, decoded only if echo needs it
+    tools: ToolPlan | None = None  # a chat's tools, when it or its history has some
 
 
 # ---------------------------------------------------------------- shared steps
@@ -304,21 +308,24 @@ async def respond(
     stream: bool,
     body: Callable[[list[Any], int], BaseModel],
     events: Callable[[list[RequestStream], int], AsyncGenerator[bytes, None]],
+    headers: dict[str, str] | None = None,
 ) -> Response:
     """Add the requests, then answer with ``body(final outputs, created)`` as JSON once
     all have finished, or (``stream``) with ``events(streams, created)`` as Server-Sent
-    Events; 499 if the client leaves first."""
+    Events, with ``headers`` either way; 499 if the client leaves first."""
     streams = await add_streams(ctx, specs)
     created = int(time.time())
     if stream:
-        return EventStreamResponse(
+        response: Response = EventStreamResponse(
             event_stream(request_id, streams, events(streams, created)),
             on_close=lambda: close_streams(ctx, streams),
         )
+        response.headers.update(headers or {})
+        return response
     done, outputs = await until_disconnect(request.receive, lambda: final_outputs(ctx, streams))
     if not done:
         return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(body(outputs, created).model_dump(mode="json"))
+    return JSONResponse(body(outputs, created).model_dump(mode="json"), headers=headers)
 
 
 async def event_stream(

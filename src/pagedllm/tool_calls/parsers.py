@@ -34,6 +34,8 @@ from typing import Any
 from pagedllm.tool_calls.json_scan import WHITESPACE, ObjectScanner
 
 FORMATS = ("hermes", "llama3_json", "mistral", "generic")
+# ``--tool-call-parser``: a format, or "auto" (read from the chat template).
+TOOL_CALL_PARSERS = ("auto", *FORMATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,22 +181,21 @@ class ToolCallStream:
         self._new_calls: dict[int, ToolCallDelta] = {}
         self._finished = False
 
-    def feed(self, text: str) -> ParsedDelta:
-        """Add the next piece of the reply; what is now certain."""
+    def feed(self, text: str, *, last: bool = False) -> ParsedDelta:
+        """Add the next piece of the reply (``last``: the reply ends with it); what is
+        now certain."""
         if self._finished:
             raise ValueError("this reply has finished")
         self._text += text
         self._advance(final=False)
+        if last:
+            self._finish()
         return self._take()
 
     def finish(self) -> ParsedDelta:
         """The reply has ended: what was held back, and the last call closed."""
         if not self._finished:
-            self._finished = True
-            self._advance(final=True)
-            if self._call is not None:  # the text ended inside a call
-                self._end_call(len(self._text))
-            self._send_content(self._gate.finish())
+            self._finish()
         return self._take()
 
     def reply(self) -> ParsedReply:
@@ -202,6 +203,13 @@ class ToolCallStream:
         content = "".join(self._content)
         calls = tuple(self._calls)
         return ParsedReply(None if calls and not content else content, calls)
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._advance(final=True)
+        if self._call is not None:  # the text ended inside a call
+            self._end_call(len(self._text))
+        self._send_content(self._gate.finish())
 
     # ------------------------------------------------------------------ for families
 

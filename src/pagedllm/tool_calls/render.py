@@ -20,7 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.tool_calls.parsers import FORMATS
+from pagedllm.tool_calls.parsers import (
+    TOOL_CALL_PARSERS,
+    ParsedDelta,
+    ParsedReply,
+    ToolCallStream,
+    parse_tool_calls,
+    tool_call_stream,
+)
 from pagedllm.tool_calls.tools import (
     InvalidToolRequest,
     Tool,
@@ -29,7 +36,6 @@ from pagedllm.tool_calls.tools import (
     history_arguments,
 )
 
-TOOL_CALL_PARSERS = ("auto", *FORMATS)
 # What starts a call in each format's output.
 MARKERS = {
     "hermes": "<tool_call>",
@@ -59,6 +65,25 @@ class ToolPlan:
 
     def tool(self, name: str) -> Tool:
         return next(t for t in self.tools if t.name == name)
+
+    def parse(self, text: str) -> ParsedReply:
+        """A whole reply's content and calls (the first only, unless ``parallel``)."""
+        reply = parse_tool_calls(self.format, text)
+        return reply if self.parallel else ParsedReply(reply.content, reply.tool_calls[:1])
+
+    def stream(self) -> ToolCallStream:
+        return tool_call_stream(self.format)
+
+    def limit(self, delta: ParsedDelta) -> ParsedDelta:
+        """A streamed delta with the first call only, unless ``parallel``."""
+        if self.parallel:
+            return delta
+        return ParsedDelta(delta.content, tuple(c for c in delta.tool_calls if c.index == 0))
+
+
+def tool_finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """A reply that ended on its own after calling tools finished with "tool_calls"."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def render_chat(
