@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.tool_calls.render import ToolPlan, render_chat, special_marker
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchOutput
@@ -153,25 +155,45 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``)
-        or to several, through the tokenizer's chat template."""
+        or to several, through the tokenizer's chat template.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``) are shown to
+        the model as its template shows them (``EngineConfig.tool_call_parser``), and
+        each completion's ``tool_calls`` and ``content`` hold its reply read for calls;
+        ``tool_choice`` ("auto", "none", "required" or ``{"type": "function",
+        "function": {"name": ...}}``) and ``parallel_tool_calls`` as in the OpenAI API.
+        Earlier calls (assistant ``tool_calls``) and their results (``role: "tool"``)
+        may be in the messages."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = []
+        prompts, plans = [], []
         for conversation in conversations:
-            text = self.render_chat(conversation, add_generation_prompt, chat_template)
+            text, plan = self._render(
+                conversation, add_generation_prompt, chat_template,
+                tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+            )  # fmt: skip
             prompts.append({"prompt": text, "prompt_token_ids": self._encode_rendered(text)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            plans.append(plan)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        params = [self._tool_params(p, plan) for p, plan in zip(params, plans, strict=True)]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [_with_calls(o, plan) for o, plan in zip(outputs, plans, strict=True)]
 
     def encode_chat(
         self,
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **tool_kwargs: Any,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the chat template."""
+        """Token ids of a conversation rendered by the chat template (``tools`` and
+        the other tool keywords of ``chat`` too)."""
         return self._encode_rendered(
-            self.render_chat(messages, add_generation_prompt, chat_template)
+            self.render_chat(messages, add_generation_prompt, chat_template, **tool_kwargs)
         )
 
     def render_chat(
@@ -179,19 +201,40 @@ class LLM:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **tool_kwargs: Any,
     ) -> str:
-        """A conversation rendered by the chat template, as text."""
+        """A conversation rendered by the chat template, as text (``tools`` and the other
+        tool keywords of ``chat`` too)."""
+        return self._render(messages, add_generation_prompt, chat_template, **tool_kwargs)[0]
+
+    def _render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        chat_template: str | None,
+        **tool_kwargs: Any,
+    ) -> tuple[str, ToolPlan | None]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer")
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
-        return tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
-            tokenize=False,
+        return render_chat(
+            tokenizer,
+            messages,
+            tool_call_parser=self.engine.config.tool_call_parser,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
+            **tool_kwargs,
         )
+
+    def _tool_params(self, params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+        """A reply read for calls keeps a special-token call marker in its text."""
+        if plan is None or not plan.parses:
+            return params
+        if special_marker(self.engine.tokenizer, plan.format) is not None:
+            params = replace(params, skip_special_tokens=False)
+        return params
 
     def _encode_rendered(self, text: str) -> list[int]:
         # The template already carries its special tokens (BOS included).
@@ -226,6 +269,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+
+
+def _with_calls(output: RequestOutput, plan: ToolPlan | None) -> RequestOutput:
+    """``output`` with each completion read for calls (when the request had tools)."""
+    if plan is None or not plan.parses:
+        return output
+    completions = []
+    for completion in output.outputs:
+        reply = plan.parse(completion.text)
+        completions.append(replace(completion, tool_calls=reply.tool_calls, content=reply.content))
+    return replace(output, outputs=tuple(completions))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from pagedllm.tool_calls.parsers import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class CompletionOutput:
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS).
     ``logprobs`` (when ``SamplingParams.logprobs`` is set): vLLM's shape, one dict per
     token (``position_logprobs``).
+    ``tool_calls`` and ``content`` (``LLM.chat(tools=...)`` only; ``text`` stays the
+    whole reply): the calls read in the model's tool-call format, and the text around
+    them (None when the reply is only calls).
     """
 
     index: int
@@ -87,6 +93,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:
