@@ -100,3 +100,17 @@ def test_bad_tools_raise_naming_the_field(tmp_path: Path) -> None:
         # a forced generic format shows the tools in a system prompt instead
         assert "<|im_start|>system\n" in llm.render_chat(ASK, tools=TOOLS)
         assert "# Tools\n\nYou may call functions" in llm.render_chat(ASK, tools=TOOLS)
+
+
+def test_a_named_choice_is_held_to_that_tool(tmp_path: Path) -> None:
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    now = {"type": "function", "function": {"name": "now"}}
+    with make_llm(tmp_path, [CALLS]) as llm:
+        [output] = llm.chat(ASK, GREEDY, tools=TOOLS, tool_choice=now, use_tqdm=False)
+        assert [(c.name, c.arguments) for c in output.outputs[0].tool_calls] == [("now", "{}")]
+        both = SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(json_object=True)
+        )
+        with pytest.raises(InvalidToolRequest, match="structured_outputs"):
+            llm.chat(ASK, both, tools=TOOLS, tool_choice="required", use_tqdm=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -264,3 +265,65 @@ def test_mistral_keeps_its_special_marker(tmp_path: Path) -> None:
         assert without_ids(plain_calls(message)) == [("get_weather", '{"city": "Nice"}')]
 
     serve(tmp_path, [reply], body, MISTRAL_STYLE, ("[TOOL_CALLS]",), turn="[/INST]")
+
+
+def test_required_and_named_replies_are_held_to_the_tools(tmp_path: Path) -> None:
+    """The grammar lets a valid call through unchanged, and turns a call of the wrong
+    tool into one of the named tool whose arguments validate (the fake runner takes the
+    first token the grammar allows where its script is refused)."""
+    weather = hermes("get_weather", '{"city": "Paris"}')
+    calculator = {"type": "function", "function": {"name": "calculator"}}
+
+    async def body(client: openai.AsyncOpenAI) -> None:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            whole = await client.chat.completions.create(
+                model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice
+            )
+            assert without_ids(plain_calls(whole.choices[0].message)) == [
+                ("get_weather", '{"city": "Paris"}')
+            ]
+            stream = await streamed(client, messages=ASK, tools=TOOLS, tool_choice=choice)
+            assert without_ids(stream["calls"]) == [("get_weather", '{"city": "Paris"}')]
+        forced = await client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice=calculator
+        )
+        [call] = plain_calls(forced.choices[0].message)
+        assert call["name"] == "calculator" and forced.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call["arguments"]), CALCULATOR["function"]["parameters"])
+        stream = await streamed(client, messages=ASK, tools=TOOLS, tool_choice=calculator)
+        assert without_ids(stream["calls"]) == without_ids([call])
+
+    serve(tmp_path, [weather] * 5, body)
+
+
+def test_constrained_calls_refuse_what_the_grammar_cannot_take(tmp_path: Path) -> None:
+    odd = {
+        "type": "function",
+        "function": {
+            "name": "dial",
+            "parameters": {
+                "type": "object",
+                "properties": {"number": {"type": "string", "format": "phone-number"}},
+            },
+        },
+    }
+
+    async def body(client: openai.AsyncOpenAI) -> None:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="tiny", messages=ASK, tools=[WEATHER, odd], tool_choice="required"
+            )
+        assert info.value.body["param"] == "tools[1].function.parameters"
+        assert '"format": "phone-number"' in info.value.body["message"]
+        assert "/properties/number" in info.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                response_format={"type": "json_object"},
+            )  # fmt: skip
+        assert info.value.body["param"] == "tool_choice"
+        # auto compiles nothing: the model's own format is read, whatever the schema
+        auto = await client.chat.completions.create(model="tiny", messages=ASK, tools=[odd])
+        assert auto.choices[0].message.content == "fine"
+
+    serve(tmp_path, ["fine"], body)

@@ -27,7 +27,9 @@ from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.tool_calls.render import ToolPlan, render_chat, special_marker
+from pagedllm.tool_calls.constraints import tool_call_constraint
+from pagedllm.tool_calls.render import ToolPlan, render_chat, special_marker, tag_token_ids
+from pagedllm.tool_calls.tools import InvalidToolRequest
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchOutput
@@ -229,11 +231,21 @@ class LLM:
         )
 
     def _tool_params(self, params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
-        """A reply read for calls keeps a special-token call marker in its text."""
+        """A reply read for calls keeps a special-token call marker in its text; one that
+        must call a tool is held to the format's grammar."""
         if plan is None or not plan.parses:
             return params
-        if special_marker(self.engine.tokenizer, plan.format) is not None:
+        tokenizer = self.engine.tokenizer
+        if special_marker(tokenizer, plan.format) is not None:
             params = replace(params, skip_special_tokens=False)
+        constraint = tool_call_constraint(plan, tag_token_ids(tokenizer, plan.format))
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise InvalidToolRequest(
+                    "a reply that must call a tool cannot also follow structured_outputs",
+                    "tool_choice",
+                )
+            params = replace(params, structured_outputs=constraint)
         return params
 
     def _encode_rendered(self, text: str) -> list[int]:

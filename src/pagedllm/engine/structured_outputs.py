@@ -46,7 +46,7 @@ _COMPILE_THREADS = 2
 # whitespace characters, at most this many in a row; an endless run is how a small model
 # most often fails an unbounded-whitespace grammar (it never reaches the closing brace).
 _MAX_WHITESPACE = 32
-_WHITESPACE = rf"[\x20\x0A\x0D\x09]{{0,{_MAX_WHITESPACE}}}"
+JSON_WHITESPACE = rf"[\x20\x0A\x0D\x09]{{0,{_MAX_WHITESPACE}}}"
 
 
 class GrammarError(ValueError):
@@ -206,7 +206,7 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         if params.disable_any_whitespace:
             options: dict[str, Any] = {"whitespace_flexible": False}
         else:
-            options = {"whitespace_pattern": _WHITESPACE}
+            options = {"whitespace_pattern": JSON_WHITESPACE}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex or "")

@@ -4,7 +4,9 @@ answers out, whole or as Server-Sent Events (the role first, the finish reason l
 With ``tools`` (``pagedllm/tool_calls/``) the template shows them, each answer is read for
 calls in the model's format (``message.tool_calls``, or in a stream each call's id and
 name first, then its argument fragments) and one that called ends with "tool_calls"; the
-``x-pagedllm-tool-format`` header names the format."""
+``x-pagedllm-tool-format`` header names the format. A reply that must call a tool
+("required", or a named one) is held to the format's grammar, built from the tools'
+schemas and compiled here before the engine sees the request."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedllm.engine.async_engine import ChoiceDelta, RequestSpec, RequestStream
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.server.errors import bad_request
 from pagedllm.server.protocol import (
     AssistantMessage,
@@ -41,6 +43,7 @@ from pagedllm.server.serving import (
     check_common,
     check_length,
     check_model,
+    check_structured,
     check_structured_outputs,
     new_id,
     outputs_of,
@@ -50,8 +53,16 @@ from pagedllm.server.serving import (
     usage_of,
 )
 from pagedllm.server.sse import sse_event
+from pagedllm.server.structured import Structured, structured_outputs_of
+from pagedllm.tool_calls.constraints import tool_call_constraint
 from pagedllm.tool_calls.parsers import ToolCallDelta, ToolCallStream
-from pagedllm.tool_calls.render import ToolPlan, render_chat, special_marker, tool_finish_reason
+from pagedllm.tool_calls.render import (
+    ToolPlan,
+    render_chat,
+    special_marker,
+    tag_token_ids,
+    tool_finish_reason,
+)
 from pagedllm.tool_calls.tools import InvalidToolRequest
 
 # Says how a chat with tools showed them to the model: its tool-call format ("hermes",
@@ -97,6 +108,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     _check_request(ctx, req)
     await check_structured_outputs(ctx, req)
     prompt = chat_prompt(ctx, req)
+    calls_only = await _tool_constraint(ctx, req, prompt.tools)
     request_id = new_id("chatcmpl", request)
 
     def body(outputs: list[Any], created: int) -> ChatCompletionResponse:
@@ -107,7 +119,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
             usage=usage_of(outputs),
         )  # fmt: skip
 
-    spec = _spec(ctx, req, f"{request_id}-0", prompt)
+    spec = _spec(ctx, req, f"{request_id}-0", prompt, calls_only)
     headers = {TOOL_FORMAT_HEADER: prompt.tools.format} if prompt.tools else None
     return await respond(
         ctx, request, request_id, [spec], req.stream, body,
@@ -123,8 +135,35 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
 
 
+async def _tool_constraint(
+    ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan | None
+) -> StructuredOutputsParams | None:
+    """The grammar a reply that must call a tool ("required", or a named one) is held
+    to, compiled here first: each tool's parameters alone, so that a schema the engine
+    cannot take is a 400 naming the tool, the JSON-Schema feature and its path."""
+    if plan is None or not plan.choice.constrained:
+        return None
+    if structured_outputs_of(req) is not None:
+        raise bad_request(
+            "tool_choice: a reply that must call a tool cannot also follow response_format "
+            "or structured_outputs",
+            param="tool_choice",
+        )
+    for i, tool in enumerate(plan.tools):
+        if plan.choice.name in (None, tool.name):
+            parameters = StructuredOutputsParams(json=tool.parameters)
+            await check_structured(ctx, Structured(parameters, f"tools[{i}].function.parameters"))
+    constraint = tool_call_constraint(plan, tag_token_ids(ctx.tokenizer, plan.format))
+    await check_structured(ctx, Structured(constraint, "tools"))
+    return constraint
+
+
 def _spec(
-    ctx: ServerContext, req: ChatCompletionRequest, request_id: str, prompt: Prompt
+    ctx: ServerContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    prompt: Prompt,
+    calls_only: StructuredOutputsParams | None = None,
 ) -> RequestSpec:
     # max_completion_tokens is the current name; max_tokens the deprecated one.
     if req.max_completion_tokens is not None:
@@ -136,6 +175,8 @@ def _spec(
     params = sampling_params(req, asked, logprobs)
     if prompt.tools is not None and prompt.tools.parses:
         params = _tool_params(ctx, params, prompt.tools)
+    if calls_only is not None:
+        params = dataclasses.replace(params, structured_outputs=calls_only)
     return RequestSpec(request_id, prompt.token_ids, params, req.priority, req.cache_salt)
 
 

@@ -46,7 +46,7 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.request_log import RecentRequests
 from pagedllm.server.sse import DONE, EventStreamResponse, until_disconnect
-from pagedllm.server.structured import check_compiles, structured_outputs_of
+from pagedllm.server.structured import Structured, check_compiles, structured_outputs_of
 from pagedllm.tool_calls.render import ToolPlan
 
 M = TypeVar("M", bound=BaseModel)
@@ -127,7 +127,11 @@ def check_common(req: SamplingFields) -> None:
 async def check_structured_outputs(ctx: ServerContext, req: SamplingFields) -> None:
     """Compile the request's grammar off the event loop (cached): a 400 naming the field,
     the JSON-Schema feature and its path when the engine cannot take it."""
-    structured = structured_outputs_of(req)
+    await check_structured(ctx, structured_outputs_of(req))
+
+
+async def check_structured(ctx: ServerContext, structured: Structured | None) -> None:
+    """``check_structured_outputs`` of a constraint made elsewhere (a tool call's)."""
     if structured is None:
         return
     if ctx.grammars is None:

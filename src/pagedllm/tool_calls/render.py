@@ -36,13 +36,15 @@ from pagedllm.tool_calls.tools import (
     history_arguments,
 )
 
-# What starts a call in each format's output.
+# What starts a call in each format's output, and what else marks calls.
 MARKERS = {
     "hermes": "<tool_call>",
     "generic": "<tool_call>",
     "llama3_json": "<|python_tag|>",
     "mistral": "[TOOL_CALLS]",
 }
+TAGS = {**{fmt: (marker,) for fmt, marker in MARKERS.items()}, "hermes": ("<tool_call>", "</tool_call>"),
+        "generic": ("<tool_call>", "</tool_call>")}  # fmt: skip
 # A tool to see whether a template renders tools at all.
 _PROBE_TOOL = Tool("probe_tool", "A probe.", {"type": "object", "properties": {}}).to_dict()
 _PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -183,6 +185,15 @@ def special_marker(tokenizer: Any, fmt: str) -> int | None:
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
     return tokenizer.convert_tokens_to_ids(marker) if marker in special else None
+
+
+def tag_token_ids(tokenizer: Any, fmt: str) -> dict[str, int]:
+    """``fmt``'s tags that the tokenizer has as added tokens (Qwen2.5's ``<tool_call>``,
+    Mistral's ``[TOOL_CALLS]``), with their ids: a grammar asks for that token, as the
+    model writes it, not for the tag's text spelled out in other tokens."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    added = {token.content: token_id for token_id, token in decoder.items()}
+    return {tag: added[tag] for tag in TAGS[fmt] if tag in added}
 
 
 # ---------------------------------------------------------------- messages
