@@ -10,7 +10,7 @@ inputs + sampling + detokenizing + update + rest; goal <= 10% of step time. Step
 as ``LLM.generate`` takes them (``finished_only=True``: no output built for running requests,
 their text decoded when read); the text decode those steps defer is timed after them and
 counted as detokenizing. ``--deltas`` takes the steps as the server's engine core does
-(``LLMEngine.step_deltas`` and the msgpack frame of the deltas, timed as "deltas"), and
+(``LLMEngine.step_deltas`` and the wire frame of the deltas, timed as "deltas"), and
 ``--temperature`` samples (the serving benchmarks' default is 1.0).
 Last line: one JSON object.
 
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 import throughput  # noqa: E402  (sets the offline environment before any model loads)
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.engine.core import encode_deltas, pack  # noqa: E402
 from pagedllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from pagedllm.engine.messages import Codec, Deltas  # noqa: E402
 
 PARTS = ("schedule", "inputs", "forward", "logits", "sampling", "detokenize", "update", "deltas")
 OVERHEAD = ("schedule", "inputs", "sampling", "detokenize", "update", "deltas", "rest")
@@ -84,11 +84,11 @@ def instrument(llm: LLM, timers: Timers) -> None:
     IncrementalDetokenizer.add_tokens = timers.wrap("detokenize", IncrementalDetokenizer.add_tokens)
 
 
-def core_step(engine, timers: Timers) -> None:
-    """One step as the server's engine core takes it: deltas, packed for the wire."""
+def core_step(engine, timers: Timers, codec: Codec) -> None:
+    """One step as the server's engine core takes it: deltas, encoded for the wire."""
     deltas = engine.step_deltas()
     start = timers.clock()
-    pack(["deltas", encode_deltas(deltas)])
+    codec.encode(Deltas(tuple(deltas)))
     timers.seconds["deltas"] += timers.clock() - start
 
 
@@ -102,10 +102,11 @@ def time_window(
     timers.seconds.clear()
     timers.enabled = True
     first = engine.num_steps
+    codec = Codec()
     start = timers.clock()
     while engine.num_steps - first < steps:
         if deltas:
-            core_step(engine, timers)
+            core_step(engine, timers, codec)
         else:
             engine.step(finished_only=True)
     # Finished-only steps leave the text of running requests to be decoded when it is

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.core import RequestSpec, decode_spec, encode_spec, pack, unpack
+from pagedllm.engine.messages import AddRequests, Codec, RequestSpec
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 S = StructuredOutputsParams
@@ -67,6 +67,8 @@ def test_sampling_params_take_only_the_record() -> None:
 )  # fmt: skip
 def test_the_record_crosses_the_wire(structured: StructuredOutputsParams | None) -> None:
     params = SamplingParams(max_tokens=7, structured_outputs=structured)
-    spec = decode_spec(unpack(pack(encode_spec(RequestSpec("r", [1, 2], params)))))
+    codec = Codec()
+    message = codec.decode(codec.encode(AddRequests((RequestSpec("r", [1, 2], params),)))).message
+    (spec,) = message.specs
     assert spec.params == params
     assert spec.params.structured_outputs == structured

@@ -70,10 +70,11 @@ class StructuredOutputsParams:
     ``finish_reason="stop"``.
     """
 
-    json: str | dict[str, Any] | None = field(default=None, hash=False)
+    json: str | dict[str, Any] | bool | None = field(default=None, hash=False)
     json_object: bool | None = None
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
+    # Any sequence of strings is taken; a tuple is kept (the wire decodes by this type).
+    choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
 

@@ -207,3 +207,12 @@ def test_structured_outputs_times_both_ways_and_caches_the_schema(capsys, tmp_pa
     assert result["unconstrained"]["masks_per_step"] == 0  # an unconstrained batch: none
     assert result["second_request_cached"] is True
     assert result["compile_ms"] > 0 and "constrained_step_slower" in result
+
+
+def test_wire_round_trips_each_message(capsys):
+    assert load("wire").main(["--quick", "--num-seqs", "8"]) == 0
+    result = last_json(capsys)
+    assert result["num_seqs"] == 8
+    for name in ("deltas", "deltas_logprobs", "add"):
+        assert result[f"{name}_us"] > 0 and result[f"{name}_bytes"] > 0
+    assert result["deltas_logprobs_bytes"] > result["deltas_bytes"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedllm.cli import main
-from pagedllm.engine.core import to_wire
-from pagedllm.engine.reports import cache_report, stats_from_wire
+from pagedllm.engine.messages import Codec
+from pagedllm.engine.reports import EngineStats, cache_report
 from pagedllm.kernels.linear import SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS_F32_AVX2
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.kernels.probe import cpu_info
@@ -107,7 +107,9 @@ def test_engine_reports_routes_at_start_up_and_in_its_stats(model_engine):
     assert "routes:" in engine.startup_report
     assert f"  attention: {routes.attention}" in engine.startup_report
     assert cache_report(engine.get_stats())["routes"] == routes.as_dict()
-    assert stats_from_wire(to_wire(engine.get_stats())).routes == routes  # to the server
+    codec = Codec()
+    wired = codec.decode_value(codec.encode_value(engine.get_stats()), EngineStats)
+    assert wired.routes == routes  # to the server
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.core import to_wire
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.reports import blocks_report, cache_report, stats_from_wire
+from pagedllm.engine.messages import Codec
+from pagedllm.engine.reports import EngineStats, blocks_report, cache_report
 from pagedllm.sampling_params import SamplingParams
 
 from .parity_helpers import PROMPTS, HFReference, build_checkpoint
@@ -114,7 +114,8 @@ def test_long_generation_holds_a_window_per_sliding_group(tmp_path) -> None:
     row = report["requests"][0]
     assert len(row["group_block_tables"]) == 2
     stats = engine.get_stats()
-    wired = stats_from_wire(to_wire(stats))
+    codec = Codec()
+    wired = codec.decode_value(codec.encode_value(stats), EngineStats)
     assert wired.cache == stats.cache and wired.group_waste == stats.group_waste
     groups = cache_report(stats)["kv_cache_groups"]
     assert [g["sliding_window"] for g in groups] == [None, 16, 16]

@@ -115,12 +115,15 @@ async def hold_core(engine: Any, llm: LLMEngine, gate: Any) -> Any:
     waits, as behind a long step."""
     inside = threading.Event()
 
-    def hold() -> bool:
-        inside.set()
-        return gate.wait(10)
+    count = llm.get_num_unfinished_requests
 
-    llm.hold_for_test = hold  # a utility is any public method
-    held = asyncio.ensure_future(engine.call_utility("hold_for_test"))
+    def hold() -> int:
+        inside.set()
+        gate.wait(10)
+        return count()
+
+    llm.get_num_unfinished_requests = hold  # what the core runs for this call
+    held = asyncio.ensure_future(engine.num_unfinished_requests())
     await wait_until(inside.is_set, what="the engine core to enter the held utility call")
     return held
 

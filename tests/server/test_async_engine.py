@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.core import EngineCore
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.messages import Call
+from pagedllm.engine.reports import EngineStats
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 
@@ -208,23 +212,32 @@ def test_queue_bound_counts_requests_without_output(tokenizer):
     asyncio.run(main())
 
 
-def test_utility_calls_by_name(tokenizer):
+@dataclass(frozen=True, slots=True)
+class _Tokenize(Call[list[int]]):
+    """A call the core does not declare (it was a public LLMEngine method once)."""
+
+    prompt: list[int]
+
+
+def test_calls_are_typed_and_the_core_runs_only_declared_ones(tokenizer):
     llm, _ = _engine(tokenizer)
 
     async def main():
         engine = AsyncEngine.in_thread(llm)
-        assert await engine.call_utility("get_num_unfinished_requests") == 0
-        assert await engine.call_utility("tokenize", [97, 98]) == [97, 98]
+        assert await engine.num_unfinished_requests() == 0
+        stats = await engine.get_stats()
+        assert isinstance(stats, EngineStats) and stats.cache.blocks_total == 32
+        with pytest.raises(ValueError, match="no message named '_Tokenize'"):
+            await engine.call(_Tokenize([97]))
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            await engine.call_utility("tokenize", [99999])
-        for bad in ("_groups", "no_such_method", "max_model_len"):
-            with pytest.raises(ValueError, match="no utility"):
-                await engine.call_utility(bad)
+            await engine.add_request("bad", [99999], SamplingParams())
         report = await engine.cache_report()
         assert report["blocks_total"] == 32 and report["blocks_used"] == 0
         await engine.shutdown()
 
     asyncio.run(main())
+    with pytest.raises(ValueError, match="takes no _Tokenize"):
+        EngineCore(llm).handle(_Tokenize([97]))
 
 
 def test_shutdown_fails_streams_and_refuses_new_requests(tokenizer):
@@ -272,7 +285,7 @@ def test_a_delta_that_cannot_be_applied_fails_its_stream_only(tokenizer, monkeyp
             async for _ in bad:
                 pass
         deltas = [d async for d in good]
-        assert await engine.call_utility("get_num_unfinished_requests") == 0
+        assert await engine.num_unfinished_requests() == 0
         start = time.monotonic()
         await engine.shutdown()
         assert not engine.host.is_alive()

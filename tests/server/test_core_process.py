@@ -54,7 +54,7 @@ def _serve(
 def test_requests_metrics_and_reports_cross_the_process_boundary(tokenizer_dir):
     async def body(app, client):
         engine = app.state.engine
-        assert engine.info["pid"] != os.getpid()
+        assert engine.info.pid != os.getpid()
         payload = {"prompt": "hello", "max_tokens": 5, "temperature": 0, "n": 2}
         whole = (await client.post("/v1/completions", json=payload)).json()
         streamed = await client.post("/v1/completions", json={**payload, "stream": True})
@@ -149,7 +149,7 @@ def test_killed_core_fails_requests_cleanly_and_health_says_so(tokenizer_dir):
         payload = {"prompt": "doomed", "max_tokens": 100, "stream": True}
         asgi = ASGIStream(app, "/v1/completions", payload).start()
         assert await asgi.next_chunk()
-        os.kill(engine.info["pid"], signal.SIGKILL)
+        os.kill(engine.info.pid, signal.SIGKILL)
         rest = b""
         while (chunk := await asgi.next_chunk()) is not None:
             rest += chunk

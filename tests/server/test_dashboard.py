@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from pagedllm.engine.core import pack, to_wire, unpack
+from pagedllm.engine.messages import Codec
 from pagedllm.engine.reports import blocks_report
 from pagedllm.sampling_params import SamplingParams
 
@@ -41,7 +41,8 @@ def _check_consistent(report: dict[str, Any]) -> None:
 def _report(llm: Any) -> dict[str, Any]:
     """The block report as the route sends it, for tests that step the engine by hand
     (the app's core thread idles meanwhile: nothing was sent to it)."""
-    return unpack(pack(to_wire(blocks_report(llm))))
+    codec = Codec()
+    return codec.decode_value(codec.encode_value(blocks_report(llm)))
 
 
 def test_blocks_show_a_shared_prefix_with_exact_ids_and_ref_counts(make_harness):

@@ -509,8 +509,8 @@ def test_disk_tier_in_usage_cache_report_and_metrics(make_harness, tmp_path):
     async def body(client):
         assert await cached(client, first) == 0
         assert await cached(client, other) == 0
-        await h.engine.call_utility("flush_disk_tier")
-        assert await h.engine.call_utility("reset_prefix_cache")  # idle: RAM copies gone
+        await h.engine.flush_disk_tier()
+        assert await h.engine.reset_prefix_cache()  # idle: RAM copies gone
         assert await cached(client, first) == 16  # all four full blocks, from disk
         report = (await client.get("/v1/cache")).json()
         disk = report["disk"]

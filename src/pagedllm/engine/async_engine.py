@@ -4,20 +4,23 @@
 
     server process (asyncio event loop)              engine core (core.py)
     -----------------------------------              ---------------------
-    add_requests() -- ["add", id, specs] ------->    own process (``launch``: `pagedllm serve`)
-    abort()        -- ["abort", ids] ----------->      or a thread (``in_thread``: tests,
-    call_utility() -- ["utility", id, name, args]>      ``create_app(LLMEngine)``)
-    a stop string  -- ["stop", id, [[i, stop]]] >    finishes those sequences
-    reader task    <-- ["deltas", ...] ----------    one message per step: new token ids
-                   <-- ["events", batch] --------    cache events, once watch_cache_events
+    add_requests() -- AddRequests(specs) ------->    own process (``launch``: `pagedllm serve`)
+    abort()        -- AbortRequests(ids) ------->      or a thread (``in_thread``: tests,
+    get_stats(), blocks_report(), start_resize(),      ``create_app(LLMEngine)``)
+      ...          -- GetStats(), ... ---------->    runs the call between two steps
+                   <-- Returned / Raised --------    its answer, decoded into its type
+    a stop string  -- StopSequences(id, ...) --->    finishes those sequences
+    reader task    <-- Deltas(...) --------------    one message per step: new token ids
+                   <-- CacheEvents(batch) -------    cache events, once watch_cache_events
        RequestStream: its OutputProcessor state (text, stop strings: "stop" to the
        core) hands out what is new
     core watcher   <-- the process/thread ended      every stream fails, /health says 503
 
 The core never shares this interpreter's lock when it runs in its own process: HTTP,
 JSON, tokenization, detokenization and SSE happen here while it steps. Both hosts speak
-the same messages over the same ZeroMQ sockets, so tests of the thread exercise the
-process's code path.
+the same messages (``engine/messages.py``) over the same ZeroMQ sockets, so tests of the
+thread exercise the process's code path. Each call the server makes is a method here
+sending a declared ``Call``; there is no call by name.
 
 A stream keeps every token and hands out, per read, everything new since the last read:
 a slow client gets bigger deltas, never an unbounded queue of small ones.
@@ -37,23 +40,21 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
+from pagedllm.engine import messages as m
 from pagedllm.engine.core import (
     EngineCore,
     EngineFactory,
-    RequestSpec,
     UtilityError,
     core_process_main,
-    decode_deltas,
-    encode_spec,
-    pack,
     run_core_loop,
-    unpack,
 )
+from pagedllm.engine.elastic import ResizeReport
+from pagedllm.engine.messages import Codec, EngineInfo, RequestSpec
 from pagedllm.engine.output_processor import (
     ChoiceDelta,
     OutputProcessor,
@@ -61,10 +62,10 @@ from pagedllm.engine.output_processor import (
     StreamDelta,
 )
 from pagedllm.engine.outputs import PromptLogprobs, RequestDelta, RequestOutput
-from pagedllm.engine.reports import stats_from_wire
+from pagedllm.engine.reports import EngineStats
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -88,9 +89,9 @@ DEFAULT_READY_TIMEOUT_S = 600.0
 # is killed.
 _STOP_TIMEOUT_S = 60.0
 # Messages that only end work: sent (or dropped) quietly when the core is gone.
-_ALWAYS_SENT = frozenset({"abort", "stop", "shutdown"})
-_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
-                                       "KeyError": KeyError}  # fmt: skip
+_ALWAYS_SENT = (m.AbortRequests, m.StopSequences, m.Shutdown)
+_ERRORS: dict[str, type[Exception]] = {t.__name__: t for t in m.PASSED_ERRORS}
+R = TypeVar("R")
 
 
 class QueueFullError(RuntimeError):
@@ -244,7 +245,7 @@ class _CoreProcess:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=core_process_main,
-            args=(self.factory, input_address, output_address),
+            args=(self.factory, input_address, output_address, os.getpid()),
             name="pagedllm-core",
         )
         self.process.start()
@@ -280,8 +281,8 @@ class AsyncEngine:
     Build it with ``AsyncEngine.launch(factory)`` (core in its own process) or
     ``AsyncEngine.in_thread(engine)``. ``max_queued_requests`` bounds the requests that
     have been accepted but have not produced their first token yet; ``add_requests``
-    raises ``QueueFullError`` beyond it. ``info`` describes the engine (model name,
-    ``max_model_len``, vocabulary and cache sizes).
+    raises ``QueueFullError`` beyond it. ``info`` (``EngineInfo``) describes the engine
+    (model name, ``max_model_len``, vocabulary and cache sizes).
     """
 
     def __init__(
@@ -296,13 +297,15 @@ class AsyncEngine:
             raise ValueError(f"max_queued_requests must be at least 1, got {max_queued_requests}")
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
+        self.codec = Codec()
         self.max_queued_requests = max_queued_requests
         self.host = host
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0
         self._listeners: list[OutputListener] = []
         self._events_listeners: list[EventsListener] = []
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        # call id -> (its future, the type its answer decodes into)
+        self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self._call_ids = itertools.count()
         self._closing = False
         self._stopped = False
@@ -319,7 +322,7 @@ class AsyncEngine:
         self._paths = [a.removeprefix("ipc://") for a in addresses]
         try:
             host.start(*addresses)
-            self.info: dict[str, Any] = self._wait_ready(ready_timeout)
+            self.info: EngineInfo = self._wait_ready(ready_timeout)
         except BaseException:
             host.kill()
             self._close_sockets()
@@ -366,7 +369,7 @@ class AsyncEngine:
         on; returns the function that stops it. The core keeps pushing once asked."""
         self._events_listeners.append(listener)
         try:
-            await self.call_utility("watch_events")
+            await self.call(m.WatchEvents())
         except BaseException:
             self._events_listeners.remove(listener)
             raise
@@ -419,7 +422,7 @@ class AsyncEngine:
             self._streams[stream.request_id] = stream
         self._num_queued += len(streams)
         try:
-            await self._call("add", [encode_spec(s) for s in specs])
+            await self.call(m.AddRequests(tuple(specs)))
         except BaseException:
             # Refused, or the caller was cancelled while the add was on its way: in the
             # latter case the add still runs, so abort after it (messages run in order).
@@ -462,21 +465,69 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             self._forget(stream)
-        self._send(["abort", [request_id]])
+        self._send(m.AbortRequests((request_id,)))
 
-    async def call_utility(self, name: str, *args: Any) -> Any:
-        """Run ``name(*args)`` in the engine core between two steps and return its
-        msgpack-able result (see ``pagedllm.engine.core``). ValueError, TypeError and
-        KeyError raised there are raised here; other errors as ``UtilityError``."""
-        return await self._call("utility", name, list(args))
+    async def call(self, call: m.Call[R]) -> R:
+        """Run ``call`` in the engine core between two steps; its answer, decoded into the
+        call's result type. ValueError, TypeError and KeyError raised there are raised
+        here; other errors as ``UtilityError``."""
+        self._check_alive()
+        self.start()
+        assert self._loop is not None
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = (future, m.result_type(type(call)))
+        try:
+            self._send(call, call_id)
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    # The calls the server makes (``engine/messages.py``), one method each.
 
     async def get_stats(self) -> EngineStats:
         """``LLMEngine.get_stats()``, taken in the core between two steps."""
-        return stats_from_wire(await self.call_utility("get_stats"))
+        return await self.call(m.GetStats())
 
     async def cache_report(self) -> dict[str, Any]:
         """The ``/v1/cache`` report (``engine/reports.py``)."""
-        return await self.call_utility("cache_report")
+        return await self.call(m.GetCacheReport())
+
+    async def blocks_report(self) -> dict[str, Any]:
+        """The dashboard's per-block report (``engine/reports.py``)."""
+        return await self.call(m.GetBlocksReport())
+
+    async def events_report(self, epoch: str | None, since: int) -> dict[str, Any]:
+        """``GET /v1/cache/events``'s body: the prefix cache's events after ``since``."""
+        return await self.call(m.GetEventsReport(epoch, since))
+
+    async def start_resize(self, num_bytes: int, preempt: bool = False) -> int:
+        """Begin resizing the KV cache's device tier between steps; the resize's id."""
+        return await self.call(m.StartResize(num_bytes, preempt))
+
+    async def resize_report(self, resize_id: int) -> ResizeReport | None:
+        """The report of a resize ``start_resize`` began, once done (None before)."""
+        return await self.call(m.GetResizeReport(resize_id))
+
+    async def cache_capacity_blocks(self) -> int:
+        """The most device blocks one request may count on now."""
+        return await self.call(m.GetCacheCapacityBlocks())
+
+    async def max_num_tokens(self) -> int:
+        """The most tokens (prompt + ``max_tokens``) one request may have now."""
+        return await self.call(m.GetMaxNumTokens())
+
+    async def num_unfinished_requests(self) -> int:
+        """Requests the engine core has not finished."""
+        return await self.call(m.GetNumUnfinishedRequests())
+
+    async def flush_disk_tier(self) -> None:
+        """Wait until every block queued for the disk tier is written."""
+        await self.call(m.FlushDiskTier())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, nothing done, while requests run)."""
+        return await self.call(m.ResetPrefixCache())
 
     async def shutdown(self, *, drain_timeout: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to ``drain_timeout``
@@ -493,8 +544,8 @@ class AsyncEngine:
         if self._stopped:
             return
         self._stopped = True
-        self._send(["abort", ids])
-        self._send(["shutdown"])
+        self._send(m.AbortRequests(tuple(ids)))
+        self._send(m.Shutdown())
         await asyncio.to_thread(self.host.join, _STOP_TIMEOUT_S)
         if self.host.is_alive():
             logger.warning("the engine core did not stop in %.0f s; killing it", _STOP_TIMEOUT_S)
@@ -508,17 +559,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Block until the core says "ready" (the first message); ``RuntimeError`` if it
-        dies or says "dead" first, ``TimeoutError`` after ``timeout`` seconds."""
+    def _wait_ready(self, timeout: float) -> EngineInfo:
+        """Block until the core says ``Ready`` (the first message); ``RuntimeError`` if it
+        dies or says ``Dead`` first, ``TimeoutError`` after ``timeout`` seconds."""
         sync = zmq.Socket.shadow(self._from_core.underlying)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if sync.poll(100):
-                kind, *args = unpack(sync.recv())
-                if kind == "ready":
-                    return args[0]
-                raise RuntimeError(f"the engine core failed to start: {args[0]}")
+                message = self.codec.decode(sync.recv()).message
+                if isinstance(message, m.Ready):
+                    return message.info
+                reason = message.reason if isinstance(message, m.Dead) else message
+                raise RuntimeError(f"the engine core failed to start: {reason}")
             if not self.host.is_alive():
                 raise RuntimeError(f"{self.host.describe_exit()} while starting")
         raise TimeoutError(f"the engine core was not ready after {timeout:.0f} s")
@@ -538,27 +590,15 @@ class AsyncEngine:
         ids = list(self.tokenizer.encode(spec.prompt))
         return RequestSpec(spec.request_id, ids, spec.params, spec.priority, spec.cache_salt)
 
-    def _send(self, message: list[Any]) -> None:
-        if self._stopped and message[0] not in _ALWAYS_SENT:
+    def _send(self, message: Any, call_id: int | None = None) -> None:
+        always = isinstance(message, _ALWAYS_SENT)
+        if self._stopped and not always:
             raise EngineClosedError("the engine has stopped")
         try:
-            self._sync_to_core.send(pack(message), zmq.NOBLOCK)
+            self._sync_to_core.send(self.codec.encode(message, call_id), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the core is gone and its queue is full, or closed
-            if message[0] not in _ALWAYS_SENT:
+            if not always:
                 raise EngineClosedError(f"the engine core is unreachable: {exc}") from None
-
-    async def _call(self, kind: str, *args: Any) -> Any:
-        self._check_alive()
-        self.start()
-        assert self._loop is not None
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = self._loop.create_future()
-        self._calls[call_id] = future
-        try:
-            self._send([kind, call_id, *args])
-            return await future
-        finally:
-            self._calls.pop(call_id, None)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -578,29 +618,32 @@ class AsyncEngine:
                 logger.exception("a message from the engine core could not be handled")
 
     def _handle(self, frame: bytes) -> None:
-        kind, *args = unpack(frame)
-        if kind == "deltas":
-            self._deliver(decode_deltas(args[0]), time.monotonic())
-        elif kind == "result":
-            self._resolve(*args)
-        elif kind == "events":
+        message, call_id = self.codec.decode(frame)
+        if isinstance(message, m.Deltas):
+            self._deliver(message.deltas, time.monotonic())
+        elif isinstance(message, m.Returned | m.Raised):
+            self._resolve(call_id, message)
+        elif isinstance(message, m.CacheEvents):
             for listener in list(self._events_listeners):
                 try:
-                    listener(args[0])
+                    listener(message.batch)
                 except Exception:
                     logger.exception("cache events listener failed")
-        elif kind == "dead":
-            self._mark_dead(EngineClosedError(f"the engine core failed: {args[0]}"))
+        elif isinstance(message, m.Dead):
+            self._mark_dead(EngineClosedError(f"the engine core failed: {message.reason}"))
 
-    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
-        future = self._calls.get(call_id)
-        if future is None or future.done():
+    def _resolve(self, call_id: int | None, answer: m.Returned | m.Raised) -> None:
+        entry = None if call_id is None else self._calls.get(call_id)
+        if entry is None or entry[0].done():
             return  # its caller was cancelled
-        if ok:
-            future.set_result(value)
-        else:
-            name, message = value
-            future.set_exception(_ERRORS.get(name, UtilityError)(message))
+        future, value_type = entry
+        if isinstance(answer, m.Raised):
+            future.set_exception(_ERRORS.get(answer.error_type, UtilityError)(answer.message))
+            return
+        try:
+            future.set_result(self.codec.decode_value(answer.value, value_type))
+        except ValueError as exc:  # the answer does not fit the call's type
+            future.set_exception(UtilityError(f"the engine core's answer: {exc}"))
 
     def _watch_core(self) -> None:
         """Thread: wait for the core to end; if nobody stopped it, it died."""
@@ -626,7 +669,7 @@ class AsyncEngine:
         self._fail_calls(error)
 
     def _fail_calls(self, error: BaseException) -> None:
-        for future in self._calls.values():
+        for future, _ in self._calls.values():
             if not future.done():
                 future.set_exception(error)
 
@@ -659,7 +702,7 @@ class AsyncEngine:
             if stream.finished:
                 del self._streams[delta.request_id]
             if stopped and not delta.finished:
-                self._send(["stop", delta.request_id, [list(s) for s in stopped]])
+                self._send(m.StopSequences(delta.request_id, tuple(stopped)))
             if delta.finished != stream.finished:
                 delta = dataclasses.replace(delta, finished=stream.finished)
             seen.append(delta)

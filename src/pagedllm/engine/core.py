@@ -1,46 +1,42 @@
 """``EngineCore``: the scheduler, model runner and sampler (an ``LLMEngine``) behind a
-message loop, and the wire format between it and the server.
+message loop.
 
 ::
 
     API server process (asyncio)               engine core (own process, or a thread)
     ----------------------------               -------------------------------------
     AsyncEngine   --- input socket (PUSH) -->  run_core_loop: between two steps, runs
-                                                 ["add", call_id, specs]
-                                                 ["abort", request_ids]
-                                                 ["stop", request_id, [[index, stop]]]
-                                                 ["utility", call_id, name, args]
-                                                 ["shutdown"]
-                  <-- output socket (PULL) --  ["ready", info]            (once, first)
-                                               ["deltas", [request delta, ...]]  (per step)
-                                               ["result", call_id, ok, value | error]
-                                               ["events", batch]   (once watched: see below)
-                                               ["dead", message]          (the loop broke)
+                                                 the calls (AddRequests, GetStats, ...)
+                                                 AbortRequests, StopSequences, Shutdown
+                  <-- output socket (PULL) --  Ready(info)                (once, first)
+                                               Deltas(request deltas)     (per step)
+                                               Returned / Raised          (a call's answer)
+                                               CacheEvents(batch)   (once watched: see below)
+                                               Dead(reason)               (the loop broke)
 
-Every message is one msgpack frame over ZeroMQ. A step sends each advanced request's
-new token ids (``RequestDelta``); the server builds the outputs (``OutputProcessor``:
-text, stop strings) and sends "stop" for the sequences a stop string ended. ``LLM``
-(offline) drives the same ``LLMEngine`` in its own thread, with no loop and no sockets.
+Every message is one frame over ZeroMQ, a record of ``engine/messages.py`` encoded by its
+``Codec``. A step sends each advanced request's new token ids (``RequestDelta``); the
+server builds the outputs (``OutputProcessor``: text, stop strings) and sends
+``StopSequences`` for the sequences a stop string ended. ``LLM`` (offline) drives the
+same ``LLMEngine`` in its own thread, with no loop and no sockets.
 
-Utility calls: ``["utility", id, name, args]`` runs ``name(*args)`` on the core between two
-steps -- one of ``EngineCore.UTILITIES`` or else a public method of the ``LLMEngine`` -- and
-answers with its result made msgpack-able by ``to_wire`` (dataclasses become dicts, tuples
-and sets lists). A new engine feature that the server must reach needs a method and a
-route (``await engine.call_utility("name", arg)``), never a new message.
+Calls: the core answers the calls ``messages.py`` declares, each with its handler in
+``EngineCore.handlers``, and nothing else: a frame naming anything else is answered
+with a ValueError. A new engine feature that the server must reach is a new ``Call``,
+its handler here and its method on ``AsyncEngine``.
 
-Cache events (a router's feed): after the utility ``watch_events``, the core pushes
-``["events", batch]`` whenever the prefix cache's event log moved -- after the step's
-schedule (the evictions its allocations made, before the model runs) and after the step
-(the blocks it registered) -- so a reader's view lags the index by a message, not a poll.
-``batch`` is ``events_report``'s answer (``GET /v1/cache/events``'s body, hashes as hex)
-from where the last push ended; successive batches are contiguous (a new ``epoch`` means a
+Cache events (a router's feed): after ``WatchEvents``, the core pushes ``CacheEvents``
+whenever the prefix cache's event log moved -- after the step's schedule (the
+evictions its allocations made, before the model runs) and after the step (the blocks
+it registered) -- so a reader's view lags the index by a message, not a poll. A batch
+is ``events_report``'s answer (``GET /v1/cache/events``'s body, hashes as hex) from
+where the last push ended; successive batches are contiguous (a new ``epoch`` means a
 new log: read a snapshot).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -48,11 +44,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
-
-from pagedllm.core.outputs import TokenLogprob
+from pagedllm.engine import messages as m
+from pagedllm.engine.messages import Codec, EngineInfo, MessageError, RequestSpec
 from pagedllm.engine.outputs import RequestDelta, SequenceDelta
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.engine.reports import blocks_report, cache_report, events_report
 
 if TYPE_CHECKING:
     import zmq
@@ -67,19 +62,8 @@ _PARENT_CHECK_S = 1.0
 
 
 class UtilityError(RuntimeError):
-    """A utility call failed in the engine core with an error other than ValueError,
-    TypeError or KeyError (those are raised as themselves)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request to add: what ``LLMEngine.add_request`` takes."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
+    """A call failed in the engine core with an error other than ValueError, TypeError or
+    KeyError (those are raised as themselves)."""
 
 
 class EngineFactory(Protocol):
@@ -112,126 +96,56 @@ class ConfigEngineFactory:
         return load_tokenizer(self.config.model)
 
 
-# ---------------------------------------------------------------- the wire
-
-
-def pack(message: Any) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(frame: bytes) -> Any:
-    # Integer map keys: logit_bias is {token id: bias}.
-    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
-
-
-def to_wire(value: Any) -> Any:
-    """``value`` as msgpack-able data: dataclasses as dicts (their fields only), tuples,
-    sets and frozensets as lists; anything else unchanged."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: to_wire(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [to_wire(v) for v in value]
-    return value
-
-
-def encode_spec(spec: RequestSpec) -> list[Any]:
-    params = {
-        f.name: to_wire(getattr(spec.params, f.name))
-        for f in dataclasses.fields(spec.params)
-        if f.name != "all_stop_token_ids"  # the engine derives it
-    }
-    return [spec.request_id, spec.prompt, params, spec.priority, spec.cache_salt]
-
-
-def decode_spec(data: list[Any]) -> RequestSpec:
-    request_id, prompt, params, priority, cache_salt = data
-    structured = params.pop("structured_outputs", None)
-    if structured is not None:  # a nested record: to_wire made it a dict
-        params["structured_outputs"] = StructuredOutputsParams.from_dict(structured)
-    return RequestSpec(request_id, prompt, SamplingParams(**params), priority, cache_salt)
-
-
-def encode_deltas(deltas: Sequence[RequestDelta]) -> list[Any]:
-    return [
-        [
-            d.request_id, [_encode_seq(s) for s in d.seqs], d.finished, d.num_cached_tokens,
-            d.error, d.cache_event_seq, _encode_logprobs(d.prompt_logprobs),
-            d.arrival_event_seq,
-        ]
-        for d in deltas
-    ]  # fmt: skip
-
-
-def decode_deltas(data: list[Any]) -> list[RequestDelta]:
-    return [
-        RequestDelta(
-            request_id, tuple(_decode_seq(s) for s in seqs), finished, cached, error, event_seq,
-            _decode_logprobs(prompt_logprobs), arrival_seq,
-        )
-        for request_id, seqs, finished, cached, error, event_seq, prompt_logprobs, arrival_seq
-        in data
-    ]  # fmt: skip
-
-
-def _encode_logprobs(logprobs: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
-    """``TokenLogprob``s as lists (None entries, as a prompt's first, stay None)."""
-    if logprobs is None:
-        return None
-    return [
-        None
-        if lp is None
-        else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
-        for lp in logprobs
-    ]
-
-
-def _decode_logprobs(data: list[Any] | None) -> tuple[Any, ...] | None:
-    if data is None:
-        return None
-    return tuple(
-        None
-        if entry is None
-        else TokenLogprob(entry[0], entry[1], entry[2], tuple(entry[3]), tuple(entry[4]))
-        for entry in data
-    )
-
-
-def _encode_seq(seq: SequenceDelta) -> list[Any]:
-    logprobs = _encode_logprobs(seq.logprobs)
-    return [seq.index, seq.token_ids, logprobs, seq.finish_reason, seq.stop_reason]
-
-
-def _decode_seq(data: list[Any]) -> SequenceDelta:
-    index, token_ids, logprobs, finish_reason, stop_reason = data
-    return SequenceDelta(
-        index, tuple(token_ids), _decode_logprobs(logprobs), finish_reason, stop_reason
-    )
-
-
 # ---------------------------------------------------------------- the core
 
 
 class EngineCore:
     """An ``LLMEngine`` seen as the server sees it: requests added atomically, aborts,
-    one step at a time with token deltas out, utility calls by name.
+    one step at a time with token deltas out, the calls of ``engine/messages.py``.
 
     A step that raises as a whole (the engine's own contract is to fail single requests)
     fails every request in flight with the error and the core goes on serving; if the
     engine is still busy after that, the error propagates and the loop ends.
     """
 
-    # Core-level utilities; any other name is looked up on the LLMEngine.
-    UTILITIES = frozenset(
-        {"cache_report", "blocks_report", "events_report", "watch_events", "info"}
-    )
-
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.num_step_failures = 0
         # (epoch, next_seq) of the cache events pushed so far; None: nobody watches.
         self._events_pushed: tuple[str, int] | None = None
+        self.handlers = self._handlers()
+
+    def _handlers(self) -> dict[type, Callable[[Any], Any]]:
+        """What each message of the server runs (``Shutdown`` is the loop's); nothing else
+        runs."""
+        engine = self.engine
+        return {
+            m.AbortRequests: lambda message: self.abort_requests(message.request_ids),
+            m.StopSequences: lambda message: self.stop_sequences(
+                message.request_id, message.stopped
+            ),
+            m.AddRequests: lambda call: self.add_requests(call.specs),
+            m.GetStats: lambda call: engine.get_stats(),
+            m.GetCacheReport: lambda call: cache_report(engine.get_stats()),
+            m.GetBlocksReport: lambda call: blocks_report(engine),
+            m.GetEventsReport: lambda call: events_report(engine, call.epoch, call.since),
+            m.WatchEvents: lambda call: self.watch_events(),
+            m.StartResize: lambda call: engine.start_resize(call.num_bytes, call.preempt),
+            m.GetResizeReport: lambda call: engine.elastic.report_for(call.resize_id),
+            m.GetCacheCapacityBlocks: lambda call: engine.cache_capacity_blocks(),
+            m.GetMaxNumTokens: lambda call: engine.max_num_tokens(),
+            m.GetNumUnfinishedRequests: lambda call: engine.get_num_unfinished_requests(),
+            m.FlushDiskTier: lambda call: engine.flush_disk_tier(),
+            m.ResetPrefixCache: lambda call: engine.reset_prefix_cache(),
+        }
+
+    def handle(self, message: Any) -> Any:
+        """Run one message of the server; a call's result (``ValueError`` for a message
+        the core does not take)."""
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            raise ValueError(f"the engine core takes no {type(message).__name__} message")
+        return handler(message)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -253,9 +167,9 @@ class EngineCore:
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         self.engine.abort_request(list(request_ids))
 
-    def stop_sequences(self, request_id: str, stopped: Sequence[Sequence[Any]]) -> None:
+    def stop_sequences(self, request_id: str, stopped: Sequence[tuple[int, str]]) -> None:
         """Finish the sequences the server's stop strings ended: (index, stop string)."""
-        self.engine.stop_sequences(request_id, [(int(i), str(stop)) for i, stop in stopped])
+        self.engine.stop_sequences(request_id, stopped)
 
     def close(self) -> None:
         """Let the engine finish what must not be lost (the disk tier's queued writes)."""
@@ -276,46 +190,20 @@ class EngineCore:
             failed = (SequenceDelta(0, (), finish_reason="error"),)
             return [RequestDelta(i, failed, True, error=error) for i in ids]
 
-    def call_utility(self, name: str, args: Sequence[Any]) -> Any:
-        """``name(*args)`` (see the module docstring), its result made msgpack-able."""
-        if not isinstance(name, str) or not name or name.startswith("_"):
-            raise ValueError(f"no utility named {name!r}")
-        target = getattr(self, name) if name in self.UTILITIES else getattr(self.engine, name, None)
-        if not callable(target):
-            raise ValueError(f"no utility named {name!r}")
-        return to_wire(target(*args))
-
-    # ------------------------------------------------------------------ utilities
-
-    def info(self) -> dict[str, Any]:
-        """What the server needs to know of the engine (sent first, with "ready")."""
+    def info(self) -> EngineInfo:
+        """What the server needs to know of the engine (sent first, with ``Ready``)."""
         engine = self.engine
-        return {
-            "model": str(engine.config.model),
-            "model_name": str(engine.model_name or engine.config.model),
-            "max_model_len": int(engine.max_model_len),
-            "vocab_size": int(engine.runner.vocab_size),
-            "block_size": int(engine.runner.block_size),
-            "num_blocks": engine.cache_capacity_blocks(),
-            "max_num_tokens": engine.max_num_tokens(),
-            "tool_call_parser": engine.config.tool_call_parser,
-            "pid": os.getpid(),
-        }
-
-    def cache_report(self) -> dict[str, Any]:
-        from pagedllm.engine.reports import cache_report
-
-        return cache_report(self.engine.get_stats())
-
-    def blocks_report(self) -> dict[str, Any]:
-        from pagedllm.engine.reports import blocks_report
-
-        return blocks_report(self.engine)
-
-    def events_report(self, epoch: str | None, since: int) -> dict[str, Any]:
-        from pagedllm.engine.reports import events_report
-
-        return events_report(self.engine, epoch, since)
+        return EngineInfo(
+            model=str(engine.config.model),
+            model_name=str(engine.model_name or engine.config.model),
+            max_model_len=int(engine.max_model_len),
+            vocab_size=int(engine.runner.vocab_size),
+            block_size=int(engine.runner.block_size),
+            num_blocks=engine.cache_capacity_blocks(),
+            max_num_tokens=engine.max_num_tokens(),
+            tool_call_parser=engine.config.tool_call_parser,
+            pid=os.getpid(),
+        )
 
     def watch_events(self) -> int:
         """Push the cache events from now on (``pending_events``); the log's ``next_seq``."""
@@ -335,7 +223,7 @@ class EngineCore:
             return None
         # another epoch (a new log) starts from its oldest event; a reader resyncs anyway
         since = max(seq, log.first_seq) if epoch == log.epoch else log.first_seq
-        return self.events_report(log.epoch, since)
+        return events_report(self.engine, log.epoch, since)
 
     def events_pushed(self, batch: dict[str, Any]) -> None:
         self._events_pushed = (batch["epoch"], batch["next_seq"])
@@ -352,22 +240,23 @@ def run_core_loop(
     *,
     parent_pid: int | None = None,
 ) -> None:
-    """Serve ``core`` over the two sockets until "shutdown" (or the parent process is
-    gone). Sends "ready" first; if the loop breaks, sends "dead" and re-raises."""
+    """Serve ``core`` over the two sockets until ``Shutdown`` (or the parent process is
+    gone). Sends ``Ready`` first; if the loop breaks, sends ``Dead`` and re-raises."""
     import zmq
 
+    codec = Codec()
     inbox = context.socket(zmq.PULL)
     outbox = context.socket(zmq.PUSH)
     inbox.connect(input_address)
     outbox.connect(output_address)
     try:
-        outbox.send(pack(["ready", core.info()]))
-        _serve(core, inbox, outbox, parent_pid)
+        outbox.send(codec.encode(m.Ready(core.info())))
+        _serve(core, codec, inbox, outbox, parent_pid)
     except ServerGone:
         logger.warning("the server process is gone; the engine core stops")
     except BaseException as exc:
         logger.exception("engine core loop died")
-        outbox.send(pack(["dead", f"{type(exc).__name__}: {exc}"]))
+        outbox.send(codec.encode(m.Dead(f"{type(exc).__name__}: {exc}")))
         raise
     finally:
         try:
@@ -378,20 +267,9 @@ def run_core_loop(
         outbox.close(linger=1000)  # let the last messages leave
 
 
-def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) -> None:
+def _serve(core: EngineCore, codec: Codec, inbox: Any, outbox: Any, parent_pid: int | None) -> None:
     import zmq
 
-    handlers: dict[str, Callable[..., bool]] = {
-        "add": lambda call_id, specs: _answer(
-            outbox, parent_pid, call_id, lambda: core.add_requests([decode_spec(s) for s in specs])
-        ),
-        "abort": lambda ids: core.abort_requests(ids) or True,
-        "stop": lambda request_id, stopped: core.stop_sequences(request_id, stopped) or True,
-        "utility": lambda call_id, name, args: _answer(
-            outbox, parent_pid, call_id, lambda: core.call_utility(name, args)
-        ),
-        "shutdown": lambda: False,
-    }
     while True:
         _check_parent(parent_pid)  # a step's cost next to a system call: every step
         busy = core.has_unfinished_requests()
@@ -404,17 +282,40 @@ def _serve(core: EngineCore, inbox: Any, outbox: Any, parent_pid: int | None) ->
                 frame = inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            kind, *args = unpack(frame)
-            if not handlers[kind](*args):
+            if not _run_message(core, codec, frame, outbox, parent_pid):
                 return
         if core.has_unfinished_requests():
-            deltas = core.step(on_scheduled=lambda: _push_events(core, outbox, None))
+            deltas = core.step(on_scheduled=lambda: _push_events(core, codec, outbox, None))
             if deltas:
-                send(outbox, pack(["deltas", encode_deltas(deltas)]), parent_pid)
-        _push_events(core, outbox, parent_pid)
+                send(outbox, codec.encode(m.Deltas(tuple(deltas))), parent_pid)
+        _push_events(core, codec, outbox, parent_pid)
 
 
-def _push_events(core: EngineCore, outbox: Any, parent_pid: int | None) -> None:
+def _run_message(
+    core: EngineCore, codec: Codec, frame: bytes, outbox: Any, parent_pid: int | None
+) -> bool:
+    """Run one frame's message, answering it if it is a call; False for ``Shutdown``."""
+    try:
+        message, call_id = codec.decode(frame)
+    except MessageError as exc:
+        logger.error("a message from the server could not be read: %s", exc)
+        if exc.call_id is not None:
+            send(outbox, codec.encode(m.raised(exc), exc.call_id), parent_pid)
+        return True
+    if isinstance(message, m.Shutdown):
+        return False
+    if call_id is None:  # one-way: an error ends the loop, as a failed step's would
+        core.handle(message)
+        return True
+    try:
+        answer: Any = codec.returned(core.handle(message))
+    except Exception as exc:
+        answer = m.raised(exc)
+    send(outbox, codec.encode(answer, call_id), parent_pid)
+    return True
+
+
+def _push_events(core: EngineCore, codec: Codec, outbox: Any, parent_pid: int | None) -> None:
     """Send the cache events logged since the last push, if anyone watches. With
     ``parent_pid`` None (mid-step) only if the socket takes it now: a reader that is
     behind gets them with the step's end instead of holding the step up."""
@@ -423,7 +324,7 @@ def _push_events(core: EngineCore, outbox: Any, parent_pid: int | None) -> None:
     batch = core.pending_events()
     if batch is None:
         return
-    frame = pack(["events", batch])
+    frame = codec.encode(m.CacheEvents(batch))
     if parent_pid is None:
         try:
             outbox.send(frame, zmq.NOBLOCK)
@@ -475,26 +376,24 @@ def _exit_if_orphaned(parent_pid: int) -> Iterator[None]:
         thread.join()
 
 
-def _answer(outbox: Any, parent_pid: int | None, call_id: int, fn: Callable[[], Any]) -> bool:
-    try:
-        message = ["result", call_id, True, fn()]
-    except Exception as exc:
-        message = ["result", call_id, False, [type(exc).__name__, str(exc)]]
-    send(outbox, pack(message), parent_pid)
-    return True
-
-
-def core_process_main(factory: EngineFactory, input_address: str, output_address: str) -> None:
-    """The entry point of the engine core's own process: build the engine, then serve."""
+def core_process_main(
+    factory: EngineFactory, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """The entry point of the engine core's own process: build the engine, then serve.
+    ``parent_pid``: the server's pid, from the server (read here, after this process's
+    imports, it may already be init's: a server killed meanwhile would go unnoticed)."""
     import signal
 
     import zmq
 
     # Ctrl-C in a terminal reaches the whole process group: the server decides when
-    # the core stops (it sends "shutdown" after draining).
+    # the core stops (it sends Shutdown after draining).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
+    parent = parent_pid
+    if os.getppid() != parent:
+        logger.warning("the server process died while the engine core started; exiting")
+        return
     context = zmq.Context()
     try:
         try:
@@ -503,7 +402,8 @@ def core_process_main(factory: EngineFactory, input_address: str, output_address
         except BaseException as exc:
             outbox = context.socket(zmq.PUSH)
             outbox.connect(output_address)
-            outbox.send(pack(["dead", f"engine start-up failed: {type(exc).__name__}: {exc}"]))
+            reason = f"engine start-up failed: {type(exc).__name__}: {exc}"
+            outbox.send(Codec().encode(m.Dead(reason)))
             outbox.close(linger=1000)
             raise
         run_core_loop(core, context, input_address, output_address, parent_pid=parent)

@@ -31,7 +31,7 @@ from typing import Any
 
 from pagedllm.core.accounting import WasteReport, group_wastes, waste
 from pagedllm.core.hybrid_kv import HybridKVCacheManager
-from pagedllm.core.kv_cache_manager import CacheStats, KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_groups import kv_cache_layout
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from pagedllm.core.request import Request, RequestStatus
@@ -44,11 +44,12 @@ from pagedllm.core.scheduler import (
 from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.builder import start_model, startup_report
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ElasticStats, ResizeReport
+from pagedllm.engine.elastic import ElasticPolicy, ElasticPool, ResizeReport
 from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput, SequenceDelta
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
+from pagedllm.engine.reports import EngineStats
 from pagedllm.engine.structured_outputs import (
     Grammar,
     GrammarCompiler,
@@ -58,7 +59,7 @@ from pagedllm.engine.structured_outputs import (
 from pagedllm.routes import Routes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner, ResizableRunner, SupportsDiskTier
-from pagedllm.worker.disk_store import DiskKVStore, DiskStoreStats
+from pagedllm.worker.disk_store import DiskKVStore
 
 # How long a step with nothing to run waits for a grammar being compiled (seconds): an
 # idle loop then sleeps instead of spinning; a step with work never waits for one.
@@ -69,58 +70,6 @@ NO_TOKENIZER = (
     "give prompts as token ids"
 )
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for metrics and tests (totals count since start-up).
-
-    ``waste.external_tokens`` is measured against the next waiting request (its
-    prompt plus ``max_tokens``); 0 when nobody waits.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_unfinished_requests: int
-    num_preemptions: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    num_steps: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_computed_tokens: int
-    num_requests_finished: int
-    num_requests_failed: int
-    num_requests_aborted: int
-    kv_cache_usage: float
-    max_model_len: int
-    cache: CacheStats
-    # Prompt tokens found cached that another request was computing when this one
-    # arrived (in-flight sharing), and how many requests waited for such blocks.
-    num_inflight_shared_tokens: int = 0
-    num_inflight_waits: int = 0
-    # Waiting requests' pins on their cached prefix released for another's room.
-    num_pins_given_up: int = 0
-    # Internal, external and duplication waste of the device tier now
-    # (``core.accounting.waste``); computed by ``get_stats`` only.
-    waste: WasteReport | None = None
-    # A model with KV cache groups (local and global layers): each group's waste, in group
-    # order (``waste`` sums them); empty for one group.
-    group_waste: tuple[WasteReport, ...] = ()
-    # The disk tier's I/O totals (None without one); its blocks and hits are in `cache`.
-    disk: DiskStoreStats | None = None
-    # The elastic pool (sizes, policy, last resize); None for a runner that cannot resize.
-    elastic: ElasticStats | None = None
-    # Which implementation runs each capability of a step, and the dtype (None: no model).
-    routes: Routes | None = None
-    # The cache's format ("bfloat16", "int8", ...) and bytes per token with its scales;
-    # None for a runner without a KV spec (the fake runner).
-    kv_cache_dtype: str | None = None
-    kv_bytes_per_token: float | None = None
-    # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
-    # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
-    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass(slots=True)

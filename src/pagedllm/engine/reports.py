@@ -1,17 +1,75 @@
-"""Reports built inside the engine core from one consistent snapshot, sent to the
-server as plain data: the ``/v1/cache`` report and the per-block dashboard report."""
+"""The engine's stats (``EngineStats``) and the reports built from them inside the engine
+core, from one consistent snapshot, sent to the server as plain data: the ``/v1/cache``
+report, the per-block dashboard report and the cache events' feed.
+
+``EngineStats`` crosses the wire whole (``engine/messages.py`` decodes it from its type
+hints), so every type it holds is imported here at run time."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagedllm.core.accounting import WasteReport
 from pagedllm.core.block_pool import BLOCK_STATE_NAMES
+from pagedllm.core.kv_cache_manager import CacheStats
 from pagedllm.core.request import RequestStatus
-from pagedllm.engine.elastic import ElasticEvent, ElasticStats, ResizeReport
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.elastic import ElasticStats
 from pagedllm.routes import Routes
+from pagedllm.worker.disk_store import DiskStoreStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics and tests (totals count since start-up).
+
+    ``waste.external_tokens`` is measured against the next waiting request (its
+    prompt plus ``max_tokens``); 0 when nobody waits.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_unfinished_requests: int
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_computed_tokens: int
+    num_requests_finished: int
+    num_requests_failed: int
+    num_requests_aborted: int
+    kv_cache_usage: float
+    max_model_len: int
+    cache: CacheStats
+    # Prompt tokens found cached that another request was computing when this one
+    # arrived (in-flight sharing), and how many requests waited for such blocks.
+    num_inflight_shared_tokens: int = 0
+    num_inflight_waits: int = 0
+    # Waiting requests' pins on their cached prefix released for another's room.
+    num_pins_given_up: int = 0
+    # Internal, external and duplication waste of the device tier now
+    # (``core.accounting.waste``); computed by ``get_stats`` only.
+    waste: WasteReport | None = None
+    # A model with KV cache groups (local and global layers): each group's waste, in group
+    # order (``waste`` sums them); empty for one group.
+    group_waste: tuple[WasteReport, ...] = ()
+    # The disk tier's I/O totals (None without one); its blocks and hits are in `cache`.
+    disk: DiskStoreStats | None = None
+    # The elastic pool (sizes, policy, last resize); None for a runner that cannot resize.
+    elastic: ElasticStats | None = None
+    # Which implementation runs each capability of a step, and the dtype (None: no model).
+    routes: Routes | None = None
+    # The cache's format ("bfloat16", "int8", ...) and bytes per token with its scales;
+    # None for a runner without a KV spec (the fake runner).
+    kv_cache_dtype: str | None = None
+    kv_bytes_per_token: float | None = None
+    # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
+    # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
+    max_prefill_tokens_while_decoding: int | None = None
+
 
 _WASTES = ("internal", "external", "duplication")
 
@@ -198,40 +256,6 @@ def _request_row(request: Any, table: list[int], host_table: list[int]) -> dict[
         "num_preemptions": request.num_preemptions,
         "priority": request.priority,
     }
-
-
-def _waste_from_wire(data: dict[str, Any]) -> WasteReport:
-    return WasteReport(**{**data, "free_extents": tuple(data["free_extents"])})
-
-
-def stats_from_wire(data: dict[str, Any]) -> EngineStats:
-    """The ``EngineStats`` that ``to_wire`` turned into ``data`` (the server's copy)."""
-    from pagedllm.core.kv_cache_manager import CacheStats, GroupCacheStats
-
-    fields = dict(data)
-    cache = dict(data["cache"])
-    cache["groups"] = tuple(GroupCacheStats(**group) for group in cache.get("groups", ()))
-    fields["cache"] = CacheStats(**cache)
-    fields["group_waste"] = tuple(_waste_from_wire(w) for w in data.get("group_waste", ()))
-    if data.get("waste") is not None:
-        fields["waste"] = _waste_from_wire(data["waste"])
-    if data.get("disk") is not None:
-        from pagedllm.worker.disk_store import DiskStoreStats
-
-        fields["disk"] = DiskStoreStats(**data["disk"])
-    if data.get("routes") is not None:
-        fields["routes"] = Routes(**data["routes"])
-    if data.get("elastic") is not None:
-        fields["elastic"] = elastic_stats_from_wire(data["elastic"])
-    return EngineStats(**fields)
-
-
-def elastic_stats_from_wire(data: dict[str, Any]) -> ElasticStats:
-    fields = dict(data)
-    if data.get("last_resize") is not None:
-        fields["last_resize"] = ResizeReport(**data["last_resize"])
-    fields["events"] = tuple(ElasticEvent(**event) for event in data.get("events", ()))
-    return ElasticStats(**fields)
 
 
 def events_report(engine: Any, epoch: str | None, since: int) -> dict[str, Any]:

@@ -144,19 +144,18 @@ def create_app(
 
 def _build_context(engine: AsyncEngine, served_model_name: str | None) -> ServerContext:
     info = engine.info
-    model = info["model_name"]
-    name = served_model_name or model
+    name = served_model_name or info.model_name
     return ServerContext(
         engine=engine,
         metrics=ServerMetrics(),
         model_name=name,
-        model_aliases=frozenset({name, model, info["model"]}),
-        max_model_len=info["max_model_len"],
-        vocab_size=info["vocab_size"],
-        block_size=info["block_size"],
-        num_blocks=info["num_blocks"],
-        max_num_tokens=info["max_num_tokens"],
-        tool_call_parser=info.get("tool_call_parser", "auto"),
+        model_aliases=frozenset({name, info.model_name, info.model}),
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        max_num_tokens=info.max_num_tokens,
+        tool_call_parser=info.tool_call_parser,
     )
 
 
@@ -194,7 +193,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/cache/events")
     async def cache_events(since: Count = 0, epoch: str | None = None) -> Response:
         # A router's feed (server/cache_events.py), read in the core between two steps.
-        body = await ctx.engine.call_utility("events_report", epoch, since)
+        body = await ctx.engine.events_report(epoch, since)
         return JSONResponse(body)
 
     feed = CacheEventFeed(ctx.engine)

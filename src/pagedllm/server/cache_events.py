@@ -109,7 +109,7 @@ class CacheEventFeed:
         try:
             await asyncio.shield(self._watching())
             # after subscribing: every batch the core pushes from here on is queued
-            yield events_frame(await self.engine.call_utility("events_report", epoch, since))
+            yield events_frame(await self.engine.events_report(epoch, since))
             while not subscriber.cut_off:
                 if not subscriber.frames:
                     subscriber.ready.clear()

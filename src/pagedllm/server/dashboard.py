@@ -8,9 +8,9 @@ JSON follows ``--api-key``: open ``/dashboard#key=KEY`` and the page sends
 ``#key=KEY&request=ID`` also outlines request ``ID``'s blocks on the map (so does
 clicking its row).
 
-The block report is built by the engine core between two steps (a utility call,
-``engine/reports.py``), so block states, ref counts and block tables are one
-consistent snapshot.
+The block report is built by the engine core between two steps (the call
+``GetBlocksReport``, ``engine/reports.py``), so block states, ref counts and block
+tables are one consistent snapshot.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def add_dashboard_routes(app: FastAPI, ctx: Any) -> None:
 
     @app.get(BLOCKS_PATH)
     async def cache_blocks() -> Response:
-        report = await ctx.engine.call_utility("blocks_report")
+        report = await ctx.engine.blocks_report()
         return JSONResponse(report, headers={"Cache-Control": "no-store"})
 
 
