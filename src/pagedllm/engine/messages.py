@@ -16,6 +16,10 @@ message a map of its fields, decoded by msgspec straight into its class from the
 hints (nested dataclasses, tuples, optional fields: ``SamplingParams``, ``RequestDelta``
 and whatever they hold). So a new field of a request or a delta needs no codec code: a
 field with a default decodes from a frame without it, and an unknown field is ignored.
+A field's annotation is what it holds once built (normalize inputs in ``__post_init__``),
+and a union in it holds at most one array type (list, tuple, set) and at most one map type
+(a dict or a dataclass): msgspec decodes by the annotation and refuses other unions when
+the ``Codec`` is made, so every test that starts a core says so at once.
 
 A call is a message whose sender waits for an answer: a subclass of ``Call[R]`` where
 ``R`` is the type of its result, which the answer is decoded into. A new thing the server
