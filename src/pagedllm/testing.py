@@ -204,14 +204,19 @@ class FakeEngineFactory:
     runner_kw: dict[str, Any] = field(default_factory=dict)
     engine_kw: dict[str, Any] = field(default_factory=dict)
     startup_s: float = 0.0  # a slow start (a model load, a kernel build) before the engine
+    # A file made as the engine's build begins: a test waits for it to act mid-start.
+    building_marker: str | None = None
 
     def build_engine(self) -> Any:
         import time
+        from pathlib import Path
 
         from pagedllm.engine.config import EngineConfig
         from pagedllm.engine.llm_engine import LLMEngine
         from pagedllm.worker.fake_runner import FakeModelRunner
 
+        if self.building_marker is not None:
+            Path(self.building_marker).touch()
         time.sleep(self.startup_s)
         tokenizer = self.load_tokenizer()
         runner_kw = {"allowed_token_ids": range(ord("a"), ord("z") + 1), **self.runner_kw}

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import json
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,35 @@ async def wait_until(
         if loop.time() > deadline:
             raise AssertionError(f"waited {deadline_s} s for {what}")
         await asyncio.sleep(0.005)
+
+
+def wait_until_sync(
+    condition: Callable[[], bool], deadline_s: float = 10.0, *, what: str, every_s: float = 0.02
+) -> None:
+    """``wait_until`` outside an event loop (other processes, threads, a uvicorn server):
+    poll ``condition`` every ``every_s`` seconds until it holds (an AssertionError it raises,
+    say for a process that died, ends the wait at once)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {deadline_s} s for {what}")
+        time.sleep(every_s)
+
+
+def answers_health(url: str, proc: Any) -> bool:
+    """True once the server at ``url`` answers /health with 200; an AssertionError with
+    its output if its process ``proc`` (a ``subprocess.Popen``) has exited."""
+    assert proc.poll() is None, _output(proc)
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _output(proc: Any) -> str:
+    stream = proc.stderr if proc.stderr is not None else proc.stdout
+    data = b"" if stream is None else stream.read()
+    return data.decode(errors="replace")[-3000:]
 
 
 async def hold_core(engine: Any, llm: LLMEngine, gate: Any) -> Any:

@@ -16,7 +16,7 @@ from pagedllm.server.app import create_app
 from pagedllm.testing import FakeEngineFactory
 from pagedllm.worker.fake_runner import MISS_LOGPROB
 
-from .conftest import ASGIStream, sse_events, wait_pool_free
+from .conftest import ASGIStream, sse_events, wait_pool_free, wait_until, wait_until_sync
 
 
 def _serve(
@@ -117,8 +117,7 @@ def test_full_queue_gets_429(tokenizer_dir):
     async def body(app, client):
         payload = {"prompt": "queued", "max_tokens": 2}
         first = asyncio.ensure_future(client.post("/v1/completions", json=payload))
-        while app.state.engine.num_queued == 0:
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: app.state.engine.num_queued > 0, what="the first request queued")
         refused = await client.post("/v1/completions", json=payload)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         assert (await first).status_code == 200
@@ -170,34 +169,34 @@ _SLOW_START = """
 import sys, time
 from pagedllm.engine.async_engine import _CoreProcess
 from pagedllm.testing import FakeEngineFactory
-core = _CoreProcess(FakeEngineFactory(sys.argv[1], startup_s=120.0))
+factory = FakeEngineFactory(sys.argv[1], startup_s=120.0, building_marker=sys.argv[2])
+core = _CoreProcess(factory)
 core.start("ipc:///tmp/pagedllm-test-unused-in", "ipc:///tmp/pagedllm-test-unused-out")
 print(core.process.pid, flush=True)
 time.sleep(120)
 """
 
 
-def test_a_core_still_starting_exits_when_its_server_is_killed(tokenizer_dir):
+def test_a_core_still_starting_exits_when_its_server_is_killed(tokenizer_dir, tmp_path):
     """SIGKILL leaves the server no atexit: the core, still building its engine (no loop
     yet to notice), must end by itself instead of loading a model for nobody."""
     import subprocess
     import sys
-    import time
 
+    building = tmp_path / "building"
     server = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_START, tokenizer_dir], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _SLOW_START, tokenizer_dir, str(building)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     core_pid = None
     try:
         core_pid = int(server.stdout.readline())
-        time.sleep(0.5)
+        wait_until_sync(building.exists, 60, what="the core to begin building its engine")
         assert _running(core_pid)
         server.kill()
         server.wait(10)
-        deadline = time.monotonic() + 10
-        while _running(core_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _running(core_pid), "the core outlived its killed server"
+        wait_until_sync(lambda: not _running(core_pid), 10, what="the core to end")
     finally:
         server.kill()
         if core_pid is not None and _running(core_pid):

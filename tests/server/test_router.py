@@ -213,8 +213,8 @@ def test_a_queued_request_keeps_the_prefix_the_router_predicted(make_harness):
             long = asyncio.create_task(
                 _complete(client, [120, 121, 122, 123], max_tokens=40, ignore_eos=True)
             )
-            while harness.llm.scheduler.stats().num_running == 0:
-                await asyncio.sleep(0.001)
+            running = harness.llm.scheduler.stats
+            await wait_until(lambda: running().num_running > 0, what="the long request to run")
             await router.refresh_all()  # the view is exact when the next one is routed
             out = await _complete(client, _prompt(0, 1))
             await long
@@ -285,8 +285,10 @@ def test_replica_dying_mid_stream_fails_only_its_requests(make_harness):
         first = asyncio.create_task(stream(client, _prompt(0, 0)))
         await asyncio.sleep(0)
         second = asyncio.create_task(stream(client, _prompt(1, 0)))
-        while router.replicas[0].load == 0 or router.replicas[1].load == 0:
-            await asyncio.sleep(0.001)
+        await wait_until(
+            lambda: router.replicas[0].load > 0 and router.replicas[1].load > 0,
+            what="a stream on each replica",
+        )
         transports[0].kill()
         dead, alive = await first, await second
         later = [await _complete(client, _prompt(2, i)) for i in range(3)]
@@ -455,11 +457,13 @@ def test_a_hung_replica_is_marked_unhealthy_and_does_not_stall_the_others(make_h
         # While replica 1 hangs, replica 0's view goes on following its events.
         seq_before = router.replicas[0].view.next_seq
         done = [await _complete(client, _prompt(0, i)) for i in range(2)]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5.0
-        while router.replicas[1].healthy or router.replicas[0].view.next_seq == seq_before:
-            assert loop.time() < deadline, "the poller stalled on the hung replica"
-            await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: (
+                not router.replicas[1].healthy and router.replicas[0].view.next_seq != seq_before
+            ),
+            5.0,
+            what="the poller to pass the hung replica",
+        )
         later = [await _complete(client, _prompt(1, i)) for i in range(3)]
         report = (await client.get("/v1/router")).json()
         await router.stop()

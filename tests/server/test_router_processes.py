@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 
 from pagedllm.util.net import free_port
 
-from .conftest import free_port_run, sse_events
+from .conftest import answers_health, free_port_run, sse_events, wait_until_sync
 
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024",
                 "--num-threads", "1", "--log-level", "warning"]  # fmt: skip
@@ -34,16 +33,7 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not come up"
-        time.sleep(0.2)
+    wait_until_sync(lambda: answers_health(url, proc), timeout, what=f"{url} to come up")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -79,23 +69,27 @@ def _stream(base: str, chunks: list[bytes], first_chunk: threading.Event) -> Non
     first_chunk.set()
 
 
+def _replicas(base: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{base}/v1/router").json()["replicas"]
+
+
 def _wait_in_flight(base: str, timeout: float = 60) -> int:
     """The replica the router sent the one request in flight to."""
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = [r["in_flight"] for r in httpx.get(f"{base}/v1/router").json()["replicas"]]
-        if sum(loads) == 1:
-            return loads.index(1)
-        assert time.monotonic() < deadline, f"no request in flight: {loads}"
-        time.sleep(0.02)
+
+    def one_in_flight() -> bool:
+        return sum(r["in_flight"] for r in _replicas(base)) == 1
+
+    wait_until_sync(one_in_flight, timeout, what="one request in flight")
+    return [r["in_flight"] for r in _replicas(base)].index(1)
 
 
 def _wait_streaming(base: str, timeout: float = 30) -> None:
     """Until the router has every replica's cache event stream open."""
-    deadline = time.monotonic() + timeout
-    while not all(r["event_stream"] for r in httpx.get(f"{base}/v1/router").json()["replicas"]):
-        assert time.monotonic() < deadline, "the router never opened the event streams"
-        time.sleep(0.05)
+
+    def all_streaming() -> bool:
+        return all(r["event_stream"] for r in _replicas(base))
+
+    wait_until_sync(all_streaming, timeout, what="the router to open the event streams")
 
 
 def _children(pid: int) -> list[int]:
@@ -103,21 +97,16 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-def _all_gone(pids: list[int], timeout: float) -> bool:
-    """True once none of ``pids`` runs (a zombie counts as gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for pid in pids:
-            stat = Path(f"/proc/{pid}/stat")
-            try:
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                states.append("gone")
-        if all(state in ("gone", "Z", "X") for state in states):
-            return True
-        time.sleep(0.2)
-    return False
+def _all_gone(pids: list[int]) -> bool:
+    """True when none of ``pids`` runs (a zombie counts as gone)."""
+    states = []
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            states.append("gone")
+    return all(state in ("gone", "Z", "X") for state in states)
 
 
 @pytest.mark.slow
@@ -177,16 +166,17 @@ def test_replica_killed_mid_stream(tiny_checkpoint: Path):
         assert report[victim]["event_stream"] is False and report[survivor]["event_stream"]
         # the survivor's view, pushed across both boundaries, reaches its index exactly
         index = httpx.get(f"{urls[1 + survivor]}/v1/cache/events").json()["snapshot"]
-        deadline = time.monotonic() + 10
-        while report[survivor]["cached_blocks"] != len(index):
-            assert time.monotonic() < deadline, (report[survivor], len(index))
-            time.sleep(0.02)
-            report = httpx.get(f"{base}/v1/router").json()["replicas"]
+        wait_until_sync(
+            lambda: _replicas(base)[survivor]["cached_blocks"] == len(index),
+            what=f"the router's view of the survivor to reach its {len(index)} blocks",
+        )
+        report = _replicas(base)
         assert len(index) > 0
         assert report[survivor]["requests"] == served[survivor] + 3
         metrics = httpx.get(f"{base}/metrics").text
         assert f'pagedllm_router_replica_healthy{{replica="{urls[1 + victim]}"}} 0.0' in metrics
-        assert orphans and _all_gone(orphans, timeout=30), "the dead server's core lives on"
+        assert orphans
+        wait_until_sync(lambda: _all_gone(orphans), 30, what="the dead server's core to end")
     finally:
         _stop(procs)
 

@@ -20,7 +20,7 @@ from pagedllm.engine.config import SERVE
 from pagedllm.server import cli
 from pagedllm.util.net import free_port
 
-from .conftest import sse_events
+from .conftest import answers_health, sse_events, wait_until_sync
 
 
 def test_flags_and_defaults():
@@ -69,16 +69,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_cleanly(tiny_checkpoint: An
                "--port", str(port), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_sync(lambda: answers_health(base, proc), 90, what="the server to come up")
 
         body: dict[str, Any] = {}
 
@@ -94,9 +85,8 @@ def test_sigterm_finishes_in_flight_stream_and_exits_cleanly(tiny_checkpoint: An
 
         reader = threading.Thread(target=stream)
         reader.start()
-        while "first" not in body:
-            assert reader.is_alive()
-            time.sleep(0.01)
+        wait_until_sync(lambda: "first" in body or not reader.is_alive(), 60, what="a chunk")
+        assert "first" in body
         proc.send_signal(signal.SIGTERM)
         reader.join(60)
         assert proc.wait(60) == 0
@@ -119,22 +109,25 @@ def test_shutdown_drains_then_ends_late_streams_with_an_event(make_harness):
                             log_level="warning")  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
+    wait_until_sync(lambda: server.started or not thread.is_alive(), 30, what="uvicorn")
+    assert server.started
     base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     bodies: dict[str, bytes] = {}
+    streaming: set[str] = set()
 
     def stream(name: str, max_tokens: int) -> None:
         payload = {"prompt": name, "max_tokens": max_tokens, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=30) as r:
-            bodies[name] = b"".join(r.iter_bytes())
+            chunks = []
+            for chunk in r.iter_bytes():
+                chunks.append(chunk)
+                streaming.add(name)
+            bodies[name] = b"".join(chunks)
 
     readers = [threading.Thread(target=stream, args=a) for a in (("short", 8), ("long", 120))]
     for reader in readers:
         reader.start()
-    time.sleep(0.2)  # both admitted and streaming
+    wait_until_sync(lambda: len(streaming) == 2, 30, what="both streams' first chunks")
     server.should_exit = True
     for reader in readers:
         reader.join(30)

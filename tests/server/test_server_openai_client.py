@@ -4,7 +4,6 @@ driven by the real ``openai`` client: completions, chat, streaming, n>1, errors.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,8 @@ import uvicorn
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.app import create_app
+
+from .conftest import wait_until_sync
 
 API_KEY = "test-key"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -31,10 +32,8 @@ def server(tiny_checkpoint: Any) -> Iterator[str]:
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
+    wait_until_sync(lambda: uv.started or not thread.is_alive(), 30, what="uvicorn to start")
+    assert uv.started, "uvicorn did not start"
     port = uv.servers[0].sockets[0].getsockname()[1]
     yield f"http://127.0.0.1:{port}"
     uv.should_exit = True
