@@ -103,7 +103,7 @@ def generate(
         if shrink_to is not None and step == warm_steps:
             started_at = time.perf_counter()
             samples.append((0.0, rss()))
-            engine.start_resize(shrink_to, on_done=reports.append)
+            engine.elastic.start(shrink_to, on_done=reports.append)
         resizing = engine.elastic.resizing
         begin = time.perf_counter()
         outputs = engine.step()
@@ -135,7 +135,7 @@ def shrink_case(args: argparse.Namespace, num: int, prompt_len: int, max_tokens:
     for i in range(args.rounds + 1):
         engine.reset_prefix_cache()
         if engine.kv.num_blocks * engine.runner.kv_block_bytes < pool:
-            engine.resize_kv_cache(pool)
+            engine.elastic.resize(pool)
             engine.runner.kv_cache.arena.wait_populated()
         shuffle_free_list(engine, args.seed + i)
         run = generate(
@@ -219,12 +219,12 @@ def part_grow(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         before = rss()
         begin = time.perf_counter()
-        report = engine.resize_kv_cache(pool + extra)
+        report = engine.elastic.resize(pool + extra)
         calls.append((time.perf_counter() - begin) * 1e3)
         engine.runner.kv_cache.arena.wait_populated()
         faults.append((time.perf_counter() - begin) * 1e3)
         growth.append((rss() - before) / MIB)
-        engine.resize_kv_cache(pool)
+        engine.elastic.resize(pool)
     result = {
         "grow_mib": extra / MIB,
         "blocks": f"{report.blocks_before} -> {report.blocks_after}",
@@ -260,7 +260,7 @@ def peak_load(engine: LLMEngine, args: argparse.Namespace, idle_s: float) -> lis
     idle_from = time.perf_counter()
     while time.perf_counter() - idle_from < idle_s:
         time.sleep(0.05)
-        engine.elastic_tick()
+        engine.elastic.idle_tick()
         samples.append((time.perf_counter() - start, rss(), engine.kv.num_blocks))
     return samples
 

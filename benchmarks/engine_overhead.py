@@ -113,9 +113,9 @@ def time_window(
     # read (at the request's end): decode the window's tokens now (as one window each,
     # timed as detokenizing by the add_tokens wrapper) and count that too.
     # With ``deltas`` the server process detokenizes, not the core.
-    for group in () if deltas else engine._groups.values():
-        for seq in group.seqs.values():
-            seq.text_detokenizer()
+    for state in () if deltas else engine.output_processor.requests.values():
+        for seq in state.seqs.values():
+            seq.text  # noqa: B018  (reading the text decodes the window)
     total = timers.clock() - start
     timers.enabled = False
     parts = {p: timers.seconds[p] for p in PARTS}

@@ -85,15 +85,15 @@ def time_steps(llm: LLM, config: str, args: argparse.Namespace) -> dict[str, flo
     engine = llm.engine
     prompt = llm.encode_chat([{"role": "user", "content": PROMPT}])
     sampling = params(config, args)
-    engine.check_structured_outputs(sampling)
+    engine.structured.check(sampling)
     ids = [f"{config}-{time.monotonic_ns()}-{i}" for i in range(args.num_seqs)]
     for request_id in ids:
         engine.add_request(request_id, prompt, sampling)
-    while engine.scheduler.waiting or engine._compiling:  # every prompt computed
+    while engine.scheduler.waiting or engine.structured.compiling:  # every prompt computed
         engine.step(finished_only=True)
     for _ in range(args.warmup_steps):
         engine.step(finished_only=True)
-    mask_s, num_masks = engine.matchers.mask_s, engine.matchers.num_masks
+    mask_s, num_masks = engine.structured.matchers.mask_s, engine.structured.matchers.num_masks
     steps = []
     for _ in range(args.steps):
         running = len(engine.scheduler.running)
@@ -101,11 +101,11 @@ def time_steps(llm: LLM, config: str, args: argparse.Namespace) -> dict[str, flo
         started = time.perf_counter()
         engine.step(finished_only=True)
         steps.append(time.perf_counter() - started)
-    masks = engine.matchers.num_masks - num_masks
+    masks = engine.structured.matchers.num_masks - num_masks
     engine.abort_request(ids)
     return {
         "step_ms": statistics.median(steps) * 1e3,
-        "mask_ms_per_step": (engine.matchers.mask_s - mask_s) * 1e3 / args.steps,
+        "mask_ms_per_step": (engine.structured.matchers.mask_s - mask_s) * 1e3 / args.steps,
         "masks_per_step": masks / args.steps,
     }
 
@@ -115,7 +115,7 @@ def compile_times(llm: LLM) -> dict[str, float | bool]:
     and a second request's (cached: nothing compiled)."""
     engine = llm.engine
     started = time.perf_counter()
-    compiler = engine.grammar_compiler()
+    compiler = engine.structured.compiler()
     compiler.compile(StructuredOutputsParams(regex="x"))  # waits for the tokenizer table
     table_s = time.perf_counter() - started
     structured = StructuredOutputsParams(json=SCHEMA)

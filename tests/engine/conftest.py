@@ -110,7 +110,7 @@ def run_with_resizes(
     step = 0
     while engine.has_unfinished_requests():
         if step in schedule:
-            engine.start_resize(schedule[step] * block)
+            engine.elastic.start(schedule[step] * block)
         for output in engine.step():
             if output.finished:
                 final[output.request_id] = output

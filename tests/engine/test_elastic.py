@@ -52,7 +52,7 @@ def test_random_resize_schedules_change_no_token(
             expected[rid] = (ids, max_tokens, n)
         if step < 120 and rng.random() < 0.08:
             blocks = rng.randint(10, 80)
-            engine.start_resize(
+            engine.elastic.start(
                 blocks * BLOCK_BYTES, preempt=rng.random() < 0.3, on_done=reports.append
             )
         for output in engine.step():
@@ -88,13 +88,13 @@ def test_cached_prefixes_survive_shrink_and_grow_while_they_fit(
     _prompt_blocks(engine, prompts)
     cached = engine.kv.stats().blocks_cached_free
     assert cached == 12
-    report = engine.resize_kv_cache(16 * BLOCK_BYTES)
+    report = engine.elastic.resize(16 * BLOCK_BYTES)
     assert (report.blocks_before, report.blocks_after, report.blocks_requested) == (64, 16, 16)
     assert report.cached_blocks_before == report.cached_blocks_kept == 12
     assert report.cached_blocks_dropped == 0 and report.limited_by is None
     assert report.bytes_returned == 48 * BLOCK_BYTES
     assert engine.runner.num_blocks == engine.kv.num_blocks == 16
-    grown = engine.resize_kv_cache(40 * BLOCK_BYTES)
+    grown = engine.elastic.resize(40 * BLOCK_BYTES)
     assert (grown.blocks_after, grown.bytes_returned) == (40, -24 * BLOCK_BYTES)
     # Every prompt is still a prefix hit, and its tokens are still right.
     for i, ids in enumerate(prompts):
@@ -104,7 +104,7 @@ def test_cached_prefixes_survive_shrink_and_grow_while_they_fit(
         assert final[f"again{i}"].num_cached_tokens == 12
         assert list(final[f"again{i}"].outputs[0].token_ids) == reference(engine.runner, ids, 3)
     # Smaller than the cache: the least recently used prefixes go, the rest stay.
-    report = engine.resize_kv_cache(7 * BLOCK_BYTES)
+    report = engine.elastic.resize(7 * BLOCK_BYTES)
     assert report.blocks_after == 7 and report.cached_blocks_dropped == 5
     assert report.cached_blocks_kept == 7
 
@@ -119,11 +119,11 @@ def test_shrink_below_running_requests_stops_there_unless_asked_to_preempt(
     for _ in range(3):
         engine.step()
     held = engine.kv.pool.num_used_blocks
-    report = engine.resize_kv_cache(4 * BLOCK_BYTES)
+    report = engine.elastic.resize(4 * BLOCK_BYTES)
     assert report.blocks_after == held + 4 and report.num_preempted == 0
     assert "running requests hold" in report.limited_by
     assert engine.get_stats().num_preemptions == 0
-    report = engine.resize_kv_cache(12 * BLOCK_BYTES, preempt=True)
+    report = engine.elastic.resize(12 * BLOCK_BYTES, preempt=True)
     assert report.num_preempted > 0 and report.blocks_after <= 16
     final = run_all(engine)
     for i, ids in enumerate(prompts):
@@ -133,9 +133,9 @@ def test_shrink_below_running_requests_stops_there_unless_asked_to_preempt(
 def test_resize_rejects_bad_sizes(fake_engine: Callable[..., LLMEngine]) -> None:
     engine = fake_engine(num_blocks=16)
     with pytest.raises(ValueError, match="less than one block"):
-        engine.resize_kv_cache(100)
+        engine.elastic.resize(100)
     with pytest.raises(TypeError):
-        engine.resize_kv_cache("1GiB")  # type: ignore[arg-type]
+        engine.elastic.resize("1GiB")  # type: ignore[arg-type]
     assert engine.kv.num_blocks == 16
 
 
@@ -159,7 +159,7 @@ def test_automatic_mode_grows_under_load_and_shrinks_when_idle(
     assert max(e.blocks_after for e in stats.events) > 8
     for i, ids in enumerate(prompts):
         assert list(final[str(i)].outputs[0].token_ids) == reference(engine.runner, ids, 16)
-    engine.elastic_tick()  # idle: compact and shrink to what the prompt cache holds
+    engine.elastic.idle_tick()  # idle: compact and shrink to what the prompt cache holds
     stats = engine.get_stats()
     packed = stats.cache.blocks_used + stats.cache.blocks_cached_free
     assert stats.cache.blocks_total == max(8, packed)

@@ -152,12 +152,12 @@ def test_fast_argmax_matches_torch_including_ties_and_nan() -> None:
 
 def test_engine_auto_backend_is_the_fast_one_and_reference_stays_available() -> None:
     from pagedllm.attention.select import get_backend
+    from pagedllm.engine.builder import attention_backend
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.engine.llm_engine import _attention_backend
 
-    auto = _attention_backend(EngineConfig(model="m"))
+    auto = attention_backend(EngineConfig(model="m"))
     assert auto.name == get_backend("auto").name == "cpu"
-    assert _attention_backend(EngineConfig(model="m", attention_backend="reference")).name == (
+    assert attention_backend(EngineConfig(model="m", attention_backend="reference")).name == (
         "reference"
     )
     with pytest.raises(ValueError, match="attention_backend"):

@@ -242,7 +242,7 @@ def test_greedy_sampled_and_n_outputs_match_their_grammar(
     assert texts["choice"][0][0] in ("yes", "no") and texts["choice"][0][1] == "stop"
     assert texts["regex"][0][0].endswith("@x.com") and texts["regex"][0][1] == "stop"
     assert texts["free"][0][1] == "length"
-    assert len(engine.matchers) == 0
+    assert len(engine.structured.matchers) == 0
 
 
 def test_preemption_and_swap_keep_the_matcher(grammar_engine: Callable[..., LLMEngine]) -> None:
@@ -310,7 +310,7 @@ def test_a_compile_never_holds_up_a_step(
     gate.set()
     texts = _texts(engine)
     assert texts["c"][0][0] in ("alpha", "beta")
-    assert len(engine.matchers) == 0 and not engine._compiling
+    assert len(engine.structured.matchers) == 0 and not engine.structured.compiling
 
 
 def test_a_refused_grammar_is_a_value_error_and_leaks_nothing(
@@ -321,7 +321,7 @@ def test_a_refused_grammar_is_a_value_error_and_leaks_nothing(
     bad = SamplingParams(structured_outputs=S(json={"type": "object", "not": {}}))
     with pytest.raises(ValueError, match=r'structured_outputs.json: .*"not" at /'):
         llm.generate(["a", "b"], bad, use_tqdm=False)
-    assert not engine.has_unfinished_requests() and len(engine.matchers) == 0
+    assert not engine.has_unfinished_requests() and len(engine.structured.matchers) == 0
     with pytest.raises(ValueError, match="structured_outputs.json"):
         engine.add_request("x", "a", bad)  # compiled before: refused at once
     assert not engine.has_unfinished_requests()
@@ -335,9 +335,9 @@ def test_aborts_release_blocks_and_matchers(grammar_engine: Callable[..., LLMEng
         engine.add_request(str(i), "go", params)
     for _ in range(5):
         engine.step()
-    assert len(engine.matchers) > 0
+    assert len(engine.structured.matchers) > 0
     engine.abort_request([str(i) for i in range(4)])
-    assert len(engine.matchers) == 0 and not engine.has_unfinished_requests()
+    assert len(engine.structured.matchers) == 0 and not engine.has_unfinished_requests()
     assert engine.kv.stats().blocks_used == 0
 
 
@@ -355,4 +355,4 @@ def test_beam_search_keeps_a_matcher_per_beam(grammar_engine: Callable[..., LLME
     (result,) = beam_search(engine, ["hello"], params)
     assert sorted(s.text for s in result.sequences) == sorted(choices)
     assert all(s.finish_reason == "stop" for s in result.sequences)
-    assert len(engine.matchers) == 0
+    assert len(engine.structured.matchers) == 0

@@ -171,7 +171,7 @@ def test_tiny_model_outputs_validate(
     ]  # fmt: skip
     outputs = llm.generate(["give me json"] * len(schemas), params, use_tqdm=False)
     assert check_valid(outputs, schemas) == NUM_SCHEMAS
-    assert len(llm.engine.matchers) == 0
+    assert len(llm.engine.structured.matchers) == 0
 
 
 PAGING = {
@@ -216,7 +216,7 @@ def test_preempted_outputs_are_those_of_an_unpreempted_run(
         assert stats.disk is not None and stats.disk.blocks_read > 0
     assert [o.outputs[0].token_ids for o in outputs] == [b.outputs[0].token_ids for b in baseline]
     assert check_valid(outputs, subset) == len(subset)
-    assert len(engine.matchers) == 0
+    assert len(engine.structured.matchers) == 0
 
 
 def test_n4_samples_each_follow_their_own_matcher(
@@ -237,7 +237,7 @@ def test_n4_samples_each_follow_their_own_matcher(
     distinct = [len({c.text for c in o.outputs}) for o in outputs]
     assert max(distinct) > 1  # the samples differ
     assert engine.get_stats().num_preemptions > 0
-    assert len(engine.matchers) == 0
+    assert len(engine.structured.matchers) == 0
 
 
 DEFAULT_MODEL_SCHEMAS = [
@@ -298,4 +298,4 @@ def test_default_model_outputs_validate_where_free_text_does_not() -> None:
             prompts = [{"prompt_token_ids": llm.encode_chat(c)} for c in chats]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             assert check_valid(outputs, DEFAULT_MODEL_SCHEMAS) == n * len(QUESTIONS)
-        assert len(llm.engine.matchers) == 0
+        assert len(llm.engine.structured.matchers) == 0

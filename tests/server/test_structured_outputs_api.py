@@ -182,9 +182,9 @@ def test_aborted_constrained_streams_leave_no_matcher(make_harness) -> None:
         ]  # fmt: skip
         for stream in streams:
             assert await stream.next_chunk() is not None
-        await wait_until(lambda: len(h.llm.matchers) == 3, what="three matchers")
+        await wait_until(lambda: len(h.llm.structured.matchers) == 3, what="three matchers")
         for stream in streams:
             await stream.disconnect()
-        await wait_until(lambda: len(h.llm.matchers) == 0, what="the matchers to go")
+        await wait_until(lambda: len(h.llm.structured.matchers) == 0, what="the matchers to go")
 
     h.run(body)

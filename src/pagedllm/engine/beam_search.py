@@ -107,10 +107,10 @@ class _BeamSearch:
         )
         self._ids = (f"__beam-{i}" for i in itertools.count())
         self._results: dict[str, TokenLogprob] = {}
-        self.matchers = engine.matchers
+        self.matchers = engine.structured.matchers
         self.grammar = None
         if params.structured_outputs is not None:
-            self.grammar = engine.grammar_compiler().compile(params.structured_outputs)
+            self.grammar = engine.structured.compiler().compile(params.structured_outputs)
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         instances = [self._start(p) for p in prompts]

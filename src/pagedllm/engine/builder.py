@@ -1,5 +1,7 @@
 """What ``LLMEngine.from_config`` builds before the engine: the model, ONE plan of its KV
-cache and the runner made from it; and the start-up report once the engine exists.
+cache and the runner made from it; the engine's parts made from the plan (the block
+manager, the disk tier, the scheduler's limits); and the start-up report once the engine
+exists.
 
 The plan (``engine/kv_plan.py``) is made of the model the runner runs: under tensor
 parallelism that is rank 0's shard, whose config has the rank's KV heads, so it is made
@@ -9,10 +11,20 @@ ranks receive its spec and sizes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.hybrid_kv import HybridKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import kv_cache_layout
+from pagedllm.core.scheduler import SchedulerConfig
+from pagedllm.core.tiers import DiskTier
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_plan import KVPlan, plan_kv_cache
+from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
+from pagedllm.routes import Routes
+from pagedllm.worker.base import ModelRunner, SupportsDiskTier
+from pagedllm.worker.disk_store import DiskKVStore
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
@@ -74,6 +86,142 @@ def runner_of_plan(model: Any, plan: KVPlan) -> Any:
         num_host_blocks=plan.num_host_blocks,
         spec=plan.spec,
     )
+
+
+def attention_backend(config: EngineConfig) -> Any:
+    """The backend named by ``config.attention_backend`` ("auto" picks the fastest)."""
+    from pagedllm.attention.select import get_backend
+
+    name = config.attention_backend
+    return get_backend("auto" if name is None else name)
+
+
+def with_dtype(routes: Routes | None, dtype_reason: str) -> Routes | None:
+    """The runner's routes with the model's dtype and why it runs in it."""
+    if routes is None or not dtype_reason:
+        return routes
+    return replace(routes, dtype_reason=dtype_reason)
+
+
+# ---------------------------------------------------------------- the engine's parts
+
+
+def resolve_max_model_len(config: EngineConfig, plan: KVPlan, model_config: Any) -> int:
+    """``config.max_model_len``, checked against the model and the whole cache; without
+    one, the model's limit within the cache (a sliding-window model's alone: blocks out of
+    the window are released, so the cache does not bound the length)."""
+    cache_tokens = plan.max_num_blocks * plan.block_size
+    model_limit = getattr(model_config, "max_position_embeddings", None)
+    window = None if model_config is None else model_config.uniform_sliding_window
+    requested = config.max_model_len
+    if requested is None and window is not None:
+        return model_limit
+    if requested is None:
+        return min(model_limit or cache_tokens, cache_tokens)
+    if model_limit is not None and requested > model_limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's limit ({model_limit})")
+    if window is None and requested > cache_tokens:
+        raise ValueError(
+            f"max_model_len ({requested} tokens) exceeds the whole KV cache "
+            f"({cache_tokens} tokens): raise --kv-cache-memory or lower --max-model-len"
+        )
+    return requested
+
+
+def open_disk_tier(
+    config: EngineConfig, runner: ModelRunner, plan: KVPlan
+) -> tuple[DiskKVStore | None, DiskTier | None]:
+    """The store in ``config.kv_offload_dir`` (attached to the runner) and the core's
+    books of it, the plan's size; (None, None) without a directory."""
+    if config.kv_offload_dir is None:
+        return None, None
+    if not isinstance(runner, SupportsDiskTier):
+        raise ValueError(f"{type(runner).__name__} cannot run a disk tier (kv_offload_dir)")
+    store = DiskKVStore(
+        config.kv_offload_dir,
+        runner.kv_fingerprint(),
+        block_size=runner.block_size,
+        payload_nbytes=runner.block_nbytes,
+        first_payload_nbytes=runner.first_block_nbytes,
+    )
+    runner.attach_disk_store(store)
+    return store, DiskTier(plan.num_disk_blocks, store.scan())
+
+
+def release(disk_store: DiskKVStore | None, runner: ModelRunner) -> None:
+    """What ``LLMEngine.close`` releases: the disk tier's writer, the runner's ranks."""
+    if disk_store is not None:
+        disk_store.close()
+    runner.close()
+
+
+def kv_manager(
+    config: EngineConfig, plan: KVPlan, model_config: Any, disk: DiskTier | None
+) -> KVCacheManager | HybridKVCacheManager:
+    """The block manager for the model: one per KV cache group (``core/kv_groups.py``)
+    when it mixes attention kinds (Gemma's local and global layers), else one."""
+    windows = None if model_config is None else model_config.sliding_windows
+    layout = None if windows is None else kv_cache_layout(windows)
+    if layout is not None and len(layout.groups) > 1:
+        if disk is not None:
+            raise ValueError(
+                "the disk tier does not take models mixing sliding-window and "
+                "full-attention layers yet"
+            )
+        return HybridKVCacheManager(
+            plan.num_blocks,
+            plan.block_size,
+            layout.windows,
+            enable_prefix_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+        )
+    return KVCacheManager(
+        plan.num_blocks,
+        plan.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_host_blocks=plan.num_host_blocks,
+        watermark=config.watermark,
+        disk=disk,
+        sliding_window=None if layout is None else layout.windows[0],
+        # Each cached-free first block keeps a staging slot: as many as running sequences.
+        max_cached_first_blocks=config.max_num_seqs if config.unquantized_first_block else None,
+    )
+
+
+def scheduler_config(config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.resolved_max_num_batched_tokens(max_model_len),
+        max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+        max_model_len=max_model_len,
+        preemption_mode=config.preemption_mode,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_inflight_sharing=config.enable_inflight_sharing,
+        pin_waiting_prefixes=config.pin_waiting_prefixes,
+        num_scheduler_steps=config.num_scheduler_steps,
+    )
+
+
+def slice_tuner(config: EngineConfig, max_model_len: int) -> PrefillSliceTuner | None:
+    """The tuner of ``max_prefill_time_while_decoding_s`` (None without it)."""
+    if config.max_prefill_time_while_decoding_s is None or not config.enable_chunked_prefill:
+        return None
+    # A token cap given too is the most the tuner picks (and the cap until it has timed a step).
+    largest = config.resolved_max_num_batched_tokens(max_model_len)
+    if config.max_prefill_tokens_while_decoding is not None:
+        largest = min(largest, config.max_prefill_tokens_while_decoding)
+    largest = max(largest, SMALLEST_CAP)
+    return PrefillSliceTuner(config.max_prefill_time_while_decoding_s, largest)
+
+
+def eos_ids(tokenizer: Any, model_config: Any) -> tuple[int | None, tuple[int, ...]]:
+    """The EOS token id (the tokenizer's, else the config's first) and the config's other
+    EOS ids."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    config_ids = tuple(getattr(model_config, "eos_token_ids", ()) or ())
+    if eos is None and config_ids:
+        eos = config_ids[0]
+    return eos, tuple(i for i in config_ids if i != eos)
 
 
 # ---------------------------------------------------------------- the start-up report

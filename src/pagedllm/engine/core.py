@@ -130,10 +130,10 @@ class EngineCore:
             m.GetBlocksReport: lambda call: blocks_report(engine),
             m.GetEventsReport: lambda call: events_report(engine, call.epoch, call.since),
             m.WatchEvents: lambda call: self.watch_events(),
-            m.StartResize: lambda call: engine.start_resize(call.num_bytes, call.preempt),
+            m.StartResize: lambda call: engine.elastic.start(call.num_bytes, preempt=call.preempt),
             m.GetResizeReport: lambda call: engine.elastic.report_for(call.resize_id),
-            m.GetCacheCapacityBlocks: lambda call: engine.cache_capacity_blocks(),
-            m.GetMaxNumTokens: lambda call: engine.max_num_tokens(),
+            m.GetCacheCapacityBlocks: lambda call: engine.elastic.capacity_blocks(),
+            m.GetMaxNumTokens: lambda call: engine.scheduler.max_num_tokens(),
             m.GetNumUnfinishedRequests: lambda call: engine.get_num_unfinished_requests(),
             m.FlushDiskTier: lambda call: engine.flush_disk_tier(),
             m.ResetPrefixCache: lambda call: engine.reset_prefix_cache(),
@@ -199,8 +199,8 @@ class EngineCore:
             max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.runner.vocab_size),
             block_size=int(engine.runner.block_size),
-            num_blocks=engine.cache_capacity_blocks(),
-            max_num_tokens=engine.max_num_tokens(),
+            num_blocks=engine.elastic.capacity_blocks(),
+            max_num_tokens=engine.scheduler.max_num_tokens(),
             tool_call_parser=engine.config.tool_call_parser,
             pid=os.getpid(),
         )
@@ -276,7 +276,7 @@ def _serve(core: EngineCore, codec: Codec, inbox: Any, outbox: Any, parent_pid: 
         # Idle: wait for a message (looking now and then whether the server still lives).
         while not busy and not inbox.poll(int(_PARENT_CHECK_S * 1000)):
             _check_parent(parent_pid)
-            core.engine.elastic_tick()  # the automatic elastic pool shrinks when idle
+            core.engine.elastic.idle_tick()  # the automatic elastic pool shrinks when idle
         while True:  # every waiting message, before the next step
             try:
                 frame = inbox.recv(zmq.NOBLOCK)

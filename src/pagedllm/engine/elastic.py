@@ -4,8 +4,10 @@ A shrink runs between steps: the core plans compaction slices (``core/compaction
 the runner copies each slice's blocks (``block_copies`` of a moves-only step) and the core
 moves its books; once nothing is held past the target, the core drops the tail and the
 runner gives its memory back (``worker/allocator.BlockArena``). A grow resizes the runner,
-then the core. ``LLMEngine`` drives both (``resize_kv_cache``, ``start_resize``); this
-module holds the plain parts: the report, one resize's running tally, the policy.
+then the core. ``ElasticPool`` carries both out between the steps of one engine
+(``LLMEngine.elastic``: ``resize``, ``start``, ``idle_tick``; ``elastic_pool`` builds it from
+the engine's config and KV plan); beside it, the plain parts: the report, one resize's
+running tally, the automatic policy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.kv_plan import KVPlan
 from pagedllm.worker.base import ModelRunner, ResizableRunner
 
 logger = logging.getLogger(__name__)
@@ -219,9 +223,40 @@ class ElasticStats:
     events: tuple[ElasticEvent, ...]
 
 
+def elastic_pool(
+    config: EngineConfig,
+    kv: KVCacheManager,
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    plan: KVPlan,
+) -> ElasticPool:
+    """The pool of an engine: with ``--kv-cache-memory MIN:MAX`` its automatic policy
+    (MIN is the start size), and the scheduler told the most blocks a request may count on."""
+    policy = None
+    if config.kv_cache_memory_max is not None:
+        if not isinstance(runner, ResizableRunner):
+            raise ValueError(f"kv_cache_memory_max: {type(runner).__name__} cannot resize")
+        policy = ElasticPolicy(plan.num_blocks, plan.max_num_blocks, idle_s=config.elastic_idle_s)
+        scheduler.max_num_blocks = policy.max_blocks
+    return ElasticPool(
+        kv,
+        scheduler,
+        runner,
+        step_fraction=config.compaction_step_fraction,
+        policy=policy,
+        free_bytes=lambda: _free_memory_bytes(config.device),
+    )
+
+
+def _free_memory_bytes(device: str) -> int:
+    from pagedllm.worker.kv_cache import available_memory_bytes
+
+    return available_memory_bytes(device)
+
+
 class ElasticPool:
-    """Carries out resizes of one engine's device tier between its steps (internal to
-    ``LLMEngine``, which forwards ``resize_kv_cache`` / ``start_resize`` here).
+    """Carries out resizes of one engine's device tier between its steps
+    (``LLMEngine.elastic``; the engine calls ``before_step`` and ``after_step``).
 
     A shrink never cuts below what running requests hold plus one block each (their
     next tokens) nor below the largest unfinished request's whole need (it could never
@@ -334,6 +369,18 @@ class ElasticPool:
                 f"no resize {resize_id!r} (the last one started is {self._num_started})"
             )
         return report
+
+    def capacity_blocks(self) -> int:
+        """The most device blocks one request may count on: the pool's size (the target
+        of a shrink under way), or the automatic policy's MAX."""
+        return max(self.kv.usable_blocks, self.scheduler.max_num_blocks or 0)
+
+    def idle_tick(self) -> None:
+        """Let the automatic policy act while no step runs (an idle server's timer calls
+        this); a shrink under way with nothing running completes."""
+        if self.resizing and not self.scheduler.has_unfinished_requests():
+            self.finish_now()
+        self.tick(time.monotonic())
 
     def finish_now(self) -> None:
         """Run the rest of a shrink under way at once."""

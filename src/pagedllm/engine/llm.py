@@ -104,10 +104,10 @@ class LLM:
         """Resize the KV cache to ``size`` bytes (or ``"2GiB"``) now: compaction packs the
         blocks worth keeping low and the tail goes back to the operating system, or the
         pool grows in place; cached prompts survive where they fit. See
-        ``LLMEngine.resize_kv_cache``."""
+        ``engine/elastic.py``."""
         from pagedllm.engine.args import parse_size
 
-        return self.engine.resize_kv_cache(parse_size(size), preempt=preempt)
+        return self.engine.elastic.resize(parse_size(size), preempt=preempt)
 
     def generate(
         self,
@@ -131,7 +131,7 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         for p in params:  # a refused grammar is a ValueError here, before anything runs
-            self.engine.check_structured_outputs(p)
+            self.engine.structured.check(p)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):

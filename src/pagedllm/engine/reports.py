@@ -8,15 +8,20 @@ hints), so every type it holds is imported here at run time."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.accounting import WasteReport
+from pagedllm.core.accounting import WasteReport, group_wastes, waste
 from pagedllm.core.block_pool import BLOCK_STATE_NAMES
+from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import CacheStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.elastic import ElasticStats
 from pagedllm.routes import Routes
+from pagedllm.worker.base import ResizableRunner
 from pagedllm.worker.disk_store import DiskStoreStats
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,77 @@ class EngineStats:
     # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
     # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
     max_prefill_tokens_while_decoding: int | None = None
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """The totals the step loop keeps since start-up (``EngineStats`` reports them)."""
+
+    steps: int = 0  # model steps (a multi-step schedule counts each)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_tokens: int = 0
+    finished: int = 0
+    failed: int = 0
+    aborted: int = 0
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """``LLMEngine.get_stats()``: one snapshot of the scheduler, the cache and the counters."""
+    s = engine.scheduler.stats()
+    c = engine.counters
+    kv = engine.kv
+    waste_inputs = _waste_inputs(engine)  # one pass over the live tokens for both wastes
+    return EngineStats(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_swapped=s.num_swapped,
+        num_unfinished_requests=engine.get_num_unfinished_requests(),
+        num_preemptions=s.num_preemptions,
+        num_preemptions_recompute=s.num_preemptions_recompute,
+        num_preemptions_swap=s.num_preemptions_swap,
+        num_steps=c.steps,
+        num_prompt_tokens=c.prompt_tokens,
+        num_generation_tokens=c.generation_tokens,
+        num_computed_tokens=c.computed_tokens,
+        num_requests_finished=c.finished,
+        num_requests_failed=c.failed,
+        num_requests_aborted=c.aborted,
+        kv_cache_usage=kv.usage,
+        max_prefill_tokens_while_decoding=engine.max_prefill_tokens_while_decoding,
+        max_model_len=engine.max_model_len,
+        cache=kv.stats(),
+        num_inflight_shared_tokens=s.num_inflight_shared_tokens,
+        num_inflight_waits=s.num_inflight_waits,
+        num_pins_given_up=s.num_pins_given_up,
+        waste=waste(kv, *waste_inputs),
+        group_waste=tuple(group_wastes(kv, *waste_inputs))
+        if isinstance(kv, HybridKVCacheManager)
+        else (),
+        disk=engine.disk_store.stats() if engine.disk_store is not None else None,
+        elastic=engine.elastic.stats() if isinstance(engine.runner, ResizableRunner) else None,
+        routes=engine.routes,
+        kv_cache_dtype=engine.plan.kv_cache_dtype,
+        kv_bytes_per_token=engine.plan.bytes_per_token,
+    )
+
+
+def _waste_inputs(engine: LLMEngine) -> tuple[dict[str, Any] | None, int | None]:
+    """What the cache's three wastes are measured from (``core.accounting.waste``): the
+    live requests' tokens and the next waiting request's length (linear in the live
+    tokens; only ``get_stats`` pays for it)."""
+    scheduler = engine.scheduler
+    requests = scheduler.requests
+    tables = engine.kv.live_block_tables()
+    token_ids = None
+    if all(rid in requests for rid in tables):
+        token_ids = {rid: requests[rid].all_token_ids for rid in tables}
+    next_len = None
+    if scheduler.waiting:
+        # Admission order (see Scheduler): priority, then arrival.
+        first = min(scheduler.waiting, key=lambda r: (r.priority, r.arrival_time))
+        next_len = first.num_prompt_tokens + scheduler.max_tokens(first)
+    return token_ids, next_len
 
 
 _WASTES = ("internal", "external", "duplication")
