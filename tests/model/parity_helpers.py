@@ -69,6 +69,11 @@ VARIANTS = {
     ),
     "mistral": ("mistral", {}),
     "qwen2_bias": ("qwen2", {}),
+    # Rows of 256 weights and more: the K-quants' super-blocks fit.
+    "qwen2_wide": (
+        "qwen2",
+        {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_hidden_layers": 2},
+    ),
     "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": True}),
     "mistral_window": ("mistral", {"sliding_window": 4}),
     "qwen2_window": (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from pagedllm.model import load_model
 from pagedllm.model.gguf_loader import convert_gguf, unpermute_rotary
 from pagedllm.worker.model_runner import TorchModelRunner
+from tests.kernels.gguf_blocks import quantize
 
 from .parity_helpers import PROMPTS, HandDriver, HFReference, relative_error
 
@@ -55,14 +57,13 @@ def write_tiny_gguf(
     checkpoint: Path,
     out: Path,
     quantize_q8: bool,
-    linears: str | None = None,
+    linears: str | Callable[[str], str] | None = None,
     embedding: str | None = None,
 ) -> Path:
     """A llama.cpp-style GGUF of a tiny HF checkpoint (2-D weights Q8_0 when asked; the
-    linears' weights in the GGUF type ``linears``, the token embedding in ``embedding``,
-    when given)."""
+    linears' weights in the GGUF type ``linears`` (or ``linears(name)`` for each), the token
+    embedding in ``embedding``, when given)."""
     from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -92,13 +93,14 @@ def write_tiny_gguf(
             array = llama_cpp_permute(array, kv_heads)
         kind = None
         if linears is not None and (name.endswith("proj.weight") or name == "lm_head.weight"):
-            kind = GGMLQuantizationType[linears]
+            kind = linears if isinstance(linears, str) else linears(name)
         elif embedding is not None and name == "model.embed_tokens.weight":
-            kind = GGMLQuantizationType[embedding]
+            kind = embedding
         elif quantize_q8 and array.ndim == 2:
-            kind = GGMLQuantizationType.Q8_0
+            kind = "Q8_0"
         if kind is not None:
-            writer.add_tensor(gguf_name(name), quantize(array, kind), raw_dtype=kind)
+            raw = quantize(array, kind)
+            writer.add_tensor(gguf_name(name), raw, raw_dtype=GGMLQuantizationType[kind])
         else:
             writer.add_tensor(gguf_name(name), array)
     writer.write_header_to_file()

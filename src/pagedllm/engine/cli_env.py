@@ -113,7 +113,7 @@ def format_environment(env: dict[str, Any]) -> str:
         f"kernels: {kernels['library']}",
         f"small_gemm bf16 route: {kernels['small_gemm_bf16']}",
         f"small_gemm float32 route: {kernels['small_gemm_f32']}",
-        f"quant_gemm route (GGUF Q8_0 / Q4_0 / Q4_1 weights): {kernels['quant_gemm']}",
+        f"quant_gemm route (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K weights): {kernels['quant_gemm']}",
         f"tensor-parallel gathers: {env['tensor_parallel_gathers']}",
         f"model: {env['model']}",
         "routes:",

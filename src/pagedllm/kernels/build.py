@@ -40,6 +40,7 @@ SOURCES = tuple(
         "quant_attention.cpp",
         "quant_write.cpp",
         "quant_gemm.cpp",
+        "quant_tiles.cpp",
         "sample.cpp",
     )
 )
@@ -57,6 +58,7 @@ HEADERS = tuple(
         "layer_groups.h",
         "kv_formats.h",
         "dispatch.h",
+        "quant_formats.h",
     )
 )
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows, small_gemm_refusal
 from pagedllm.kernels.ops import layer_ops
-from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
+from pagedllm.kernels.quant import QuantWeight, kernels_run
 
 # The routes read the kernels from layer_ops() rather than from a model: a model keeps
 # ops only beside the weights it packed, so an unpacked head has none to describe others.
@@ -28,7 +28,7 @@ def linear_path(linear: LinearTensors) -> str:
     """Where one linear runs, as ``kernels/linear.py``'s ``linear`` picks: pagedllm's own
     kernel (up to how many rows, and what beyond), oneDNN's packed layout, or plain torch."""
     if linear.quant is not None:
-        return quant_path(linear.quant.format)
+        return quant_path(linear.quant, linear.weight.dtype)
     small = linear.small
     if small is not None:
         beyond = "oneDNN" if small.dtype == torch.bfloat16 else "torch"
@@ -39,14 +39,19 @@ def linear_path(linear: LinearTensors) -> str:
     return "torch F.linear"
 
 
-def quant_path(format: str) -> str:
-    """Where a linear kept quantized (GGUF ``format``) runs."""
+def quant_path(weight: QuantWeight, dtype: torch.dtype) -> str:
+    """Where a linear kept quantized runs, with activations of ``dtype``: its format (and the
+    GGUF formats it came in where they differ), the integer kernel's ISA and row limit, and
+    the dequantised tiles' GEMM beyond."""
     ops = layer_ops()
-    if ops is None:
-        return f"torch, {format} dequantised per call (no C++ kernels)"
+    stored = weight.format if not weight.stored else f"{weight.stored} as {weight.format}"
+    if not kernels_run(ops):
+        return f"torch, {stored} dequantised per call (no quant_gemm here)"
+    bf16_tiles = dtype == torch.bfloat16 and small_gemm_route(dtype) != "none"
+    tiles = small_gemm_route(torch.bfloat16 if bf16_tiles else torch.float32)
     return (
-        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {format} kept as stored) up to "
-        f"{QUANT_GEMM_MAX_ROWS} rows, dequantised tiles on torch beyond"
+        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {stored} kept as stored) up to "
+        f"{ops.quant_gemm_int_rows(dtype)} rows, dequantised tiles on small_gemm ({tiles}) beyond"
     )
 
 

@@ -30,8 +30,13 @@ from pagedllm.attention.base import (
     QuantKernelStep,
 )
 from pagedllm.attention.quant import QuantizedCache
-from pagedllm.kernels.linear import LinearTensors, linear, small_gemm_max_rows
-from pagedllm.kernels.quant import QUANT_GEMM_MAX_ROWS
+from pagedllm.kernels.linear import (
+    SMALL_GEMM_MAX_ROWS_BF16,
+    LinearTensors,
+    linear,
+    small_gemm_max_rows,
+)
+from pagedllm.kernels.quant import kernels_run
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
     DecoderLayer,
@@ -78,6 +83,13 @@ class CpuFastPath:
         if ops is None or model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = [fused_layer_of(layer) for layer in model.layers]
+        quantized = any(
+            t.quant is not None
+            for layer in layers
+            for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        if quantized and not kernels_run(ops):
+            return None  # its quantized linears stay on the modules' torch path
         return cls(ops, layers, model.norm, RotaryTable(model.inv_freq))
 
     def route(self, kv_quantization: str | None = None) -> str:
@@ -288,6 +300,9 @@ class DecoderPlan(NamedTuple):
     sliding_windows: list[int]
     softcaps: list[float]
     kind: AttentionKind
+    # Per layer the formats of qkv, o, gate_up and down (``kernel_format``), or empty where
+    # every linear is on small_gemm.
+    weight_formats: list[int]
 
 
 def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan | None:
@@ -308,6 +323,7 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
     ):
         return None
     sliding_windows, softcaps, kind = kind_arguments([layer.kind for layer in layers])
+    formats = [kernel_format(t) for t in linears]
     return DecoderPlan(
         norm1=[layer.norm1 for layer in layers],
         qkv=[kernel_weight(layer.qkv) for layer in layers],
@@ -328,6 +344,7 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
         sliding_windows=sliding_windows,
         softcaps=softcaps,
         kind=kind,
+        weight_formats=formats if any(formats) else [],
     )
 
 
@@ -339,17 +356,23 @@ def on_own_kernels(linears: list[LinearTensors]) -> bool:
 
 
 def kernel_weight(t: LinearTensors) -> torch.Tensor:
-    """The weight ``decoder_layers`` takes: small_gemm's copy, or the quantized layout (its
-    dtype, int8 or uint8, tells the C++ loop to call quant_gemm)."""
+    """The weight ``decoder_layers`` takes: small_gemm's copy, or the quantized layout."""
     if t.small is not None:
         return t.small
     assert t.quant is not None
     return t.quant.data
 
 
+def kernel_format(t: LinearTensors) -> int:
+    """The format ``decoder_layers`` takes with the weight: 0 for small_gemm's copy, else
+    the quantized layout's (its GGML type number), which sends it to quant_gemm."""
+    return 0 if t.small is not None or t.quant is None else t.quant.code
+
+
 def kernel_max_rows(t: LinearTensors) -> int:
-    """The most rows ``t``'s kernel takes in the one-call loop."""
-    return QUANT_GEMM_MAX_ROWS if t.quant is not None else small_gemm_max_rows(t.small)
+    """The most rows ``t``'s kernel takes in the one-call loop: quant_gemm takes any number
+    (dequantised tiles on small_gemm beyond its integer rows), capped as bf16 small_gemm is."""
+    return SMALL_GEMM_MAX_ROWS_BF16 if t.quant is not None else small_gemm_max_rows(t.small)
 
 
 def on_one_small_gemm(linears: list[LinearTensors]) -> bool:
@@ -392,6 +415,7 @@ def decoder_layers(
         plan.sliding_windows,
         plan.softcaps,
         *group_arguments(steps, meta),
+        plan.weight_formats,
     )
 
 
@@ -429,6 +453,7 @@ def quant_decoder_layers(
         plan.heads.head_dim,
         plan.scale,
         output_rows,
+        plan.weight_formats,
     )
 
 

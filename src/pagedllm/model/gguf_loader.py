@@ -2,8 +2,9 @@
 
 Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) to
 float32, except, when asked (``keep_quantized``: the loader asks), the linears and the
-token embedding of the Llama-family decoder stored as Q8_0, Q4_0 or Q4_1: those come as
-``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``, the only copy). llama.cpp stores Llama q/k projection rows permuted for its own rotary
+token embedding of the Llama-family decoder stored as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or
+Q6_K: those come as ``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``,
+the only copy). llama.cpp stores Llama q/k projection rows permuted for its own rotary
 layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
 The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
 Gemma 3: llama.cpp stores the norms' weights with Gemma's ``1 +`` folded in (taken off

@@ -32,7 +32,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
-from pagedllm.kernels.quant import QuantWeight, dequantize_rows
+from pagedllm.kernels.quant import QuantWeight, dequantize_rows, kernels_run
 from pagedllm.kernels.routes import head_route, linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
@@ -70,7 +70,7 @@ class Linear(nn.Linear):
 
     def pack(self, ops: Any = None) -> None:
         if self.quant is not None:
-            self.ops = ops
+            self.ops = ops if kernels_run(ops) else None
             return
         self.packed, self.small = pack_for_cpu(self.weight, ops)
         self.ops = ops if self.small is not None else None

@@ -4,9 +4,9 @@
 
     load_model("path/to/hf_dir")        config.json + *.safetensors (single, or sharded
                                          with model.safetensors.index.json) + tokenizer
-    load_model("path/to/model.gguf")    linears in Q8_0 / Q4_0 / Q4_1 kept as stored
-                                         (kernels/quant.py), the rest dequantised through
-                                         the ``gguf`` package
+    load_model("path/to/model.gguf")    linears in GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K /
+                                         Q5_K / Q6_K kept as stored (kernels/quant.py), the
+                                         rest dequantised through the ``gguf`` package
     load_model("default")               SmolLM2-135M-Instruct, converted once (default_model.py)
 
 Nothing is downloaded from a model hub.

@@ -18,7 +18,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from pagedllm.kernels.quant import QuantWeight, concat_rows, dequantize
+from pagedllm.kernels.quant import QuantWeight, common_format, concat_rows, dequantize
 
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),
@@ -137,9 +137,10 @@ class KeepsQuantized(Protocol):
 def place_quantized(
     model: nn.Module, name: str, parts: dict[str, QuantWeight], param: torch.Tensor
 ) -> None:
-    """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in one layout
-    keeps them fused as stored, as does a token embedding; otherwise the quantized parts
-    are dequantised into the float weight."""
+    """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in formats
+    that one holds exactly (``common_format``: Q5_0 and Q8_0 parts as Q8_0) keeps them fused
+    in it, as does a token embedding; otherwise the quantized parts are dequantised into the
+    float weight."""
     module_name, leaf = name.rsplit(".", 1)
     module = model.get_submodule(module_name)
     order = _PARTS.get(module_name.split(".")[-1], ("",))
@@ -148,7 +149,7 @@ def place_quantized(
         isinstance(module, KeepsQuantized)
         and leaf == "weight"
         and len(kept) == len(order)
-        and len({w.data.dtype for w in kept}) == 1
+        and common_format([w.format for w in kept]) is not None
     ):
         module.keep_quantized(kept[0] if len(kept) == 1 else concat_rows(kept))
         return

@@ -36,6 +36,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNorm = at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double);
 using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
+using QuantGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&);
 using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using SiluMul = at::Tensor(const at::Tensor&);
@@ -47,7 +48,7 @@ struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pagedllm::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("pagedllm::add_rms_norm");
   c10::TypedOperatorHandle<SmallGemm> small_gemm = op<SmallGemm>("pagedllm::small_gemm");
-  c10::TypedOperatorHandle<SmallGemm> quant_gemm = op<SmallGemm>("pagedllm::quant_gemm");
+  c10::TypedOperatorHandle<QuantGemm> quant_gemm = op<QuantGemm>("pagedllm::quant_gemm");
   c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
   c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("pagedllm::silu_mul");
@@ -79,11 +80,10 @@ const QuantOps& quant_ops() {
   return handles;
 }
 
-// x @ w.T (+ bias) on the weight's kernel: quant_gemm for a block-quantized weight (int8 or
-// uint8: kernels/quant.py's layout), else small_gemm.
-at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias) {
-  const bool quantized = w.scalar_type() == at::kChar || w.scalar_type() == at::kByte;
-  return quantized ? f.quant_gemm.call(x, w, bias) : f.small_gemm.call(x, w, bias);
+// x @ w.T (+ bias) on the weight's kernel: quant_gemm for a block-quantized weight (format:
+// its GGML type, kernels/quant.py's layout), small_gemm for format 0.
+at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, int64_t format, const OptTensor& bias) {
+  return format != 0 ? f.quant_gemm.call(x, w, format, bias) : f.small_gemm.call(x, w, bias);
 }
 
 template <typename List>
@@ -104,6 +104,10 @@ struct Weights {
   const OptTensors& down_bias;
   const at::Tensor& final_norm;
   double eps;
+  // Per layer the formats of qkv, o, gate_up and down (0: small_gemm-packed; empty: all).
+  at::IntArrayRef formats;
+
+  int64_t format(size_t layer, int which) const { return formats.empty() ? 0 : formats[4 * layer + which]; }
 
   size_t layers() const {
     const size_t n = norm1.size();
@@ -117,6 +121,7 @@ struct Weights {
     check_layers(n, gate_up_bias, "gate_up_bias");
     check_layers(n, down, "down");
     check_layers(n, down_bias, "down_bias");
+    TORCH_CHECK(formats.empty() || formats.size() == 4 * n, "decoder_layers: weight_formats needs 4 per layer");
     return n;
   }
 };
@@ -138,7 +143,7 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
   at::Tensor out_of_layer;
   for (size_t i = 0; i < n; ++i) {
     if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, w.norm1[i], w.eps);
-    const at::Tensor qkv_out = linear(f, x, w.qkv[i], w.qkv_bias.get(i));
+    const at::Tensor qkv_out = linear(f, x, w.qkv[i], w.format(i, 0), w.qkv_bias.get(i));
     TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
     // One view and one split, as llama.split_heads.
     const auto heads =
@@ -149,10 +154,10 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
     }
-    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), w.o[i], w.o_bias.get(i));
+    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), w.o[i], w.format(i, 1), w.o_bias.get(i));
     x = f.add_rms_norm.call(projected, residual, w.norm2[i], w.eps);
-    const at::Tensor act = f.silu_mul.call(linear(f, x, w.gate_up[i], w.gate_up_bias.get(i)));
-    out_of_layer = linear(f, act, w.down[i], w.down_bias.get(i));
+    const at::Tensor act = f.silu_mul.call(linear(f, x, w.gate_up[i], w.format(i, 2), w.gate_up_bias.get(i)));
+    out_of_layer = linear(f, act, w.down[i], w.format(i, 3), w.down_bias.get(i));
   }
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }
@@ -179,8 +184,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           bool fast_bf16, bool use_amx, const OptTensor& output_rows,
                           at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps,
                           at::TensorList group_block_tables, at::TensorList group_slot_mappings,
-                          at::IntArrayRef layer_groups) {
-  const Weights w{norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, gate_up_bias, down, down_bias, final_norm, eps};
+                          at::IntArrayRef layer_groups, at::IntArrayRef weight_formats) {
+  const Weights w{norm1,   qkv,  qkv_bias,     o,    o_bias,    norm2,     gate_up,
+                  gate_up_bias, down, down_bias, final_norm, eps, weight_formats};
   const size_t n = w.layers();
   check_layers(n, k_caches, "k_caches");
   check_layers(n, v_caches, "v_caches");
@@ -216,8 +222,10 @@ at::Tensor quant_decoder_layers(
     const at::Tensor& seal_window, const at::Tensor& seal_blocks, const at::Tensor& keep_window,
     const at::Tensor& keep_slots, const at::Tensor& window_start, const at::Tensor& first_slots,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double scale, const OptTensor& output_rows) {
-  const Weights w{norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, gate_up_bias, down, down_bias, final_norm, eps};
+    int64_t num_kv_heads, int64_t head_dim, double scale, const OptTensor& output_rows,
+    at::IntArrayRef weight_formats) {
+  const Weights w{norm1,   qkv,  qkv_bias,     o,    o_bias,    norm2,     gate_up,
+                  gate_up_bias, down, down_bias, final_norm, eps, weight_formats};
   const size_t n = w.layers();
   check_layers(n, k_data, "k_data");
   check_layers(n, k_scale, "k_scale");
@@ -252,7 +260,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor handled, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
       "bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
-      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups) -> Tensor");
+      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups, "
+      "int[] weight_formats=[]) -> Tensor");
   m.def(
       "quant_decoder_layers(Tensor(c!) hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, "
       "Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] norm2, Tensor[] gate_up, Tensor?[] gate_up_bias, "
@@ -261,7 +270,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor(h!)[] v_stage, int v_kind, int num_window_blocks, Tensor load_window, Tensor load_slots, "
       "Tensor row_slots, Tensor seal_window, Tensor seal_blocks, Tensor keep_window, Tensor keep_slots, "
       "Tensor window_start, Tensor first_slots, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor? output_rows) -> Tensor");
+      "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor? output_rows, "
+      "int[] weight_formats=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

@@ -1,23 +1,17 @@
 // quant_gemm: linears on GGUF block-quantized weights kept as stored (one copy, no float
-// weight), for decode-sized row counts; quant_dequantize expands rows of such a weight for
-// the float GEMM that prompts use (kernels/quant.py chooses).
+// weight; the formats: quant_formats.h). Up to int_max_rows() rows (decode) the products are
+// integer: activations quantised per 32-block on the fly, xq = round(x * 127 / max|x|) in
+// int8, dx = max|x| / 127; then per weight row n and block b
+//   sum_i w[i] x[i] ~ dx scale_b (dot(q, xq) - offset_b sum(xq)) + min_b dx sum(xq)
+// with the dot products in int32 and the scales applied in float, eight blocks (one group,
+// a K-quant super-block) at a time. More rows go to quant_tiles.cpp: tiles of the weight
+// dequantised into small_gemm's layout and multiplied there.
 //
-// Weight w [N, K], K a multiple of 32, as one tensor with a row per weight row: the row's
-// quants as GGUF stores them, then its blocks' fp16 scales d, then (q4) their minimums m. The
-// tensor's dtype names the layout, so that it passes for a weight wherever decoder_layers
-// takes one (a small_gemm weight is float32 or bf16):
-//   q8 (Q8_0), int8 [N, K + 2 K/32]:          q int8, w = d q
-//   q4 (Q4_0, Q4_1), uint8 [N, K/2 + 4 K/32]:  q in 0..15, w = d q + m; byte j of block b's 16
-//                                              holds q of element j (low nibble) and j + 16
-//                                              (high), as GGUF stores it; Q4_0 is m = -8 d
-// Activations are quantised per 32-block on the fly: xq = round(x * 127 / max|x|) in int8,
-// dx = max|x| / 127, sx = dx * sum(xq). Then
-//   y[r][n] = sum_b d[n][b] dx[r][b] dot(q[n][b], xq[r][b]) + m[n][b] sx[r][b]  (+ bias)
-// with integer dot products and the block scales applied in float. The routes differ only in
-// how a block's 32 u8 x s8 products are summed into eight int32 lanes: AVX2 maddubs + madd,
-// or one dpbusd (AVX-512-VNNI on 256-bit registers, or AVX-VNNI); they give the same sums.
-// Q8_0's signed weights take the sign trick (|q| times x with q's sign), so every route
-// multiplies unsigned weights by signed activations.
+// The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
+// lanes (lane l: elements 4l..4l+3): AVX2 maddubs + madd, or one dpbusd (AVX-512-VNNI on
+// 256-bit registers, or AVX-VNNI); they give the same sums, so the same bits. Q8_0's signed
+// weights take the sign trick (|q| times x with q's sign), so every route multiplies unsigned
+// weights by signed activations.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,19 +28,13 @@
 #include <vector>
 
 #include "parallel.h"
+#include "quant_formats.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QUANT_AVX2 1
-#include <immintrin.h>
-#endif
-
+namespace pagedllm_quant {
 namespace {
 
-constexpr int64_t BLOCK = 32;
 // Activation rows that share one pass over a weight row (register block).
 constexpr int ROW_BLOCK = 4;
-
-enum class Format : int64_t { q8 = 0, q4 = 1 };
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
 enum class Route { avx512_vnni = 0, avx_vnni = 1, avx2 = 2, none = 3 };
@@ -96,77 +84,79 @@ std::string set_quant_gemm_isa(const std::string& isa) {
   TORCH_CHECK(false, "set_quant_gemm_isa: unknown ISA '", isa, "' (avx512_vnni, avx_vnni, avx2, none)");
 }
 
-// A weight after the checks.
-struct Weight {
-  Format format;
-  const uint8_t* data = nullptr;
-  int64_t n = 0, k = 0, stride = 0;
-
-  int64_t blocks() const { return k / BLOCK; }
-  int64_t quant_bytes() const { return format == Format::q8 ? k : k / 2; }
-  const uint8_t* row(int64_t i) const { return data + i * stride; }
-  // Row i's fp16 scales (d) and minimums (m, q4), blocks() of each.
-  const uint16_t* d(int64_t i) const { return reinterpret_cast<const uint16_t*>(row(i) + quant_bytes()); }
-  const uint16_t* m(int64_t i) const { return d(i) + blocks(); }
-};
-
-Weight check_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte),
-              "quant_gemm: the weight must be a 2-D contiguous int8 (q8) or uint8 (q4) tensor");
-  Weight q;
-  q.format = w.scalar_type() == at::kChar ? Format::q8 : Format::q4;
-  q.n = w.size(0);
-  q.stride = w.size(1);
-  // A row of k weights: q8 k + k/16 bytes (17 per 16 weights), q4 k/2 + k/8 (5 per 8).
-  q.k = q.format == Format::q8 ? q.stride / 17 * 16 : q.stride / 5 * 8;
-  const int64_t expected = q.format == Format::q8 ? q.k / 16 * 17 : q.k / 8 * 5;
-  TORCH_CHECK(q.k % BLOCK == 0 && expected == q.stride, "quant_gemm: a weight row of ", q.stride,
-              " bytes is no whole number of 32-blocks");
-  q.data = static_cast<const uint8_t*>(w.data_ptr());
-  return q;
-}
-
-// x [rows, k] (float32 or bf16) quantised per block: xq int8 [rows, k], dx and sx [rows, k / 32].
-// One set per thread, reused from call to call (a decode step makes a few hundred calls).
+// x [rows, k] quantised per block: xq int8 [rows, k]; per block (rows * blocks, then GROUP
+// zeros, so that a last partial group reads whole vectors) dx, sx = dx sum(xq), the sum of
+// xq and that of its first 16. One set per thread, reused from call to call.
 struct Activations {
   std::vector<int8_t> xq;
-  std::vector<float> dx, sx, row;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> sum, first16;
 };
 
-template <typename T>
-void quantize_block(const T* v, float* tmp, int8_t* xq, float& dx, float& sx) {
-  float amax = 0.f;
-  for (int j = 0; j < BLOCK; ++j) {
-    tmp[j] = static_cast<float>(v[j]);
-    amax = std::max(amax, std::fabs(tmp[j]));
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
-  for (int j = 0; j < BLOCK; ++j) {
-    const int q = static_cast<int>(std::nearbyint(tmp[j] * inv));  // to nearest, ties to even
-    xq[j] = static_cast<int8_t>(q);
-    sum += q;
-  }
-  dx = amax / 127.f;
-  sx = dx * static_cast<float>(sum);
+#if defined(QUANT_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// One block: xq rounded to nearest even (cvtps under the default rounding mode), as
+// nearbyint would.
+template <typename T>
+void quantize_block(const T* v, int8_t* xq, Activations& a, int64_t i) {
+  __m256 f[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    f[j] = load8(v + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
+  const int32_t first = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+  const int32_t sum = first + hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+  // packs work within 128-bit lanes: put the 4-byte pieces back in element order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  a.dx[i] = top / 127.f;
+  a.sx[i] = a.dx[i] * static_cast<float>(sum);
+  a.sum[i] = sum;
+  a.first16[i] = first;
+}
+
+template <typename T>
+void quantize_all(const T* x, int64_t total_blocks, Activations& a) {
+  for (int64_t i = 0; i < total_blocks; ++i) quantize_block(x + i * BLOCK, a.xq.data() + i * BLOCK, a, i);
+}
+#endif
 
 const Activations& quantize_rows(const at::Tensor& x) {
   thread_local Activations a;
   const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1), blocks = k / BLOCK;
-  a.xq.resize(rows * k);
-  a.dx.resize(rows * blocks);
-  a.sx.resize(rows * blocks);
-  a.row.resize(BLOCK);
-  for (int64_t i = 0; i < rows * blocks; ++i) {
-    if (xc.scalar_type() == at::kFloat) {
-      quantize_block(xc.data_ptr<float>() + i * BLOCK, a.row.data(), a.xq.data() + i * BLOCK, a.dx[i], a.sx[i]);
-    } else {
-      quantize_block(xc.data_ptr<c10::BFloat16>() + i * BLOCK, a.row.data(), a.xq.data() + i * BLOCK, a.dx[i],
-                     a.sx[i]);
-    }
+  const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
+  a.xq.resize(total * BLOCK);
+  for (auto* v : {&a.dx, &a.sx}) v->assign(total + GROUP, 0.f);
+  for (auto* v : {&a.sum, &a.first16}) v->assign(total + GROUP, 0);
+#if defined(QUANT_AVX2)
+  if (xc.scalar_type() == at::kFloat) {
+    quantize_all(xc.data_ptr<float>(), total, a);
+  } else {
+    quantize_all(xc.data_ptr<c10::BFloat16>(), total, a);
   }
+#endif
   return a;
 }
 
@@ -180,27 +170,88 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   if constexpr (R == Route::avx_vnni) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #endif
-  // maddubs's int16 pair sums cannot saturate: |q| <= 128 (q8) or 15 (q4), |xq| <= 127.
+  // maddubs's int16 pair sums cannot saturate: q <= 128 (|Q8_0|) or 63, |xq| <= 127.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// Block b of weight row `row`: its 32 weights as bytes (q4: unpacked nibbles 0..15).
-template <Format F>
-inline __m256i load_block(const uint8_t* row, int64_t b) {
-  if constexpr (F == Format::q8) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BLOCK));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * BLOCK / 2));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-  }
-}
-
-// dot(q, xq) of one block as eight int32 lanes.
 template <Route R, Format F>
 inline __m256i block_dot(__m256i w, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  if constexpr (F == Format::q8) return dot_u8s8<R>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  if constexpr (F == Format::q8_0) return dot_u8s8<R>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
   return dot_u8s8<R>(w, x);
+}
+
+// Eight blocks' lane sums (block j's in s[j]) as two vectors: the sums over each block's first
+// 16 elements (block j in lane j) and over its last 16.
+inline void halves8(const __m256i s[GROUP], __m256i& first, __m256i& last) {
+  const __m256i t0 = _mm256_hadd_epi32(s[0], s[1]), t1 = _mm256_hadd_epi32(s[2], s[3]);
+  const __m256i t2 = _mm256_hadd_epi32(s[4], s[5]), t3 = _mm256_hadd_epi32(s[6], s[7]);
+  // u0's low 128 bits: blocks 0-3 over their first 16 elements; its high 128 bits: the last 16.
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  first = _mm256_permute2x128_si256(u0, u1, 0x20);
+  last = _mm256_permute2x128_si256(u0, u1, 0x31);
+}
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// A group's weight-side scales, eight lanes (lane j: block j; lanes past `count` zero):
+// d (the block scale; Q6_K: of the first 16 weights) and m (Q4_1's minimum, a K-quant's
+// dmin mn; Q6_K: the scale of the last 16 weights).
+struct GroupScales {
+  __m256 d, m;
+};
+
+template <Format F>
+inline GroupScales group_scales(const Layout& l, const uint8_t* row, int64_t g, int count) {
+  if constexpr (F == Format::q4_k || F == Format::q5_k) {
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + l.sc + 8 * g))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + l.mn + 8 * g))));
+    return {_mm256_mul_ps(_mm256_set1_ps(half(row + l.d + 2 * g)), sc),
+            _mm256_mul_ps(_mm256_set1_ps(half(row + l.dmin + 2 * g)), mn)};
+  } else if constexpr (F == Format::q6_k) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + l.sc + 16 * g));
+    const __m256 d = _mm256_set1_ps(half(row + l.d + 2 * g));
+    return {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+  } else {
+    if (count == GROUP) {
+      const __m256 d = half8(row + l.d + 16 * g);
+      return {d, F == Format::q4_1 ? half8(row + l.m + 16 * g) : _mm256_setzero_ps()};
+    }
+    alignas(32) float d[GROUP] = {}, m[GROUP] = {};
+    for (int j = 0; j < count; ++j) {
+      d[j] = half(row + l.d + 2 * (g * GROUP + j));
+      if constexpr (F == Format::q4_1) m[j] = half(row + l.m + 2 * (g * GROUP + j));
+    }
+    return {_mm256_load_ps(d), _mm256_load_ps(m)};
+  }
+}
+
+// acc += one activation row's products with a group (s: its blocks' lane sums; i: the
+// group's first block in the activations).
+template <Format F>
+inline __m256 accumulate(__m256 acc, const __m256i s[GROUP], const GroupScales& w, const Activations& a, int64_t i) {
+  const __m256 dx = _mm256_loadu_ps(a.dx.data() + i);
+  const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum.data() + i));
+  __m256i first, last;
+  halves8(s, first, last);
+  if constexpr (F == Format::q6_k) {
+    // q - 32 in each half: subtract 32 times the half's activation sum.
+    const __m256i first16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.first16.data() + i));
+    first = _mm256_sub_epi32(first, _mm256_slli_epi32(first16, 5));
+    last = _mm256_sub_epi32(last, _mm256_slli_epi32(_mm256_sub_epi32(sum, first16), 5));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(w.d, dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(w.m, dx), acc);
+  } else {
+    __m256i total = _mm256_add_epi32(first, last);
+    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(sum, 3));
+    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(sum, 4));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(w.d, dx), acc);
+    const __m256 sx = _mm256_loadu_ps(a.sx.data() + i);
+    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(w.m, sx, acc);
+    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(w.m, sx, acc);
+    return acc;
+  }
 }
 
 inline float hsum(__m256 v) {
@@ -210,67 +261,30 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sum over blocks of m[b] sx[b] (q4's minimums against the activations' block sums).
-inline float min_term(const uint16_t* m, const float* sx, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b)));
-    acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), acc);
-  }
-  float sum = hsum(acc);
-  for (; b < blocks; ++b) sum += _cvtsh_ss(m[b]) * sx[b];
-  return sum;
-}
-
-// Eight blocks' int32 sums (eight lanes each) as one vector of eight totals, block j's in lane j.
-inline __m256i totals8(const __m256i s[8]) {
-  const __m256i t0 = _mm256_hadd_epi32(s[0], s[1]), t1 = _mm256_hadd_epi32(s[2], s[3]);
-  const __m256i t2 = _mm256_hadd_epi32(s[4], s[5]), t3 = _mm256_hadd_epi32(s[6], s[7]);
-  // u0's low lane: blocks 0-3 over their elements' low halves; its high lane: the high halves.
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
-// out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), as float sums
-// (bias not yet added): each weight block is loaded once for the RB rows. Blocks go eight
-// at a time: their integer sums reduced to eight totals, scaled by eight d dx at once (a
-// total is exact in float: at most 32 x 128 x 127); the blocks past the last eight one by one.
+// out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), float sums (bias not
+// yet added): each group of a weight row is loaded once for the RB rows.
 template <Route R, Format F, int RB>
 void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out) {
-  const int64_t blocks = w.blocks(), k = w.k, whole = blocks / 8 * 8;
-  const int8_t* xq = a.xq.data() + r0 * k;
-  const float* dx = a.dx.data() + r0 * blocks;
+  const Layout& l = w.lay;
+  const int64_t blocks = l.blocks(), groups = (blocks + GROUP - 1) / GROUP;
+  const int8_t* xq = a.xq.data() + r0 * l.k;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
-    const uint16_t* d = w.d(n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < whole; b += 8) {
-      __m256i q[8];
-      for (int j = 0; j < 8; ++j) q[j] = load_block<F>(row, b + j);
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+    for (int64_t g = 0; g < groups; ++g) {
+      const int count = static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP));
+      __m256i q[GROUP];
+      load_group(l, row, g, count, q);
+      const GroupScales scales = group_scales<F>(l, row, g, count);
       for (int r = 0; r < RB; ++r) {
-        __m256i s[8];
-        for (int j = 0; j < 8; ++j) s[j] = block_dot<R, F>(q[j], xq + r * k + (b + j) * BLOCK);
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * blocks + b));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(s)), scale, acc[r]);
+        __m256i s[GROUP];
+        for (int j = 0; j < GROUP; ++j)
+          s[j] = j < count ? block_dot<R, F>(q[j], xq + r * l.k + (g * GROUP + j) * BLOCK) : _mm256_setzero_si256();
+        acc[r] = accumulate<F>(acc[r], s, scales, a, (r0 + r) * blocks + g * GROUP);
       }
     }
-    float tail[RB] = {};
-    for (int64_t b = whole; b < blocks; ++b) {
-      const __m256i q = load_block<F>(row, b);
-      const float dw = _cvtsh_ss(d[b]);
-      for (int r = 0; r < RB; ++r) {
-        const __m256i s = block_dot<R, F>(q, xq + r * k + b * BLOCK);
-        tail[r] += dw * dx[r * blocks + b] * hsum(_mm256_cvtepi32_ps(s));
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      float y = hsum(acc[r]) + tail[r];
-      if constexpr (F == Format::q4) y += min_term(w.m(n), a.sx.data() + (r0 + r) * blocks, blocks);
-      out[(r0 + r) * w.n + n] = y;
-    }
+    for (int r = 0; r < RB; ++r) out[(r0 + r) * w.n + n] = hsum(acc[r]);
   }
 }
 
@@ -278,18 +292,21 @@ template <Route R, Format F>
 void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
   int64_t r0 = 0;
   for (; r0 + ROW_BLOCK <= rows; r0 += ROW_BLOCK) row_block<R, F, ROW_BLOCK>(w, a, r0, n0, n1, out);
-  switch (rows - r0) {
-    case 3: return row_block<R, F, 3>(w, a, r0, n0, n1, out);
-    case 2: return row_block<R, F, 2>(w, a, r0, n0, n1, out);
-    case 1: return row_block<R, F, 1>(w, a, r0, n0, n1, out);
-    default: return;
-  }
+  for (; r0 + 2 <= rows; r0 += 2) row_block<R, F, 2>(w, a, r0, n0, n1, out);
+  if (r0 < rows) row_block<R, F, 1>(w, a, r0, n0, n1, out);
 }
 
 template <Route R>
 void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
-  if (w.format == Format::q8) return weight_rows<R, Format::q8>(w, a, rows, n0, n1, out);
-  return weight_rows<R, Format::q4>(w, a, rows, n0, n1, out);
+  switch (w.lay.format) {
+    case Format::q8_0: return weight_rows<R, Format::q8_0>(w, a, rows, n0, n1, out);
+    case Format::q4_0: return weight_rows<R, Format::q4_0>(w, a, rows, n0, n1, out);
+    case Format::q4_1: return weight_rows<R, Format::q4_1>(w, a, rows, n0, n1, out);
+    case Format::q5_0: return weight_rows<R, Format::q5_0>(w, a, rows, n0, n1, out);
+    case Format::q4_k: return weight_rows<R, Format::q4_k>(w, a, rows, n0, n1, out);
+    case Format::q5_k: return weight_rows<R, Format::q5_k>(w, a, rows, n0, n1, out);
+    case Format::q6_k: return weight_rows<R, Format::q6_k>(w, a, rows, n0, n1, out);
+  }
 }
 
 void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
@@ -305,109 +322,79 @@ void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64
 }
 #endif
 
-// out = x @ w.T (+ bias) in x's dtype (float32 or bf16), x [rows, K].
-at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const Weight w = check_weight(weight);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k, "quant_gemm: x must be [rows, ", w.k, "]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bf16");
+// out = x @ w.T (+ bias) in float32 on the integer kernel, x [rows, K].
+at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias) {
   const Route route = current_route();
   TORCH_CHECK(route != Route::none, "quant_gemm needs AVX2 with FMA and F16C");
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, w.n}, x.options().dtype(at::kFloat));
-  if (rows == 0) return out.to(x.scalar_type());
+  if (rows == 0) return out;
 #if defined(QUANT_AVX2)
   const Activations& a = quantize_rows(x);
   float* o = out.data_ptr<float>();
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
 #endif
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-}
-
-#if defined(QUANT_AVX2)
-// Block b of row `row` as 32 floats: d q (+ m), the products exact (an fp16 scale times a
-// quant of at most 8 bits), so a fused multiply-add rounds where d * q + m does.
-template <Format F>
-inline void dequantize_block(const uint8_t* row, int64_t b, float dw, float mw, __m256 out[4]) {
-  const __m256i q = load_block<F>(row, b);
-  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  for (int i = 0; i < 4; ++i) {
-    const __m128i part = i % 2 == 0 ? halves[i / 2] : _mm_srli_si128(halves[i / 2], 8);
-    const __m256i wide = F == Format::q8 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-    out[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw), _mm256_cvtepi32_ps(wide), _mm256_set1_ps(mw));
-  }
-}
-
-// Eight floats to bf16, rounded to nearest even (no NaN among dequantised weights).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
-// Row n of w in float32 or bf16 (T: float or uint16_t bf16 bits).
-template <Format F, typename T>
-void dequantize_row(const Weight& w, int64_t n, T* out) {
-  const int64_t blocks = w.blocks();
-  const uint8_t* row = w.row(n);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float dw = _cvtsh_ss(w.d(n)[b]);
-    const float mw = F == Format::q4 ? _cvtsh_ss(w.m(n)[b]) : 0.f;
-    __m256 v[4];
-    dequantize_block<F>(row, b, dw, mw, v);
-    for (int i = 0; i < 4; ++i) {
-      T* o = out + b * BLOCK + 8 * i;
-      if constexpr (sizeof(T) == 4) {
-        _mm256_storeu_ps(o, v[i]);
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(v[i]));
-      }
-    }
-  }
-}
-
-template <typename T>
-void dequantize_rows(const Weight& w, T* out) {
-  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      if (w.format == Format::q8) {
-        dequantize_row<Format::q8>(w, n, out + n * w.k);
-      } else {
-        dequantize_row<Format::q4>(w, n, out + n * w.k);
-      }
-    }
-  });
-}
-#endif
-
-// The weight's rows as a [N, K] tensor of `dtype` (float32 or bf16): w = d q (+ m), in float.
-at::Tensor quant_dequantize(const at::Tensor& weight, at::ScalarType dtype) {
-  const Weight w = check_weight(weight);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bf16");
-  TORCH_CHECK(current_route() != Route::none, "quant_dequantize needs AVX2 with FMA and F16C");
-  at::Tensor out = at::empty({w.n, w.k}, weight.options().dtype(dtype));
-#if defined(QUANT_AVX2)
-  if (dtype == at::kFloat) {
-    dequantize_rows(w, out.data_ptr<float>());
-  } else {
-    dequantize_rows(w, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
-  }
-#endif
   return out;
 }
 
+// Up to this many rows the integer kernel is faster than dequantised tiles on small_gemm
+// (docs/performance.md, quantized weights): bf16 tiles run on bf16 dot products, float32
+// ones on FMAs, which leave the integer kernel ahead for longer.
+int64_t int_max_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 32; }
+
+int64_t quant_gemm_int_rows(at::ScalarType dtype) { return int_max_rows(dtype); }
+
+void check_x(const at::Tensor& x, const Weight& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.lay.k, op, ": x must be [rows, ", w.lay.k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bf16");
+}
+
+// out = x @ w.T (+ bias) in x's dtype (float32 or bf16): on the integer kernel up to
+// int_max_rows rows, else on dequantised tiles (quant_tiles.cpp).
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be 2-D");
+  const Weight w = check_weight(weight, format, x.size(1));
+  check_x(x, w, "quant_gemm");
+  if (x.size(0) > int_max_rows(x.scalar_type())) return tiled_gemm(x, w, bias);
+  const at::Tensor out = integer_gemm(x, w, bias);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// quant_gemm on the integer kernel, whatever the row count (tests, benchmarks).
+at::Tensor quant_gemm_integer(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm_integer: x must be 2-D");
+  const Weight w = check_weight(weight, format, x.size(1));
+  check_x(x, w, "quant_gemm_integer");
+  const at::Tensor out = integer_gemm(x, w, bias);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// quant_gemm on dequantised tiles, whatever the row count (tests, benchmarks).
+at::Tensor quant_gemm_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm_tiled: x must be 2-D");
+  const Weight w = check_weight(weight, format, x.size(1));
+  check_x(x, w, "quant_gemm_tiled");
+  return tiled_gemm(x, w, bias);
+}
+
 }  // namespace
+}  // namespace pagedllm_quant
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("quant_gemm_isa() -> str", &quant_gemm_isa);
-  m.def("set_quant_gemm_isa(str isa) -> str", &set_quant_gemm_isa);
-  m.def("quant_gemm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  m.def("quant_dequantize(Tensor weight, ScalarType dtype) -> Tensor");
+  m.def("quant_gemm_isa() -> str", &pagedllm_quant::quant_gemm_isa);
+  m.def("set_quant_gemm_isa(str isa) -> str", &pagedllm_quant::set_quant_gemm_isa);
+  m.def("quant_gemm_int_rows(ScalarType dtype) -> int", &pagedllm_quant::quant_gemm_int_rows);
+  m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
+  m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
+  m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
-  m.impl("quant_gemm", &quant_gemm);
-  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_gemm", &pagedllm_quant::quant_gemm);
+  m.impl("quant_gemm_integer", &pagedllm_quant::quant_gemm_integer);
+  m.impl("quant_gemm_tiled", &pagedllm_quant::quant_gemm_tiled);
 }

@@ -180,6 +180,22 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, const s
   return out;
 }
 
+// p's rows: x in place, or (the tile unit reads whole 16-row tiles only) padded with zero
+// rows when m is not a multiple of 16. A plain copy, not a padded tensor (three torch ops a
+// call are dear at decode sizes). x's rows are read in place only when they start on cache
+// lines.
+void pad_rows(Isa isa, const uint16_t* x, int64_t lda, Bf16Gemm& p) {
+  p.x = x;
+  p.lda = lda;
+  if (isa != Isa::amx) return;
+  const int64_t padded_m = (p.m + ROWS - 1) / ROWS * ROWS;
+  const bool aligned = pagedllm_vec::on_line(p.x) && (p.lda * 2) % 64 == 0;
+  if (padded_m != p.m || p.lda < p.k || !aligned) {
+    p.padded.assign(padded_m * p.k, 0);
+    for (int64_t r = 0; r < p.m; ++r) std::copy_n(p.x + r * p.lda, p.k, p.padded.data() + r * p.k);
+  }
+}
+
 // A checked bf16 problem and the route that will run it; `bias_c` keeps a contiguous bias alive.
 Bf16Gemm prepare_bf16(Isa isa, const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                       at::Tensor& bias_c) {
@@ -202,18 +218,7 @@ Bf16Gemm prepare_bf16(Isa isa, const at::Tensor& x, const at::Tensor& packed, co
     p.bias = bias_c.data_ptr<c10::BFloat16>();
   }
   p.w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  p.lda = x.stride(0);
-  if (isa != Isa::amx) return p;
-  // The tile unit reads whole 16-row tiles only: pad x with zero rows when m is not a
-  // multiple of 16. A plain copy, not a padded tensor (three torch ops a call are dear at
-  // decode sizes). x's rows are read in place only when they start on cache lines.
-  const int64_t padded_m = (p.m + ROWS - 1) / ROWS * ROWS;
-  const bool aligned = pagedllm_vec::on_line(p.x) && (p.lda * 2) % 64 == 0;
-  if (padded_m != p.m || p.lda < p.k || !aligned) {
-    p.padded.assign(padded_m * p.k, 0);
-    for (int64_t r = 0; r < p.m; ++r) std::copy_n(p.x + r * p.lda, p.k, p.padded.data() + r * p.k);
-  }
+  pad_rows(isa, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), p);
   return p;
 }
 
@@ -344,6 +349,38 @@ at::Tensor small_gemm_argmax(const at::Tensor& x, const at::Tensor& packed, cons
 }
 
 }  // namespace
+
+namespace pagedllm_gemm {
+
+Isa bf16_route() { return bf16_isa(); }
+
+Bf16Gemm bf16_rows(Isa isa, const uint16_t* x, int64_t lda, int64_t m, int64_t k) {
+  Bf16Gemm p;
+  p.m = m;
+  p.k = k;
+  pad_rows(isa, x, lda, p);
+  return p;
+}
+
+#if defined(__AVX512F__)
+void bf16_groups(Isa isa, const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit) {
+#if defined(__AVX512BF16__)
+  run_groups(isa, p, g0, g1, emit);
+#else
+  TORCH_CHECK(false, "small_gemm: built without AVX-512-bf16");
+#endif
+}
+#endif
+
+bool f32_route_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
+                    float* out) {
+  const F32Isa isa = f32_isa();
+  if (isa == F32Isa::none) return false;
+  f32_gemm(isa, x, lda, m, k, w, n, bias, out);
+  return true;
+}
+
+}  // namespace pagedllm_gemm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("small_gemm_available(bool bf16=True) -> bool", &available);

@@ -86,6 +86,16 @@ bool amx_built();
 bool avx512_bf16_built();
 bool amx_permitted();
 
+// The bf16 route small_gemm runs now (set_small_gemm_isa's cap applied), and x's rows as a
+// problem for it (padded to whole tiles where the tile unit needs that; w, n, bias unset):
+// for kernels that feed small_gemm weights of their own (quant_tiles.cpp).
+Isa bf16_route();
+Bf16Gemm bf16_rows(Isa isa, const uint16_t* x, int64_t lda, int64_t m, int64_t k);
+#if defined(__AVX512F__)
+// Column groups [g0, g1) of p on `isa` (amx or avx512_bf16).
+void bf16_groups(Isa isa, const Bf16Gemm& p, int64_t g0, int64_t g1, Emit& emit);
+#endif
+
 // float32: out = x @ w.T + bias (w packed [N / 16][K][16]); x [m, k] with row stride lda,
 // out [m, n] contiguous. One variant per ISA, the same bits from each: AVX-512
 // (small_gemm_avx512.cpp) and AVX2 + FMA (small_gemm_avx2.cpp).
@@ -95,5 +105,9 @@ void avx512_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const fl
 bool avx2_f32_built();
 void avx2_f32_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
                    float* out);
+// float32 on the route small_gemm runs now (set_small_gemm_f32_isa's cap applied); false
+// where it has none.
+bool f32_route_gemm(const float* x, int64_t lda, int64_t m, int64_t k, const float* w, int64_t n, const float* bias,
+                    float* out);
 
 }  // namespace pagedllm_gemm

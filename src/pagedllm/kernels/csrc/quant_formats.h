@@ -1,0 +1,254 @@
+// The block-quantized weight formats of quant_gemm (GGUF's, repacked once at load by
+// kernels/quant.py): each row's sections, and how a block of 32 weights is read back with
+// AVX2, shared by the integer kernel (quant_gemm.cpp) and the dequantising one
+// (quant_tiles.cpp).
+//
+// A weight [N, K] is one uint8 tensor, a row per weight row, each row its sections in order
+// (B = K / 32 blocks, S = K / 256 super-blocks; fp16 scales):
+//   Q8_0  qs int8 [K], d [B]                              w = d q
+//   Q4_0  qs [K/2], d [B]                                 w = d (q - 8),   q in 0..15
+//   Q4_1  qs [K/2], d [B], m [B]                          w = d q + m
+//   Q5_0  qs [K/2], qh [K/8], d [B]                       w = d (q - 16),  q in 0..31
+//   Q4_K  qs [K/2], sc u8 [B], mn u8 [B], d [S], dmin [S]  w = d sc q - dmin mn
+//   Q5_K  qs [K/2], qh [K/8], sc, mn, d, dmin             (as Q4_K, q in 0..31)
+//   Q6_K  ql [K/2], qh [K/4], sc int8 [K/16], d [S]       w = d sc (q - 32), q in 0..63,
+//                                                         sc per 16 weights
+// Q4_0 / Q4_1 / Q5_0 keep GGUF's nibbles per block (byte j: element j low, j + 16 high) and
+// Q5_0 its 32 high bits per block. The K-quants keep GGUF's quants per super-block: Q4_K/Q5_K
+// nibbles in 32-byte runs (run i: block 2i low, block 2i + 1 high), their high bits 32 bytes
+// (bit b of byte e: element e of block b); Q6_K ql in two 64-byte halves and qh in two
+// 32-byte halves (block 4h + s: ql[64h + 32 (s & 1) + e] nibble s >> 1, qh[32h + e] bits
+// 2s..2s+1). What the repack changes: the K-quants' 6-bit sub-scales become bytes, and Q6_K's
+// 16 scales of a super-block are stored even ones first, then odd ones (the order in which
+// the integer kernel's half-block sums come out).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace pagedllm_quant {
+
+constexpr int64_t BLOCK = 32;  // weights per block
+constexpr int64_t GROUP = 8;   // blocks per group: a K-quant super-block
+
+// The formats, by their GGML type numbers.
+enum class Format : int64_t { q4_0 = 2, q4_1 = 3, q5_0 = 6, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14 };
+
+inline bool k_quant(Format f) { return f == Format::q4_k || f == Format::q5_k || f == Format::q6_k; }
+
+inline Format format_of(int64_t code) {
+  switch (code) {
+    case 2: case 3: case 6: case 8: case 12: case 13: case 14: return static_cast<Format>(code);
+    default: TORCH_CHECK(false, "quant_gemm: unknown weight format ", code);
+  }
+}
+
+// Byte offsets of a row's sections (0 where the format has none) and the row's size.
+struct Layout {
+  Format format = Format::q8_0;
+  int64_t k = 0, qs = 0, qh = 0, d = 0, m = 0, sc = 0, mn = 0, dmin = 0, bytes = 0;
+
+  int64_t blocks() const { return k / BLOCK; }
+};
+
+inline Layout layout_of(Format f, int64_t k) {
+  TORCH_CHECK(k > 0 && k % (k_quant(f) ? GROUP * BLOCK : BLOCK) == 0, "quant_gemm: a row of ", k,
+              " weights is no whole number of ", k_quant(f) ? "256-weight super-blocks" : "32-blocks");
+  const int64_t b = k / BLOCK, s = k / (GROUP * BLOCK);
+  Layout l;
+  l.format = f;
+  l.k = k;
+  switch (f) {
+    case Format::q8_0: l.d = k; l.bytes = k + 2 * b; break;
+    case Format::q4_0: l.d = k / 2; l.bytes = l.d + 2 * b; break;
+    case Format::q4_1: l.d = k / 2; l.m = l.d + 2 * b; l.bytes = l.m + 2 * b; break;
+    case Format::q5_0: l.qh = k / 2; l.d = l.qh + k / 8; l.bytes = l.d + 2 * b; break;
+    case Format::q4_k:
+    case Format::q5_k:
+      l.qh = f == Format::q5_k ? k / 2 : 0;
+      l.sc = k / 2 + (f == Format::q5_k ? k / 8 : 0);
+      l.mn = l.sc + b;
+      l.d = l.mn + b;
+      l.dmin = l.d + 2 * s;
+      l.bytes = l.dmin + 2 * s;
+      break;
+    case Format::q6_k: l.qh = k / 2; l.sc = l.qh + k / 4; l.d = l.sc + k / 16; l.bytes = l.d + 2 * s; break;
+  }
+  return l;
+}
+
+// Weights from the checks: `data` rows of `layout.bytes`.
+struct Weight {
+  Layout lay;
+  const uint8_t* data = nullptr;
+  int64_t n = 0;
+
+  const uint8_t* row(int64_t i) const { return data + i * lay.bytes; }
+};
+
+// K from a row of `bytes` bytes: whole 32-blocks (K-quants: super-blocks) of the format's size.
+inline int64_t width_of(Format f, int64_t bytes) {
+  int64_t per_block = 34;  // bytes of 32 weights (K-quants: of 256)
+  switch (f) {
+    case Format::q8_0: per_block = 34; break;
+    case Format::q4_0: per_block = 18; break;
+    case Format::q4_1: per_block = 20; break;
+    case Format::q5_0: per_block = 22; break;
+    case Format::q4_k: per_block = 148; break;
+    case Format::q5_k: per_block = 180; break;
+    case Format::q6_k: per_block = 210; break;
+  }
+  return bytes / per_block * (k_quant(f) ? GROUP * BLOCK : BLOCK);
+}
+
+// The weight after the checks: a 2-D contiguous uint8 tensor whose rows are `code`'s layout
+// of k weights (k < 0: as many as the row holds).
+inline Weight check_weight(const at::Tensor& t, int64_t code, int64_t k = -1) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kByte,
+              "quant_gemm: the weight must be a 2-D contiguous uint8 tensor (kernels/quant.py's layout)");
+  const Format f = format_of(code);
+  Weight w;
+  w.lay = layout_of(f, k < 0 ? width_of(f, t.size(1)) : k);
+  TORCH_CHECK(w.lay.bytes == t.size(1), "quant_gemm: a weight row of ", t.size(1), " bytes does not hold ", w.lay.k,
+              " weights of format ", code, " (", w.lay.bytes, " bytes)");
+  w.data = t.data_ptr<uint8_t>();
+  w.n = t.size(0);
+  return w;
+}
+
+// out = x @ w.T (+ bias) in x's dtype on tiles of the weight dequantised into small_gemm's
+// layout (quant_tiles.cpp).
+at::Tensor tiled_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias);
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(QUANT_AVX2)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Block b's weights as w = scale q + offset, q its stored integers (signed for Q8_0, else
+// unsigned): (scale, offset) of its first 16 weights and of its last 16 (they differ in Q6_K
+// only). Multiplied in float32 these give GGUF's dequantised values exactly: each scale and
+// scale * q are exact, so one fused multiply-add rounds once where the reference does.
+struct BlockScales {
+  float scale[2], offset[2];
+};
+
+inline BlockScales block_scales(const Layout& l, const uint8_t* row, int64_t b) {
+  const int64_t s = b / GROUP;
+  auto both = [](float scale, float offset) { return BlockScales{{scale, scale}, {offset, offset}}; };
+  switch (l.format) {
+    case Format::q8_0: return both(half(row + l.d + 2 * b), 0.f);
+    case Format::q4_0: { const float d = half(row + l.d + 2 * b); return both(d, -8.f * d); }
+    case Format::q5_0: { const float d = half(row + l.d + 2 * b); return both(d, -16.f * d); }
+    case Format::q4_1: return both(half(row + l.d + 2 * b), half(row + l.m + 2 * b));
+    case Format::q4_k:
+    case Format::q5_k:
+      return both(half(row + l.d + 2 * s) * static_cast<float>(row[l.sc + b]),
+                  -(half(row + l.dmin + 2 * s) * static_cast<float>(row[l.mn + b])));
+    case Format::q6_k: {
+      const float d = half(row + l.d + 2 * s);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(row + l.sc + 16 * s);
+      const int64_t j = b % GROUP;  // this block's scales: sc[2j] (stored at j), sc[2j + 1] (at 8 + j)
+      const float lo = d * static_cast<float>(sc[j]), hi = d * static_cast<float>(sc[GROUP + j]);
+      return BlockScales{{lo, hi}, {-32.f * lo, -32.f * hi}};
+    }
+  }
+  return both(0.f, 0.f);
+}
+
+#if defined(QUANT_AVX2)
+// 32 bytes, each 0xFF where its bit of `bits` (bit j: byte j) is set, else 0.
+inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+inline __m256i nibbles_of_block(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// Group g's eight blocks (K-quants: its super-block) as 32 stored integers each, bytes (Q8_0:
+// int8, else unsigned), block j in q[j]; `count` blocks (< 8 only in a last group of a
+// 32-block format).
+inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count, __m256i q[GROUP]) {
+  const int64_t b0 = g * GROUP;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  switch (l.format) {
+    case Format::q8_0:
+      for (int j = 0; j < count; ++j) q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b0 + j) * BLOCK));
+      return;
+    case Format::q4_0:
+    case Format::q4_1:
+      for (int j = 0; j < count; ++j) q[j] = nibbles_of_block(row + (b0 + j) * 16);
+      return;
+    case Format::q5_0:
+      for (int j = 0; j < count; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, row + l.qh + (b0 + j) * 4, 4);
+        const __m256i high = _mm256_and_si256(bytes_from_bits(bits), _mm256_set1_epi8(0x10));
+        q[j] = _mm256_or_si256(nibbles_of_block(row + (b0 + j) * 16), high);
+      }
+      return;
+    case Format::q4_k:
+    case Format::q5_k: {
+      const uint8_t* qs = row + g * 128;
+      for (int i = 0; i < 4; ++i) {
+        const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+        q[2 * i] = _mm256_and_si256(run, low4);
+        q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(run, 4), low4);
+      }
+      if (l.format == Format::q5_k) {
+        // Bit j of each byte -> bit 4 (16-bit shifts: what crosses a byte is masked off).
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l.qh + g * 32));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
+        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
+        q[4] = _mm256_or_si256(q[4], _mm256_and_si256(qh, bit4));
+        q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
+        q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
+        q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
+      }
+      return;
+    }
+    case Format::q6_k: {
+      const __m256i bits45 = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = row + g * 128 + 64 * h;
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l.qh + g * 64 + 32 * h));
+        __m256i* out = q + 4 * h;
+        out[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45));
+        out[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45));
+        out[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, bits45));
+        out[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45));
+      }
+      return;
+    }
+  }
+}
+#endif
+
+}  // namespace pagedllm_quant
