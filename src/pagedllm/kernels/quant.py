@@ -2,18 +2,22 @@
 
 A GGUF tensor's blocks are repacked once at load (``from_gguf_blocks``) into the layout of
 the kernels (``csrc/quant_formats.h``): one uint8 tensor, a row per weight row, holding the
-row's sections one after the other (B = K/32 blocks, S = K/256 super-blocks)::
+row's sections one after the other (B = K/32 blocks, P = ceil(B/2) pairs of them, G =
+ceil(B/8) groups of eight, S = K/256 super-blocks)::
 
     Q8_0  qs int8 [K], d [B]                               w = d q
-    Q4_0  qs [K/2], d [B]                                  w = d (q - 8)
-    Q4_1  qs [K/2], d [B], m [B]                           w = d q + m
-    Q5_0  qs [K/2], qh [K/8], d [B]                        w = d (q - 16)
+    Q4_0  qs [32 P], d [B]                                 w = d (q - 8)
+    Q4_1  qs [32 P], d [B], m [B]                          w = d q + m
+    Q5_0  qs [32 P], qh [32 G], d [B]                      w = d (q - 16)
     Q4_K  qs [K/2], sc [B], mn [B], d [S], dmin [S]        w = d sc q - dmin mn
     Q5_K  qs [K/2], qh [K/8], sc [B], mn [B], d [S], dmin [S]
     Q6_K  ql [K/2], qh [K/4], sc int8 [K/16], d [S]        w = d sc (q - 32), sc per 16
 
-Quants stay as GGUF stores them; the K-quants' 6-bit sub-scales become bytes, and Q6_K's 16
-scales of a super-block are kept even ones first. ``quant_linear`` runs every row count on
+Nibbles come in 32-byte runs of two blocks (low nibbles the first, high the second) and fifth
+bits in 32 bytes per eight blocks, as Q4_K / Q5_K store them, so that one load gives a
+block's quants; Q4_0 / Q4_1 / Q5_0 are repacked into that shape (padded to whole runs and
+groups), the K-quants' 6-bit sub-scales become bytes, and Q6_K's 16 scales of a super-block
+are kept even ones first. ``quant_linear`` runs every row count on
 ``quant_gemm`` (integer dot products with activations quantised to int8 per 32-block for
 decode-sized batches, dequantised tiles on ``small_gemm`` for prompts); ``dequantize`` is the
 plain torch reference of the layouts and the fallback where the C++ kernels are missing.
@@ -33,15 +37,16 @@ SUPER_BLOCK = 256
 CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 FORMATS = tuple(CODES)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
-# Bytes of one block of 32 weights (K-quants: one super-block of 256) in the kernels' layout.
-_UNIT_BYTES = {
-    "Q8_0": 34,
-    "Q4_0": 18,
-    "Q4_1": 20,
-    "Q5_0": 22,
-    "Q4_K": 148,
-    "Q5_K": 180,
-    "Q6_K": 210,
+# Section sizes of a row of ``blocks`` 32-blocks (``pairs``, ``groups``: of 2 and 8 blocks,
+# rounded up) in the kernels' layout, in order.
+_SECTIONS = {
+    "Q8_0": lambda b, p, g: [32 * b, 2 * b],
+    "Q4_0": lambda b, p, g: [32 * p, 2 * b],
+    "Q4_1": lambda b, p, g: [32 * p, 2 * b, 2 * b],
+    "Q5_0": lambda b, p, g: [32 * p, 32 * g, 2 * b],
+    "Q4_K": lambda b, p, g: [16 * b, b, b, 2 * g, 2 * g],
+    "Q5_K": lambda b, p, g: [16 * b, 4 * b, b, b, 2 * g, 2 * g],
+    "Q6_K": lambda b, p, g: [16 * b, 8 * b, 2 * b, 2 * g],
 }
 # Formats whose values another holds exactly, widest last: a fused linear whose parts came
 # in several formats keeps the narrowest that holds them all (``concat_rows``).
@@ -56,9 +61,25 @@ def unit(format: str) -> int:
     return SUPER_BLOCK if format in K_QUANTS else BLOCK
 
 
+def section_sizes(format: str, width: int) -> list[int]:
+    """Bytes of each section of a row of ``width`` weights, in order."""
+    blocks = width // BLOCK
+    return _SECTIONS[format](blocks, (blocks + 1) // 2, (blocks + 7) // 8)
+
+
 def row_bytes(format: str, width: int) -> int:
     """Bytes of one row of ``width`` weights."""
-    return width // unit(format) * _UNIT_BYTES[format]
+    return sum(section_sizes(format, width))
+
+
+def width_of(format: str, size: int) -> int:
+    """The width whose rows take ``size`` bytes (padding adds less than eight units)."""
+    step = unit(format)
+    most = size * 512 // row_bytes(format, 512 * step)
+    for units in range(most, max(most - 8, 0), -1):
+        if row_bytes(format, units * step) == size:
+            return units * step
+    raise ValueError(f"a {format} row of {size} bytes holds no whole number of blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +103,7 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, int]:
         rows, size = self.data.shape
-        return rows, size // _UNIT_BYTES[self.format] * unit(self.format)
+        return rows, width_of(self.format, size)
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +131,8 @@ def from_gguf_blocks(blocks: np.ndarray, format: str, shape: tuple[int, int]) ->
     rows, width = shape
     check_format(format, width)
     raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, width // unit(format), -1)
+    if format in ("Q4_0", "Q4_1", "Q5_0"):
+        return _repacked_blocks(torch.from_numpy(raw.copy()), format)
     parts = [raw[:, :, a:b] for a, b in _gguf_sections(format)]
     if format in ("Q4_K", "Q5_K"):
         from gguf.quants import Q4_K
@@ -124,14 +147,42 @@ def from_gguf_blocks(blocks: np.ndarray, format: str, shape: tuple[int, int]) ->
     return QuantWeight(format, torch.from_numpy(data))
 
 
+def _repacked_blocks(raw: torch.Tensor, format: str) -> QuantWeight:
+    """Q4_0 / Q4_1 / Q5_0 GGUF blocks [rows, B, bytes] in the kernels' layout: nibbles in
+    runs, fifth bits in groups."""
+    rows, blocks, _ = raw.shape
+    quants = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[format]  # where a block's nibbles start
+    packed = raw[:, :, quants : quants + 16]
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=2)  # [rows, B, 32]
+    if format == "Q5_0":
+        q = q | (_bits(raw[:, :, 2:6]) << 4)
+    scales = [raw[:, :, 0:2].reshape(rows, -1)]
+    if format == "Q4_1":
+        scales.append(raw[:, :, 2:4].reshape(rows, -1))
+    return QuantWeight(format, _pack_quants(q, format == "Q5_0", scales))
+
+
+def _pack_quants(q: torch.Tensor, fifth_bits: bool, scales: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of the layout from stored integers q (uint8 [rows, B, 32], under 16, or 32 with
+    ``fifth_bits``) and the scale sections that follow them."""
+    rows, blocks, _ = q.shape
+    if blocks % 2:
+        q = torch.cat((q, q.new_zeros(rows, 1, BLOCK)), dim=1)
+    runs = (q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)
+    parts = [runs.reshape(rows, -1)]
+    if fifth_bits:
+        grouped = torch.cat((q, q.new_zeros(rows, -q.shape[1] % 8, BLOCK)), dim=1) >> 4
+        shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+        high = (grouped.view(rows, -1, 8, BLOCK) << shifts).sum(dim=2, dtype=torch.uint8)
+        parts.append(high.reshape(rows, -1))
+    return torch.cat([*parts, *scales], dim=1)
+
+
 def _gguf_sections(format: str) -> list[tuple[int, int]]:
     """Byte ranges of a GGUF block that make the layout's sections, in order (Q4_K / Q5_K:
     their sc and mn, unpacked from the 6-bit scales, go before d and dmin)."""
     return {
         "Q8_0": [(2, 34), (0, 2)],
-        "Q4_0": [(2, 18), (0, 2)],
-        "Q4_1": [(4, 20), (0, 2), (2, 4)],
-        "Q5_0": [(6, 22), (2, 6), (0, 2)],
         "Q4_K": [(16, 144), (0, 2), (2, 4)],
         "Q5_K": [(48, 176), (16, 48), (0, 2), (2, 4)],
         "Q6_K": [(0, 128), (128, 192), (192, 208), (208, 210)],
@@ -140,18 +191,7 @@ def _gguf_sections(format: str) -> list[tuple[int, int]]:
 
 def _sections(weight: QuantWeight) -> list[torch.Tensor]:
     """The layout's sections of every row, in the order of the module's table."""
-    rows, width = weight.shape
-    blocks, supers = width // BLOCK, width // SUPER_BLOCK
-    sizes = {
-        "Q8_0": [width, 2 * blocks],
-        "Q4_0": [width // 2, 2 * blocks],
-        "Q4_1": [width // 2, 2 * blocks, 2 * blocks],
-        "Q5_0": [width // 2, width // 8, 2 * blocks],
-        "Q4_K": [width // 2, blocks, blocks, 2 * supers, 2 * supers],
-        "Q5_K": [width // 2, width // 8, blocks, blocks, 2 * supers, 2 * supers],
-        "Q6_K": [width // 2, width // 4, width // 16, 2 * supers],
-    }[weight.format]
-    return list(weight.data.split(sizes, dim=1))
+    return list(weight.data.split(section_sizes(weight.format, weight.shape[1]), dim=1))
 
 
 def _halves(section: torch.Tensor) -> torch.Tensor:
@@ -166,20 +206,15 @@ def stored_integers(weight: QuantWeight) -> torch.Tensor:
     qs = parts[0]
     if weight.format == "Q8_0":
         return qs.view(torch.int8).to(torch.int16)
-    if weight.format in ("Q4_0", "Q4_1", "Q5_0"):
-        packed = qs.reshape(rows, -1, BLOCK // 2)
-        q = torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(rows, width)
-        if weight.format == "Q5_0":
-            q = q | (_bits(parts[1].reshape(rows, -1, 4)).reshape(rows, width) << 4)
-        return q.to(torch.int16)
-    if weight.format in ("Q4_K", "Q5_K"):
-        runs = qs.reshape(rows, -1, 4, 1, BLOCK)
-        q = torch.cat((runs & 0x0F, runs >> 4), dim=3).reshape(rows, -1, 8, BLOCK)
-        if weight.format == "Q5_K":
+    if weight.format != "Q6_K":
+        runs = qs.reshape(rows, -1, 1, BLOCK)
+        q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(rows, -1, BLOCK)
+        if weight.format in ("Q5_0", "Q5_K"):
             qh = parts[1].reshape(rows, -1, 1, BLOCK)
             shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-            q = q | (((qh >> shifts) & 1) << 4)
-        return q.reshape(rows, width).to(torch.int16)
+            high = ((qh >> shifts) & 1).reshape(rows, -1, BLOCK)
+            q = q[:, : high.shape[1]] | (high[:, : q.shape[1]] << 4)
+        return q[:, : width // BLOCK].reshape(rows, width).to(torch.int16)
     ql = qs.reshape(rows, -1, 2, 1, 2, BLOCK)  # super-block, half, nibble, run, element
     low = torch.cat((ql & 0x0F, ql >> 4), dim=3).reshape(rows, -1, 2, 4, BLOCK)
     qh = parts[1].reshape(rows, -1, 2, 1, BLOCK)
@@ -188,7 +223,8 @@ def stored_integers(weight: QuantWeight) -> torch.Tensor:
 
 
 def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """[..., 4] bytes -> [..., 32] bits, little-endian (bit j of the 32: element j)."""
+    """[..., 4] bytes -> [..., 32] bits, little-endian (bit j of the 32: element j): Q5_0's
+    fifth bits as GGUF stores them."""
     shifts = torch.arange(8, dtype=torch.uint8)
     return ((qh[..., :, None] >> shifts) & 1).flatten(-2)
 
@@ -240,11 +276,7 @@ def widen(weight: QuantWeight, format: str) -> QuantWeight:
         qs = (q - offset).to(torch.int8).view(torch.uint8)
         return QuantWeight(format, torch.cat((qs, d), dim=1), weight.source)
     q5 = (q + 8).to(torch.uint8).view(rows, -1, BLOCK)  # Q4_0 -> Q5_0
-    nibbles = (q5[:, :, :16] & 0x0F) | ((q5[:, :, 16:] & 0x0F) << 4)
-    high = (q5 >> 4).view(rows, -1, 4, 8) << torch.arange(8, dtype=torch.uint8)
-    qh = high.sum(dim=3, dtype=torch.uint8)  # the 8 bits of each byte, or'ed
-    data = torch.cat((nibbles.reshape(rows, -1), qh.reshape(rows, -1), d), dim=1)
-    return QuantWeight(format, data, weight.source)
+    return QuantWeight(format, _pack_quants(q5, True, [d]), weight.source)
 
 
 def common_format(formats: list[str]) -> str | None:

@@ -4,23 +4,26 @@
 // (quant_tiles.cpp).
 //
 // A weight [N, K] is one uint8 tensor, a row per weight row, each row its sections in order
-// (B = K / 32 blocks, S = K / 256 super-blocks; fp16 scales):
-//   Q8_0  qs int8 [K], d [B]                              w = d q
-//   Q4_0  qs [K/2], d [B]                                 w = d (q - 8),   q in 0..15
-//   Q4_1  qs [K/2], d [B], m [B]                          w = d q + m
-//   Q5_0  qs [K/2], qh [K/8], d [B]                       w = d (q - 16),  q in 0..31
+// (B = K / 32 blocks, P = ceil(B / 2) pairs of them, G = ceil(B / 8) groups of eight, S = K /
+// 256 super-blocks; fp16 scales):
+//   Q8_0  qs int8 [K], d [B]                               w = d q
+//   Q4_0  qs [32 P], d [B]                                 w = d (q - 8),   q in 0..15
+//   Q4_1  qs [32 P], d [B], m [B]                          w = d q + m
+//   Q5_0  qs [32 P], qh [32 G], d [B]                      w = d (q - 16),  q in 0..31
 //   Q4_K  qs [K/2], sc u8 [B], mn u8 [B], d [S], dmin [S]  w = d sc q - dmin mn
-//   Q5_K  qs [K/2], qh [K/8], sc, mn, d, dmin             (as Q4_K, q in 0..31)
-//   Q6_K  ql [K/2], qh [K/4], sc int8 [K/16], d [S]       w = d sc (q - 32), q in 0..63,
-//                                                         sc per 16 weights
-// Q4_0 / Q4_1 / Q5_0 keep GGUF's nibbles per block (byte j: element j low, j + 16 high) and
-// Q5_0 its 32 high bits per block. The K-quants keep GGUF's quants per super-block: Q4_K/Q5_K
-// nibbles in 32-byte runs (run i: block 2i low, block 2i + 1 high), their high bits 32 bytes
-// (bit b of byte e: element e of block b); Q6_K ql in two 64-byte halves and qh in two
-// 32-byte halves (block 4h + s: ql[64h + 32 (s & 1) + e] nibble s >> 1, qh[32h + e] bits
-// 2s..2s+1). What the repack changes: the K-quants' 6-bit sub-scales become bytes, and Q6_K's
-// 16 scales of a super-block are stored even ones first, then odd ones (the order in which
-// the integer kernel's half-block sums come out).
+//   Q5_K  qs [K/2], qh [K/8], sc, mn, d, dmin              (as Q4_K, q in 0..31)
+//   Q6_K  ql [K/2], qh [K/4], sc int8 [K/16], d [S]        w = d sc (q - 32), q in 0..63,
+//                                                          sc per 16 weights
+// Nibbles come in 32-byte runs, run i holding block 2i in its low nibbles and block 2i + 1 in
+// its high ones (as Q4_K stores them), and fifth bits in 32 bytes per group of eight blocks,
+// bit j of byte e for element e of block j (as Q5_K stores them): one load and a shift or
+// two give a block's bytes. Q6_K keeps GGUF's ql in two 64-byte halves and qh in two 32-byte
+// halves (block 4h + s: ql[64h + 32 (s & 1) + e] nibble s >> 1, qh[32h + e] bits 2s..2s+1).
+// What the repack changes: Q4_0/Q4_1/Q5_0's nibbles (GGUF: per block, byte j holds elements
+// j and j + 16) and fifth bits (per block) take that shape, padded to whole runs and groups;
+// the K-quants' 6-bit sub-scales become bytes; Q6_K's 16 scales of a super-block are stored
+// even ones first, then odd ones (the order in which the integer kernel's half-block sums
+// come out).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -65,14 +68,15 @@ inline Layout layout_of(Format f, int64_t k) {
   TORCH_CHECK(k > 0 && k % (k_quant(f) ? GROUP * BLOCK : BLOCK) == 0, "quant_gemm: a row of ", k,
               " weights is no whole number of ", k_quant(f) ? "256-weight super-blocks" : "32-blocks");
   const int64_t b = k / BLOCK, s = k / (GROUP * BLOCK);
+  const int64_t runs = (b + 1) / 2 * 32, highs = (b + GROUP - 1) / GROUP * 32;
   Layout l;
   l.format = f;
   l.k = k;
   switch (f) {
     case Format::q8_0: l.d = k; l.bytes = k + 2 * b; break;
-    case Format::q4_0: l.d = k / 2; l.bytes = l.d + 2 * b; break;
-    case Format::q4_1: l.d = k / 2; l.m = l.d + 2 * b; l.bytes = l.m + 2 * b; break;
-    case Format::q5_0: l.qh = k / 2; l.d = l.qh + k / 8; l.bytes = l.d + 2 * b; break;
+    case Format::q4_0: l.d = runs; l.bytes = l.d + 2 * b; break;
+    case Format::q4_1: l.d = runs; l.m = l.d + 2 * b; l.bytes = l.m + 2 * b; break;
+    case Format::q5_0: l.qh = runs; l.d = l.qh + highs; l.bytes = l.d + 2 * b; break;
     case Format::q4_k:
     case Format::q5_k:
       l.qh = f == Format::q5_k ? k / 2 : 0;
@@ -96,19 +100,14 @@ struct Weight {
   const uint8_t* row(int64_t i) const { return data + i * lay.bytes; }
 };
 
-// K from a row of `bytes` bytes: whole 32-blocks (K-quants: super-blocks) of the format's size.
+// K from a row of `bytes` bytes (0 where no K fits): the layout's unpadded size per block
+// bounds the count from above, and padding adds less than a group.
 inline int64_t width_of(Format f, int64_t bytes) {
-  int64_t per_block = 34;  // bytes of 32 weights (K-quants: of 256)
-  switch (f) {
-    case Format::q8_0: per_block = 34; break;
-    case Format::q4_0: per_block = 18; break;
-    case Format::q4_1: per_block = 20; break;
-    case Format::q5_0: per_block = 22; break;
-    case Format::q4_k: per_block = 148; break;
-    case Format::q5_k: per_block = 180; break;
-    case Format::q6_k: per_block = 210; break;
-  }
-  return bytes / per_block * (k_quant(f) ? GROUP * BLOCK : BLOCK);
+  const int64_t unit = k_quant(f) ? GROUP * BLOCK : BLOCK;
+  const int64_t most = bytes / (layout_of(f, 64 * GROUP * BLOCK).bytes / (64 * GROUP * BLOCK / unit));
+  for (int64_t units = most; units > 0 && units + GROUP > most; --units)
+    if (layout_of(f, units * unit).bytes == bytes) return units * unit;
+  return 0;
 }
 
 // The weight after the checks: a 2-D contiguous uint8 tensor whose rows are `code`'s layout
@@ -118,7 +117,10 @@ inline Weight check_weight(const at::Tensor& t, int64_t code, int64_t k = -1) {
               "quant_gemm: the weight must be a 2-D contiguous uint8 tensor (kernels/quant.py's layout)");
   const Format f = format_of(code);
   Weight w;
-  w.lay = layout_of(f, k < 0 ? width_of(f, t.size(1)) : k);
+  k = k < 0 ? width_of(f, t.size(1)) : k;
+  TORCH_CHECK(k > 0, "quant_gemm: a weight row of ", t.size(1), " bytes holds no whole number of blocks of format ",
+              code);
+  w.lay = layout_of(f, k);
   TORCH_CHECK(w.lay.bytes == t.size(1), "quant_gemm: a weight row of ", t.size(1), " bytes does not hold ", w.lay.k,
               " weights of format ", code, " (", w.lay.bytes, " bytes)");
   w.data = t.data_ptr<uint8_t>();
@@ -172,51 +174,30 @@ inline BlockScales block_scales(const Layout& l, const uint8_t* row, int64_t b) 
 }
 
 #if defined(QUANT_AVX2)
-// 32 bytes, each 0xFF where its bit of `bits` (bit j: byte j) is set, else 0.
-inline __m256i bytes_from_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
-  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
-}
-
-inline __m256i nibbles_of_block(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-}
-
 // Group g's eight blocks (K-quants: its super-block) as 32 stored integers each, bytes (Q8_0:
 // int8, else unsigned), block j in q[j]; `count` blocks (< 8 only in a last group of a
 // 32-block format).
-inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count, __m256i q[GROUP]) {
+template <Format F>
+__attribute__((always_inline)) inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                      __m256i q[GROUP]) {
   const int64_t b0 = g * GROUP;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  switch (l.format) {
+  switch (F) {
     case Format::q8_0:
       for (int j = 0; j < count; ++j) q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b0 + j) * BLOCK));
       return;
     case Format::q4_0:
     case Format::q4_1:
-      for (int j = 0; j < count; ++j) q[j] = nibbles_of_block(row + (b0 + j) * 16);
-      return;
     case Format::q5_0:
-      for (int j = 0; j < count; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, row + l.qh + (b0 + j) * 4, 4);
-        const __m256i high = _mm256_and_si256(bytes_from_bits(bits), _mm256_set1_epi8(0x10));
-        q[j] = _mm256_or_si256(nibbles_of_block(row + (b0 + j) * 16), high);
-      }
-      return;
     case Format::q4_k:
     case Format::q5_k: {
       const uint8_t* qs = row + g * 128;
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; 2 * i < count; ++i) {
         const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
         q[2 * i] = _mm256_and_si256(run, low4);
         q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(run, 4), low4);
       }
-      if (l.format == Format::q5_k) {
+      if constexpr (F == Format::q5_0 || F == Format::q5_k) {
         // Bit j of each byte -> bit 4 (16-bit shifts: what crosses a byte is masked off).
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l.qh + g * 32));
         const __m256i bit4 = _mm256_set1_epi8(0x10);
@@ -247,6 +228,19 @@ inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count
       }
       return;
     }
+  }
+}
+
+// load_group for a format known at run time.
+inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count, __m256i q[GROUP]) {
+  switch (l.format) {
+    case Format::q8_0: return load_group<Format::q8_0>(l, row, g, count, q);
+    case Format::q4_0: return load_group<Format::q4_0>(l, row, g, count, q);
+    case Format::q4_1: return load_group<Format::q4_1>(l, row, g, count, q);
+    case Format::q5_0: return load_group<Format::q5_0>(l, row, g, count, q);
+    case Format::q4_k: return load_group<Format::q4_k>(l, row, g, count, q);
+    case Format::q5_k: return load_group<Format::q5_k>(l, row, g, count, q);
+    case Format::q6_k: return load_group<Format::q6_k>(l, row, g, count, q);
   }
 }
 #endif

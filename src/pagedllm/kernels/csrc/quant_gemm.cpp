@@ -261,29 +261,37 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// acc[r] += activation row r0 + r's products with group g of weight row `row` (`count`
+// blocks: a constant 8 in the loop over whole groups, so that it unrolls).
+template <Route R, Format F, int RB>
+__attribute__((always_inline)) inline void group_step(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                      const Activations& a, int64_t r0, __m256 acc[RB]) {
+  const int64_t blocks = l.blocks();
+  __m256i q[GROUP];
+  load_group<F>(l, row, g, count, q);
+  const GroupScales scales = group_scales<F>(l, row, g, count);
+  const int8_t* xq = a.xq.data() + r0 * l.k + g * GROUP * BLOCK;
+  for (int r = 0; r < RB; ++r) {
+    __m256i s[GROUP];
+    for (int j = 0; j < GROUP; ++j)
+      s[j] = j < count ? block_dot<R, F>(q[j], xq + r * l.k + j * BLOCK) : _mm256_setzero_si256();
+    acc[r] = accumulate<F>(acc[r], s, scales, a, (r0 + r) * blocks + g * GROUP);
+  }
+}
+
 // out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), float sums (bias not
 // yet added): each group of a weight row is loaded once for the RB rows.
 template <Route R, Format F, int RB>
 void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out) {
   const Layout& l = w.lay;
-  const int64_t blocks = l.blocks(), groups = (blocks + GROUP - 1) / GROUP;
-  const int8_t* xq = a.xq.data() + r0 * l.k;
+  const int64_t blocks = l.blocks(), whole = blocks / GROUP;
+  const int tail = static_cast<int>(blocks % GROUP);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int count = static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP));
-      __m256i q[GROUP];
-      load_group(l, row, g, count, q);
-      const GroupScales scales = group_scales<F>(l, row, g, count);
-      for (int r = 0; r < RB; ++r) {
-        __m256i s[GROUP];
-        for (int j = 0; j < GROUP; ++j)
-          s[j] = j < count ? block_dot<R, F>(q[j], xq + r * l.k + (g * GROUP + j) * BLOCK) : _mm256_setzero_si256();
-        acc[r] = accumulate<F>(acc[r], s, scales, a, (r0 + r) * blocks + g * GROUP);
-      }
-    }
+    for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);
+    if (tail > 0) group_step<R, F, RB>(l, row, whole, tail, a, r0, acc);
     for (int r = 0; r < RB; ++r) out[(r0 + r) * w.n + n] = hsum(acc[r]);
   }
 }
