@@ -49,7 +49,9 @@ TINY_BOUNDS = {
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     torch.set_num_threads(2)
     if is_default_model_cached():
-        loaded, bounds = load_model("default", "float32", get_backend("cpu")), DEFAULT_BOUNDS
+        # The float weights: this measures the cache's quantization alone.
+        default = load_model("default", "float32", get_backend("cpu"), keep_quantized=False)
+        loaded, bounds = default, DEFAULT_BOUNDS
     else:
         from pagedllm.testing import make_tiny_checkpoint
 

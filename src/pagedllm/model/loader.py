@@ -7,7 +7,11 @@
     load_model("path/to/model.gguf")    linears in GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K /
                                          Q5_K / Q6_K kept as stored (kernels/quant.py), the
                                          rest dequantised through the ``gguf`` package
-    load_model("default")               SmolLM2-135M-Instruct, converted once (default_model.py)
+    load_model("default")               SmolLM2-135M-Instruct, converted once (default_model.py);
+                                         on the CPU its GGUF's linears run as stored (the
+                                         converted directory gives the tokenizer; so for
+                                         "qwen2.5-coder-0.5b"), keep_quantized=False: the
+                                         converted float weights
 
 Nothing is downloaded from a model hub.
 """
@@ -68,19 +72,28 @@ def load_model(
     ``dtype``: "float32", "bfloat16", "float16" or "auto" (``choose_dtype``: bfloat16 for a
     float32 checkpoint on a CPU with bf16 dot products, else the config's ``torch_dtype``). ``backend``: the attention backend (default: the fastest available, ``get_backend("auto")``).
     ``keep_quantized``: a GGUF's linears stored in a format of ``kernels/quant.py`` run as
-    stored on the CPU (their only copy); False dequantises every tensor to ``dtype``.
+    stored on the CPU (their only copy), a named model's too (its GGUF, kept beside the
+    converted directory); False dequantises every tensor to ``dtype``.
     """
+    keep = keep_quantized and torch.device(device).type == "cpu"
     named = _named_model(str(model))
     if named is not None:
         path, name = named
     else:
         path = Path(model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.name
-    if path.suffix == ".gguf" and path.is_file():
+    gguf = _kept_gguf(path) if named is not None and keep else None
+    if gguf is not None:
         from pagedllm.model.gguf_loader import read_gguf
 
-        keep = keep_quantized and torch.device(device).type == "cpu"
-        raw_config, weights, tokenizer_loader = read_gguf(path, keep_quantized=keep)
+        raw_config, weights, _ = read_gguf(gguf, keep_quantized=True)
+        tokenizer_loader = _hf_tokenizer_loader(path)
+    elif path.suffix == ".gguf" and path.is_file():
+        from pagedllm.model.gguf_loader import read_gguf
+
+        raw_config, weights, tokenizer_loader = read_gguf(
+            path, keep_quantized=keep, tokenizer_cache=tokenizer_cache()
+        )
     elif path.is_dir():
         raw_config = _read_config(path)
         weights = iter_safetensors(path)
@@ -104,7 +117,7 @@ def load_tokenizer(model: str | Path = DEFAULT_MODEL_NAME) -> Any:
     if path.suffix == ".gguf" and path.is_file():
         from pagedllm.model.gguf_loader import read_gguf
 
-        return read_gguf(path)[2]()
+        return read_gguf(path, tokenizer_cache=tokenizer_cache())[2]()
     if path.is_dir():
         return _hf_tokenizer_loader(path)()
     raise ValueError(f"model {str(model)!r} is neither a directory nor a .gguf file")
@@ -163,7 +176,21 @@ def build_model(
         (name, tensor if isinstance(tensor, QuantWeight) else tensor.to(dtype))
         for name, tensor in weights
     )
+    release_freed_memory()
     return model.eval().requires_grad_(False)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): loading
+    frees a few hundred MiB of transient tensors (a GGUF's blocks being repacked) that
+    glibc would otherwise keep, counted in the process's resident memory. A no-op where
+    the C library has no such call."""
+    import contextlib
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
 def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module:
@@ -177,6 +204,24 @@ def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module
     from pagedllm.model.gemma_fast_path import GemmaFastPath
 
     return DecoderForCausalLM(config, backend, fast_path_builder=GemmaFastPath.build)
+
+
+def tokenizer_cache() -> Path:
+    """Where tokenizers rebuilt from GGUF files are kept (``gguf_tokenizer``)."""
+    from pagedllm.model.default_model import cache_dir
+
+    return cache_dir() / "tokenizers"
+
+
+def _kept_gguf(path: Path) -> Path | None:
+    """The GGUF a named model's directory keeps beside its converted weights (the one it
+    was converted from), where its family runs quantized linears; else None."""
+    config = _read_config(path)
+    source = config.get("pagedllm_converted_from")
+    if source is None or config.get("model_type") not in ("llama", "qwen2", "qwen3"):
+        return None
+    gguf = path / source
+    return gguf if gguf.is_file() else None
 
 
 def _named_model(model: str) -> tuple[Path, str] | None:
