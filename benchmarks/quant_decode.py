@@ -1,14 +1,23 @@
-"""Single-stream decode speed and memory of the default model (SmolLM2-135M-Instruct, a Q4_1
-GGUF) with its linears kept quantized (``LLM(model=FILE.gguf)``) against the float model
-converted from the same file (``LLM(model="default")``: every weight dequantised).
+"""Quantized GGUF weights served as stored against the same weights dequantised.
 
-Each configuration runs in a fresh child process (so that its RSS is its own), in alternated
-rounds; the figures are medians over the rounds (each round's speed: the median of
-``REPEATS`` generations in its child). Decode tok/s: (output tokens - 1) over the time after
-the first token (a one-token generation of the same prompt timed just before), greedy, one
-request, ``ignore_eos``.
+Two parts:
+
+- ``models`` (the default): one request's decode speed, first-token time and memory of a
+  model whose GGUF runs natively (``LLM(model=NAME)``: linears kept as stored) against the
+  float model converted from the same file (``LLM(model=<its converted directory>)``). The
+  default model (SmolLM2-135M, Q4_1) unless ``--model qwen2.5-coder-0.5b`` (opt-in: the
+  Qwen2.5-Coder-0.5B GGUF, mostly Q5_0 with Q8_0 / Q4_K / Q6_K tensors). Each configuration
+  runs in a fresh child process (so that its RSS is its own), in alternated rounds; figures
+  are medians over the rounds (each round: the median of ``REPEATS`` generations in its
+  child). Decode tok/s: (output tokens - 1) over the time after the first token (a
+  one-token generation of the same prompt timed just before), greedy, ``ignore_eos``.
+- ``kernels``: one linear of each format (``kernels/quant.py``) on random blocks against
+  small_gemm's bf16 / float32 copy of the same shape, at decode and prompt row counts:
+  microseconds per call (the best of ``--repeats``).
 
     .venv/bin/python benchmarks/quant_decode.py --rounds 5
+    .venv/bin/python benchmarks/quant_decode.py --model qwen2.5-coder-0.5b --prompt-tokens 256
+    .venv/bin/python benchmarks/quant_decode.py --part kernels --rows 1,4,16,64,256
 """
 
 from __future__ import annotations
@@ -23,18 +32,24 @@ import time
 CONFIGS = ("float", "quantized")
 # Timed generations in each child; the child reports their median.
 REPEATS = 3
+MODELS = ("default", "qwen2.5-coder-0.5b")
 
 
-def child(config: str, prompt_tokens: int, output_tokens: int, kv_mib: int) -> dict:
+def child(model: str, config: str, prompt_tokens: int, output_tokens: int, kv_mib: int) -> dict:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.model.default_model import default_gguf_path
+    from pagedllm.model.loader import named_model
 
-    model = "default" if config == "float" else str(default_gguf_path())
+    directory, _ = named_model(model)
+    start = time.perf_counter()
     # No prefix cache: every call computes its prompt, as the first one did.
     llm = LLM(
-        model=model, kv_cache_memory=kv_mib << 20, max_num_seqs=1, enable_prefix_caching=False
+        model=model if config == "quantized" else str(directory),
+        kv_cache_memory=kv_mib << 20,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
     )
-    text = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 40
+    load_s = time.perf_counter() - start
+    text = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 60
     prompt = llm.get_tokenizer().encode(text)[:prompt_tokens]
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
@@ -50,14 +65,14 @@ def child(config: str, prompt_tokens: int, output_tokens: int, kv_mib: int) -> d
         total_s = time.perf_counter() - start
         speeds.append((len(out[0].outputs[0].token_ids) - 1) / (total_s - prompt_s))
         first_token_s.append(prompt_s)
-    tokens = out[0].outputs[0].token_ids
     routes = llm.engine.routes
     return {
         "decode_tok_s": statistics.median(speeds),
         "first_token_ms": statistics.median(first_token_s) * 1e3,
+        "load_s": load_s,
         "rss_mib": _status("VmRSS") / 1024,
         "peak_rss_mib": _status("VmHWM") / 1024,
-        "tokens": list(tokens[:16]),
+        "tokens": list(out[0].outputs[0].token_ids[:16]),
         "linears": getattr(routes, "linears", ""),
     }
 
@@ -70,45 +85,147 @@ def _status(key: str) -> int:
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--kv-mib", type=int, default=64)
-    parser.add_argument("--child", choices=CONFIGS)
-    args = parser.parse_args()
-    if args.child:
-        result = child(args.child, args.prompt_tokens, args.output_tokens, args.kv_mib)
-        print(json.dumps(result))
-        return
+def models_part(args: argparse.Namespace) -> dict:
     from pagedllm.kernels.probe import cpu_info
 
-    print(f"CPU: {cpu_info().label}")
+    print(f"CPU: {cpu_info().label}; model {args.model}")
     results: dict[str, list[dict]] = {config: [] for config in CONFIGS}
     for round_index in range(args.rounds):
         order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
         for config in order:
-            command = [sys.executable, __file__, "--child", config]
+            command = [sys.executable, __file__, "--child", config, "--model", args.model]
             command += ["--prompt-tokens", str(args.prompt_tokens)]
             command += ["--output-tokens", str(args.output_tokens), "--kv-mib", str(args.kv_mib)]
             line = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             result = json.loads(line.strip().splitlines()[-1])
             results[config].append(result)
-            print(round_index, config, {k: v for k, v in result.items() if k != "tokens"})
+            shown = {k: v for k, v in result.items() if k not in ("tokens", "linears")}
+            print(round_index, config, json.dumps(shown))
+    summary = {}
+    print("| | decode tok/s (rounds) | first token ms | RSS MiB (peak) | load s |")
+    print("| --- | --- | --- | --- | --- |")
     for config, rounds in results.items():
         speeds = [r["decode_tok_s"] for r in rounds]
-        rss = [r["rss_mib"] for r in rounds]
-        first_ms = statistics.median(r["first_token_ms"] for r in rounds)
+        summary[config] = {
+            "decode_tok_s": statistics.median(speeds),
+            "first_token_ms": statistics.median(r["first_token_ms"] for r in rounds),
+            "rss_mib": statistics.median(r["rss_mib"] for r in rounds),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds),
+            "load_s": statistics.median(r["load_s"] for r in rounds),
+        }
+        s = summary[config]
         print(
-            f"{config}: decode {statistics.median(speeds):.1f} tok/s "
-            f"(rounds {', '.join(f'{s:.1f}' for s in speeds)}), "
-            f"first token {first_ms:.1f} ms, RSS {statistics.median(rss):.0f} MiB (peak {max(r['peak_rss_mib'] for r in rounds):.0f})"
+            f"| {config} | {s['decode_tok_s']:.1f} ({', '.join(f'{v:.1f}' for v in speeds)}) "
+            f"| {s['first_token_ms']:.1f} | {s['rss_mib']:.0f} ({s['peak_rss_mib']:.0f}) "
+            f"| {s['load_s']:.1f} |"
         )
-    first = [r["tokens"] for r in results["float"]][0]
+    first = results["float"][0]["tokens"]
     same = sum(a == b for a, b in zip(first, results["quantized"][0]["tokens"], strict=False))
     print(f"first 16 greedy tokens equal: {same} of {len(first)}")
+    print(f"quantized linears: {results['quantized'][0]['linears']}")
+    return {"model": args.model, **summary, "equal_first_tokens": same}
+
+
+def random_weight(format: str, rows: int, width: int, seed: int = 0):
+    """A ``QuantWeight`` of random GGUF blocks (quants uniform, scales about 1e-3): for
+    timing, not for numbers."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedllm.kernels.quant import from_gguf_blocks
+
+    kind = GGMLQuantizationType[format]
+    block, size = GGML_QUANT_SIZES[kind]
+    count = rows * width // block
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 2e-3, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    starts = {"Q6_K": [208]}.get(format, [0, 2] if format in ("Q4_1", "Q4_K", "Q5_K") else [0])
+    for start in starts:
+        raw[:, start : start + 2] = scales
+    return from_gguf_blocks(raw.reshape(rows, -1), format, (rows, width))
+
+
+def kernels_part(args: argparse.Namespace) -> dict:
+    import torch
+
+    from pagedllm.kernels.ops import layer_ops
+    from pagedllm.kernels.probe import cpu_info
+    from pagedllm.kernels.quant import FORMATS, K_QUANTS
+
+    ops = layer_ops()
+    if ops is None:
+        raise SystemExit("the C++ kernels did not build")
+    torch.set_num_threads(args.threads)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    n, k = args.shape
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    isa = ops.small_gemm_isa() if dtype == torch.bfloat16 else ops.small_gemm_f32_isa()
+    print(
+        f"CPU: {cpu_info().label}; {args.threads} threads; weight {n} x {k}; {args.dtype} "
+        f"activations; quant_gemm {ops.quant_gemm_isa()}, small_gemm {isa}; best of "
+        f"{args.repeats}, microseconds per call"
+    )
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e6
+
+    dense = ops.pack_small_gemm((torch.randn(n, k) * 0.05).to(dtype))
+    table = {}
+    print("| format | MiB | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+    print("| --- | --- |" + " --- |" * len(rows_list))
+    for format in (*FORMATS, args.dtype):
+        quantized = format in FORMATS
+        if quantized and format in K_QUANTS and k % 256:
+            continue
+        weight = random_weight(format, n, k) if quantized else None
+        row = {}
+        for rows in rows_list:
+            x = torch.randn(rows, k).to(dtype)
+            if quantized:
+                row[rows] = best(lambda x=x: ops.quant_gemm(x, weight.data, weight.code, None))
+            else:
+                row[rows] = best(lambda x=x: ops.small_gemm(x, dense, None))
+        size = weight.nbytes if quantized else dense.numel() * dense.element_size()
+        table[format] = {"mib": size / 2**20, "us": row}
+        cells = " | ".join(f"{row[r]:.0f}" for r in rows_list)
+        print(f"| {format} | {size / 2**20:.1f} | {cells} |")
+    return {"shape": [n, k], "dtype": args.dtype, "threads": args.threads, "kernels": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("models", "kernels"), default="models")
+    parser.add_argument("--model", choices=MODELS, default="default")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--kv-mib", type=int, default=64)
+    parser.add_argument("--child", choices=CONFIGS)
+    parser.add_argument("--rows", default="1,4,16,64,256", help="kernels: row counts")
+    parser.add_argument(
+        "--shape", type=int, nargs=2, default=(9728, 896), help="kernels: weight N K"
+    )
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="kernels: torch threads")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = child(
+            args.model, args.child, args.prompt_tokens, args.output_tokens, args.kv_mib
+        )
+        print(json.dumps(result))
+        return 0
+    result = models_part(args) if args.part == "models" else kernels_part(args)
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

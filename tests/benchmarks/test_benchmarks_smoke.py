@@ -216,3 +216,18 @@ def test_wire_round_trips_each_message(capsys):
     for name in ("deltas", "deltas_logprobs", "add"):
         assert result[f"{name}_us"] > 0 and result[f"{name}_bytes"] > 0
     assert result["deltas_logprobs_bytes"] > result["deltas_bytes"]
+
+
+def test_quant_decode_kernels_small(capsys):
+    pytest.importorskip("gguf")
+    from pagedllm.kernels.ops import layer_ops
+
+    if layer_ops() is None:
+        pytest.skip("the C++ kernels did not build")
+    args = ["--part", "kernels", "--shape", "64", "512", "--rows", "1,17", "--repeats", "2"]
+    assert load("quant_decode").main(args) == 0
+    result = last_json(capsys)
+    formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "bfloat16"}
+    assert set(result["kernels"]) == formats
+    assert all(set(r["us"]) == {"1", "17"} for r in result["kernels"].values())
+    assert result["kernels"]["Q4_0"]["mib"] < result["kernels"]["bfloat16"]["mib"] / 3

@@ -79,6 +79,8 @@ def test_from_config_plans_once_and_every_consumer_reads_that_plan(
     assert engine.kv.disk.capacity == plan.num_disk_blocks
     # The report and the stats say the plan's figures.
     assert f"{plan.num_blocks:,} blocks" in engine.startup_report
+    kv_mib = plan.num_blocks * spec.bytes_per_block / (1 << 20)
+    assert f"KV cache {kv_mib:,.0f} MiB, process RSS" in engine.startup_report
     stats = engine.get_stats()
     assert stats.kv_bytes_per_token == plan.bytes_per_token == spec.bytes_per_token
     assert stats.kv_cache_dtype == plan.kv_cache_dtype == "float32"

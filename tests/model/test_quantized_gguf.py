@@ -249,3 +249,21 @@ def test_tensor_parallel_shards_keep_the_quantized_rows(tmp_path, checkpoints) -
     _shard_rows(qkv, [(0, 32), (64, 80), (96, 112)])
     assert qkv.out_features == 64 and qkv.quant.shape == (64, 64)
     assert torch.equal(dequantize(qkv.quant), torch.cat((full[0:32], full[64:80], full[96:112])))
+
+
+def test_held_weight_bytes_count_quantized_weights_as_stored(tmp_path, checkpoints) -> None:
+    """The start-up report's weight figure: a quantized linear counts its stored bytes, a
+    float one its parameters and packed copies, each tensor once."""
+    from pagedllm.model.weights import held_weight_bytes
+
+    source = checkpoints("qwen2_wide")
+    path = write_tiny_gguf(source, tmp_path / "t.gguf", False, qwen_coder_formats, "Q5_0")
+    model = load_model(path, dtype="float32", load_tokenizer=False).model
+    quantized = [m.quant for m in model.modules() if getattr(m, "quant", None) is not None]
+    floats = sum(p.numel() * 4 for p in model.parameters())
+    stored = sum(q.nbytes for q in quantized)
+    assert held_weight_bytes(model) == stored + floats
+    # q/k/v widened to Q8_0: 34 bytes a block, the rest as the file stores them.
+    assert model.layers[0].self_attn.qkv_proj.quant.nbytes == (256 + 2 * 128) * 8 * 34
+    model.optimize_for_cpu()  # quantized weights get no packed copy
+    assert held_weight_bytes(model) == stored + floats

@@ -227,8 +227,10 @@ def eos_ids(tokenizer: Any, model_config: Any) -> tuple[int | None, tuple[int, .
 # ---------------------------------------------------------------- the start-up report
 
 
-def startup_report(engine: LLMEngine) -> str:
-    """What the cache holds, in the planner's terms, and the routes each step takes."""
+def startup_report(engine: LLMEngine, weight_bytes: int | None = None) -> str:
+    """What the cache holds, in the planner's terms, the memory the process holds (the
+    model's ``weight_bytes``, the KV cache, its resident set) and the routes each step
+    takes."""
     from pagedllm.planner.report import startup_report as planner_report
 
     plan, cfg = engine.plan, engine.model_config
@@ -266,9 +268,28 @@ def startup_report(engine: LLMEngine) -> str:
         unquantized_first_block=spec.unquantized_first_block,
         step_tokens=engine.scheduler.config.max_num_batched_tokens,
     )
-    if engine.routes is None:
-        return report
-    return "\n".join([report, "routes:", *(f"  {line}" for line in engine.routes.lines())])
+    lines = [
+        report,
+        memory_line(weight_bytes, plan.num_blocks * plan.block_size * spec.bytes_per_token),
+    ]
+    if engine.routes is not None:
+        lines += ["routes:", *(f"  {line}" for line in engine.routes.lines())]
+    return "\n".join(line for line in lines if line)
+
+
+def memory_line(weight_bytes: int | None, kv_bytes: int) -> str:
+    """ "memory: weights ..., KV cache ..., process RSS ..." (the resident set read from
+    /proc, where there is one)."""
+    mib = 1 << 20
+    parts = [] if weight_bytes is None else [f"weights {weight_bytes / mib:,.0f} MiB as held"]
+    parts.append(f"KV cache {kv_bytes / mib:,.0f} MiB")
+    try:
+        with open("/proc/self/status") as status:
+            rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        parts.append(f"process RSS {rss / 1024:,.0f} MiB")
+    except (OSError, StopIteration, ValueError):
+        pass
+    return "memory: " + ", ".join(parts)
 
 
 def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:

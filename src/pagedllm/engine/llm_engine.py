@@ -133,7 +133,7 @@ class LLMEngine:
             builder.release(None, runner)  # the ranks started above; nobody else will stop them
             raise
         engine.model_name = loaded.name
-        engine.startup_report = builder.startup_report(engine)
+        engine.startup_report = builder.startup_report(engine, loaded.weight_bytes)
         logger.info("%s", engine.startup_report)
         return engine
 

@@ -57,6 +57,14 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the model holds (``held_weight_bytes``): quantized ones at
+        their stored size, packed copies included."""
+        from pagedllm.model.weights import held_weight_bytes
+
+        return held_weight_bytes(self.model)
+
 
 def load_model(
     model: str | Path = DEFAULT_MODEL_NAME,
@@ -76,7 +84,7 @@ def load_model(
     converted directory); False dequantises every tensor to ``dtype``.
     """
     keep = keep_quantized and torch.device(device).type == "cpu"
-    named = _named_model(str(model))
+    named = named_model(str(model))
     if named is not None:
         path, name = named
     else:
@@ -110,7 +118,7 @@ def load_model(
 def load_tokenizer(model: str | Path = DEFAULT_MODEL_NAME) -> Any:
     """The tokenizer of a model directory, a ``.gguf`` file or ``"default"``, without its
     weights (the router hashes prompts with it)."""
-    named = _named_model(str(model))
+    named = named_model(str(model))
     if named is not None:
         return _hf_tokenizer_loader(named[0])()
     path = Path(model).expanduser()
@@ -224,7 +232,7 @@ def _kept_gguf(path: Path) -> Path | None:
     return gguf if gguf.is_file() else None
 
 
-def _named_model(model: str) -> tuple[Path, str] | None:
+def named_model(model: str) -> tuple[Path, str] | None:
     """(directory, display name) of a model pagedllm fetches and converts by name, on
     first use: "default" (SmolLM2), "gemma-3-270m" or "qwen2.5-coder-0.5b"; None for any other string."""
     if model == DEFAULT_MODEL_NAME:

@@ -187,3 +187,30 @@ def _covered(target: Target, param: torch.Tensor) -> list[Target]:
 def _describe(target: Target) -> str:
     expert = "" if target.expert is None else f"[expert {target.expert}]"
     return f"{target.param}{expert}@{target.part}"
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight ``model`` holds, each tensor once: its parameters, the weights
+    kept quantized (at their stored size) and the packed copies its kernels run on."""
+    sizes: dict[int, int] = {}
+
+    def add(tensor: torch.Tensor | None) -> None:
+        if tensor is None or tensor.numel() == 0:
+            return
+        if tensor.is_mkldnn:  # oneDNN's opaque layout has no plain storage to share
+            sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+            return
+        storage = tensor.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            add(param)
+        for copy in ("packed", "small"):
+            add(getattr(module, copy, None))
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, QuantWeight):
+            add(quant.data)
+    for copy in getattr(model, "tied_packs", ()):
+        add(copy)
+    return sum(sizes.values())

@@ -29,6 +29,7 @@
 
 #include "parallel.h"
 #include "quant_formats.h"
+#include "small_gemm.h"
 
 namespace pagedllm_quant {
 namespace {
@@ -347,9 +348,12 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
 }
 
 // Up to this many rows the integer kernel is faster than dequantised tiles on small_gemm
-// (docs/performance.md, quantized weights): bf16 tiles run on bf16 dot products, float32
-// ones on FMAs, which leave the integer kernel ahead for longer.
-int64_t int_max_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 32; }
+// (docs/performance.md, quantized weights): bf16 tiles on the tile unit overtake it soonest,
+// on AVX-512-bf16 dot products later, float32 ones on FMAs later still.
+int64_t int_max_rows(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16) return 32;
+  return pagedllm_gemm::bf16_route() == pagedllm_gemm::Isa::amx ? 8 : 16;
+}
 
 int64_t quant_gemm_int_rows(at::ScalarType dtype) { return int_max_rows(dtype); }
 

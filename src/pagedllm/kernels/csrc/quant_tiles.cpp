@@ -86,6 +86,7 @@ void dequantize_row(const Weight& w, int64_t n, T* out) {
   }
 }
 
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
 // 8x8 transpose of floats: r[i] lane j -> r[j] lane i.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
@@ -136,27 +137,131 @@ void pack_group_f32(const Weight& w, int64_t cg, float* out) {
     }
   }
 }
+#endif  // the AVX2 packer
 #endif
 
 #if defined(QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__)
-// Column group cg in small_gemm's bf16 layout [K / 32][16][32] (small_gemm.h): per 32-wide
-// slice of K, row p holds the pairs (w[c][2p], w[c][2p + 1]) of the 16 columns side by side.
-void pack_group_bf16(const Weight& w, int64_t cg, uint32_t* out) {
-  alignas(64) float stage[COLS][GROUP * BLOCK];
-  for (int64_t g = 0; g * GROUP < w.lay.blocks(); ++g) {
-    const int count = stage_rows(w, cg, g, stage);
+// Block j of one weight row (its bytes q, Q8_0 signed) as two vectors of 16 floats: its
+// first 16 weights and its last 16.
+template <Format F>
+__attribute__((always_inline)) inline void block_halves(__m256i q, const float s[2][GROUP], const float o[2][GROUP],
+                                                        int j, __m512& first, __m512& last) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m512i a = F == Format::q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+  const __m512i b = F == Format::q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+  first = _mm512_fmadd_ps(_mm512_set1_ps(s[0][j]), _mm512_cvtepi32_ps(a), _mm512_set1_ps(o[0][j]));
+  last = _mm512_fmadd_ps(_mm512_set1_ps(s[1][j]), _mm512_cvtepi32_ps(b), _mm512_set1_ps(o[1][j]));
+}
+
+// Every block's (scale, offset) of group g of a row (quant_formats.h's BlockScales, eight
+// blocks at once): s[0] the scales of the blocks' first 16 weights, s[1] of their last 16,
+// o[0] and o[1] the offsets; `count` blocks (a last partial group: one at a time).
+template <Format F>
+__attribute__((always_inline)) inline void group_block_scales(const Layout& l, const uint8_t* row, int64_t g,
+                                                              int count, float s[2][GROUP], float o[2][GROUP]) {
+  if (count < GROUP) {
     for (int j = 0; j < count; ++j) {
-      __m512i r[16];
-      for (int c = 0; c < 16; ++c) {
-        const float* v = stage[c] + j * BLOCK;
-        r[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_load_ps(v + 16), _mm512_load_ps(v)));
+      const BlockScales b = block_scales(l, row, g * GROUP + j);
+      for (int h = 0; h < 2; ++h) s[h][j] = b.scale[h], o[h][j] = b.offset[h];
+    }
+    return;
+  }
+  auto half8 = [&](int64_t at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + at))); };
+  auto bytes8 = [&](int64_t at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + at))));
+  };
+  __m256 scale[2], offset[2];
+  if constexpr (F == Format::q4_k || F == Format::q5_k) {
+    scale[0] = _mm256_mul_ps(_mm256_set1_ps(half(row + l.d + 2 * g)), bytes8(l.sc + 8 * g));
+    offset[0] = _mm256_mul_ps(_mm256_set1_ps(-half(row + l.dmin + 2 * g)), bytes8(l.mn + 8 * g));
+    scale[1] = scale[0], offset[1] = offset[0];
+  } else if constexpr (F == Format::q6_k) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + l.sc + 16 * g));
+    const __m256 d = _mm256_set1_ps(half(row + l.d + 2 * g));
+    scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    scale[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    offset[0] = _mm256_mul_ps(_mm256_set1_ps(-32.f), scale[0]);
+    offset[1] = _mm256_mul_ps(_mm256_set1_ps(-32.f), scale[1]);
+  } else {
+    scale[0] = scale[1] = half8(l.d + 16 * g);
+    if constexpr (F == Format::q4_1) {
+      offset[0] = offset[1] = half8(l.m + 16 * g);
+    } else {
+      const float shift = F == Format::q4_0 ? -8.f : (F == Format::q5_0 ? -16.f : 0.f);
+      offset[0] = offset[1] = _mm256_mul_ps(_mm256_set1_ps(shift), scale[0]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(s[h], scale[h]);
+    _mm256_storeu_ps(o[h], offset[h]);
+  }
+}
+
+// Column group cg (weight rows [16 cg, 16 cg + 16); rows past n zero) dequantised straight
+// into small_gemm's packed layout: bf16 [K / 32][16][32] (per 32-wide slice of K, row p
+// holds the pairs (w[c][2p], w[c][2p + 1]) of the 16 columns side by side), or float32
+// [K][16]. Per group of eight blocks each row's blocks are converted in registers, then
+// every block's 16 rows are transposed into place.
+template <Format F, bool BF16>
+void pack_group(const Weight& w, int64_t cg, void* out) {
+  const Layout& l = w.lay;
+  const int64_t blocks = l.blocks();
+  __m512i stage[GROUP][2][16];  // block, half (float32; bf16 uses [0]), row
+  for (int64_t g = 0; g * GROUP < blocks; ++g) {
+    const int count = static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP));
+    for (int c = 0; c < 16; ++c) {
+      const int64_t n = cg * COLS + c;
+      if (n >= w.n) {
+        for (int j = 0; j < count; ++j) stage[j][0][c] = stage[j][1][c] = _mm512_setzero_si512();
+        continue;
       }
-      pagedllm_vec::transpose16(r);
-      uint32_t* tile = out + (g * GROUP + j) * 16 * COLS;
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * COLS, r[p]);
+      const uint8_t* row = w.row(n);
+      __m256i q[GROUP];
+      load_group<F>(l, row, g, count, q);
+      alignas(32) float s[2][GROUP], o[2][GROUP];
+      group_block_scales<F>(l, row, g, count, s, o);
+      for (int j = 0; j < count; ++j) {
+        __m512 first, last;
+        block_halves<F>(q[j], s, o, j, first, last);
+        if constexpr (BF16) {
+          stage[j][0][c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(last, first));
+        } else {
+          stage[j][0][c] = _mm512_castps_si512(first);
+          stage[j][1][c] = _mm512_castps_si512(last);
+        }
+      }
+    }
+    for (int j = 0; j < count; ++j) {
+      const int64_t b = g * GROUP + j;
+      if constexpr (BF16) {
+        pagedllm_vec::transpose16(stage[j][0]);
+        uint32_t* tile = static_cast<uint32_t*>(out) + b * 16 * COLS;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * COLS, stage[j][0][p]);
+      } else {
+        for (int h = 0; h < 2; ++h) {
+          pagedllm_vec::transpose16(stage[j][h]);
+          float* lines = static_cast<float*>(out) + (b * BLOCK + 16 * h) * COLS;
+          for (int p = 0; p < 16; ++p) _mm512_storeu_si512(lines + p * COLS, stage[j][h][p]);
+        }
+      }
     }
   }
 }
+
+template <bool BF16>
+void pack_group_any(const Weight& w, int64_t cg, void* out) {
+  switch (w.lay.format) {
+    case Format::q8_0: return pack_group<Format::q8_0, BF16>(w, cg, out);
+    case Format::q4_0: return pack_group<Format::q4_0, BF16>(w, cg, out);
+    case Format::q4_1: return pack_group<Format::q4_1, BF16>(w, cg, out);
+    case Format::q5_0: return pack_group<Format::q5_0, BF16>(w, cg, out);
+    case Format::q4_k: return pack_group<Format::q4_k, BF16>(w, cg, out);
+    case Format::q5_k: return pack_group<Format::q5_k, BF16>(w, cg, out);
+    case Format::q6_k: return pack_group<Format::q6_k, BF16>(w, cg, out);
+  }
+}
+
+void pack_group_bf16(const Weight& w, int64_t cg, uint32_t* out) { pack_group_any<true>(w, cg, out); }
 
 // Each sum rounded to bf16 and stored at its column of out (a chunk's group g is group
 // g0 + g of out; columns past n are dropped).
@@ -212,7 +317,13 @@ void f32_tiles(const at::Tensor& x, const Weight& w, const float* bias, at::Tens
     std::vector<float> packed(chunk * k * COLS), part(m * chunk * COLS);
     for (int64_t gc = g0; gc < g1; gc += chunk) {
       const int64_t count = std::min(chunk, g1 - gc);
-      for (int64_t g = 0; g < count; ++g) pack_group_f32(w, gc + g, packed.data() + g * k * COLS);
+      for (int64_t g = 0; g < count; ++g) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        pack_group_any<false>(w, gc + g, packed.data() + g * k * COLS);
+#else
+        pack_group_f32(w, gc + g, packed.data() + g * k * COLS);
+#endif
+      }
       const float* b = bias == nullptr ? nullptr : bias + gc * COLS;
       if (!pagedllm_gemm::f32_route_gemm(x.data_ptr<float>(), x.stride(0), m, k, packed.data(), count * COLS, b,
                                          part.data())) {
