@@ -36,6 +36,10 @@ namespace {
 
 // Activation rows that share one pass over a weight row (register block).
 constexpr int ROW_BLOCK = 4;
+// Weight rows ahead whose bytes are prefetched while a row is multiplied: a decode step
+// streams every weight from memory once, and the hardware prefetcher alone left the
+// integer work waiting on it (docs/performance.md, quantized weights).
+constexpr int64_t PREFETCH_ROWS = 4;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
 enum class Route { avx512_vnni = 0, avx_vnni = 1, avx2 = 2, none = 3 };
@@ -289,6 +293,10 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   const int tail = static_cast<int>(blocks % GROUP);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
+    if (n + PREFETCH_ROWS < n1) {
+      const char* ahead = reinterpret_cast<const char*>(w.row(n + PREFETCH_ROWS));
+      for (int64_t i = 0; i < l.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    }
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);

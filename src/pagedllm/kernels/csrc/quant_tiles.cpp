@@ -36,6 +36,16 @@ using pagedllm_gemm::COLS;
 // works through its weights in chunks of the same size).
 constexpr int64_t CHUNK_BYTES = 512 << 10;
 
+// A thread's scratch of at least `count` elements, kept from call to call: a prompt makes a
+// few hundred calls, and a fresh half-MiB each time is a fresh mapping to fault in.
+template <typename T>
+T* scratch(int64_t count) {
+  thread_local pagedllm_vec::LineVector<uint8_t> bytes;
+  const size_t size = static_cast<size_t>(count) * sizeof(T);
+  if (bytes.size() < size) bytes.resize(size);
+  return reinterpret_cast<T*>(bytes.data());
+}
+
 #if defined(QUANT_AVX2)
 // Block of 32 stored integers q (bytes; Q8_0 signed) as 32 floats: four vectors of eight.
 inline void block_floats(Format f, __m256i q, const BlockScales& s, __m256 out[4]) {
@@ -288,17 +298,17 @@ void bf16_tiles(const at::Tensor& x, const Weight& w, const c10::BFloat16* bias,
   const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (k * COLS * 2));
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   pagedllm_parallel::parallel_chunks(groups, chunk, [&](int64_t g0, int64_t g1) {
-    pagedllm_vec::LineVector<uint32_t> tiles(chunk * k * COLS / 2);
+    uint32_t* tiles = scratch<uint32_t>(chunk * k * COLS / 2);
     for (int64_t gc = g0; gc < g1; gc += chunk) {
       const int64_t count = std::min(chunk, g1 - gc);
-      for (int64_t g = 0; g < count; ++g) pack_group_bf16(w, gc + g, tiles.data() + g * k * COLS / 2);
+      for (int64_t g = 0; g < count; ++g) pack_group_bf16(w, gc + g, tiles + g * k * COLS / 2);
       pagedllm_gemm::Bf16Gemm p;
       p.x = rows.rows();
       p.lda = rows.row_stride();
       p.m = rows.m;
       p.k = k;
       p.n = count * COLS;
-      p.w = reinterpret_cast<const uint16_t*>(tiles.data());
+      p.w = reinterpret_cast<const uint16_t*>(tiles);
       p.bias = bias == nullptr ? nullptr : bias + gc * COLS;
       StoreColumns store(o, w.n, gc);
       pagedllm_gemm::bf16_groups(isa, p, 0, count, store);
@@ -314,25 +324,25 @@ void f32_tiles(const at::Tensor& x, const Weight& w, const float* bias, at::Tens
   float* o = out.data_ptr<float>();
   std::atomic<bool> ran{true};
   pagedllm_parallel::parallel_chunks(groups, chunk, [&](int64_t g0, int64_t g1) {
-    std::vector<float> packed(chunk * k * COLS), part(m * chunk * COLS);
+    float* packed = scratch<float>(chunk * k * COLS + m * chunk * COLS);
+    float* part = packed + chunk * k * COLS;
     for (int64_t gc = g0; gc < g1; gc += chunk) {
       const int64_t count = std::min(chunk, g1 - gc);
       for (int64_t g = 0; g < count; ++g) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-        pack_group_any<false>(w, gc + g, packed.data() + g * k * COLS);
+        pack_group_any<false>(w, gc + g, packed + g * k * COLS);
 #else
-        pack_group_f32(w, gc + g, packed.data() + g * k * COLS);
+        pack_group_f32(w, gc + g, packed + g * k * COLS);
 #endif
       }
       const float* b = bias == nullptr ? nullptr : bias + gc * COLS;
-      if (!pagedllm_gemm::f32_route_gemm(x.data_ptr<float>(), x.stride(0), m, k, packed.data(), count * COLS, b,
-                                         part.data())) {
+      if (!pagedllm_gemm::f32_route_gemm(x.data_ptr<float>(), x.stride(0), m, k, packed, count * COLS, b, part)) {
         ran = false;
         return;
       }
       const int64_t cols = std::min(count * COLS, w.n - gc * COLS);
       for (int64_t r = 0; r < m; ++r)
-        std::copy_n(part.data() + r * count * COLS, cols, o + r * w.n + gc * COLS);
+        std::copy_n(part + r * count * COLS, cols, o + r * w.n + gc * COLS);
     }
   });
   TORCH_CHECK(ran, "quant_gemm in float32 needs AVX-512 or AVX2 with FMA");
