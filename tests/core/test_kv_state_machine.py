@@ -1,7 +1,7 @@
 """A Hypothesis state machine over the KV cache manager.
 
-It drives allocate / append / fork / copy-on-write / free / swap_out / swap_in /
-evict, and pins (a request arriving pins its cached prefix, waits, then is admitted,
+It drives allocate / append / speculate (draft slots, then a rollback to the accepted
+ones) / fork / copy-on-write / free / swap_out / swap_in / evict, and pins (a request arriving pins its cached prefix, waits, then is admitted,
 aborted, or gives its pin up), in random orders, keeps a fake KV store (one token id per slot, on both
 tiers, plus a disk of whole blocks by hash) that applies every copy, move, store and
 load the manager asks for, and after every rule checks the manager's invariants and
@@ -294,6 +294,55 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.compute(request, num_new, allocation)
 
     @precondition(lambda self: self.running)
+    @rule(
+        data=st.data(),
+        token=TOKENS,
+        drafts=st.lists(TOKENS, min_size=1, max_size=6),
+        accepted=st.integers(0, 6),
+        bonus=TOKENS,
+    )
+    def speculate(self, data, token, drafts, accepted, bonus) -> None:
+        """A decode with drafts: slots for the token and every draft, all written; then
+        the first ``accepted`` drafts and one more token are kept and the rest rolled back
+        (``release_unverified``). The token after the accepted drafts differs from the
+        rejected draft there, so a rejected draft taken for computed K/V, or published,
+        shows as a wrong token."""
+        request = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token_ids(token)
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return  # a prompt still being computed takes no drafts
+        before = snapshot(self.kv, self.all_ids())
+        allocation = self.kv.allocate_slots(request, 1 + len(drafts))
+        if allocation is None:
+            assert snapshot(self.kv, self.all_ids()) == before
+            return
+        for _, dst in allocation.block_copies:
+            assert self.kv.pool.ref_count(dst) == 1, "copy-on-write target is shared"
+        self.copy_blocks(allocation.block_copies, self.device, self.device)
+        start = request.num_computed_tokens
+        table = self.kv.block_table(request.request_id)
+        for offset, tok in enumerate([request.all_token_ids[start], *drafts]):
+            pos = start + offset
+            self.device[table[pos // self.bs], pos % self.bs] = tok
+        accepted = min(accepted, len(drafts))
+        if accepted < len(drafts) and bonus == drafts[accepted]:
+            bonus = (bonus + 1) % 4
+        request.append_output_token_ids([*drafts[:accepted], bonus])
+        request.num_computed_tokens += 1 + accepted
+        self.kv.cache_full_blocks(request)
+        self.kv.release_out_of_window(request)
+        released = self.kv.release_unverified(request)
+        if released:
+            event("rolled back a draft block")
+        if accepted < len(drafts):
+            event("rejected a draft")
+        computed = request.num_computed_tokens
+        assert len(self.kv.block_table(request.request_id)) == -(-computed // self.bs)
+        assert self.kv.num_slots(request.request_id) == computed
+        self.disk_io()
+
+    @precondition(lambda self: self.running)
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = self.running[data.draw(st.sampled_from(sorted(self.running)))]
@@ -432,6 +481,19 @@ class KVCacheMachine(RuleBasedStateMachine):
                 tokens = tuple(request.all_token_ids[i * self.bs : (i + 1) * self.bs])
                 stored = tuple(self.device.get((block_id, off)) for off in range(self.bs))
                 assert stored == tokens, f"{request_id}: pinned block {block_id}"
+
+    @invariant()
+    def only_computed_blocks_are_published(self) -> None:
+        """A block in the prefix index (and so on disk and in the router's events) that a
+        running request holds lies wholly within its computed tokens: never a draft's."""
+        if not hasattr(self, "kv"):
+            return
+        for request_id, request in self.running.items():
+            for i, block_id in enumerate(self.kv.block_table(request_id)):
+                if self.kv.pool.block_hash(block_id) is not None:
+                    assert (i + 1) * self.bs <= request.num_computed_tokens, (
+                        f"{request_id}: block {block_id} published past the computed tokens"
+                    )
 
     @invariant()
     def manager_consistent(self) -> None:

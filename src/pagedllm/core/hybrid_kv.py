@@ -206,6 +206,10 @@ class HybridKVCacheManager(DevicePoolViews):
         """Release, in each sliding group, the blocks its window passed; how many."""
         return sum(group.release_out_of_window(request) for group in self.groups)
 
+    def release_unverified(self, request: Request) -> int:
+        """``KVCacheManager.release_unverified`` in every group."""
+        return sum(group.release_unverified(request) for group in self.groups)
+
     def blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` cached tokens holds at its peak in all
         groups together (``KVCacheManager.blocks_needed`` per group), the placeholder

@@ -626,6 +626,32 @@ class KVCacheManager(DevicePoolViews):
             num_revived + num_loads + num_new_blocks + len(cow_indices),
         )
 
+    def release_unverified(self, request: Request) -> int:
+        """Speculative decoding's rollback, by the computed length alone: the table forgets
+        its slots past ``num_computed_tokens`` (a rejected draft's K/V stays where it was
+        written and is overwritten when that position is computed again), and each block
+        holding no computed token goes back to the pool, the tail first. Returns how many
+        blocks left the table. Those blocks were never registered: a block is published
+        to the prefix index (and so to the disk tier and the router's events) only once
+        ``num_computed_tokens`` covers it, and drafts never count as computed::
+
+            before   |b0 x x x x|b1 x t d1 d2|b3 d3 d4 .. |   t and d1 verified
+            after    |b0 x x x x|b1 x t d1   |                b3 back to the pool
+        """
+        request_id = request.request_id
+        computed = request.num_computed_tokens
+        if self._num_slots.get(request_id, 0) > computed:
+            self._num_slots[request_id] = computed
+        table = self._tables.get(request_id)
+        keep = -(-computed // self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        self.pool.decref(reversed(dropped))
+        self._table_changed(request_id)
+        return len(dropped)
+
     def lookup_blocks(self, request: Request, num_blocks: int) -> list[int | None]:
         """For each of the request's first ``num_blocks`` full blocks, the device block
         holding it in the prefix index, or None (a sliding group needs only the blocks

@@ -48,6 +48,11 @@ class ScheduledSequence(NamedTuple):
     group_block_tables: tuple[tuple[int, ...], ...] = ()
     # Which parallel sample of its request this sequence is (``Request.sample_index``).
     sample_index: int = 0
+    # Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are drafts
+    # (unverified guesses after the sampled token that leads them). The worker scores
+    # every one of the ``1 + num_draft_tokens`` positions and returns the accepted drafts
+    # and one token more (``ModelRunnerOutput.sampled_token_ids``).
+    num_draft_tokens: int = 0
 
     @property
     def num_prompt_logprobs(self) -> int:
@@ -79,7 +84,8 @@ class SchedulerOutput:
     outputs: bit ``t % 32`` of little-endian 32-bit word ``t // 32`` is token t), for the
     constrained sequences that draw this step; the worker masks their logits rows (every
     one of a parent's ``num_samples`` draws) before sampling. Empty for an unconstrained
-    batch, which then pays nothing.
+    batch, which then pays nothing. A sequence with drafts has one mask per scored
+    position, concatenated (position j's: after its first j drafts; ``position_masks``).
 
     ``num_steps > 1`` (multi-step decoding, ``SchedulerConfig.num_scheduler_steps``): every
     scheduled sequence is a greedy decode of one token whose block table already holds
@@ -128,7 +134,8 @@ class ModelRunnerOutput:
     """Aligned with ``SchedulerOutput.scheduled``: one entry per scheduled sequence.
 
     ``sampled_token_ids[i]`` has ``num_samples`` tokens (empty for a mid-prompt
-    chunk). ``logprobs[i]`` is None unless the request asked for logprobs, else
+    chunk); for a sequence with drafts, the accepted drafts and the token sampled after
+    them (1 to ``num_draft_tokens + 1`` tokens). ``logprobs[i]`` is None unless the request asked for logprobs, else
     one ``TokenLogprob`` per sampled token. ``failed_loads``: device blocks of
     ``SchedulerOutput.disk.loads`` that could not be read (missing, truncated or corrupt
     on disk); their holders must be recomputed (``Scheduler.reject_loads``).
@@ -143,3 +150,12 @@ class ModelRunnerOutput:
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
     failed_loads: tuple[int, ...] = ()
     prompt_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
+
+
+def position_masks(mask: bytes | None, num_positions: int) -> list[bytes | None]:
+    """A ``SchedulerOutput.token_bitmasks`` entry split into its ``num_positions`` masks
+    of one length (``1 + num_draft_tokens`` of them; one for a sequence without drafts)."""
+    if mask is None:
+        return [None] * num_positions
+    size = len(mask) // num_positions
+    return [mask[i * size : (i + 1) * size] for i in range(num_positions)]

@@ -16,6 +16,16 @@ that happened while it waited in the queue.
 A step schedules ``k`` tokens starting at ``num_computed_tokens``; when the model
 has run, ``num_computed_tokens += k``. A decoding request has exactly one token
 to do: the one sampled last step.
+
+Speculative decoding: ``draft_token_ids`` are guesses of the next tokens, set before a
+schedule and never part of ``all_token_ids`` until verified. A decode with ``d`` drafts
+computes ``1 + d`` positions; of them only the input token and the accepted drafts count::
+
+    |<-------- all_token_ids -------->|
+    |<-- num_computed_tokens -->| t   | d1 d2 d3 |     written this step: t d1 d2 d3
+                                after: d1 accepted, c sampled in place of d2
+    |<----------- all_token_ids ------------->|
+    |<---- num_computed_tokens ---->| d1 | c  |        d2 d3's slots rolled back
 """
 
 from __future__ import annotations
@@ -72,6 +82,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Speculative decoding: the next step's guesses (unverified, not in all_token_ids).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

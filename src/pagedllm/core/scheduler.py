@@ -323,6 +323,8 @@ class Scheduler:
             return 1
         wanted = 1
         for request in self.running:
+            if request.draft_token_ids:
+                return 1  # a speculative step verifies several tokens in one forward
             params = request.sampling_params
             num_tokens = len(request.all_token_ids)
             num_output = len(request.output_token_ids)
@@ -360,16 +362,54 @@ class Scheduler:
         sampled, all_logprobs = result.sampled_token_ids, result.logprobs
         num_sampled, num_logprobs = len(sampled), len(all_logprobs)
         for i, seq in enumerate(output.scheduled):
+            tokens = sampled[i] if i < num_sampled else ()
+            logprobs = all_logprobs[i] if i < num_logprobs else None
+            if seq.num_draft_tokens:
+                update = self._apply_verified(seq, tokens, logprobs)
+                if update is not None:
+                    updates.append(update)
+                continue
             request = self._advance(seq)
             if request is None:
                 continue
-            tokens = sampled[i] if i < num_sampled else ()
-            logprobs = all_logprobs[i] if i < num_logprobs else None
             if len(tokens) == 1:  # the common case: one token, no fork
                 updates.append(self._append(request, tokens[0], logprobs[0] if logprobs else None))
             elif tokens:
                 updates.extend(self._apply_samples(request, tuple(tokens), logprobs))
         return updates
+
+    def _apply_verified(
+        self,
+        seq: ScheduledSequence,
+        tokens: Sequence[int],
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> SequenceUpdate | None:
+        """``update`` of a decode with drafts: ``tokens`` are its accepted drafts and the
+        token sampled after them. Each is appended and checked for a stop in turn (those
+        after a stop are dropped); the input token and the accepted drafts become computed,
+        and the rejected drafts' slots are rolled back (``release_unverified``)."""
+        request = self.requests.get(seq.request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        request.draft_token_ids = []
+        drafts = seq.token_ids[1:]
+        assert 0 < len(tokens) <= len(drafts) + 1 and list(tokens[:-1]) == list(
+            drafts[: len(tokens) - 1]
+        ), f"{seq.request_id}: {list(tokens)} are not accepted drafts of {list(drafts)} + 1"
+        kept = 0
+        for token_id in tokens:
+            request.append_output_token_ids(token_id)
+            kept += 1
+            self._check_stop(request, token_id)
+            if request.status is not RequestStatus.RUNNING:
+                break
+        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens += kept  # the input token and the accepted drafts
+            self.kv.cache_full_blocks(request)
+            self.kv.release_out_of_window(request)
+            self.kv.release_unverified(request)
+        lp = tuple(logprobs[:kept]) if logprobs else None
+        return SequenceUpdate(request, tuple(tokens[:kept]), lp)
 
     def _update_steps(
         self, output: SchedulerOutput, result: ModelRunnerOutput
@@ -540,6 +580,11 @@ class Scheduler:
             num_new = min(len(request.all_token_ids) - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue  # parked: a beam waiting for its siblings (beam search)
+            if request.draft_token_ids:
+                allocation = self._allocate_drafts(request, step.budget)
+                if allocation is not None:
+                    step.add(request, 1 + len(request.draft_token_ids), allocation.block_copies)
+                    continue
             # The first try inline (it nearly always fits); preemption when it does not.
             allocation = allocate_slots(request, num_new)
             if allocation is not None:
@@ -549,6 +594,27 @@ class Scheduler:
                 if copies is None:
                     continue
             step.add(request, num_new, copies)
+
+    def _allocate_drafts(self, request: Request, budget: int) -> Allocation | None:
+        """Slots for a decode and its drafts (as many as ``max_drafts`` and the step's
+        budget allow), or None with its drafts dropped: drafts never preempt anyone, and
+        a request they do not fit decodes its one token as usual."""
+        drafts = request.draft_token_ids
+        num_drafts = min(len(drafts), self.max_drafts(request), budget - 1)
+        if len(request.all_token_ids) - request.num_computed_tokens != 1 or num_drafts <= 0:
+            request.draft_token_ids = []
+            return None
+        allocation = self.kv.allocate_slots(request, 1 + num_drafts)
+        request.draft_token_ids = drafts[:num_drafts] if allocation is not None else []
+        return allocation
+
+    def max_drafts(self, request: Request) -> int:
+        """The most drafts a decoding ``request`` may take this step: a step gives it at
+        most one token past its drafts, and neither ``max_tokens`` nor ``max_model_len``
+        may be passed (the last draft's slot is the position before the last token's)."""
+        num_tokens = len(request.all_token_ids)
+        left = self.max_tokens(request) - len(request.output_token_ids)
+        return max(0, min(left, self.config.max_model_len - num_tokens + 1) - 1)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: _Step
@@ -810,6 +876,9 @@ class Scheduler:
         end = start + num_new
         tokens = request.all_token_ids
         params = request.sampling_params
+        num_drafts = end - len(tokens)
+        if num_drafts > 0:  # a decode and its drafts (``_allocate_drafts``)
+            return self._to_speculative(request, num_drafts)
         if end < len(tokens):
             num_samples = 0  # a prompt chunk that is not the last one
         elif self._will_fork(request):
@@ -829,6 +898,24 @@ class Scheduler:
             request.output_token_ids,
             self.kv.group_block_tables(request.request_id),
             request.sample_index,
+        )
+
+    def _to_speculative(self, request: Request, num_drafts: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        drafts = request.draft_token_ids
+        assert len(drafts) == num_drafts, "drafts changed after their slots were allocated"
+        return ScheduledSequence(
+            request.request_id,
+            (request.all_token_ids[start], *drafts),
+            start,
+            self.kv.block_table_tuple(request.request_id),
+            1,
+            request.sampling_params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            self.kv.group_block_tables(request.request_id),
+            request.sample_index,
+            num_drafts,
         )
 
     def _will_fork(self, request: Request) -> bool:

@@ -31,6 +31,9 @@ class ModelRunner(Protocol):
     num_host_blocks: int  # host-tier (swap) KV blocks
     # Whether ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding) runs.
     supports_multi_step: bool
+    # Whether drafts (``ScheduledSequence.num_draft_tokens``) are verified: every position
+    # scored, the agreeing drafts and one token more returned (speculative decoding).
+    supports_speculation: bool
     # The layout of the KV tensors (the start-up report and the stats read it); None for a
     # runner that keeps no tensors.
     spec: KVCacheSpec | None

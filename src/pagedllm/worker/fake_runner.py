@@ -20,8 +20,10 @@ from pagedllm.core.outputs import (
     ScheduledSequence,
     SchedulerOutput,
     TokenLogprob,
+    position_masks,
 )
 from pagedllm.routes import Routes
+from pagedllm.spec_decode.acceptance import num_kept
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,6 +113,8 @@ class FakeModelRunner:
         """Bytes of one block on the disk tier (a token id per slot, int64)."""
         return 8 * self.block_size
 
+    # Verifies drafts, deterministic or through the real sampler.
+    supports_speculation = True
     # Every block in one layout.
     first_block_nbytes: int | None = None
     # Token ids in lists, no KV tensors.
@@ -224,7 +228,8 @@ class FakeModelRunner:
         end = seq.start_position + len(seq.token_ids)
         context = [self.device_slots[self._slot(seq.block_table, p)] for p in range(end)]
         if self.strict:
-            expected = list(seq.prompt_token_ids) + list(seq.output_token_ids)
+            expected = [*seq.prompt_token_ids, *seq.output_token_ids]
+            expected += seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
             if context != expected[:end]:
                 raise PagingError(
                     f"request {seq.request_id!r}: context read through block table "
@@ -282,10 +287,13 @@ class FakeModelRunner:
         sampled, logprobs = [], []
         for context, seq in zip(contexts, scheduled, strict=True):
             mask = token_bitmasks.get(seq.request_id)
-            tokens = tuple(
-                _first_allowed(self.next_token(context, j), mask, self.vocab_size)
-                for j in range(seq.num_samples)
-            )
+            if seq.num_draft_tokens:
+                tokens = self._verify(context, seq, mask)
+            else:
+                tokens = tuple(
+                    _first_allowed(self.next_token(context, j), mask, self.vocab_size)
+                    for j in range(seq.num_samples)
+                )
             sampled.append(tokens)
             k = seq.sampling_params.logprobs if seq.sampling_params is not None else None
             if k is None or not tokens:
@@ -294,6 +302,21 @@ class FakeModelRunner:
                 logprobs.append(tuple(_certain(t, k) for t in tokens))
         return ModelRunnerOutput(sampled_token_ids=tuple(sampled), logprobs=tuple(logprobs))
 
+    def _verify(
+        self, context: list[int], seq: ScheduledSequence, mask: bytes | None
+    ) -> tuple[int, ...]:
+        """A speculating sequence's tokens: the drafts this runner would have generated
+        too, then its own next token (``context`` ends with the drafts); each position
+        under its own grammar mask."""
+        positions = seq.num_draft_tokens + 1
+        first = len(context) - seq.num_draft_tokens  # the context of the first position
+        masks = position_masks(mask, positions)
+        tokens = [
+            _first_allowed(self.next_token(context[: first + j]), masks[j], self.vocab_size)
+            for j in range(positions)
+        ]
+        return tuple(tokens[: num_kept(tokens, seq.token_ids[1:])])
+
     def _sample(
         self,
         contexts: list[list[int]],
@@ -301,7 +324,10 @@ class FakeModelRunner:
         token_bitmasks: Mapping[str, bytes],
     ) -> ModelRunnerOutput:
         rows = [
-            self._logits_row(c) for c, s in zip(contexts, scheduled, strict=True) if s.num_samples
+            self._logits_row(context[: len(context) - seq.num_draft_tokens + j])
+            for context, seq in zip(contexts, scheduled, strict=True)
+            if seq.num_samples
+            for j in range(seq.num_draft_tokens + 1)
         ]
         import torch
 
@@ -310,6 +336,10 @@ class FakeModelRunner:
         assert self._sampler is not None
         logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
         apply_token_bitmask(logits, *bitmask_rows(scheduled, token_bitmasks))
+        if any(seq.num_draft_tokens for seq in scheduled):
+            from pagedllm.worker.spec_verify import verify
+
+            return verify(self._sampler, logits, scheduled)
         return self._sampler(logits, scheduled)
 
     def _logits_row(self, context: list[int]) -> torch.Tensor:
