@@ -20,6 +20,7 @@ from pagedllm.engine.config import (
     BYTES,
     GENERATE,
     GIB,
+    JSON,
     OFFLINE,
     RENAMED,
     SECONDS,
@@ -33,6 +34,7 @@ from pagedllm.engine.config import (
 )
 from pagedllm.server import cli as server_cli
 from pagedllm.server.data_parallel import replica_argv
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # Flags whose sample value is only valid beside others (a second machine needs a rendezvous):
@@ -139,6 +141,9 @@ def _sample(name: str) -> tuple[list[str], Any]:
         return [option, "3GiB"], 3 * GIB
     if flag.unit == SECONDS:
         return [option, "250ms"], 0.25
+    if flag.unit == JSON:
+        text = '{"method": "suffix", "num_speculative_tokens": 3}'
+        return [option, text], SpeculativeConfig(method="suffix", num_speculative_tokens=3)
     if isinstance(default, bool) or field.type == "bool | None":
         on = default is False  # None (a quantized cache's first block) -> off: always valid
         return [option if on else "--no-" + option[2:]], on

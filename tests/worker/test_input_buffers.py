@@ -59,6 +59,8 @@ class Sequences:
         rng = self.rng
         computed, table = self.live[rid]
         num_new = rng.randint(1, 40) if computed == 0 else 1
+        drafts = rng.choice([0, 0, 0, 2, 5]) if computed else 0  # speculative decoding
+        num_new += drafts
         needed = -(-(computed + num_new) // self.block_size)
         if needed > len(table):
             table = (*table, *self._blocks(needed - len(table)))
@@ -68,7 +70,8 @@ class Sequences:
             table = tuple(list(table))
         self.live[rid] = (computed + num_new, table)
         tokens = tuple(rng.randint(0, 999) for _ in range(num_new))
-        return ScheduledSequence(rid, tokens, computed, table, rng.choice([0, 1, 1, 2]))
+        samples = 1 if drafts else rng.choice([0, 1, 1, 2])
+        return ScheduledSequence(rid, tokens, computed, table, samples, num_draft_tokens=drafts)
 
     def _blocks(self, n: int) -> tuple[int, ...]:
         self.next_block += n

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.core.outputs import ScheduledSequence
-from pagedllm.worker.input_batch import build_input_batch
+from pagedllm.worker.input_batch import build_input_batch, build_input_batch_reference
 from pagedllm.worker.kv_cache import (
     KVCache,
     KVCacheSpec,
@@ -35,6 +35,18 @@ def test_input_batch_exact_ids() -> None:
     assert batch.logits_indices.tolist() == [2, 5]
     assert batch.meta.slot_mapping.dtype == torch.int64
     assert batch.meta.block_tables.dtype == torch.int32
+
+
+def test_input_batch_scores_every_draft_position() -> None:
+    scheduled = [
+        ScheduledSequence("a", (10, 11, 12), 0, (7, 2), num_samples=1),
+        ScheduledSequence("s", (30, 31, 32), 8, (1, 6, 5), num_draft_tokens=2),  # 30 + 2 drafts
+        ScheduledSequence("b", (20, 21), 5, (3, 9, 4), num_samples=0),
+    ]
+    batch = build_input_batch(scheduled, block_size=4)
+    assert batch.positions.tolist() == [0, 1, 2, 8, 9, 10, 5, 6]
+    assert batch.logits_indices.tolist() == [2, 3, 4, 5]
+    assert build_input_batch_reference(scheduled, 4).logits_indices.tolist() == [2, 3, 4, 5]
 
 
 def test_input_batch_refuses_short_block_table() -> None:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from pagedllm.engine.config import (
     BYTES,
     GIB,
+    JSON,
     NO_PRESET,
     RENAMED,
     SECONDS,
@@ -123,6 +124,8 @@ def _kind(flag: Flag, hint: Any) -> dict[str, Any]:
         return {"type": _argtype(parse), "metavar": "MIN[:MAX]" if flag.max_field else "SIZE"}
     if flag.unit == SECONDS:
         return {"type": _argtype(parse_duration), "metavar": "SECONDS"}
+    if flag.unit == JSON:
+        return {"type": _argtype(base.from_value), "metavar": "JSON"}
     return {"type": base, "metavar": flag.unit.upper() or None}
 
 

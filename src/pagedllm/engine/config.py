@@ -22,6 +22,7 @@ from pagedllm.kv_dtypes import (
     check_kv_cache_dtype,
     is_quantized,
 )
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.tool_calls.parsers import TOOL_CALL_PARSERS
 
 GIB = 1 << 30
@@ -39,6 +40,7 @@ TP_COLLECTIVES = ("auto", "shm", "gloo")
 
 BYTES = "bytes"
 SECONDS = "seconds"
+JSON = "json"
 ENGINE_GROUP = "engine"
 TP_GROUP = "tensor parallelism (torch.distributed)"
 
@@ -48,8 +50,9 @@ class Flag:
     """A field's command-line flag: ``--field-name`` (a trailing ``_s`` dropped).
 
     ``unit`` is shown in ``--help``; ``bytes`` flags take ``4GiB``, ``512MiB`` or a number
-    of bytes, ``seconds`` flags ``30``, ``30s`` or ``128ms``. ``max_field``: the flag also
-    takes ``MIN:MAX`` and MAX goes to that field.
+    of bytes, ``seconds`` flags ``30``, ``30s`` or ``128ms``, ``json`` flags a JSON object
+    (the field's type reads it: ``from_value``). ``max_field``: the flag also takes
+    ``MIN:MAX`` and MAX goes to that field.
     """
 
     help: str
@@ -228,6 +231,18 @@ class EngineConfig:
         metadata=flag("blocks admission keeps free for running requests", "fraction"),
     )
     seed: int = field(default=0, metadata=flag("seed of unseeded sampling"))
+    # Speculative decoding (spec_decode/config.py; engine/speculator.py): None is off. A dict
+    # or its JSON is read into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=flag(
+            'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram" | "suffix", '
+            '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; '
+            "drafts from the request's own text (suffix: and its tenant's recent requests), "
+            "verified in one forward, each sequence drafting only while it pays (default off)",
+            JSON,
+        ),
+    )
     attention_backend: str = field(
         default="auto",
         metadata=flag("auto: the fastest available (cpu); reference: the plain ground truth",
@@ -284,6 +299,9 @@ class EngineConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            speculative = SpeculativeConfig.from_value(self.speculative_config)
+            object.__setattr__(self, "speculative_config", speculative)
         self._check_positive("block_size", self.block_size)
         self._check_positive("max_num_seqs", self.max_num_seqs)
         self._check_positive("num_scheduler_steps", self.num_scheduler_steps)

@@ -40,6 +40,7 @@ from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput
 from pagedllm.engine.reports import EngineCounters, EngineStats, engine_stats
+from pagedllm.engine.speculator import speculator_of
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner
 
@@ -92,6 +93,8 @@ class LLMEngine:
         self.kv = builder.kv_manager(config, self.plan, model_config, disk)
         self._slice_tuner = builder.slice_tuner(config, self.max_model_len)
         self.scheduler = Scheduler(builder.scheduler_config(config, self.max_model_len), self.kv)
+        # Speculative decoding (None: off): drafts before each schedule (engine/speculator.py).
+        self.speculator = speculator_of(config, runner)
         if config.num_scheduler_steps > 1 and not runner.supports_multi_step:
             raise ValueError(
                 f"num_scheduler_steps={config.num_scheduler_steps} needs a runner that runs "
@@ -305,6 +308,8 @@ class LLMEngine:
         advanced."""
         self.elastic.before_step()
         failed = [g for r, exc in self.structured.admit_compiled() for g in self._fail([r], exc)]
+        if self.speculator is not None:
+            self.speculator.forget_finished(self.scheduler)
         if not self.scheduler.has_unfinished_requests():
             return failed
         started = time.perf_counter()
@@ -323,6 +328,8 @@ class LLMEngine:
         return state
 
     def _step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestGroup]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)
         scheduler_output = self.structured.with_masks(self.scheduler.schedule())
         if on_scheduled is not None:
             on_scheduled()
@@ -349,6 +356,7 @@ class LLMEngine:
         culprits: dict[str, Exception] = {}
         if self._slice_tuner is not None:
             self._slice_tuner.start_step()
+        started = time.perf_counter()
         try:
             result = self.runner.execute(forward)
         except Exception as exc:
@@ -357,6 +365,10 @@ class LLMEngine:
             failed = self._fail_culprits(culprits)
         else:  # a retried step's time says nothing of one forward's
             self._time_prompt_slice(forward)
+            if self.speculator is not None:
+                self.speculator.time_step(forward, time.perf_counter() - started)
+        if self.speculator is not None:
+            self.speculator.observe(forward, result)
         self.counters.steps += forward.num_steps
         num_computed = forward.num_batched_tokens
         if culprits:

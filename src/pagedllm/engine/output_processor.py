@@ -101,21 +101,29 @@ class SequenceState:
         """Apply one step's delta; returns the stop string that now ends the sequence."""
         if self.finished:
             return None  # the core ran on until it heard of the stop
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None and self.entries is not None:
-            self.entries.extend(delta.logprobs)
-            # Summed a step at a time, the same in every process.
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
-                e.logprob for e in delta.logprobs
-            )
+        token_ids, logprobs = delta.token_ids, delta.logprobs
         stop = None
         if self.detokenizer.stop:
-            end = len(self.token_ids)
-            shown = delta.token_ids
-            if self._hides_stop_token(delta.finish_reason, delta.stop_reason):
+            # One token at a time: a step may bring several (verified drafts), and those
+            # after the token that completes a stop string are dropped.
+            shown = token_ids
+            if self._hides_stop_token(delta.finish_reason, delta.stop_reason, token_ids):
                 shown = shown[:-1]
-            stop = self._detokenized(end - len(delta.token_ids)).add_tokens(shown)
-            self.num_detokenized = end
+            detokenizer = self._detokenized(len(self.token_ids))
+            for kept, token_id in enumerate(shown, 1):
+                stop = detokenizer.add_tokens((token_id,))
+                if stop is not None:
+                    token_ids = token_ids[:kept]
+                    logprobs = None if logprobs is None else logprobs[:kept]
+                    break
+            self.num_detokenized = len(self.token_ids) + len(token_ids)
+        self.token_ids.extend(token_ids)
+        if logprobs is not None and self.entries is not None:
+            self.entries.extend(logprobs)
+            # Summed a step at a time, the same in every process.
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
+                e.logprob for e in logprobs
+            )
         if stop is not None:
             self.finish("stop", stop)
         elif delta.finish_reason is not None:
@@ -170,16 +178,20 @@ class SequenceState:
         stop = self.stop_reason if finish else None
         return ChoiceDelta(self.index, text, tuple(token_ids), logprobs, finish, stop)
 
-    def _hides_stop_token(self, reason: str | None, stop_reason: int | str | None) -> bool:
+    def _hides_stop_token(
+        self, reason: str | None, stop_reason: int | str | None, tokens: Sequence[int] = ()
+    ) -> bool:
         """True when the sequence ended on a stop token, whose text stays out of the output
         as in vLLM (unless include_stop_str_in_output): a ``stop_token_ids`` token (its id
         is the stop reason) or EOS (a special token; a "stop" without a reason may also be
-        a complete grammar's, whose last token is text)."""
-        if reason != "stop" or isinstance(stop_reason, str) or not self.token_ids:
+        a complete grammar's, whose last token is text). The last token is that of
+        ``tokens`` (a delta not added yet), else of the sequence."""
+        tokens = tokens or self.token_ids
+        if reason != "stop" or isinstance(stop_reason, str) or not tokens:
             return False
         if self.detokenizer.include_stop_str_in_output:
             return False
-        last = self.token_ids[-1]
+        last = tokens[-1]
         if stop_reason is not None:
             return last == stop_reason
         tokenizer = self.detokenizer.tokenizer

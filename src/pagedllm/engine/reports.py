@@ -16,6 +16,7 @@ from pagedllm.core.hybrid_kv import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import CacheStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.elastic import ElasticStats
+from pagedllm.engine.speculator import SpecDecodeStats
 from pagedllm.routes import Routes
 from pagedllm.worker.base import ResizableRunner
 from pagedllm.worker.disk_store import DiskStoreStats
@@ -74,6 +75,8 @@ class EngineStats:
     # Most prompt tokens in a step that also decodes, as the scheduler has it now (set from
     # measured step times with max_prefill_time_while_decoding_s); None: the step's budget.
     max_prefill_tokens_while_decoding: int | None = None
+    # Speculative decoding's totals (drafts, accepted, mean acceptance length); None: off.
+    speculative: SpecDecodeStats | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +129,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         routes=engine.routes,
         kv_cache_dtype=engine.plan.kv_cache_dtype,
         kv_bytes_per_token=engine.plan.bytes_per_token,
+        speculative=engine.speculator.stats() if engine.speculator is not None else None,
     )
 
 

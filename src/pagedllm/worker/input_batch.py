@@ -8,7 +8,8 @@ For sequence i with ``n_i`` new tokens starting at position ``s_i``::
     query_start_loc [0, n0, n0+n1, ...]
     seq_lens        [s0+n0, s1+n1, ...]         (context length after this step)
     block_tables    [num_seqs, max_blocks], padded with 0 (never read past seq_len)
-    logits_indices  row of the last token of each sequence with num_samples > 0
+    logits_indices  row of the last token of each sequence with num_samples > 0; with
+                    drafts (speculative decoding), the rows of its last 1 + num_draft_tokens
 
 A model whose layers are grouped by attention kind (``core/kv_groups.py``) has a block
 table per group: ``meta.groups`` holds groups 1.. (their ``block_tables`` and
@@ -184,7 +185,9 @@ def _build(
         )
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size
-    if all(seq.num_samples > 0 for seq in scheduled):
+    if any(seq.num_draft_tokens for seq in scheduled):
+        logits_rows = _draft_rows(starts, scheduled)
+    elif all(seq.num_samples > 0 for seq in scheduled):
         logits_rows = starts[1:] - 1
     else:
         sampled = np.fromiter(
@@ -213,6 +216,17 @@ def _build(
         meta=meta,
         logits_indices=_tensor(logits_rows, device),
     )
+
+
+def _draft_rows(starts: np.ndarray, scheduled: Sequence[ScheduledSequence]) -> np.ndarray:
+    """The rows whose logits are sampled when some sequences carry drafts: each sampling
+    sequence's last ``1 + num_draft_tokens`` rows, in order."""
+    rows = [
+        np.arange(int(end) - 1 - seq.num_draft_tokens, int(end))
+        for seq, end in zip(scheduled, starts[1:], strict=True)
+        if seq.num_samples > 0
+    ]
+    return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
 def _group_metas(
@@ -377,7 +391,12 @@ def _reference(
     seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
     block_ids = block_tables[seq_index, positions // block_size].long()
     slot_mapping = block_ids * block_size + positions % block_size
-    logits_rows = [starts[i + 1] - 1 for i, seq in enumerate(scheduled) if seq.num_samples > 0]
+    logits_rows = [
+        row
+        for i, seq in enumerate(scheduled)
+        if seq.num_samples > 0
+        for row in range(starts[i + 1] - 1 - seq.num_draft_tokens, starts[i + 1])
+    ]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),

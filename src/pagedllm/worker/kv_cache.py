@@ -287,11 +287,14 @@ class KVCache:
     # A full-precision cache writes every token straight into its slot: nothing to plan,
     # stage or release (``QuantizedKVCache`` does all three).
 
-    def plan_step(self, meta: AttentionMetadata) -> None:
+    def plan_step(self, meta: AttentionMetadata, drafts: Sequence[int] = ()) -> None:
         return None
 
     def finish_step(self) -> None:
         pass
+
+    def settle_drafts(self, num_verified: Sequence[int]) -> None:
+        """Nothing to settle: a rejected draft's rows are simply overwritten later."""
 
     def release_blocks(self, block_ids: Collection[int], keep: Collection[int] = ()) -> None:
         pass

@@ -78,6 +78,9 @@ class QuantizedKVCache:
         self._free_slots = list(range(INITIAL_STAGING_SLOTS - 1, -1, -1))
         self._host_stage: dict[int, torch.Tensor] = {}  # host block -> [L, 2, B, H, D]
         self._sealing: list[int] = []  # blocks sealed this step that still hold a slot
+        # Blocks sealed over a draft this step (plan_step): id -> (sequence, positions of
+        # the step up to the block's end).
+        self._provisional: dict[int, tuple[int, int]] = {}
         if self.first_block_nbytes == spec.bytes_per_block:
             # write_blocks tells a first block's disk row from a sealed one by its length.
             raise ValueError("this geometry's sealed and staged blocks have the same size")
@@ -204,13 +207,19 @@ class QuantizedKVCache:
             if block_id not in keep:
                 self._drop(block_id)
 
-    def plan_step(self, meta: AttentionMetadata) -> QuantStep:
-        """The step's ``QuantStep``: window blocks, rows, seals and staging slots."""
+    def plan_step(self, meta: AttentionMetadata, drafts: Sequence[int] = ()) -> QuantStep:
+        """The step's ``QuantStep``: window blocks, rows, seals and staging slots.
+
+        ``drafts``: each sequence's count of draft positions at its end (speculative
+        decoding; empty: none). A block this step fills over a draft is sealed and staged
+        both (*provisional*): if the draft is rejected, the next step resumes the block
+        mid-way from its staged rows; ``settle_drafts`` frees the slot once it is not."""
         block_size = self.spec.block_size
         seq_lens, query_lens = meta.seq_lens_list, meta.query_lens_list
         # A failed attempt's seals are forgotten: its retry plans them again, and a block of
         # a sequence that failed for good is released (and may be reused) instead.
         self._sealing.clear()
+        self._provisional.clear()
         tables = meta.block_tables.cpu().numpy()
         window_start: list[int] = []
         load_window: list[int] = []
@@ -225,6 +234,7 @@ class QuantizedKVCache:
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             first = seq_len - query_len
             first_block, last_block = first // block_size, (seq_len - 1) // block_size
+            verified = seq_len - drafts[i] if drafts else seq_len  # positions sure to stay
             window_start.append(num_window)
             if first % block_size:
                 load_window.append(num_window)
@@ -232,12 +242,15 @@ class QuantizedKVCache:
             for b in range(first_block, last_block + 1):
                 w = num_window + b - first_block
                 block_id = int(tables[i, b])
-                if (b + 1) * block_size <= seq_len and not (keep_first and b == 0):
+                end = (b + 1) * block_size
+                if end <= seq_len and not (keep_first and b == 0):
                     seal_window.append(w)
                     seal_blocks.append(block_id)
-                    if block_id in self._slot_of:
+                    if end > verified:
+                        self._provisional[block_id] = (i, end - first)
+                    elif block_id in self._slot_of:
                         self._sealing.append(block_id)
-                else:
+                if end > seq_len or (keep_first and b == 0) or end > verified:
                     if first % block_size == 0 or b > first_block:
                         self._drop(block_id)  # written afresh from its first slot
                     slot = self._slot_of.get(block_id)
@@ -274,6 +287,15 @@ class QuantizedKVCache:
         for block_id in self._sealing:
             self._drop(block_id)
         self._sealing.clear()
+
+    def settle_drafts(self, num_verified: Sequence[int]) -> None:
+        """The step's drafts are judged: sequence i kept its first ``num_verified[i]``
+        positions. A provisional block (``plan_step``) whose every position is kept gives
+        its staging slot back (its sealed copy is final); the others keep their rows."""
+        for block_id, (i, needed) in self._provisional.items():
+            if needed <= num_verified[i]:
+                self._drop(block_id)
+        self._provisional.clear()
 
     def check_invariants(self) -> None:
         """Every slot is either free or held by exactly one block."""

@@ -41,6 +41,7 @@ from pagedllm.worker.sampler import (
     forbidden_argmax,
     token_logprobs,
 )
+from pagedllm.worker.spec_verify import accept_argmax, has_drafts, verify
 from pagedllm.worker.threads import ThreadGovernor
 
 
@@ -59,6 +60,8 @@ class TorchModelRunner:
 
     # Runs ``SchedulerOutput.num_steps > 1`` (multi-step greedy decoding).
     supports_multi_step = True
+    # Verifies drafts (``worker/spec_verify.py``).
+    supports_speculation = True
 
     def __init__(
         self,
@@ -218,12 +221,16 @@ class TorchModelRunner:
                 best = self._best_tokens(hidden).tolist()
                 if masks[0]:
                     best = self._masked_argmax(hidden, best, *masks)
-                output = self.sampler.greedy_from_argmax(best, scheduled)
+                if has_drafts(scheduled):
+                    output = accept_argmax(best, scheduled)
+                else:
+                    output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
                 float32 = not self.sampler.takes_model_dtype(scheduled)
                 logits = self._logits(hidden, float32=float32)
                 apply_token_bitmask(logits, *masks)
-                output = self.sampler(logits, scheduled, fast_path=fast)
+                output = self._sample(logits, scheduled)
+            self._settle_drafts(scheduled, output)
         else:
             output = ModelRunnerOutput(failed_loads=failed_loads)
         if failed_loads and scheduled:
@@ -240,10 +247,13 @@ class TorchModelRunner:
         grammars first), and each prompt row's logits score the prompt token after it."""
         batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
         with torch.inference_mode():
-            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+            hidden = self._forward(
+                batch.input_ids, batch.positions, batch.meta, drafts=_num_drafts(scheduled)
+            )
             logits = self._logits(hidden[batch.logits_indices], float32=True)
             apply_token_bitmask(logits, *bitmask_rows(scheduled, token_bitmasks))
-            output = self.sampler(logits, scheduled, fast_path=False)
+            output = self._sample(logits, scheduled)
+            self._settle_drafts(scheduled, output)
             prompt: list[tuple[TokenLogprob, ...] | None] = []
             row = 0
             for seq in scheduled:
@@ -331,7 +341,9 @@ class TorchModelRunner:
         all_rows = batch.logits_indices.numel() == batch.input_ids.numel()
         rows = None if all_rows else batch.logits_indices
         with torch.inference_mode():
-            return self._forward(batch.input_ids, batch.positions, batch.meta, rows)
+            return self._forward(
+                batch.input_ids, batch.positions, batch.meta, rows, _num_drafts(scheduled)
+            )
 
     def _forward(
         self,
@@ -339,13 +351,36 @@ class TorchModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        drafts: Sequence[int] = (),
     ) -> torch.Tensor:
         """One forward pass; a quantized cache plans the step's writes first and frees the
-        staging of the blocks it sealed once the pass succeeded."""
-        meta.quant = self.kv_cache.plan_step(meta)
+        staging of the blocks it sealed once the pass succeeded. ``drafts``: each
+        sequence's draft positions (a quantized cache keeps the rows of a block it seals
+        over a draft until the draft is verified: ``_settle_drafts``)."""
+        meta.quant = self.kv_cache.plan_step(meta, drafts)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
         self.kv_cache.finish_step()
         return hidden
+
+    def _sample(
+        self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        """The sampler's output; with drafts, their verification (``spec_verify``)."""
+        if has_drafts(scheduled):
+            return verify(self.sampler, logits, scheduled)
+        return self.sampler(logits, scheduled, fast_path=False)
+
+    def _settle_drafts(
+        self, scheduled: Sequence[ScheduledSequence], output: ModelRunnerOutput
+    ) -> None:
+        """Tell the cache how many of each sequence's positions this step verified."""
+        if has_drafts(scheduled):
+            self.kv_cache.settle_drafts(
+                [
+                    len(tokens) if seq.num_draft_tokens else len(seq.token_ids)
+                    for seq, tokens in zip(scheduled, output.sampled_token_ids, strict=True)
+                ]
+            )
 
     def _logits(self, hidden: torch.Tensor, *, float32: bool) -> torch.Tensor:
         if hidden.shape[0] == 0:
@@ -380,6 +415,13 @@ class TorchModelRunner:
             return None
         with torch.inference_mode():
             return self.model.greedy_tokens(hidden)
+
+
+def _num_drafts(scheduled: Sequence[ScheduledSequence]) -> tuple[int, ...]:
+    """Each sequence's draft count, or () when none has drafts."""
+    if not has_drafts(scheduled):
+        return ()
+    return tuple(seq.num_draft_tokens for seq in scheduled)
 
 
 def _weights_digest(model: torch.nn.Module) -> str:

@@ -31,7 +31,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pagedllm.core.outputs import ModelRunnerOutput, ScheduledSequence, TokenLogprob
+from pagedllm.core.outputs import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    TokenLogprob,
+    position_masks,
+)
 from pagedllm.kernels.ops import argmax_rows, sample_rows
 from pagedllm.sampling_params import SamplingParams
 
@@ -284,6 +289,33 @@ class Sampler:
             result[i] = logprob
         return result
 
+    # ---------------------------------------------------- speculative verification
+
+    def generator_states(
+        self, seqs: Sequence[ScheduledSequence], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """The state of each seeded sequence's generator (made if it has none yet), by
+        request id: a verification draws for every scored position, then rewinds to the
+        tokens it kept (``rewind_generators``; ``worker/spec_verify.py``)."""
+        states = {}
+        for seq in seqs:
+            params = seq.sampling_params
+            if params is not None and params.seed is not None and not params.greedy:
+                generator = self._generator(seq, params.seed, device)
+                states[seq.request_id] = generator.get_state()
+        return states
+
+    def rewind_generators(
+        self, states: dict[str, torch.Tensor], draws: dict[str, int], device: torch.device
+    ) -> None:
+        """Put each generator of ``states`` back and advance it by ``draws[id]`` draws, one
+        per token kept, as ``_uniform`` draws them."""
+        for request_id, state in states.items():
+            generator = self._generators[request_id]
+            generator.set_state(state)
+            for _ in range(draws.get(request_id, 0)):
+                torch.rand(1, generator=generator, device=device)
+
     @staticmethod
     def _assemble(
         scheduled: Sequence[ScheduledSequence],
@@ -305,19 +337,21 @@ class Sampler:
 def bitmask_rows(
     scheduled: Sequence[ScheduledSequence], token_bitmasks: Mapping[str, bytes]
 ) -> tuple[list[int], list[bytes]]:
-    """The logits rows (one per sequence with ``num_samples > 0``, in order) that
-    ``SchedulerOutput.token_bitmasks`` constrains, and their masks."""
+    """The logits rows (one per sequence with ``num_samples > 0``, in order; one per scored
+    position of a sequence with drafts) that ``SchedulerOutput.token_bitmasks``
+    constrains, and their masks."""
     rows: list[int] = []
     masks: list[bytes] = []
     row = 0
     for seq in scheduled:
         if not seq.num_samples:
             continue
+        positions = 1 + seq.num_draft_tokens
         mask = token_bitmasks.get(seq.request_id)
         if mask is not None:
-            rows.append(row)
-            masks.append(mask)
-        row += 1
+            rows.extend(range(row, row + positions))
+            masks.extend(position_masks(mask, positions))  # type: ignore[arg-type]
+        row += positions
     return rows, masks
 
 

@@ -153,6 +153,7 @@ class TensorParallelRunner:
     """The ``ModelRunner`` of rank 0: broadcasts each step, then runs its own shard."""
 
     supports_multi_step = True
+    supports_speculation = True
 
     def __init__(
         self, runner: Any, processes: list[Any], control: Any, *, comm: Any = None
