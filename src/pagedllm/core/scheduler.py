@@ -254,16 +254,17 @@ class Scheduler:
             return max(self.max_num_tokens() - request.num_prompt_tokens, 0)
         return params.max_tokens
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, single_step: bool = False) -> SchedulerOutput:
         """Choose this step's work. Mutates block tables and queues.
 
         Multi-step decoding (``num_scheduler_steps > 1``): when nothing waits or is swapped
         out and every running request decodes greedily (``_multi_step_size``), each gets
         slots for the next k tokens and the worker runs k steps in a row; the per-sequence
         Python of scheduling, sampling and updating is paid once for k tokens. Tokens past
-        a request's stop are computed and dropped (its extra slots go with its blocks)."""
+        a request's stop are computed and dropped (its extra slots go with its blocks).
+        ``single_step``: one step this time (speculative decoding expects drafts soon)."""
         step = _Step(budget=self.config.max_num_batched_tokens)
-        num_steps = self._multi_step_size()
+        num_steps = 1 if single_step else self._multi_step_size()
         if num_steps > 1 and not self._schedule_steps(step, num_steps):
             num_steps = 1
         if num_steps == 1:

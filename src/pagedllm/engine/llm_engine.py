@@ -328,9 +328,10 @@ class LLMEngine:
         return state
 
     def _step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestGroup]:
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler)
-        scheduler_output = self.structured.with_masks(self.scheduler.schedule())
+        single_step = self.speculator is not None and self.speculator.propose(self.scheduler)
+        scheduler_output = self.structured.with_masks(
+            self.scheduler.schedule(single_step=single_step)
+        )
         if on_scheduled is not None:
             on_scheduled()
         forward = scheduler_output

@@ -49,6 +49,9 @@ RATE_DECAY = 0.9
 # costs this share of a one-token decode step until the engine has timed enough steps.
 PRIOR_TOKEN_SHARE = 0.02
 COST_WINDOW = 256  # decode steps the cost model fits
+# A sequence that drafted within this many tokens keeps its steps single (a multi-step
+# schedule would run that many tokens without looking for a match again).
+HOLD_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,7 @@ class _Sequence:
     # A proposal not verified (the sequence took no drafts): the length of the sequence
     # when it was made, and the guesses; the next tokens say how many were right.
     shadow: tuple[int, tuple[int, ...]] | None = None
+    proposed_at: int = -(10**9)  # the sequence's length at its last non-empty proposal
 
     @property
     def rate(self) -> float:
@@ -150,28 +154,36 @@ class Speculator:
 
     # ---- the step -----------------------------------------------------------------
 
-    def propose(self, scheduler: Scheduler) -> None:
-        """Drafts on the running decodes (``Request.draft_token_ids``) worth verifying."""
+    def propose(self, scheduler: Scheduler) -> bool:
+        """Drafts on the running decodes (``Request.draft_token_ids``) worth verifying.
+        Returns whether the step should be a single one (no multi-step schedule): some
+        sequence drafts, or drafted lately and pays when it does (its proposer found no
+        match just now; it likely will a few tokens on)."""
         decodes = [
             r
             for r in scheduler.running
             if len(r.all_token_ids) - r.num_computed_tokens == 1 and r.output_token_ids
         ]
         if not decodes:
-            return
+            return False
         wanted = [min(self.config.num_speculative_tokens, scheduler.max_drafts(r)) for r in decodes]
         proposals = self.proposer.propose(decodes, wanted)
-        share = self.cost.token_share(len(decodes)) if self.config.automatic else 0.0
+        automatic = self.config.automatic
+        share = self.cost.token_share(len(decodes)) if automatic else 0.0
+        single = False
         for request, drafts in zip(decodes, proposals, strict=True):
             seq = self._sequence(request)
             self._judge_shadow(seq)
-            keep = (
-                self._worth(seq.rate, len(drafts), share) if self.config.automatic else len(drafts)
-            )
+            num_tokens = len(request.all_token_ids)
+            keep = self._worth(seq.rate, len(drafts), share) if automatic else len(drafts)
             request.draft_token_ids = list(drafts[:keep])
-            seq.shadow = (
-                (len(request.all_token_ids), tuple(drafts)) if drafts and not keep else None
-            )
+            seq.shadow = (num_tokens, tuple(drafts)) if drafts and not keep else None
+            if drafts:
+                seq.proposed_at = num_tokens
+            pays = keep > 0 or seq.rate > share
+            if pays and num_tokens - seq.proposed_at <= HOLD_TOKENS:
+                single = True
+        return single
 
     def time_step(self, forward: SchedulerOutput, seconds: float) -> None:
         """The forward of ``forward`` took ``seconds``: a sample for the cost model when

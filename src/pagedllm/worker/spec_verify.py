@@ -96,16 +96,19 @@ def accept(
 def accept_argmax(best: Sequence[int], scheduled: Sequence[ScheduledSequence]) -> ModelRunnerOutput:
     """``Sampler.greedy_from_argmax`` for a batch with drafts: ``best`` holds each sampling
     row's argmax (``1 + num_draft_tokens`` rows for a speculating sequence)."""
-    split = positions(scheduled)
-    tokens = []
+    sampled: list[tuple[int, ...]] = []
     row = 0
-    for seq in split.seqs:
-        if seq.num_samples:
-            tokens.append((best[row],) * seq.num_samples)
-            row += 1
+    for seq in scheduled:
+        if not seq.num_samples:
+            sampled.append(())
+            continue
+        rows = best[row : row + 1 + seq.num_draft_tokens]
+        row += len(rows)
+        if seq.num_draft_tokens:
+            sampled.append(tuple(rows[: num_kept(rows, seq.token_ids[1:])]))
         else:
-            tokens.append(())
-    return accept(scheduled, split, tokens, [None] * len(tokens))
+            sampled.append((rows[0],) * seq.num_samples)
+    return ModelRunnerOutput(tuple(sampled), (None,) * len(sampled))
 
 
 def verify(
