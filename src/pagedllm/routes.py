@@ -12,8 +12,9 @@ class Routes:
     """One line per capability: attention (the kernel's ISA), the layers with a sliding
     window or soft-capping where the model has them (their attention route), linears (own
     kernel or oneDNN), the LM head's path among them (and why it is off the own kernel),
-    the decode loop (one fused C++ call or per layer), the sampler, and the dtype the model
-    runs in with the reason for it."""
+    the decode loop (one fused C++ call or per layer), the sampler, the dtype the model
+    runs in with the reason for it, and speculative decoding (its proposer and how drafts
+    are verified; "off" without it)."""
 
     attention: str
     linears: str
@@ -23,6 +24,7 @@ class Routes:
     lm_head: str = ""
     dtype: str = ""
     dtype_reason: str = ""
+    speculative: str = ""
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)

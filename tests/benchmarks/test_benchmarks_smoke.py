@@ -231,3 +231,21 @@ def test_quant_decode_kernels_small(capsys):
     assert set(result["kernels"]) == formats
     assert all(set(r["us"]) == {"1", "17"} for r in result["kernels"].values())
     assert result["kernels"]["Q4_0"]["mib"] < result["kernels"]["bfloat16"]["mib"] / 3
+
+
+def test_spec_decode_runs_every_mode_and_keeps_greedy_tokens(capsys, tmp_path):
+    from pagedllm.testing import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=3)
+    args = ["--model", str(model), "--dtype", "float32", "--concurrency", "1", "2"]
+    args += ["--rounds", "1", "--max-tokens", "6", "--source-lines", "12"]
+    args += ["--max-model-len", "1024", "--kv-mib", "64", "--num-threads", "1"]
+    assert load("spec_decode").main(args) == 0
+    result = last_json(capsys)
+    assert set(result["cells"]) == {"code-edit c=1", "code-edit c=2", "chat c=1", "chat c=2"}
+    for cell in result["cells"].values():
+        assert set(cell) == {"off", "auto", "always"}
+        assert cell["off"]["ratio"] == 1.0
+        assert all(entry["greedy_identical"] for entry in cell.values())
+        assert cell["always"]["output_tokens"] == cell["off"]["output_tokens"] > 0
+    assert result["cpu"]

@@ -25,6 +25,7 @@ ROUTE_NAMES = [
     "lm_head",
     "dtype",
     "dtype_reason",
+    "speculative",
 ]
 
 
@@ -92,6 +93,17 @@ def test_env_text_names_each_route(tiny_model_dir, capsys):
     assert "dtype: float32" in text
 
 
+def test_env_names_the_speculative_route(tiny_model_dir, capsys):
+    args = ["env", "--model", str(tiny_model_dir), "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["routes"]["speculative"].startswith("off")
+    spec = '{"method": "suffix", "num_speculative_tokens": 7}'
+    assert main([*args, "--speculative-config", spec]) == 0
+    route = json.loads(capsys.readouterr().out)["routes"]["speculative"]
+    assert route.startswith("suffix decoding") and "up to 7 drafts" in route
+    assert "one query of up to 8 tokens" in route
+
+
 def test_reference_backend_is_named(tiny_model_dir, capsys):
     args = ["env", "--model", str(tiny_model_dir), "--attention-backend", "reference", "--json"]
     assert main(args) == 0
@@ -110,6 +122,11 @@ def test_engine_reports_routes_at_start_up_and_in_its_stats(model_engine):
     codec = Codec()
     wired = codec.decode_value(codec.encode_value(engine.get_stats()), EngineStats)
     assert wired.routes == routes  # to the server
+    assert routes.speculative.startswith("off")
+    speculating = model_engine(
+        block_size=4, num_blocks=32, max_model_len=64, speculative_config={"method": "ngram"}
+    )
+    assert speculating.get_stats().routes.speculative.startswith("n-gram prompt lookup")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])

@@ -125,8 +125,13 @@ def _kind(flag: Flag, hint: Any) -> dict[str, Any]:
     if flag.unit == SECONDS:
         return {"type": _argtype(parse_duration), "metavar": "SECONDS"}
     if flag.unit == JSON:
-        return {"type": _argtype(base.from_value), "metavar": "JSON"}
+        return {"type": json_config(base), "metavar": "JSON"}
     return {"type": base, "metavar": flag.unit.upper() or None}
+
+
+def json_config(kind: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` reading a JSON object into ``kind`` (its ``from_value``)."""
+    return _argtype(kind.from_value)
 
 
 def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:

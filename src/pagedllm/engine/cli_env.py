@@ -18,8 +18,10 @@ import json
 import os
 from typing import Any
 
+from pagedllm.engine.args import json_config
 from pagedllm.engine.config import DTYPES
 from pagedllm.kv_dtypes import KV_CACHE_DTYPES
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 # OpenMP settings that change how the kernels' threads run beside other processes.
 OMP_VARIABLES = (
@@ -39,17 +41,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the cache's routes"
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        type=json_config(SpeculativeConfig),
+        metavar="JSON",
+        help="speculative decoding's route under this config (as pagedllm serve takes it)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
 def environment(
-    model: str, dtype: str, attention_backend: str, kv_cache_dtype: str = "auto"
+    model: str,
+    dtype: str,
+    attention_backend: str,
+    kv_cache_dtype: str = "auto",
+    speculative_config: SpeculativeConfig | None = None,
 ) -> dict[str, Any]:
     """The report as plain data: cpu, threads, kernels and the model's routes (over a
-    ``kv_cache_dtype`` cache)."""
+    ``kv_cache_dtype`` cache; speculative decoding's under ``speculative_config``)."""
     import torch
 
     from pagedllm.attention.select import get_backend
+    from pagedllm.engine.speculator import speculative_route
     from pagedllm.kernels.build import build_status
     from pagedllm.kernels.ops import layer_ops
     from pagedllm.kernels.probe import cpu_info
@@ -83,7 +97,11 @@ def environment(
             "quant_gemm": ops.quant_gemm_isa() if ops is not None else "none",
         },
         "model": loaded.name,
-        "routes": {**routes.as_dict(), "dtype_reason": loaded.dtype_reason},
+        "routes": {
+            **routes.as_dict(),
+            "dtype_reason": loaded.dtype_reason,
+            "speculative": speculative_route(speculative_config),
+        },
         "tensor_parallel_gathers": tensor_parallel_gathers(),
     }
 
@@ -129,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    env = environment(args.model, args.dtype, args.attention_backend, args.kv_cache_dtype)
+    env = environment(
+        args.model, args.dtype, args.attention_backend, args.kv_cache_dtype, args.speculative_config
+    )
     print(json.dumps(env) if args.json else format_environment(env))
     return 0

@@ -40,7 +40,7 @@ from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput
 from pagedllm.engine.reports import EngineCounters, EngineStats, engine_stats
-from pagedllm.engine.speculator import speculator_of
+from pagedllm.engine.speculator import speculative_route, speculator_of
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner
 
@@ -110,6 +110,9 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[RequestGroup, int]] = {}
         self.counters = EngineCounters()
         self.routes = builder.with_dtype(runner.routes(), dtype_reason)
+        if self.routes is not None:
+            speculative = speculative_route(config.speculative_config)
+            self.routes = replace(self.routes, speculative=speculative)
         self.startup_report: str | None = None  # set by from_config
         self.model_name: str | None = None  # set by from_config
         self.elastic = elastic_pool(config, self.kv, self.scheduler, runner, self.plan)

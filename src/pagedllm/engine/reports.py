@@ -225,6 +225,27 @@ def cache_report(stats: EngineStats) -> dict[str, Any]:
         },
         # Which implementation runs each capability (None on the fake runner).
         "routes": None if stats.routes is None else stats.routes.as_dict(),
+        "speculative": _speculative_entry(stats),
+    }
+
+
+def _speculative_entry(stats: EngineStats) -> dict[str, Any] | None:
+    """Speculative decoding's part of the report (None when it is off): totals since
+    start-up, and the decode-step cost model the automatic mode decides with."""
+    spec = stats.speculative
+    if spec is None:
+        return None
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "automatic": spec.automatic,
+        "verifications": spec.num_verifications,
+        "draft_tokens": spec.num_draft_tokens,
+        "accepted_tokens": spec.num_accepted_tokens,
+        "acceptance_rate": spec.acceptance_rate,
+        "mean_acceptance_length": spec.mean_acceptance_length,
+        "step_fixed_s": spec.step_fixed_s,
+        "step_token_s": spec.step_token_s,
     }
 
 

@@ -292,3 +292,23 @@ def speculator_of(config: EngineConfig, runner: ModelRunner) -> Speculator | Non
     if not runner.supports_speculation:
         raise ValueError(f"speculative_config: {type(runner).__name__} cannot verify drafts")
     return Speculator(config.speculative_config)
+
+
+def speculative_route(config: SpeculativeConfig | None) -> str:
+    """The ``Routes.speculative`` line: the proposer, the drafts, how they are verified."""
+    if config is None:
+        return "off (--speculative-config to draft from the request's own text)"
+    if config.method == "suffix":
+        source = (
+            f"suffix decoding (the request's text and its tenant's last "
+            f"{config.suffix_decoding_max_cached_requests} requests)"
+        )
+    else:
+        source = "n-gram prompt lookup (the request's own text)"
+    lookup = f"n {config.prompt_lookup_max}..{config.prompt_lookup_min}"
+    when = "where they pay (automatic)" if config.automatic else "whenever found"
+    return (
+        f"{source}, {lookup}, up to {config.num_speculative_tokens} drafts {when}; verified "
+        f"as one query of up to {config.num_speculative_tokens + 1} tokens per sequence "
+        "through the decode attention kernel"
+    )

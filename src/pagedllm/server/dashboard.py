@@ -149,6 +149,14 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
         <span>hit tokens</span><span id="p-h">–</span>
         <span>shared in flight</span><span id="p-f">–</span>
       </div></div>
+    <div class="card"><h2>Speculative decoding</h2>
+      <div class="big" id="s-len">off</div>
+      <div class="kv">
+        <span>method</span><span id="s-method">–</span>
+        <span>draft tokens</span><span id="s-drafts">–</span>
+        <span>accepted</span><span id="s-accepted">–</span>
+      </div>
+      <div class="muted" style="margin-top:6px">tokens per verification</div></div>
     <div class="card"><h2>Requests</h2>
       <div class="kv">
         <span>running</span><span id="r-running">–</span>
@@ -275,6 +283,11 @@ tbody tr:hover, tbody tr.sel { background: #fff4e5; }
     set("p-q", fmt(r.prefix_cache.queries_tokens));
     set("p-h", fmt(r.prefix_cache.hits_tokens));
     set("p-f", fmt(r.prefix_cache.inflight_shared_tokens));
+    const s = r.speculative;
+    set("s-len", s ? s.mean_acceptance_length.toFixed(2) : "off");
+    set("s-method", s ? s.method + (s.automatic ? " (automatic)" : "") : "–");
+    set("s-drafts", s ? fmt(s.draft_tokens) : "–");
+    set("s-accepted", s ? fmt(s.accepted_tokens) + " (" + pct(s.acceptance_rate) + ")" : "–");
     set("r-running", fmt(r.running));
     set("r-waiting", fmt(r.waiting));
     set("r-swapped", fmt(r.swapped));

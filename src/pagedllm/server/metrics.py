@@ -94,6 +94,9 @@ class _StatsCollector(Collector):
         elastic = r.get("elastic")
         if elastic is not None:
             yield from _elastic_metrics(elastic)
+        speculative = r.get("speculative")
+        if speculative is not None:
+            yield from _speculative_metrics(speculative)
         preempt = CounterMetricFamily(
             f"{PREFIX}_num_preemptions", "Preemptions, by mode.", labels=["mode"]
         )
@@ -130,6 +133,23 @@ def _elastic_metrics(elastic: dict[str, Any]) -> Iterator[Metric]:
             "Bytes the last resize gave back (negative: grew).",
             last["bytes_returned"],
         )
+
+
+def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Metric]:
+    yield _counter(
+        "spec_decode_num_drafts",
+        "Speculative verifications: one sequence's step with drafts.",
+        spec["verifications"],
+    )
+    yield _counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec["draft_tokens"])
+    yield _counter(
+        "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["accepted_tokens"]
+    )
+    yield _gauge(
+        "spec_decode_mean_acceptance_length",
+        "Tokens a verification yields on average (accepted drafts and one more).",
+        spec["mean_acceptance_length"],
+    )
 
 
 def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
