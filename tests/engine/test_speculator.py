@@ -70,8 +70,8 @@ def engine_with(
     taken: list[list[tuple[str, int]]] = []
     propose = speculator.propose
 
-    def recording(scheduler: Any) -> bool:
-        single = propose(scheduler)
+    def recording(scheduler: Any, allowed: Any = None) -> bool:
+        single = propose(scheduler, allowed)
         taken.append([(r.request_id, len(r.draft_token_ids)) for r in scheduler.running])
         return single
 

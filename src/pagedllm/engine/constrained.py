@@ -104,6 +104,11 @@ class ConstrainedRequests:
             return output
         return replace(output, token_bitmasks=self.matchers.bitmasks(output.scheduled))
 
+    def allowed_drafts(self, request: Request, drafts: Sequence[int]) -> int:
+        """How many leading drafts (speculative decoding) a constrained sequence's grammar
+        lets it verify (``SequenceMatchers.allowed_drafts``)."""
+        return self.matchers.allowed_drafts(request.request_id, drafts)
+
     def advance(self, update: SequenceUpdate) -> str | None:
         """Feed a constrained sequence's new tokens to its matcher; finish it ("stop") when
         its grammar is complete. A parallel sample forked this step gets a matcher rebuilt

@@ -331,7 +331,10 @@ class LLMEngine:
         return state
 
     def _step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestGroup]:
-        single_step = self.speculator is not None and self.speculator.propose(self.scheduler)
+        single_step = False
+        if self.speculator is not None:
+            check = self.structured.allowed_drafts if len(self.structured.matchers) else None
+            single_step = self.speculator.propose(self.scheduler, check)
         scheduler_output = self.structured.with_masks(
             self.scheduler.schedule(single_step=single_step)
         )

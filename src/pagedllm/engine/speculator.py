@@ -26,6 +26,7 @@ is that predictable.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -52,6 +53,9 @@ COST_WINDOW = 256  # decode steps the cost model fits
 # A sequence that drafted within this many tokens keeps its steps single (a multi-step
 # schedule would run that many tokens without looking for a match again).
 HOLD_TOKENS = 16
+
+# How many leading drafts of a request may be verified (structured outputs: its grammar).
+DraftCheck = Callable[[Request, Sequence[int]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +158,9 @@ class Speculator:
 
     # ---- the step -----------------------------------------------------------------
 
-    def propose(self, scheduler: Scheduler) -> bool:
-        """Drafts on the running decodes (``Request.draft_token_ids``) worth verifying.
+    def propose(self, scheduler: Scheduler, allowed: DraftCheck | None = None) -> bool:
+        """Drafts on the running decodes (``Request.draft_token_ids``) worth verifying;
+        ``allowed(request, drafts)``: how many of them may be verified (a grammar's say).
         Returns whether the step should be a single one (no multi-step schedule): some
         sequence drafts, or drafted lately and pays when it does (its proposer found no
         match just now; it likely will a few tokens on)."""
@@ -176,6 +181,8 @@ class Speculator:
             self._judge_shadow(seq)
             num_tokens = len(request.all_token_ids)
             keep = self._worth(seq.rate, len(drafts), share) if automatic else len(drafts)
+            if keep and allowed is not None:
+                keep = allowed(request, drafts[:keep])
             request.draft_token_ids = list(drafts[:keep])
             seq.shadow = (num_tokens, tuple(drafts)) if drafts and not keep else None
             if drafts:

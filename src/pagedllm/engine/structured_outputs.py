@@ -398,12 +398,28 @@ class SequenceMatchers:
         for seq in scheduled:
             if seq.num_samples:
                 entry = self._seqs.get(seq.request_id)
-                if entry is not None:
+                if entry is not None and seq.num_draft_tokens:
+                    masks[seq.request_id] = _draft_bitmasks(entry.matcher, seq.token_ids[1:])
+                elif entry is not None:
                     masks[seq.request_id] = entry.matcher.compute_bitmask()
         if masks:
             self.mask_s += time.perf_counter() - started
             self.num_masks += len(masks)
         return masks
+
+    def allowed_drafts(self, seq_id: str, drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` (speculative decoding) the sequence's grammar takes
+        with room left after them: a draft it refuses could never be accepted, and one that
+        completes it would be followed by a token past its end. All for a sequence without
+        a matcher."""
+        entry = self._seqs.get(seq_id)
+        if entry is None:
+            return len(drafts)
+        trial = entry.matcher.deep_copy()
+        for kept, token in enumerate(drafts):
+            if not trial.consume_token(token) or trial.is_stopped():
+                return kept
+        return len(drafts)
 
     def release(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
@@ -412,3 +428,20 @@ class SequenceMatchers:
     def ids(self) -> Mapping[str, Any]:
         """The sequences that hold a matcher (tests check none is left behind)."""
         return dict.fromkeys(self._seqs)
+
+
+def _draft_bitmasks(matcher: Any, drafts: Sequence[int]) -> bytes:
+    """A speculating sequence's masks, one per scored position, concatenated
+    (``SchedulerOutput.token_bitmasks``): position j's after its first j drafts, from a copy
+    of the matcher (the sequence's own moves only with verified tokens). Past a draft the
+    grammar refuses (``allowed_drafts`` keeps those out) the last mask is repeated: no token
+    from those positions can be kept."""
+    masks = [matcher.compute_bitmask()]
+    trial = matcher.deep_copy()
+    for token in drafts:
+        if trial is not None and trial.consume_token(token) and not trial.is_stopped():
+            masks.append(trial.compute_bitmask())
+        else:
+            trial = None
+            masks.append(masks[-1])
+    return b"".join(masks)
