@@ -82,6 +82,34 @@ def test_multi_step_decoding_per_group(checkpoints) -> None:
         assert done[str(i)] == [tuple(hf.greedy(prompt, 12))]
 
 
+@pytest.mark.parametrize("variant", ["gemma3", "qwen2_window"])
+def test_speculative_decoding_per_group(checkpoints, variant: str) -> None:
+    """Drafts over one block table per group: slots taken and rolled back in every group,
+    sliding groups releasing what their window passed; greedy tokens as transformers'."""
+    from tests.engine.test_spec_decode_engine import ScriptedProposer
+
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        model=str(checkpoints(variant)),
+        dtype="float32",
+        block_size=4,
+        num_blocks=64,
+        max_model_len=64,
+        speculative_config={"num_speculative_tokens": 5, "automatic": False},
+    )
+    engine = LLMEngine.from_config(config)
+    hf = HFReference(checkpoints(variant))
+    prompts = (LONG, PROMPTS[1])
+    expected = {str(i): tuple(hf.greedy(prompt, 20)) for i, prompt in enumerate(prompts)}
+    engine.speculator.proposer = ScriptedProposer(expected, engine.runner.vocab_size)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    assert run(engine) == {rid: [tokens] for rid, tokens in expected.items()}
+    assert engine.get_stats().speculative.num_accepted_tokens > 0
+    assert engine.kv.stats().blocks_used == 1  # the placeholder
+
+
 def test_long_generation_holds_a_window_per_sliding_group(tmp_path) -> None:
     """Gemma 3's pattern (two local layers, one global; window 16, block 4) generating 200
     tokens: after every step each sliding group's table holds at most 16 / 4 + 1 real

@@ -639,6 +639,7 @@ class Scheduler:
         step.preempted = True
         step.touched.add(victim.request_id)
         victim.num_preemptions += 1
+        victim.draft_token_ids = []  # its draft slots go with its blocks
         # A pending copy-on-write targets one of the victim's blocks; a swap-out
         # (which runs before copies) would move the block before it is filled.
         if self._should_swap(victim) and victim.request_id not in step.copies:

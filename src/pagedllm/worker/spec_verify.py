@@ -34,7 +34,7 @@ from pagedllm.worker.sampler import Sampler
 class Positions:
     """A batch with every speculating sequence split into its scored positions."""
 
-    seqs: list[ScheduledSequence]  # one per logits row that samples, in row order
+    seqs: list[ScheduledSequence]  # a sequence without drafts, or each of its positions
     spans: list[tuple[int, int]]  # per scheduled sequence: its range in ``seqs``
 
 
