@@ -19,6 +19,12 @@ greedy tokens equal ``off``'s.
 
     .venv/bin/python benchmarks/spec_decode.py --rounds 3
     .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-0.5b --concurrency 1 4
+
+``--llama-cpp DIR`` (a llama.cpp build, ``llama_cpp_peer.py``) adds a ``llama.cpp`` mode: a
+``llama-server`` on the same GGUF with its n-gram drafts (``--spec-type``, default
+``ngram-simple`` with llama.cpp's own defaults), as many slots as the
+highest concurrency, sent the same token ids on ``/completion`` (greedy, no prompt cache),
+timed the same way and taking its turn in the same rounds; its ratio is to ``off``.
 """
 
 from __future__ import annotations
@@ -26,13 +32,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DATA = Path(__file__).resolve().parent / "data"
 WORKLOADS = ("code-edit", "chat")
 MODES = ("off", "auto", "always")
+LLAMA = "llama.cpp"
 RENAMES = (
     ("TraceRequest", "RequestRecord"),
     ("make_trace", "build_trace"),
@@ -148,17 +161,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     cells: dict[str, dict[str, Any]] = {}
-    for workload in args.workloads:
-        for concurrency in args.concurrency:
-            token_ids = prompts(llm, workload, concurrency, args.source_lines)
-            rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-            for round_index in range(args.rounds):
-                order = args.modes if round_index % 2 == 0 else tuple(reversed(args.modes))
-                for mode in order:
-                    set_mode(llm, mode, config)
-                    rounds[mode].append(run(llm, token_ids, args.max_tokens))
-            cells[f"{workload} c={concurrency}"] = summarise(rounds)
-            print_cell(f"{workload} c={concurrency}", cells[f"{workload} c={concurrency}"])
+    modes = [*args.modes, LLAMA] if args.llama_cpp else list(args.modes)
+    with ExitStack() as stack:
+        llama_url = stack.enter_context(start_llama(args)) if args.llama_cpp else None
+        for workload in args.workloads:
+            for concurrency in args.concurrency:
+                token_ids = prompts(llm, workload, concurrency, args.source_lines)
+                rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+                for round_index in range(args.rounds):
+                    order = modes if round_index % 2 == 0 else list(reversed(modes))
+                    for mode in order:
+                        if mode == LLAMA:
+                            rounds[mode].append(run_llama(llama_url, token_ids, args.max_tokens))
+                            continue
+                        set_mode(llm, mode, config)
+                        rounds[mode].append(run(llm, token_ids, args.max_tokens))
+                cells[f"{workload} c={concurrency}"] = summarise(rounds)
+                print_cell(f"{workload} c={concurrency}", cells[f"{workload} c={concurrency}"])
     return {
         "cpu": cpu_info().label,
         "model": args.model,
@@ -168,6 +187,65 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "num_threads": args.num_threads,
         "rounds": args.rounds,
         "cells": cells,
+    }
+
+
+def start_llama(args: argparse.Namespace) -> Any:
+    """A llama-server on the model's GGUF with n-gram drafts (``llama_cpp_peer.py``)."""
+    from llama_cpp_peer import gguf_path, llama_server
+    from pagedllm.util.net import free_port
+
+    slots = max(args.concurrency)
+    # llama.cpp's own defaults for its n-gram drafts (ngram-simple: 12-gram lookup, up to
+    # 48 drafted tokens): its best setting, not ours.
+    extra = ["--spec-type", args.llama_spec_type, "--no-cache-prompt"]
+    return llama_server(
+        args.llama_cpp,
+        gguf_path(args.llama_model or args.model),
+        free_port(),
+        threads=args.num_threads or 2,
+        parallel=slots,
+        context=args.max_model_len * slots,
+        extra_args=extra,
+    )
+
+
+def llama_completion(base_url: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    """One greedy completion of ``token_ids`` on llama-server's native endpoint."""
+    body = {
+        "prompt": token_ids,
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    url = base_url.removesuffix("/v1") + "/completion"
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        return list(json.loads(answer.read())["tokens"])
+
+
+def llama_timed(base_url: str, token_ids: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    with ThreadPoolExecutor(len(token_ids)) as pool:
+        start = time.perf_counter()
+        tokens = list(pool.map(lambda t: llama_completion(base_url, t, max_tokens), token_ids))
+        return time.perf_counter() - start, tokens
+
+
+def run_llama(base_url: str, token_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """``run`` against llama-server: the prompts alone, then the whole generation."""
+    prompt_s, _ = llama_timed(base_url, token_ids, 1)
+    seconds, tokens = llama_timed(base_url, token_ids, max_tokens)
+    num_tokens = sum(len(t) for t in tokens)
+    return {
+        "tok_s": num_tokens / seconds,
+        "decode_tok_s": (num_tokens - len(tokens)) / max(seconds - prompt_s, 1e-9),
+        "seconds": seconds,
+        "tokens": tokens,
+        "mean_acceptance_length": None,
+        "draft_tokens": 0,
     }
 
 
@@ -187,7 +265,8 @@ def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             entry["decode_ratio"] = statistics.median(
                 r["decode_tok_s"] / b["decode_tok_s"] for r, b in pairs
             )
-            entry["greedy_identical"] = all(r["tokens"] == base[0]["tokens"] for r in runs)
+            if mode != LLAMA:  # another engine's numerics: its greedy tokens may differ
+                entry["greedy_identical"] = all(r["tokens"] == base[0]["tokens"] for r in runs)
         lengths = [r["mean_acceptance_length"] for r in runs if r["mean_acceptance_length"]]
         if lengths:
             entry["mean_acceptance_length"] = statistics.median(lengths)
@@ -232,6 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--source-lines", type=int, default=None, help="the code edit's first lines only (tests)"
     )
+    parser.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp build/bin: add its server")
+    parser.add_argument("--llama-spec-type", default="ngram-simple", help="llama-server's drafts")
+    parser.add_argument("--llama-model", help="the GGUF for llama.cpp (default: --model's)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
         parser.error("--rounds, --concurrency and --max-tokens must be positive")

@@ -103,3 +103,48 @@ def test_a_server_that_exits_is_reported(tmp_path) -> None:
         peer.llama_server(tmp_path, tmp_path / "m.gguf", free_port()),
     ):
         pass
+
+
+COMPLETING_SERVER = """\
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+assert sys.argv[sys.argv.index("--spec-type") + 1] == "ngram-simple"
+
+class Completions(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert self.path == "/completion" and body["temperature"] == 0.0
+        answer = json.dumps({"tokens": [7] * body["n_predict"]}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", port), Completions).serve_forever()
+"""
+
+
+def test_spec_decode_takes_llama_cpp_as_a_mode(tmp_path, capsys) -> None:
+    from pagedllm.testing import make_tiny_checkpoint
+
+    write_tool(tmp_path, "llama-server", COMPLETING_SERVER)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=3)
+    args = ["--model", str(model), "--dtype", "float32", "--concurrency", "2"]
+    args += ["--rounds", "1", "--max-tokens", "5", "--source-lines", "12", "--modes", "off"]
+    args += ["--max-model-len", "1024", "--kv-mib", "64", "--num-threads", "1"]
+    args += ["--workloads", "code-edit", "--llama-cpp", str(tmp_path)]
+    args += ["--llama-model", str(tmp_path / "m.gguf")]
+    assert load("spec_decode").main(args) == 0
+    cell = last_json(capsys)["cells"]["code-edit c=2"]
+    assert set(cell) == {"off", "llama.cpp"}
+    assert cell["llama.cpp"]["output_tokens"] == 2 * 5
+    assert cell["llama.cpp"]["ratio"] > 0 and "greedy_identical" not in cell["llama.cpp"]
