@@ -17,11 +17,11 @@ continue with, and stops where that token's share falls below ``min_token_prob``
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.core.request import Request
-from pagedllm.spec_decode.ngram import NgramIndex, continuation
+from pagedllm.spec_decode.ngram import NgramProposer, continuation
 
 # Pool matches walked per lookup: the most recent ones (a common n-gram may have many).
 MAX_MATCHES = 32
@@ -43,12 +43,11 @@ class SuffixProposer:
     def __init__(
         self, min_n: int, max_n: int, max_cached_requests: int, min_token_prob: float
     ) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        # Each request's own text is looked up exactly as prompt lookup does it.
+        self._own = NgramProposer(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.max_cached_requests = max_cached_requests
         self.min_token_prob = min_token_prob
-        self._own: dict[str, NgramIndex] = {}
         self._pools: dict[str | None, _Pool] = {}
         self._next_doc = 0
 
@@ -62,8 +61,7 @@ class SuffixProposer:
         if num_tokens <= 0:
             return []
         tokens = request.all_token_ids
-        index = self._own_index(request)
-        own = index.find(tokens)
+        own = self._own.index_of(request).find(tokens)
         pool = self._pools.get(request.cache_salt)
         pooled = self._pool_matches(pool, tokens, min_n=own[1] if own else self.min_n)
         if not pooled:
@@ -75,7 +73,7 @@ class SuffixProposer:
         return self._walk(texts, num_tokens)
 
     def request_finished(self, request: Request) -> None:
-        self._own.pop(request.request_id, None)
+        self._own.request_finished(request)
         if self.max_cached_requests:
             self.add_text(request.cache_salt, request.all_token_ids)
 
@@ -89,11 +87,8 @@ class SuffixProposer:
         text = tuple(tokens)
         pool.docs[doc] = text
         pool.order.append(doc)
-        ends = pool.ends
-        for last in range(len(text) - 1):  # an n-gram ending the text has no continuation
-            for n in range(self.min_n, self.max_n + 1):
-                if last + 1 >= n:
-                    ends.setdefault(text[last + 1 - n : last + 1], []).append((doc, last))
+        for key, last in self._ngram_ends(text):
+            pool.ends.setdefault(key, []).append((doc, last))
         while len(pool.order) > self.max_cached_requests:
             self._evict(pool)
 
@@ -104,17 +99,16 @@ class SuffixProposer:
     @property
     def num_tracked(self) -> int:
         """Running requests whose own index is kept (tests: none is left behind)."""
-        return len(self._own)
+        return self._own.num_tracked
 
     # ---- internal ---------------------------------------------------------------------
 
-    def _own_index(self, request: Request) -> NgramIndex:
-        index = self._own.get(request.request_id)
-        if index is None:
-            index = self._own[request.request_id] = NgramIndex(self.min_n, self.max_n)
-        tokens = request.all_token_ids
-        index.extend(tokens, len(tokens) - 1)
-        return index
+    def _ngram_ends(self, text: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int]]:
+        """Each n-gram of ``text`` (``min_n`` to ``max_n`` long) with the position it ends
+        at; an n-gram ending the text has no continuation and is left out."""
+        for last in range(len(text) - 1):
+            for n in range(self.min_n, min(self.max_n, last + 1) + 1):
+                yield text[last + 1 - n : last + 1], last
 
     def _pool_matches(
         self, pool: _Pool | None, tokens: Sequence[int], min_n: int
@@ -153,18 +147,15 @@ class SuffixProposer:
         doc = pool.order.popleft()
         text = pool.docs.pop(doc)
         ends = pool.ends
-        for last in range(len(text) - 1):
-            for n in range(self.min_n, self.max_n + 1):
-                if last + 1 >= n:
-                    key = text[last + 1 - n : last + 1]
-                    found = ends.get(key)
-                    if found is None:
-                        continue
-                    # Oldest first: this document's entries lead the list.
-                    cut = 0
-                    while cut < len(found) and found[cut][0] == doc:
-                        cut += 1
-                    if cut == len(found):
-                        del ends[key]
-                    elif cut:
-                        del found[:cut]
+        for key, _ in self._ngram_ends(text):
+            found = ends.get(key)
+            if found is None:
+                continue
+            # Oldest first: this document's entries lead the list.
+            cut = 0
+            while cut < len(found) and found[cut][0] == doc:
+                cut += 1
+            if cut == len(found):
+                del ends[key]
+            elif cut:
+                del found[:cut]
