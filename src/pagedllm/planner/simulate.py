@@ -246,7 +246,7 @@ class _Replay:
         tables = self.kv.live_block_tables()
         token_ids = {rid: requests[rid].all_token_ids for rid in tables}
         head = min(self.scheduler.waiting, key=lambda r: r.arrival_time, default=None)
-        next_len = None if head is None else head.num_prompt_tokens + self._max_tokens(head)
+        next_len = None if head is None else head.num_prompt_tokens + self.scheduler.max_tokens(head)
         report = waste(self.kv, token_ids, next_len)
         logical = sum(self.kv.num_slots(rid) for rid in tables)
         return {
@@ -255,11 +255,6 @@ class _Replay:
             "duplicated_tokens": report.duplication_tokens or 0,
             "shared_saved_tokens": logical - report.filled_slots,
         }
-
-    @staticmethod
-    def _max_tokens(request: Request) -> int:
-        params = request.sampling_params
-        return params.max_tokens if params is not None and params.max_tokens else 1
 
     def _free_while_waiting(self, stalled: bool) -> int:
         """Free slots while the queue's head, small enough for them, still waited: held
