@@ -148,3 +148,34 @@ def test_spec_decode_takes_llama_cpp_as_a_mode(tmp_path, capsys) -> None:
     assert set(cell) == {"off", "llama.cpp"}
     assert cell["llama.cpp"]["output_tokens"] == 2 * 5
     assert cell["llama.cpp"]["ratio"] > 0 and "greedy_identical" not in cell["llama.cpp"]
+
+
+BATCHED_BENCH = """
+import json, sys
+args = sys.argv[1:]
+value = lambda flag: int(args[args.index(flag) + 1])
+pp, tg, pl = value("-npp"), value("-ntg"), value("-npl")
+assert value("-c") >= pl * (pp + tg) and args[args.index("--output-format") + 1] == "jsonl"
+t = 2.0
+print("main: noise before the record")
+print(json.dumps({"pp": pp, "tg": tg, "pl": pl, "t_pp": 0.5, "speed_pp": pl * pp / 0.5,
+                  "t_tg": 1.5, "speed_tg": pl * tg / 1.5, "t": t, "speed": pl * (pp + tg) / t}))
+"""
+
+
+def test_batched_peer_compares_a_whole_batch_with_llama_batched_bench(tmp_path, capsys) -> None:
+    from pagedllm.testing import make_tiny_checkpoint
+
+    write_tool(tmp_path, "llama-batched-bench", BATCHED_BENCH)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=3)
+    args = ["--model", str(model), "--llama-cpp", str(tmp_path), "--rounds", "2"]
+    args += ["--sequences", "3", "--prompt-tokens", "20", "--gen-tokens", "6"]
+    args += ["--llama-model", str(tmp_path / "m.gguf")]
+    assert load("batched_peer").main(args) == 0
+    result = last_json(capsys)
+    assert result["llama.cpp"]["output_tok_s"] == 3 * 6 / 2.0
+    assert result["pagedllm"]["output_tok_s"] > 0
+    ours, theirs = result["pagedllm"]["output_tok_s"], result["llama.cpp"]["output_tok_s"]
+    assert len(result["ratio"]["rounds"]) == 2
+    assert min(result["ratio"]["rounds"]) <= ours / theirs <= max(result["ratio"]["rounds"])
