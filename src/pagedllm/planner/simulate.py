@@ -246,7 +246,9 @@ class _Replay:
         tables = self.kv.live_block_tables()
         token_ids = {rid: requests[rid].all_token_ids for rid in tables}
         head = min(self.scheduler.waiting, key=lambda r: r.arrival_time, default=None)
-        next_len = None if head is None else head.num_prompt_tokens + self.scheduler.max_tokens(head)
+        next_len = (
+            None if head is None else head.num_prompt_tokens + self.scheduler.max_tokens(head)
+        )
         report = waste(self.kv, token_ids, next_len)
         logical = sum(self.kv.num_slots(rid) for rid in tables)
         return {
