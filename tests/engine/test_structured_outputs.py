@@ -198,6 +198,58 @@ def test_a_json_mask_allows_exactly_the_tokens_the_matcher_accepts(
         assert (eos in accepted) == (i == len(document))
 
 
+@pytest.fixture(scope="module")
+def added_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny tokenizer with Qwen2.5's tool-call tags added as ordinary (non-special)
+    tokens, as Qwen2.5's own tokenizer has them: one token each for the whole tag."""
+    from pagedllm.testing import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer(tmp_path_factory.mktemp("added"))
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("params", "text"),
+    [(S(regex="<tool_call>[a-z]{1,3}</tool_call>"), "<tool_call>ab</tool_call>"),
+     (S(choice=["<tool_call>", "<tool"]), "<tool_call>"),
+     (S(json={"enum": ["<tool_call>x"]}), '"<tool_call>x"'),
+     (S(regex=r"<\|im_start\|>[a-z]"), "<|im_start|>q")],
+    ids=["regex", "choice", "json", "special-text"],
+)  # fmt: skip
+def test_a_spec_that_spells_an_added_token_takes_it_or_its_bytes(
+    added_tokenizer: Any, params: StructuredOutputsParams, text: str
+) -> None:
+    """An added token's text in a grammar: every token the mask offers is consumed (the
+    bug: the whole-tag token was offered, then refused), the added token itself and its
+    text spelled byte by byte both reach the end. A special token's text (``<|im_start|>``)
+    is text: its bytes, never the special token."""
+    tokenizer = added_tokenizer
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        grammar = compiler.compile(params)
+    finally:
+        compiler.close()
+    spelled = list(text.encode())  # one token per byte
+    as_added = tokenizer.encode(text)  # the tags as one token each
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    if special in as_added:
+        assert not grammar.matcher().consume_token(special)
+        as_added = spelled
+    else:
+        assert len(as_added) < len(spelled)
+    for tokens in (as_added, spelled):
+        matcher = grammar.matcher()
+        for i, token in enumerate(tokens):
+            mask = matcher.compute_bitmask()
+            offered = _allowed(mask, len(tokenizer))
+            for other in offered:
+                assert matcher.deep_copy().consume_token(other), (text, i, other)
+            assert matcher.consume_token(token), (text, i, matcher.get_error())
+        assert tokenizer.eos_token_id in _allowed(matcher.compute_bitmask(), len(tokenizer))
+    assert special not in _allowed(grammar.matcher().compute_bitmask(), len(tokenizer))
+
+
 def test_a_matcher_is_rebuilt_from_the_output_tokens(compiler: GrammarCompiler) -> None:
     grammar = compiler.compile(S(regex="[ab]{4}"))
     matchers = SequenceMatchers()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,48 @@ def test_a_random_model_held_to_the_grammar_calls_validly(
         [call] = choice.message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert {c.message.tool_calls[0].function.name for c in choices[1:]} == {"get_weather"}
+
+
+def test_a_user_grammar_that_spells_an_added_token_is_served(tmp_path: Path) -> None:
+    """Qwen2.5's tokenizer holds ``<tool_call>`` as an added, non-special token. A user
+    regex that spells it out once got that token offered by the mask and refused by the
+    matcher: a 500. Now greedy and sampled requests follow the regex to the end."""
+    from transformers import AutoTokenizer
+
+    path = checkpoint(tmp_path, "qwen2", QWEN2_5)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.save_pretrained(path)
+    config = EngineConfig(model=str(path), dtype="float32", num_blocks=128, max_model_len=512)
+    engine = LLMEngine.from_config(config)
+    app = create_app(engine, served_model_name="tiny")
+    pattern = "<tool_call>[a-z]{1,6}</tool_call>"
+
+    async def main() -> list[httpx.Response]:
+        client = httpx.AsyncClient(transport=StreamingASGITransport(app), base_url="http://t")
+        try:
+            answers = [
+                await client.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": "call:",
+                        "max_tokens": 40,
+                        "structured_outputs": {"regex": pattern},
+                        **sampling,
+                    },
+                )  # fmt: skip
+                for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "n": 4})
+            ]
+            await wait_pool_free(app.state.engine, llm=engine)
+            return answers
+        finally:
+            await client.aclose()
+            await app.state.engine.shutdown()
+
+    texts = []
+    for answer in asyncio.run(main()):
+        assert answer.status_code == 200, answer.text
+        texts += [(c["text"], c["finish_reason"]) for c in answer.json()["choices"]]
+    assert len(texts) == 5
+    for text, reason in texts:
+        assert re.fullmatch(pattern, text) and reason == "stop", text

@@ -184,7 +184,16 @@ class GrammarCompiler:
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int | None, eos_token_ids: Sequence[int]) -> Any:
     """llguidance's table of a Hugging Face fast tokenizer (its Rust ``tokenizers`` JSON).
-    ``eos_token_ids``: the tokens that end a sequence (default: the tokenizer's EOS)."""
+    ``eos_token_ids``: the tokens that end a sequence (default: the tokenizer's EOS).
+
+    llguidance reads the bytes of every ordinary token from the JSON, but marks every added
+    token special (its text is then not its bytes), and cuts text into tokens with special
+    tokens split out: a grammar that spells out an added token's text (Qwen2.5's
+    ``<tool_call>``) or a special token's got a mask that offered the token and a matcher
+    that refused it. So the table is rebuilt from those bytes with only the tokenizer's own
+    special tokens special, and text is cut with special tokens read as plain text; an
+    added non-special token is then allowed as itself or spelled out, and consumed either
+    way."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(
@@ -195,7 +204,36 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int | None, eos_token_ids: Sequence
     backend.no_truncation()
     eos = list(eos_token_ids) or [tokenizer.eos_token_id]
     n_vocab = max(backend.get_vocab_size(with_added_tokens=True), vocab_size or 0)
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    # slices=[]: this table only lends its token bytes; the slicer tables cost most of a build
+    table = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos, slices=[])
+    added = backend.get_added_tokens_decoder()
+    backend.encode_special_tokens = True  # text "<|im_start|>" is its characters, not the token
+    wrapper = _TokenTable(
+        tokens=[table.decode_bytes([i]) for i in range(n_vocab)],
+        special_token_ids=[
+            i for i in range(n_vocab)
+            if table.is_special_token(i) and (i not in added or added[i].special)
+        ],
+        eos_token_id=eos[0],
+        encode=lambda text: backend.encode(text, add_special_tokens=False).ids,
+    )  # fmt: skip
+    return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenTable:
+    """What llguidance's ``LLTokenizer`` reads from a Python tokenizer: each token's bytes
+    (special ones get llguidance's marker byte), and a call that cuts text into tokens."""
+
+    tokens: list[bytes]
+    special_token_ids: list[int]
+    eos_token_id: int
+    encode: Any  # str -> list[int]
+    bos_token_id: int | None = None
+    is_tokenizer_wrapper: bool = True
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:
