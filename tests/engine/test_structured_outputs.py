@@ -118,15 +118,18 @@ def test_the_same_spec_compiles_once(compiler: GrammarCompiler) -> None:
     assert compiler.compile(S(json=OBJECT, disable_any_whitespace=True)) is not first
 
 
+WIDE = {  # about a second to compile on a shared 2-core machine
+    "type": "object",
+    "properties": {
+        f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 50 + 2}}}[0-9]+x{i}$"}
+        for i in range(3000)
+    },
+}
+
+
 def test_a_slow_compile_is_refused_within_the_time_limit(tokenizer: Any) -> None:
     compiler = GrammarCompiler(tokenizer, time_limit_s=0.01)
-    wide = {
-        "type": "object",
-        "properties": {
-            f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 50 + 2}}}[0-9]+x{i}$"}
-            for i in range(3000)
-        },
-    }
+    wide = WIDE
     try:
         started = time.perf_counter()
         with pytest.raises(GrammarError, match="did not compile within 0.01 s"):
@@ -138,6 +141,20 @@ def test_a_slow_compile_is_refused_within_the_time_limit(tokenizer: Any) -> None
         assert time.perf_counter() - started < 0.5  # hashing the schema's text only
     finally:
         compiler.close()
+
+
+def test_the_engine_compiles_under_its_configured_limit(
+    grammar_engine: Callable[..., LLMEngine],
+) -> None:
+    """``EngineConfig.grammar_compile_limit_s`` (``--grammar-compile-limit``) is the
+    engine's compiler's limit; it must be a positive number of seconds."""
+    engine = grammar_engine(grammar_compile_limit_s=0.01)
+    assert engine.structured.compiler().time_limit_s == 0.01
+    with pytest.raises(GrammarError, match="did not compile within 0.01 s"):
+        engine.structured.check(SamplingParams(structured_outputs=S(json=WIDE)))
+    for bad in (0, -1.0, True, "10"):
+        with pytest.raises(ValueError, match="grammar_compile_limit_s must be positive"):
+            EngineConfig(grammar_compile_limit_s=bad)
 
 
 # ---------------------------------------------------------------- matchers and masks

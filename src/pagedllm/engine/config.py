@@ -42,6 +42,8 @@ BYTES = "bytes"
 SECONDS = "seconds"
 JSON = "json"
 ENGINE_GROUP = "engine"
+# A structured-output grammar compiling longer is refused (--grammar-compile-limit).
+DEFAULT_GRAMMAR_COMPILE_LIMIT_S = 10.0
 TP_GROUP = "tensor parallelism (torch.distributed)"
 
 
@@ -267,6 +269,12 @@ class EngineConfig:
                       "llama3_json, mistral), or generic (tools in a system prompt, "
                       "<tool_call> blocks)", choices=TOOL_CALL_PARSERS),
     )  # fmt: skip
+    # Structured outputs: a grammar that compiles longer is refused (a 400 on the server).
+    grammar_compile_limit_s: float = field(
+        default=DEFAULT_GRAMMAR_COMPILE_LIMIT_S,
+        metadata=flag("longest a structured-output grammar (JSON Schema, regex, tool "
+                      "schemas) may compile before its request is refused", SECONDS),
+    )  # fmt: skip
     # Tensor parallelism (engine/executor/): ranks, and torchrun-style rendezvous
     # across machines (master_port None on one machine: a free port is picked).
     tensor_parallel_size: int = field(
@@ -314,11 +322,12 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 self._check_positive(name, getattr(self, name))
-        slice_s = self.max_prefill_time_while_decoding_s
-        if slice_s is not None and (
-            isinstance(slice_s, bool) or not isinstance(slice_s, int | float) or not slice_s > 0
-        ):
-            raise ValueError(f"max_prefill_time_while_decoding_s must be positive, got {slice_s!r}")
+        for name in ("max_prefill_time_while_decoding_s", "grammar_compile_limit_s"):
+            seconds = getattr(self, name)
+            if seconds is not None and (
+                isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0
+            ):
+                raise ValueError(f"{name} must be positive, got {seconds!r}")
         for name in ("num_blocks", "num_host_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

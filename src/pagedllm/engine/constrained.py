@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SequenceUpdate
+from pagedllm.engine.config import DEFAULT_GRAMMAR_COMPILE_LIMIT_S
 from pagedllm.engine.structured_outputs import Grammar, GrammarCompiler, Match, SequenceMatchers
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,12 +33,18 @@ class ConstrainedRequests:
     sequence (``matchers``), and the requests whose grammar is compiling (``compiling``)."""
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]
+        self,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        compile_limit_s: float = DEFAULT_GRAMMAR_COMPILE_LIMIT_S,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
+        self.compile_limit_s = compile_limit_s
         self.matchers = SequenceMatchers()
         self.compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         self._compiler: GrammarCompiler | None = None
@@ -46,7 +53,9 @@ class ConstrainedRequests:
         """The compiler of the engine's tokenizer (made on first use); ``ValueError``
         without a tokenizer."""
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+            self._compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_ids, time_limit_s=self.compile_limit_s
+            )
         return self._compiler
 
     def check(self, params: SamplingParams) -> None:

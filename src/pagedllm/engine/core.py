@@ -202,6 +202,7 @@ class EngineCore:
             num_blocks=engine.elastic.capacity_blocks(),
             max_num_tokens=engine.scheduler.max_num_tokens(),
             tool_call_parser=engine.config.tool_call_parser,
+            grammar_compile_limit_s=engine.config.grammar_compile_limit_s,
             pid=os.getpid(),
         )
 

@@ -104,7 +104,9 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         eos = [i for i in (self.eos_token_id, *self._extra_eos_ids) if i is not None]
         # Structured outputs: the compiler, the matchers, the requests waiting for a grammar.
-        self.structured = ConstrainedRequests(self.scheduler, tokenizer, runner.vocab_size, eos)
+        self.structured = ConstrainedRequests(
+            self.scheduler, tokenizer, runner.vocab_size, eos, config.grammar_compile_limit_s
+        )
         # The outputs of ``step``; a request has a state once ``step`` has advanced it.
         self.output_processor = OutputProcessor(tokenizer)
         self._seq_owner: dict[str, tuple[RequestGroup, int]] = {}

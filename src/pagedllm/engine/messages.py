@@ -34,6 +34,7 @@ from typing import Any, Generic, NamedTuple, TypeVar, get_args
 
 import msgspec
 
+from pagedllm.engine.config import DEFAULT_GRAMMAR_COMPILE_LIMIT_S
 from pagedllm.engine.elastic import ResizeReport
 from pagedllm.engine.outputs import RequestDelta
 from pagedllm.engine.reports import EngineStats
@@ -66,6 +67,7 @@ class EngineInfo:
     max_num_tokens: int  # the most tokens (prompt + max_tokens) one request may have
     pid: int
     tool_call_parser: str = "auto"  # --tool-call-parser: how the server reads tool calls
+    grammar_compile_limit_s: float = DEFAULT_GRAMMAR_COMPILE_LIMIT_S  # the server compiles too
 
 
 class Call(Generic[R]):

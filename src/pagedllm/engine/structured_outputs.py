@@ -35,10 +35,9 @@ from typing import Any
 import llguidance
 
 from pagedllm.core.outputs import ScheduledSequence
+from pagedllm.engine.config import DEFAULT_GRAMMAR_COMPILE_LIMIT_S
 from pagedllm.sampling_params import StructuredOutputsParams
 
-# A compile that takes longer is refused (the same spec is refused at once after that).
-DEFAULT_COMPILE_TIME_LIMIT_S = 10.0
 # Compiled grammars kept per tokenizer (each holds its lexer: kilobytes to a few MB).
 DEFAULT_MAX_CACHED = 256
 _COMPILE_THREADS = 2
@@ -93,7 +92,7 @@ class GrammarCompiler:
     ``vocab_size``: the model's (the masks cover it; may exceed the tokenizer's).
     ``eos_token_ids``: the tokens that end a sequence, allowed once the grammar accepts.
     ``submit`` never blocks (the engine's step loop uses it); ``compile`` waits at most
-    ``time_limit_s`` and raises ``GrammarError`` (a ``ValueError``) for a spec the engine
+    ``time_limit_s`` (the same spec is refused at once after that) and raises ``GrammarError`` (a ``ValueError``) for a spec the engine
     cannot take or that takes too long. The tokenizer's own table is built once, in a
     worker, as the compiler starts."""
 
@@ -103,7 +102,7 @@ class GrammarCompiler:
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] = (),
         *,
-        time_limit_s: float = DEFAULT_COMPILE_TIME_LIMIT_S,
+        time_limit_s: float = DEFAULT_GRAMMAR_COMPILE_LIMIT_S,
         max_cached: int = DEFAULT_MAX_CACHED,
     ) -> None:
         if tokenizer is None:

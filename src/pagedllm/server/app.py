@@ -156,6 +156,7 @@ def _build_context(engine: AsyncEngine, served_model_name: str | None) -> Server
         num_blocks=info.num_blocks,
         max_num_tokens=info.max_num_tokens,
         tool_call_parser=info.tool_call_parser,
+        grammar_compile_limit_s=info.grammar_compile_limit_s,
     )
 
 

@@ -148,6 +148,8 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # OpenAI: hold the arguments to the schema. Required and named calls always are (the
+    # grammar); auto never is, strict or not (README, "Tools (function calling)").
     strict: bool | None = None
 
 

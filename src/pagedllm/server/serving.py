@@ -30,6 +30,7 @@ from pagedllm.engine.async_engine import (
     RequestStream,
     StreamDelta,
 )
+from pagedllm.engine.config import DEFAULT_GRAMMAR_COMPILE_LIMIT_S
 from pagedllm.engine.outputs import Logprob, RequestOutput, top_logprobs
 from pagedllm.engine.structured_outputs import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class ServerContext:
     max_num_tokens: int
     # ``--tool-call-parser``: how chats with tools show them and read the calls.
     tool_call_parser: str = "auto"
+    # ``--grammar-compile-limit``: a grammar compiling longer is a 400.
+    grammar_compile_limit_s: float = DEFAULT_GRAMMAR_COMPILE_LIMIT_S
     requests: RecentRequests = field(default_factory=RecentRequests)
     created: int = field(default_factory=lambda: int(time.time()))
     # Structured outputs' grammars, compiled here first (made for the first such request).
@@ -137,7 +140,9 @@ async def check_structured(ctx: ServerContext, structured: Structured | None) ->
     if ctx.grammars is None:
         tokenizer = ctx.text_tokenizer(structured.field)
         try:
-            ctx.grammars = GrammarCompiler(tokenizer, ctx.vocab_size)
+            ctx.grammars = GrammarCompiler(
+                tokenizer, ctx.vocab_size, time_limit_s=ctx.grammar_compile_limit_s
+            )
         except ValueError as exc:
             raise bad_request(str(exc), param=structured.field) from None
     await check_compiles(ctx.grammars, structured)
