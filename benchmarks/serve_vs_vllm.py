@@ -30,6 +30,14 @@ diagnostic that shows what the server itself costs against the offline engine wh
 client does not take the cores it needs (its TTFT and ITL then include the client's own
 waits for a core, so only the throughput is comparable).
 
+``--workload json-schema`` drives every server (vLLM too) with our client on structured
+outputs instead (``json_schema_workload.py``): chat requests held to one of eight realistic
+JSON Schemas by ``response_format``, greedy, at most ``--output-len`` tokens, ``--num-prompts``
+of them at ``--max-concurrency``; each reply is validated with ``jsonschema`` and the table
+counts invalid outputs per server (and those cut by ``max_tokens``). No offline timing then.
+vLLM picks its grammar backend itself (``auto``: xgrammar unless the schema needs another)
+unless told, e.g. ``--vllm-arg=--structured-outputs-config.backend=guidance``.
+
 Each round also times the offline ``LLM.generate`` on the same kind of requests (random
 prompts of the same lengths, ``max_num_seqs`` = the concurrency, same sampling), so that
 the server can be checked against the engine alone. Prints a table of medians (with the
@@ -37,6 +45,8 @@ spread over rounds) and the ratios, then one JSON line.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py --vllm VLLM_PY --rounds 3
     .venv/bin/python benchmarks/serve_vs_vllm.py --input-len 4096 --num-prompts 16 --rounds 2
+    .venv/bin/python benchmarks/serve_vs_vllm.py --workload json-schema --vllm VLLM_PY \
+        --dtype float32 --num-prompts 32 --max-concurrency 16 --output-len 256 --rounds 3
 
 vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND`` (default ``0-<last core>``) unless set.
 """
@@ -71,10 +81,14 @@ from pagedllm.kernels.probe import cpu_info  # noqa: E402
 
 # The benchmarks' shared pieces sit beside them (run as scripts or loaded by path in tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import json_schema_workload  # noqa: E402
 from vllm_child import vllm_env  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms")
 CPU_METRICS = ("client_cores", "server_cores")
+# The json-schema workload's own: latency (not streamed: no TTFT or ITL) and validity.
+STRUCTURED_METRICS = ("mean_latency_ms", "invalid", "truncated", "invalid_uncut")
+WORKLOADS = ("random", "json-schema")
 READY_TIMEOUT_S = 600.0
 
 # Run by the --vllm interpreter: vLLM's benchmark client on one server, one JSON line out.
@@ -412,7 +426,14 @@ def drive(args: argparse.Namespace, server: Server, model: str, tokenizer: Any, 
           seed: int) -> dict[str, Any]:  # fmt: skip
     """One client run on ``server``, with the cores the client and the server used."""
     server_cpu = server.cpu_seconds()
-    if args.vllm:
+    if args.workload == "json-schema":
+        bodies = json_schema_workload.requests(model, work.num_prompts, work.output_len, seed)
+        own_cpu = time.process_time()
+        result = asyncio.run(
+            json_schema_workload.run(server.base_url, bodies, work.max_concurrency)
+        )
+        result["cpu_s"] = time.process_time() - own_cpu
+    elif args.vllm:
         result = vllm_client(args, server, model, work, seed)
     else:
         prompts = random_prompts(tokenizer, work, seed, work.num_prompts)
@@ -427,9 +448,15 @@ def drive(args: argparse.Namespace, server: Server, model: str, tokenizer: Any, 
 
 
 def _log_round(r: int, name: str, result: dict[str, Any]) -> None:
-    print(f"  round {r} {name:14s} {result['output_throughput']:8.1f} tok/s  "
-          f"ttft {result.get('mean_ttft_ms') or 0:8.1f} ms  itl {result.get('mean_itl_ms') or 0:6.1f}"
-          f" ms  failed {result.get('failed')}  client {result.get('client_cores') or 0:.2f} cores"
+    if "invalid" in result:  # the json-schema workload
+        print(f"  round {r} {name:14s} invalid {result['invalid']} (not cut "
+              f"{result['invalid_uncut']}) {result['invalid_examples']} "
+              f"errors {result['errors']}", file=sys.stderr)  # fmt: skip
+        timing = f"latency {result.get('mean_latency_ms') or 0:8.1f} ms"
+    else:
+        timing = (f"ttft {result.get('mean_ttft_ms') or 0:8.1f} ms  "
+                  f"itl {result.get('mean_itl_ms') or 0:6.1f} ms")  # fmt: skip
+    print(f"  round {r} {name:14s} {result['output_throughput']:8.1f} tok/s  {timing}  failed {result.get('failed')}  client {result.get('client_cores') or 0:.2f} cores"
           f"  server {result.get('server_cores') or 0:.2f} cores", file=sys.stderr,
           flush=True)  # fmt: skip
 
@@ -439,7 +466,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for name, rounds in results.items():
         entry: dict[str, Any] = {"rounds": len(rounds)}
-        for metric in (*METRICS, *CPU_METRICS, "failed"):
+        for metric in (*METRICS, *CPU_METRICS, "failed", *STRUCTURED_METRICS):
             values = [r[metric] for r in rounds if r.get(metric) is not None]
             if values:
                 entry[metric] = {"median": statistics.median(values), "min": min(values),
@@ -474,18 +501,26 @@ def _ratio(ours: list[dict], theirs: list[dict], metric: str) -> dict[str, float
 
 
 def print_table(summary: dict[str, Any], work: Workload, args: argparse.Namespace) -> None:
-    print(f"serve_vs_vllm: {args.model} {args.dtype}, random {work.input_len} in / "
-          f"{work.output_len} out, {work.num_prompts} prompts, concurrency "
-          f"{work.max_concurrency}, {args.rounds} rounds; CPU: {cpu_info().label}, "
+    if args.workload == "json-schema":
+        what = f"JSON Schema chats (8 schemas) of at most {work.output_len} tokens"
+        header = ("engine", "output tok/s", "mean latency ms", "client cores", "server cores",
+                  "failed", "invalid", "cut by max_tokens", "invalid, not cut")  # fmt: skip
+        metrics: tuple[str, ...] = ("output_throughput", "mean_latency_ms", *CPU_METRICS,
+                                    "failed", "invalid", "truncated", "invalid_uncut")  # fmt: skip
+    else:
+        what = f"random {work.input_len} in / {work.output_len} out"
+        header = ("engine", "output tok/s", "mean TTFT ms", "p99 TTFT ms", "mean ITL ms",
+                  "p99 ITL ms", "client cores", "server cores", "failed")  # fmt: skip
+        metrics = (*METRICS, *CPU_METRICS, "failed")
+    print(f"serve_vs_vllm: {args.model} {args.dtype}, {what}, {work.num_prompts} prompts, "
+          f"concurrency {work.max_concurrency}, {args.rounds} rounds; CPU: {cpu_info().label}, "
           f"{os.cpu_count()} cores")  # fmt: skip
-    header = ("engine", "output tok/s", "mean TTFT ms", "p99 TTFT ms", "mean ITL ms",
-              "p99 ITL ms", "client cores", "server cores", "failed")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for name, entry in summary.items():
         if name == "ratios":
             continue
-        cells = [name] + [_cell(entry.get(m)) for m in (*METRICS, *CPU_METRICS, "failed")]
+        cells = [name] + [_cell(entry.get(m)) for m in metrics]
         print("| " + " | ".join(cells) + " |")
     for key, value in summary["ratios"].items():
         if value is not None:
@@ -512,6 +547,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="HF directory or 'default'")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workload", choices=WORKLOADS, default="random",
+                        help="random token prompts (vLLM's client with --vllm), or chats "
+                        "held to JSON Schemas (our client for every server)")  # fmt: skip
     parser.add_argument("--vllm", metavar="PYTHON", help="interpreter with vLLM installed")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -543,6 +581,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--no-vllm-server needs --vllm (its client)")
     if args.rounds < 1 or args.num_prompts < 1 or args.max_concurrency < 1:
         parser.error("--rounds, --num-prompts and --max-concurrency must be positive")
+    if args.workload == "json-schema":
+        if args.no_vllm_server:
+            parser.error("--no-vllm-server: the json-schema workload uses our client only")
+        args.no_offline = True  # the offline timing is of the random workload
     return args
 
 
@@ -565,9 +607,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     print_table(summary, work, args)
     failed = sum(r.get("failed") or 0 for rounds in results.values() for r in rounds)
-    print(json.dumps({"workload": asdict(work), "model": args.model, "dtype": args.dtype,
-                      "cpu": cpu_info().label, "summary": summary, "rounds": results}))  # fmt: skip
-    return 1 if failed else 0
+    # A grammar that let an invalid output through (one not cut by max_tokens) fails ours.
+    unheld = sum(r.get("invalid_uncut") or 0 for name, rounds in results.items()
+                 if name.startswith("pagedllm") for r in rounds)  # fmt: skip
+    print(json.dumps({"workload": asdict(work), "kind": args.workload, "model": args.model,
+                      "dtype": args.dtype, "cpu": cpu_info().label, "summary": summary,
+                      "rounds": results}))  # fmt: skip
+    return 1 if failed or unheld else 0
 
 
 if __name__ == "__main__":
