@@ -249,3 +249,42 @@ def test_spec_decode_runs_every_mode_and_keeps_greedy_tokens(capsys, tmp_path):
         assert all(entry["greedy_identical"] for entry in cell.values())
         assert cell["always"]["output_tokens"] == cell["off"]["output_tokens"] > 0
     assert result["cpu"]
+
+
+def test_serve_vs_vllm_json_schema_workload_validates_every_reply(capsys, tmp_path):
+    """pagedllm alone on the structured workload: a real server on a tiny random model
+    held to each of the eight schemas; every reply the grammar finished validates (only a
+    reply cut by max_tokens may not), and the table counts them."""
+    import socket
+
+    from pagedllm.testing import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=2, max_position_embeddings=4096)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["--model", str(model), "--dtype", "float32", "--workload", "json-schema",
+            "--num-prompts", "8", "--max-concurrency", "4", "--output-len", "800",
+            "--rounds", "1", "--port", str(port)]  # fmt: skip
+    assert load("serve_vs_vllm").main(args) == 0  # 1: a failed request or an unheld grammar
+    result = last_json(capsys)
+    assert result["kind"] == "json-schema" and set(result["rounds"]) == {"pagedllm"}
+    [run] = result["rounds"]["pagedllm"]
+    assert run["completed"] == 8 and run["failed"] == 0
+    assert run["invalid_uncut"] == 0 and run["invalid"] <= run["truncated"]
+    assert run["invalid"] < 8 and run["output_throughput"] > 0
+
+
+def test_the_json_schema_workload_checks_replies_against_their_schema():
+    workload = load("json_schema_workload")
+    bodies = workload.requests("m", 9, 100, seed=1)
+    assert [name for name, _ in bodies][:8] == list(workload.SCHEMAS) and bodies[8][0] == "person"
+    assert bodies != workload.requests("m", 9, 100, seed=2)  # another round, other prompts
+    good = {"name": "Ada", "age": 36, "email": "a@b.c", "is_member": True}
+    assert workload.check("person", json.dumps(good))
+    assert not workload.check("person", json.dumps({**good, "age": 200}))
+    assert not workload.check("person", json.dumps(good)[:-1])  # cut
+    assert not workload.check("person", None)
+    with pytest.raises(SystemExit):
+        load("serve_vs_vllm").parse_args(["--workload", "json-schema", "--vllm", "x",
+                                          "--no-vllm-server"])  # fmt: skip
