@@ -2,8 +2,9 @@
 
 import pytest
 
-from pagedllm.core import block_pool, kv_cache_manager
-from pagedllm.core.kv_cache_manager import Allocation, ComputedBlocks, KVCacheManager
+from pagedllm.core import block_pool, request_hashes
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_records import Allocation, ComputedBlocks
 from pagedllm.core.request import Request
 
 
@@ -185,7 +186,7 @@ def test_hash_recheck_on_fake_collision(monkeypatch):
     def colliding(parent, token_ids, extra_keys=()):
         return b"x" * 32 if parent is None else b"y" * 32
 
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", colliding)
+    monkeypatch.setattr(request_hashes, "hash_block_tokens", colliding)
     monkeypatch.setattr(block_pool, "hash_block_tokens", colliding)
     kv = KVCacheManager(10, 4, watermark=0.0)
     run_prompt(kv, make_request("a", range(9)))

@@ -25,15 +25,16 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.cache_events import CacheEventLog
-from pagedllm.core.kv_cache_manager import (
+from pagedllm.core.device_pool import DevicePoolViews
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_records import (
     Allocation,
     CacheStats,
     ComputedBlocks,
-    DevicePoolViews,
     GroupCacheStats,
-    KVCacheManager,
     check_held,
 )
+from pagedllm.core.pins import Pins
 from pagedllm.core.request import Request
 from pagedllm.core.tiers import NO_DISK_OPS, DiskOps
 
@@ -83,7 +84,7 @@ class HybridKVCacheManager(DevicePoolViews):
         ]
         self.disk = None
         self.num_host_blocks = 0
-        self._pins: dict[str, list[int]] = {}
+        self.pins = Pins(self.pool)
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -17,106 +17,39 @@ a second pool with no prefix index, which keeps its own books). A physical block
 shared by several swapped requests takes one host block and is moved once; so is a
 host block on the way back.
 
-With a disk tier (``tiers.DiskTier``), every block registered in the prefix index is
-also stored on disk in the background, and a prefix lookup goes on past the last
-block found in RAM through the hashes the disk holds::
+With a disk tier, a prefix lookup goes on past the last block found in RAM through
+the hashes the disk holds::
 
     |<- RAM hits (block_ids) ->|<- disk hits (num_disk_blocks) ->|<- computed ... ->|
 
-Admission allocates fresh blocks for the disk hits, indexes them at once and plans
-their loads (``take_disk_ops``); a load the worker cannot do is handed back through
-``loads_failed``, which takes those blocks out of the index.
+The manager keeps the tables; each other job has a collaborator owning its state:
+
+    device_pool.DevicePoolViews   base class: elastic shrink/grow, eviction, counts, pins
+    pins.Pins                     waiting requests' references on their cached prefix
+    request_hashes.RequestHashes  each request's full-block hashes (prefix index keys)
+    disk_loads.DiskLoads          disk hits, the loads admission plans, failed loads
+    window_release.WindowRelease  sliding-window release and its peak block count
+    tiers.HostSwapTier            the host pool swapped requests live in
+    kv_records                    ComputedBlocks, Allocation, CacheStats (what it returns)
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.cache_events import CacheEventLog
-from pagedllm.core.compaction import CompactionPlan, plan_compaction, remap_table, settle_limit
-from pagedllm.core.hashing import hash_block_tokens
+from pagedllm.core.compaction import remap_table
+from pagedllm.core.device_pool import DevicePoolViews
+from pagedllm.core.disk_loads import DiskLoads
+from pagedllm.core.kv_records import Allocation, CacheStats, ComputedBlocks, check_held
+from pagedllm.core.pins import Pins
 from pagedllm.core.request import Request
-from pagedllm.core.tiers import NO_DISK_OPS, DiskOps, DiskTier, HostSwapTier, SwapPlan
-
-
-@dataclass(frozen=True, slots=True)
-class ComputedBlocks:
-    """The longest cached prefix of a request: full blocks only. ``block_ids`` are found
-    in RAM; the next ``num_disk_blocks`` blocks are on disk (loaded at admission);
-    ``num_tokens`` covers both."""
-
-    block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    num_disk_blocks: int = 0
-    # A grouped manager's hit (``core/hybrid_kv.py``): the tables of groups 1.. start so.
-    group_block_ids: tuple[tuple[int, ...], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """What ``allocate_slots`` did: blocks it handed out (copy-on-write destinations
-    included) and the ``(src, dst)`` copies the worker must do before the forward pass."""
-
-    new_block_ids: tuple[int, ...] = ()
-    block_copies: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class GroupCacheStats:
-    """One KV cache group of a grouped manager: its window (None: full attention), the
-    distinct blocks its tables hold now, and those its window released so far."""
-
-    sliding_window: int | None
-    blocks_used: int
-    window_freed_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """A snapshot; ``blocks_used + blocks_cached_free + blocks_free + blocks_retired ==
-    blocks_total``.
-
-    Prefix queries and hits are counted in tokens once per successful admission
-    (an ``allocate_slots`` call given ``computed_blocks`` for a request holding no
-    blocks), so a request that waits several steps for room counts once.
-    """
-
-    block_size: int
-    blocks_total: int
-    blocks_used: int
-    blocks_cached_free: int
-    blocks_free: int
-    host_blocks_total: int
-    host_blocks_used: int
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int  # from either tier
-    # Free blocks held back during a shrink (``core/compaction.py``): never handed out,
-    # released when it ends; counted in ``blocks_total``, not in ``blocks_free``.
-    blocks_retired: int = 0
-    # Of blocks_used: held only by waiting requests' pins (cached-free but for them; any
-    # allocation that needs them gets them: see ``DevicePoolViews``).
-    blocks_pinned: int = 0
-    disk_blocks_total: int = 0  # the disk tier's capacity (0: no disk tier)
-    disk_blocks_used: int = 0
-    prefix_disk_hits_tokens: int = 0  # the share of prefix_hits_tokens loaded from disk
-    # Sliding-window models: the window, and the blocks released so far because they fell
-    # out of it (see ``KVCacheManager.release_out_of_window``).
-    sliding_window: int | None = None
-    window_freed_blocks: int = 0
-    # Models whose layers are grouped by attention kind: one entry per group.
-    groups: tuple[GroupCacheStats, ...] = ()
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return (
-            self.prefix_hits_tokens / self.prefix_queries_tokens
-            if self.prefix_queries_tokens
-            else 0.0
-        )
+from pagedllm.core.request_hashes import RequestHashes
+from pagedllm.core.tiers import DiskOps, DiskTier, HostSwapTier, SwapPlan
+from pagedllm.core.window_release import WindowRelease
 
 
 class _AllocationPlan(NamedTuple):
@@ -132,243 +65,6 @@ class _AllocationPlan(NamedTuple):
 
 _NO_HIT = ComputedBlocks()
 _NOTHING_NEW = Allocation()
-
-
-def check_held(pool: BlockPool, held: Counter[int]) -> None:
-    """Raise AssertionError unless each block's ref count is how often it is ``held``."""
-    for block_id in range(pool.num_blocks):
-        assert pool.ref_count(block_id) == held[block_id], (
-            f"block {block_id}: ref_count {pool.ref_count(block_id)}, "
-            f"held by {held[block_id]} tables"
-        )
-
-
-class DevicePoolViews:
-    """What a manager does with its device pool alone: the elastic pool's shrink and
-    grow, eviction, counts, pins (shared by ``KVCacheManager`` and the grouped manager).
-
-    A *pin* is one reference a waiting request holds on each block of its cached prefix
-    (``pin_prefix``, when it arrives), so that eviction cannot take them while it waits
-    behind others: a pinned block is referenced, not cached-free. The pin ends when the
-    request is admitted (its table takes its own references first), leaves
-    (``release_pin``, ``free``), or gives way to an allocation that needs the room
-    (``give_up_pins``)::
-
-        arrives   pin_prefix     b0 b1 b2 cached -> ref +1 each (pinned)
-        waits                    eviction takes other blocks; b0..b2 stay
-        admitted  allocate_slots table [b0 b1 b2 new..]: ref +1, then the pin's -1
-    """
-
-    pool: BlockPool
-    host_pool: BlockPool
-    num_blocks: int
-    watermark: float
-    null_block: int | None
-    _pins: dict[str, list[int]]  # request id -> the blocks its pin holds
-
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        raise NotImplementedError
-
-    def blocks_to_allocate(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        computed_blocks: ComputedBlocks | None = None,
-    ) -> int:
-        raise NotImplementedError
-
-    @property
-    def watermark_blocks(self) -> int:
-        """Free blocks an admission leaves (``watermark`` of the pool as it is now)."""
-        return int(self.watermark * self.num_blocks)
-
-    def free_blocks_needed(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        computed_blocks: ComputedBlocks | None = None,
-        *,
-        admission: bool = False,
-    ) -> int:
-        """Free blocks ``allocate_slots`` with these arguments needs to succeed: those it
-        takes, plus the watermark on admission (0: it takes none)."""
-        num_blocks = self.blocks_to_allocate(request, num_new_tokens, computed_blocks)
-        if not num_blocks:
-            return 0
-        return num_blocks + (self.watermark_blocks if admission else 0)
-
-    # ---- pins: a waiting request's cached prefix -----------------------------------
-
-    def pin_prefix(self, request: Request) -> int:
-        """Pin the device blocks of the request's cached prefix (the blocks admission
-        would find now: ``get_computed_blocks``); returns how many. For a request that
-        holds no blocks yet."""
-        request_id = request.request_id
-        if request_id in self._pins:
-            raise ValueError(f"request {request_id!r} is already pinned")
-        hit = self.get_computed_blocks(request)
-        null = self.null_block
-        block_ids = [
-            b for table in (hit.block_ids, *hit.group_block_ids) for b in table if b != null
-        ]
-        if block_ids:
-            self.pool.incref(block_ids)
-            self._pins[request_id] = block_ids
-        return len(block_ids)
-
-    def release_pin(self, request: Request) -> int:
-        """End the request's pin (none: nothing happens); returns how many blocks it
-        held. A block nobody else holds becomes cached-free again, tail blocks first."""
-        block_ids = self._pins.pop(request.request_id, None)
-        if block_ids is None:
-            return 0
-        self.pool.decref(reversed(block_ids))
-        return len(block_ids)
-
-    def give_up_pins(self, requests: Iterable[Request], num_free_blocks: int) -> int:
-        """Release the pins of ``requests``, in the order given, until ``num_free_blocks``
-        blocks are free; returns how many pins it released. None when that many are free
-        already, or when even all of theirs would not make them free (a pin gives way
-        only where that makes the room)."""
-        pool = self.pool
-        if pool.num_free_blocks >= num_free_blocks:
-            return 0
-        pinned = [r for r in requests if r.request_id in self._pins]
-        if pool.num_free_blocks + self._num_freed_by(pinned) < num_free_blocks:
-            return 0
-        released = 0
-        for request in pinned:
-            self.release_pin(request)
-            released += 1
-            if pool.num_free_blocks >= num_free_blocks:
-                break
-        return released
-
-    @property
-    def num_pinned_requests(self) -> int:
-        return len(self._pins)
-
-    def pinned_block_ids(self, request_id: str) -> list[int]:
-        """The blocks the request's pin holds (a copy; empty if none)."""
-        return list(self._pins.get(request_id, ()))
-
-    def check_pins(self, held: Counter[int]) -> None:
-        """A pinned request holds no table and no block twice; adds the pins' blocks to
-        ``held`` (``check_invariants``)."""
-        tables = self.live_block_tables()
-        for request_id, block_ids in self._pins.items():
-            assert request_id not in tables, f"{request_id}: pinned and admitted"
-            assert block_ids and len(set(block_ids)) == len(block_ids), f"{request_id}: pin"
-            held.update(block_ids)
-
-    def live_block_tables(self) -> dict[str, list[int]]:
-        raise NotImplementedError
-
-    @property
-    def num_pinned_only_blocks(self) -> int:
-        """Blocks held by pins alone (cached-free but for them)."""
-        return self._num_freed_by_pins(self._pins.values())
-
-    def _num_freed_by(self, requests: Sequence[Request]) -> int:
-        """Blocks that releasing these requests' pins would make free."""
-        return self._num_freed_by_pins(self._pins[r.request_id] for r in requests)
-
-    def _num_freed_by_pins(self, pins: Iterable[list[int]]) -> int:
-        counts = Counter(b for block_ids in pins for b in block_ids)
-        ref_count = self.pool.ref_count
-        return sum(1 for b, n in counts.items() if ref_count(b) == n)
-
-    # ---- counts, eviction, resizing ------------------------------------------------
-
-    def take_released_block_ids(self) -> tuple[int, ...]:
-        """Device blocks released since the last call (nobody reads their contents any
-        more: the ref count reached zero, or for a hashed block, it left the prefix index):
-        the worker drops per-block state it keeps outside the pool (a quantized cache's
-        staging slots)."""
-        return self.pool.take_released()
-
-    def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
-        """Drop up to ``num_blocks`` (default all) cached-free blocks from the prefix
-        index, least recently used first; returns how many were evicted."""
-        return len(self.pool.evict(num_blocks))
-
-    def begin_shrink(self, num_blocks: int) -> None:
-        """Start shrinking the device tier to ``num_blocks``: allocation comes from below
-        it from now on; compaction slices empty the tail; ``finish_shrink`` drops it."""
-        if not 0 < num_blocks <= self.num_blocks:
-            raise ValueError(f"num_blocks must be in [1, {self.num_blocks}], got {num_blocks}")
-        self.pool.set_limit(num_blocks)
-
-    def plan_compaction(self, max_moves: int | None = None) -> CompactionPlan:
-        """The next slice of the shrink in progress (changes nothing)."""
-        return plan_compaction(self.pool, max_moves=max_moves)
-
-    def apply_compaction(self, plan: CompactionPlan) -> None:
-        """Move the books as ``plan`` says, once the worker has copied its blocks: the
-        pool (ref counts, prefix index, LRU order), then whatever names blocks by id
-        (``_blocks_relocated``)."""
-        self.pool.drop(plan.drops)
-        if not plan.moves:
-            return
-        mapping = plan.mapping()
-        self.pool.relocate(plan.moves)
-        for block_ids in self._pins.values():
-            remap_table(block_ids, mapping)
-        self._blocks_relocated(mapping)
-
-    def _blocks_relocated(self, mapping: dict[int, int]) -> None:
-        """Rename moved blocks (old id -> new id) everywhere the manager keeps ids."""
-        raise NotImplementedError
-
-    def finish_shrink(self, *, settle: bool = False) -> int:
-        """Drop the tail; returns the new number of blocks. With ``settle``, stop where
-        compaction got to: past the highest block still holding data."""
-        pool = self.pool
-        if settle:
-            pool.set_limit(settle_limit(pool))
-        self._tail_dropped(range(pool.limit, pool.num_blocks))
-        pool.truncate()
-        self._resized()
-        return self.num_blocks
-
-    def _tail_dropped(self, block_ids: range) -> None:
-        """The blocks ``finish_shrink`` is about to drop (nothing to do here)."""
-
-    @property
-    def shrink_pending(self) -> bool:
-        """A shrink is under way: blocks at or above the limit still hold data."""
-        return bool(self.pool.occupied_above(self.pool.limit))
-
-    def grow(self, num_blocks: int) -> None:
-        """Add free device blocks up to ``num_blocks`` (ends a shrink in progress)."""
-        self.pool.grow(num_blocks)
-        self._resized()
-
-    def _resized(self) -> None:
-        """The pool grew or shrank: update what is derived from its size."""
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usable_blocks(self) -> int:
-        """Device blocks allocation may use: all of them, or the target of a shrink."""
-        return self.pool.limit
-
-    @property
-    def usage(self) -> float:
-        """Fraction of device blocks held by live requests."""
-        return self.pool.num_used_blocks / self.num_blocks
-
-    def block_states(self, *, host: bool = False) -> list[int]:
-        """Each device (or host) block's state by id: ``block_pool.BLOCK_FREE``,
-        ``BLOCK_CACHED_FREE`` or ``BLOCK_USED`` (a new list)."""
-        return (self.host_pool if host else self.pool).block_states()
-
-    def block_ref_counts(self, *, host: bool = False) -> list[int]:
-        """Each device (or host) block's ref count by id (a new list)."""
-        return (self.host_pool if host else self.pool).ref_counts()
 
 
 class KVCacheManager(DevicePoolViews):
@@ -422,26 +118,20 @@ class KVCacheManager(DevicePoolViews):
         else:
             self.events = pool.events if pool.events is not None else CacheEventLog()
         self.pool = pool
-        self._hash_salt = tuple(hash_salt)
         # Read-only alias of the pool's ref counts (the list is never replaced): the
         # decode fast path runs for every sequence every step.
         self._ref_counts = self.pool._ref_counts
         self.swap = HostSwapTier(num_host_blocks)
         self.disk = disk if enable_prefix_caching else None
-        self._loads_in_flight: dict[int, bytes] = {}  # device block -> hash, last disk ops
+        self.disk_loads = DiskLoads(pool, self.disk)
         self._tables: dict[str, list[int]] = {}
         # Tuple views of `_tables`, built on demand and dropped when a table changes: the
         # same object step after step while a table is unchanged (see `block_table_tuple`).
         self._table_tuples: dict[str, tuple[int, ...]] = {}
         self._num_slots: dict[str, int] = {}  # tokens each table must hold
-        # Full-block hashes, grown lazily, of requests holding blocks; a request still
-        # waiting keeps its hashes in the one-entry `_pending_hashes` between
-        # get_computed_blocks and allocate_slots, so a waiting request that is dropped
-        # without free() leaves nothing behind.
-        self._block_hashes: dict[str, list[bytes]] = {}
-        self._pending_hashes: tuple[Request, list[bytes]] | None = None
+        self.hashes = RequestHashes(block_size, self._holds_blocks, hash_salt)
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the index
-        self._pins: dict[str, list[int]] = {}
+        self.pins = Pins(pool)
         self._prefix_queries_tokens = 0
         self._prefix_hits_tokens = 0
         self._prefix_disk_hits_tokens = 0
@@ -456,7 +146,7 @@ class KVCacheManager(DevicePoolViews):
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return _NO_HIT
         bs = self.block_size
-        hashes = self._ensure_hashes(request)
+        hashes = self.hashes.ensure(request)
         tokens = request.all_token_ids
         max_blocks = min((request.num_tokens - 1) // bs, len(hashes))
         block_ids = []
@@ -465,20 +155,14 @@ class KVCacheManager(DevicePoolViews):
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_disk = 0
-        disk = self.disk
-        if disk is not None:
-            while (
-                len(block_ids) + num_disk < max_blocks and hashes[len(block_ids) + num_disk] in disk
-            ):
-                num_disk += 1
+        num_disk = self.disk_loads.num_hits(hashes, len(block_ids), max_blocks)
         if not block_ids and not num_disk:
             return _NO_HIT
         return ComputedBlocks(tuple(block_ids), (len(block_ids) + num_disk) * bs, num_disk)
 
     def block_hashes(self, request: Request) -> Sequence[bytes]:
         """Hashes of the request's full blocks (all known tokens), in table order."""
-        return self._ensure_hashes(request)
+        return self.hashes.ensure(request)
 
     def allocate_slots(
         self,
@@ -516,7 +200,7 @@ class KVCacheManager(DevicePoolViews):
                 self._count_prefix_query(request, computed_blocks)
                 self._tables[request_id] = []
                 self._table_changed(request_id)
-                self._adopt_pending_hashes(request)
+                self.hashes.adopt_pending(request)
                 self.release_pin(request)
             if total > self._num_slots.get(request_id, 0):
                 self._num_slots[request_id] = total
@@ -536,7 +220,9 @@ class KVCacheManager(DevicePoolViews):
             table = []
         new_ids = self._allocate_device(num_loads + len(cow_indices) + num_new_blocks)
         if num_loads:
-            self._plan_loads(request, len(table), new_ids[:num_loads])
+            hashes = self.hashes.ensure(request)
+            tokens, extra_keys = request.all_token_ids, self.hashes.extra_keys(request)
+            self.disk_loads.plan(new_ids[:num_loads], len(table), hashes, tokens, extra_keys, bs)
             table.extend(new_ids[:num_loads])
         rest = new_ids[num_loads:]
         copies = []
@@ -549,7 +235,7 @@ class KVCacheManager(DevicePoolViews):
         table.extend(rest[len(cow_indices) :])
         self._tables[request_id] = table
         self._table_changed(request_id)
-        self._adopt_pending_hashes(request)
+        self.hashes.adopt_pending(request)
         self.release_pin(request)  # after the table took its references
         self._num_slots[request_id] = max(total, self._num_slots.get(request_id, 0))
         return Allocation(tuple(new_ids), tuple(copies))
@@ -660,7 +346,7 @@ class KVCacheManager(DevicePoolViews):
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hashes = self._ensure_hashes(request)
+        hashes = self.hashes.ensure(request)
         tokens = request.all_token_ids
         lookup = self.pool.lookup
         return [
@@ -683,9 +369,9 @@ class KVCacheManager(DevicePoolViews):
         num_full = min(request.num_computed_tokens // bs, len(table))
         if num_full <= done:
             return
-        hashes = self._ensure_hashes(request)
+        hashes = self.hashes.ensure(request)
         tokens = request.all_token_ids
-        extra_keys = self._extra_keys(request)
+        extra_keys = self.hashes.extra_keys(request)
         disk = self.disk
         for i in range(done, num_full):
             block_tokens = tokens[i * bs : (i + 1) * bs]
@@ -703,57 +389,40 @@ class KVCacheManager(DevicePoolViews):
     # ---- sliding windows ------------------------------------------------------------
 
     def _init_window(self, sliding_window: int | None, null_block: int | None) -> None:
-        """With a window (every layer of the model, or of this group, slides), one block
-        is held by the manager for good (or by the grouped manager above it:
-        ``null_block``): the placeholder every table points at in place of a block
-        released out of the window (the worker never reads it, and slots stay
-        ``table[p // block_size]``)."""
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        self.sliding_window = sliding_window
+        """With a window (``core/window_release.py``), one block is held by the manager
+        for good (or by the grouped manager above it: ``null_block``): the placeholder
+        every table points at in place of a block released out of the window."""
+        self.window = WindowRelease(sliding_window, self.block_size)
         self.null_block: int | None = null_block
-        self._window_freed = 0
         if sliding_window is not None and null_block is None:
             self.null_block = self.pool.allocate(1)[0]
 
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window.sliding_window
+
     def release_out_of_window(self, request: Request) -> int:
-        """Release the request's blocks that no later query can read: every position up
-        to ``num_computed_tokens - sliding_window`` (the next query, at
-        ``num_computed_tokens``, sees the ``sliding_window`` positions ending at itself).
-        Their table entries become the placeholder; full hashed blocks stay findable
-        as cached-free. Returns how many blocks were released (0 without a window)."""
-        window = self.sliding_window
-        if window is None:
-            return 0
+        """Release the request's blocks that no later query can read (their table
+        entries become the placeholder; full hashed blocks stay findable as
+        cached-free). Returns how many blocks were released (0 without a window)."""
         table = self._tables.get(request.request_id)
-        dead = max(0, request.num_computed_tokens - window + 1) // self.block_size
-        null = self.null_block
-        if not table or dead == 0 or table[min(dead, len(table)) - 1] == null:
-            return 0
-        released = [b for b in table[:dead] if b != null]
-        for i in range(min(dead, len(table))):
-            table[i] = null
-        self.pool.incref([null] * len(released))
-        self.pool.decref(released)
-        self._table_changed(request.request_id)
-        self._window_freed += len(released)
-        return len(released)
+        released = self.window.release(
+            table,
+            request.num_computed_tokens,
+            self.null_block,  # type: ignore[arg-type]
+            self.pool,
+        )
+        if released:
+            self._table_changed(request.request_id)
+        return released
 
     def _holds_placeholder(self, request: Request) -> bool:
         null = self.null_block
         return null is not None and null in self._tables.get(request.request_id, ())
 
     def blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
-        """Blocks a sequence of ``num_tokens`` cached tokens holds at its peak when each
-        step computes at most ``max_step_tokens``: all of them without a window; with
-        one, those a step's queries can see (the window before the step's first query,
-        the step's own tokens) plus one for a window that does not start on a block, and
-        the placeholder the manager holds."""
-        full = -(-num_tokens // self.block_size)
-        if self.sliding_window is None:
-            return full
-        seen = self.sliding_window - 1 + max_step_tokens
-        return min(full, -(-seen // self.block_size) + 1) + 1
+        """``WindowRelease.blocks_needed``: the most blocks a sequence holds at once."""
+        return self.window.blocks_needed(num_tokens, max_step_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's table; every block gains one reference."""
@@ -768,15 +437,7 @@ class KVCacheManager(DevicePoolViews):
         self._table_changed(child_id)
         self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
-        parent_hashes = self._block_hashes.get(parent_id)
-        if parent_hashes:
-            # Reuse the parent's hashes only where the child's tokens agree.
-            bs = self.block_size
-            n = min(len(parent_hashes), child.num_tokens // bs)
-            p_tokens, c_tokens = parent.all_token_ids, child.all_token_ids
-            while n and p_tokens[: n * bs] != c_tokens[: n * bs]:
-                n -= 1
-            self._block_hashes[child_id] = parent_hashes[:n]
+        self.hashes.fork(parent, child)
 
     def free(self, request: Request) -> None:
         """Release every block of the request (device or host), tail first, and forget
@@ -790,33 +451,20 @@ class KVCacheManager(DevicePoolViews):
             self.pool.decref(reversed(table))
         self.swap.release(request_id)
         self._num_slots.pop(request_id, None)
-        self._block_hashes.pop(request_id, None)
-        if self._pending_hashes is not None and self._pending_hashes[0] is request:
-            self._pending_hashes = None
+        self.hashes.forget(request)
         self._num_registered.pop(request_id, None)
 
     # ---- the disk tier ------------------------------------------------------------
 
     def take_disk_ops(self) -> DiskOps:
         """The disk I/O planned since the last call, for this step's worker."""
-        if self.disk is None:
-            return NO_DISK_OPS
-        ops = self.disk.take_ops()
-        self._loads_in_flight = {block_id: block_hash for block_id, block_hash, _ in ops.loads}
-        return ops
+        return self.disk_loads.take_ops()
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker could not load these blocks of the last disk ops (file missing,
         truncated or corrupt): they leave the prefix index and the disk tier. Their
         holders must be freed and recomputed (``Scheduler.reject_loads``)."""
-        for block_id in block_ids:
-            block_hash = self._loads_in_flight.get(block_id)
-            if block_hash is None:
-                raise ValueError(f"block {block_id} was not loaded from disk in the last step")
-            if self.pool.block_hash(block_id) == block_hash:
-                self.pool.discard(block_id)
-            if self.disk is not None:
-                self.disk.discard(block_hash)
+        self.disk_loads.failed(block_ids)
 
     # ---- swapping -----------------------------------------------------------------
 
@@ -971,7 +619,7 @@ class KVCacheManager(DevicePoolViews):
             disk_blocks_used=len(self.disk) if self.disk is not None else 0,
             prefix_disk_hits_tokens=self._prefix_disk_hits_tokens,
             sliding_window=self.sliding_window,
-            window_freed_blocks=self._window_freed,
+            window_freed_blocks=self.window.num_freed,
         )
 
     def num_blocks_held(self) -> int:
@@ -1028,7 +676,7 @@ class KVCacheManager(DevicePoolViews):
                 f"{request_id}: stale block table tuple"
             )
         for request_id, table in self._tables.items():
-            hashes = self._block_hashes.get(request_id, ())
+            hashes = self.hashes.by_request.get(request_id, ())
             for i, block_id in enumerate(table[: len(hashes)]):
                 block_hash = self.pool.block_hash(block_id)
                 assert block_hash is None or block_hash == hashes[i], (
@@ -1040,32 +688,13 @@ class KVCacheManager(DevicePoolViews):
     def _resized(self) -> None:
         self.num_blocks = self.pool.num_blocks
 
-    def _ensure_hashes(self, request: Request) -> list[bytes]:
-        """The request's full-block hashes, extended incrementally as tokens arrive."""
-        request_id = request.request_id
-        hashes = self._block_hashes.get(request_id)
-        if hashes is None:
-            pending = self._pending_hashes
-            hashes = pending[1] if pending is not None and pending[0] is request else []
-            if request_id in self._tables or self.swap.holds(request_id):
-                self._block_hashes[request_id] = hashes
-                if pending is not None and pending[0] is request:
-                    self._pending_hashes = None
-            else:
-                self._pending_hashes = (request, hashes)
-        bs = self.block_size
-        num_full = request.num_tokens // bs
-        if len(hashes) < num_full:
-            tokens, extra_keys = request.all_token_ids, self._extra_keys(request)
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), num_full):
-                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra_keys)
-                hashes.append(parent)
-        return hashes
+    def _holds_blocks(self, request_id: str) -> bool:
+        return request_id in self._tables or self.swap.holds(request_id)
 
-    def _extra_keys(self, request: Request) -> tuple:
-        salt = self._hash_salt
-        return request.extra_keys + salt if salt else request.extra_keys
+    @property
+    def _block_hashes(self) -> dict[str, list[bytes]]:
+        """The kept hashes by request id (``RequestHashes.by_request``; tests read it)."""
+        return self.hashes.by_request
 
     def _table_changed(self, request_id: str) -> None:
         """Drop the tuple view of a table just created, changed or released."""
@@ -1079,14 +708,8 @@ class KVCacheManager(DevicePoolViews):
             self._prefix_hits_tokens += computed.num_tokens
             self._prefix_disk_hits_tokens += computed.num_disk_blocks * self.block_size
 
-    def _adopt_pending_hashes(self, request: Request) -> None:
-        pending = self._pending_hashes
-        if pending is not None and pending[0] is request:
-            self._block_hashes[request.request_id] = pending[1]
-            self._pending_hashes = None
-
     def _check_hit(self, request: Request, hit_ids: tuple[int, ...], num_loads: int) -> None:
-        hashes = self._ensure_hashes(request)
+        hashes = self.hashes.ensure(request)
         if len(hit_ids) + num_loads > len(hashes):
             raise ValueError("computed_blocks cover more than the request's full blocks")
         null = self.null_block  # a grouped window's hit starts with placeholders
@@ -1094,31 +717,12 @@ class KVCacheManager(DevicePoolViews):
             self.pool.block_hash(b) != hashes[i] for i, b in enumerate(hit_ids) if b != null
         )
         if num_loads:
-            disk = self.disk
             end = len(hit_ids) + num_loads
-            stale = stale or disk is None or any(h not in disk for h in hashes[len(hit_ids) : end])
+            stale = stale or not self.disk_loads.holds_all(hashes[len(hit_ids) : end])
         if stale:
             raise ValueError(
                 "stale computed_blocks: call get_computed_blocks right before allocate_slots"
             )
-
-    def _plan_loads(self, request: Request, first: int, block_ids: list[int]) -> None:
-        """Index fresh device blocks under the request's disk hits from block ``first`` on
-        and plan their loads."""
-        assert self.disk is not None
-        bs = self.block_size
-        hashes = self._ensure_hashes(request)
-        tokens, extra_keys = request.all_token_ids, self._extra_keys(request)
-        for i, block_id in enumerate(block_ids, start=first):
-            block_tokens = tokens[i * bs : (i + 1) * bs]
-            self.pool.register(
-                block_id,
-                hashes[i],
-                block_tokens,
-                parent_hash=hashes[i - 1] if i else None,
-                extra_keys=extra_keys,
-            )
-            self.disk.load(block_id, hashes[i], block_tokens)
 
     def _cow_indices(self, table: list[int], start: int, total: int) -> tuple[int, ...]:
         """Indices of shared blocks the tokens ``start .. total-1`` would write into."""
@@ -1137,7 +741,7 @@ class KVCacheManager(DevicePoolViews):
 
     def _plan_swap_in(self, request: Request) -> tuple[SwapPlan, int, int]:
         bs = self.block_size
-        hashes = self._ensure_hashes(request) if self.enable_prefix_caching else ()
+        hashes = self.hashes.ensure(request) if self.enable_prefix_caching else ()
         tokens = request.all_token_ids
         plan: SwapPlan = []
         num_new = num_revived = 0

@@ -44,8 +44,8 @@ from pagedllm.core.outputs import (
 from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedllm.core.hybrid_kv import HybridKVCacheManager
-    from pagedllm.core.kv_cache_manager import Allocation, ComputedBlocks, KVCacheManager
+    from pagedllm.core.kv_protocol import KVCacheProtocol
+    from pagedllm.core.kv_records import Allocation, ComputedBlocks
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -164,7 +164,7 @@ class Scheduler:
     ``schedule()`` -> ``SchedulerOutput`` -> the runner -> ``update(output, result)``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheProtocol) -> None:
         self.config = config
         self.kv = kv
         cache = kv.stats()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.accounting import WasteReport, group_wastes, waste
 from pagedllm.core.block_pool import BLOCK_STATE_NAMES
 from pagedllm.core.hybrid_kv import HybridKVCacheManager
-from pagedllm.core.kv_cache_manager import CacheStats
+from pagedllm.core.kv_records import CacheStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.elastic import ElasticStats
 from pagedllm.engine.speculator import SpecDecodeStats
