@@ -18,23 +18,22 @@ Order within a step:
    by recompute (free, requeue) or by swap (blocks to the host tier);
 2. swapped requests are swapped back in (only in a step without preemption);
 3. waiting requests are admitted (only when no request is still swapped out):
-   longest cached prefix first, then the rest within the budget. A request whose next
-   uncached full block a running request is computing (in-flight sharing) waits until
-   that block is registered, then finds it in the prefix cache instead of computing it
-   a second time::
+   longest cached prefix first, then the rest within the budget; a request whose next
+   uncached block a running request computes waits for it (``core/inflight.py``).
 
-       A (admitted, computing)  |b0|b1|b2|a3|          b0..b2 not yet registered
-       B (waiting)              |b0|b1|b2|x3|x4|       next uncached block b0: in flight
-                                 -> B waits; after A's step b0..b2 are cached and B
-                                    computes only x3, x4
+Collaborators: ``scheduler_config`` (the limits), ``request_fit`` (the fit rule and the
+``max_tokens`` default), ``inflight`` (in-flight sharing), ``step_batch`` (the step being
+built and its ``ScheduledSequence``s); the KV cache through ``kv_protocol``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from pagedllm.core.inflight import InflightSharing
+from pagedllm.core.multi_step import multi_step_size, schedule_steps
 from pagedllm.core.outputs import (
     ModelRunnerOutput,
     ScheduledSequence,
@@ -42,67 +41,19 @@ from pagedllm.core.outputs import (
     TokenLogprob,
 )
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_fit import FitRule
+from pagedllm.core.scheduler_config import SchedulerConfig
+from pagedllm.core.step_batch import StepBatch, num_samples, to_scheduled, will_fork
+from pagedllm.core.stops import stop_status
 
 if TYPE_CHECKING:
     from pagedllm.core.kv_protocol import KVCacheProtocol
     from pagedllm.core.kv_records import Allocation, ComputedBlocks
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-
 
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th parallel sample (index 0 is the parent itself)."""
     return f"{parent_id}#{index}"
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Limits of one step, and how to preempt."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    preemption_mode: str = "auto"
-    enable_chunked_prefill: bool = True
-    # Up to this many greedy decode steps per schedule (multi-step decoding, see
-    # ``Scheduler.schedule``); 1 schedules every step.
-    num_scheduler_steps: int = 1
-    # A waiting request whose next uncached block a running request computes waits for it
-    # (``_schedule_waiting``); only with prefix caching.
-    enable_inflight_sharing: bool = True
-    # Most prompt tokens in a step that also decodes (None: the step's budget): the decoding
-    # requests wait for the whole step, so a smaller slice shortens their longest gaps
-    # (tail inter-token latency); steps without decodes keep the full budget.
-    max_prefill_tokens_while_decoding: int | None = None
-    # A request arriving pins the blocks of its cached prefix while it waits, so that
-    # eviction cannot take them from under it (``KVCacheManager.pin_prefix``); a pin gives
-    # way to any allocation that needs its room (``Scheduler._give_up_pins``).
-    pin_waiting_prefixes: bool = True
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "num_scheduler_steps",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ValueError(
-                f"max_prefill_tokens_while_decoding must be a positive integer, got {cap!r}"
-            )
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
-            )
 
 
 class SequenceUpdate(NamedTuple):
@@ -138,26 +89,6 @@ class SchedulerStats:
         return self.num_preemptions_recompute + self.num_preemptions_swap
 
 
-@dataclass(slots=True)
-class _Step:
-    """The step being built (internal, mutable)."""
-
-    budget: int
-    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
-    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Requests swapped or preempted this step; with `scheduled`, all the step touched.
-    touched: set[str] = field(default_factory=set)
-    preempted: bool = False
-
-    def add(self, request: Request, num_new_tokens: int, copies: Sequence[tuple[int, int]]) -> None:
-        self.scheduled[request.request_id] = (request, num_new_tokens)
-        self.budget -= num_new_tokens
-        if copies:
-            self.copies.setdefault(request.request_id, []).extend(copies)
-
-
 class Scheduler:
     """Chooses each step's batch, and applies the model's results.
 
@@ -167,8 +98,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheProtocol) -> None:
         self.config = config
         self.kv = kv
-        cache = kv.stats()
-        self._block_size = cache.block_size
+        block_size = kv.stats().block_size
+        self._block_size = block_size
+        self.fit = FitRule(config, kv, block_size)
+        self.inflight = InflightSharing(kv, block_size, config.enable_inflight_sharing)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -178,12 +111,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._last_step_ids: frozenset[str] = frozenset()
         self.num_preemptions = {"recompute": 0, "swap": 0}
-        # The most blocks the pool may grow to (the elastic pool's MAX), if it can grow.
-        self.max_num_blocks: int | None = None
-        # request id -> tokens it found cached when it first waited for in-flight blocks.
-        self._inflight_waiters: dict[str, int] = {}
-        self.num_inflight_shared_tokens = 0
-        self.num_inflight_waits = 0
         self.num_pins_given_up = 0
 
     # ------------------------------------------------------------------ public
@@ -196,76 +123,54 @@ class Scheduler:
         if params is not None and params.max_tokens is None:
             default = self.default_max_tokens(request.num_prompt_tokens)
             request.sampling_params = params.with_max_tokens(default)
-        self.check_fits(request.num_prompt_tokens, self.max_tokens(request), self._n(request))
+        self.check_fits(request.num_prompt_tokens, self.max_tokens(request), num_samples(request))
         self._enqueue(request)
         self.waiting.append(request)
         request.arrival_event_seq = self.kv.events.next_seq
         if self.config.pin_waiting_prefixes:
             self.kv.pin_prefix(request)
 
+    # The fit rule and the max_tokens default live in ``core/request_fit.py``.
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raise ``ValueError`` (with both numbers) for a request that can never fit."""
-        limit = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token")
-        num_tokens = num_prompt_tokens + max_tokens
-        if num_tokens > limit:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_tokens} tokens exceeds max_model_len ({limit})"
-            )
-        needed, total = self._blocks_needed(num_tokens), self._capacity_blocks()
-        if needed > total:
-            raise ValueError(
-                f"request needs {needed} KV blocks ({num_tokens - 1} tokens) but the whole "
-                f"cache holds {total} blocks ({total * self._block_size} tokens); lower "
-                f"max_tokens or give the cache more memory"
-            )
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        self.fit.check_fits(num_prompt_tokens, max_tokens, n)
 
     def max_num_tokens(self) -> int:
-        """The most tokens (prompt + ``max_tokens``) one request may have: ``max_model_len``,
-        or fewer when the whole cache holds fewer (``check_fits`` admits exactly these)."""
-        low, high = 0, self.config.max_model_len  # fits: low; and everything above high fails
-        total = self._capacity_blocks()
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self._blocks_needed(middle) <= total:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        """The most tokens (prompt + ``max_tokens``) one request may have."""
+        return self.fit.max_num_tokens()
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """``max_tokens`` of a request that sets none: all the room its prompt leaves."""
-        limit = self.max_num_tokens()
-        if num_prompt_tokens >= limit:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) leaves no room for output within "
-                f"the {limit} tokens a request may have (max_model_len and the cache's size)"
-            )
-        return limit - num_prompt_tokens
+        return self.fit.default_max_tokens(num_prompt_tokens)
 
     def max_tokens(self, request: Request) -> int:
         """The most output tokens ``request`` may have."""
-        params = request.sampling_params
-        if params is None or params.max_tokens is None:
-            return max(self.max_num_tokens() - request.num_prompt_tokens, 0)
-        return params.max_tokens
+        return self.fit.max_tokens(request)
+
+    @property
+    def max_num_blocks(self) -> int | None:
+        """The most blocks the pool may grow to (the elastic pool's MAX), if it can grow."""
+        return self.fit.max_num_blocks
+
+    @max_num_blocks.setter
+    def max_num_blocks(self, value: int | None) -> None:
+        self.fit.max_num_blocks = value
 
     def schedule(self, *, single_step: bool = False) -> SchedulerOutput:
         """Choose this step's work. Mutates block tables and queues.
 
         Multi-step decoding (``num_scheduler_steps > 1``): when nothing waits or is swapped
-        out and every running request decodes greedily (``_multi_step_size``), each gets
+        out and every running request decodes greedily (``multi_step_size``), each gets
         slots for the next k tokens and the worker runs k steps in a row; the per-sequence
         Python of scheduling, sampling and updating is paid once for k tokens. Tokens past
         a request's stop are computed and dropped (its extra slots go with its blocks).
         ``single_step``: one step this time (speculative decoding expects drafts soon)."""
-        step = _Step(budget=self.config.max_num_batched_tokens)
-        num_steps = 1 if single_step else self._multi_step_size()
-        if num_steps > 1 and not self._schedule_steps(step, num_steps):
+        step = StepBatch(budget=self.config.max_num_batched_tokens)
+        num_steps = 1
+        if not (single_step or self.waiting or self.swapped):  # core/multi_step.py
+            num_steps = multi_step_size(self.config, self.running, self.fit.max_tokens)
+        if num_steps > 1 and not schedule_steps(self.kv, self.running, step, num_steps):
             num_steps = 1
         if num_steps == 1:
             self._schedule_running(step)
@@ -275,7 +180,7 @@ class Scheduler:
                     self._schedule_waiting(step)
         self._last_step_ids = frozenset(step.scheduled).union(step.touched)
         output = SchedulerOutput(
-            scheduled=tuple(self._to_scheduled(r, k) for r, k in step.scheduled.values()),
+            scheduled=tuple(to_scheduled(self.kv, r, k) for r, k in step.scheduled.values()),
             block_copies=tuple(c for cs in step.copies.values() for c in cs),
             swap_out=tuple(step.swap_out),
             swap_in=tuple(step.swap_in),
@@ -307,53 +212,6 @@ class Scheduler:
                 dropped.add(request.request_id)
         scheduled = tuple(s for s in output.scheduled if s.request_id not in dropped)
         return replace(output, scheduled=scheduled)
-
-    def _multi_step_size(self) -> int:
-        """How many decode steps this schedule may cover: 1, or up to
-        ``num_scheduler_steps`` when nothing waits or is swapped out and every running
-        request has one token to do, samples it as a plain argmax (no logprobs, penalties,
-        bias or pending ``min_tokens``; no stop strings, which the engine checks on text;
-        no structured outputs, whose grammar masks every draw)
-        and has room below ``max_model_len``; no more steps than the longest remaining
-        ``max_tokens`` needs."""
-        config = self.config
-        limit = config.num_scheduler_steps
-        if limit == 1 or self.waiting or self.swapped or not self.running:
-            return 1
-        if len(self.running) > config.max_num_batched_tokens:
-            return 1
-        wanted = 1
-        for request in self.running:
-            if request.draft_token_ids:
-                return 1  # a speculative step verifies several tokens in one forward
-            params = request.sampling_params
-            num_tokens = len(request.all_token_ids)
-            num_output = len(request.output_token_ids)
-            if (
-                params is None
-                or num_tokens - request.num_computed_tokens != 1
-                or not params.plain_greedy(num_output)
-                or params.stop
-                or params.structured_outputs is not None  # a mask before every draw
-            ):
-                return 1
-            # Step j's input sits at position num_tokens - 1 + j < max_model_len.
-            limit = min(limit, config.max_model_len - num_tokens)
-            wanted = max(wanted, self.max_tokens(request) - num_output)
-        return max(1, min(limit, wanted))
-
-    def _schedule_steps(self, step: _Step, num_steps: int) -> bool:
-        """Slots for ``num_steps`` tokens for every running request (a decode of one token
-        each). False when the cache cannot give them all: the requests given theirs stay
-        in ``step`` (with any copy-on-write), the others are scheduled as an ordinary step
-        (the slots already taken serve the next steps)."""
-        allocate_slots = self.kv.allocate_slots
-        for request in self.running:
-            allocation = allocate_slots(request, num_steps)
-            if allocation is None:
-                return False
-            step.add(request, 1, allocation.block_copies)
-        return True
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
         """Advance counters, append sampled tokens, fork parallel samples, finish."""
@@ -527,7 +385,7 @@ class Scheduler:
         than this could never finish it."""
         return max(
             (
-                self._blocks_needed(r.num_prompt_tokens + self.max_tokens(r))
+                self.fit.blocks_needed(r.num_prompt_tokens + self.max_tokens(r))
                 for r in self.requests.values()
             ),
             default=0,
@@ -547,14 +405,14 @@ class Scheduler:
             num_swapped=len(self.swapped),
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
-            num_inflight_shared_tokens=self.num_inflight_shared_tokens,
-            num_inflight_waits=self.num_inflight_waits,
+            num_inflight_shared_tokens=self.inflight.num_shared_tokens,
+            num_inflight_waits=self.inflight.num_waits,
             num_pins_given_up=self.num_pins_given_up,
         )
 
     # --------------------------------------------------------------- running
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepBatch) -> None:
         # Decodes (one token to do, or none: parked) before prompt chunks, so a long prompt
         # never starves them; each group in running order.
         decodes: list[Request] = []
@@ -568,7 +426,7 @@ class Scheduler:
             step.budget = min(step.budget, cap)
         self._grow_running(prefills, step)
 
-    def _grow_running(self, requests: list[Request], step: _Step) -> None:
+    def _grow_running(self, requests: list[Request], step: StepBatch) -> None:
         """Slots for each running request's next tokens, within the budget; preempts
         (the newest running request first) when one does not fit."""
         allocate_slots, running = self.kv.allocate_slots, RequestStatus.RUNNING
@@ -618,7 +476,7 @@ class Scheduler:
         return max(0, min(left, self.config.max_model_len - num_tokens + 1) - 1)
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, step: _Step
+        self, request: Request, num_new: int, step: StepBatch
     ) -> tuple[tuple[int, int], ...] | None:
         while True:
             allocation = self.kv.allocate_slots(request, num_new)
@@ -631,7 +489,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: StepBatch) -> None:
         scheduled = step.scheduled.pop(victim.request_id, None)
         if scheduled is not None:
             step.budget += scheduled[1]
@@ -670,7 +528,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- swapped
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: StepBatch) -> None:
         # Swap in first, allocate after: requests swapped out together may come back
         # sharing a block, and one must not write into it before the other holds it
         # (allocate_slots then sees the share and copies on write).
@@ -701,17 +559,18 @@ class Scheduler:
 
     # --------------------------------------------------------------- waiting
 
-    def _schedule_waiting(self, step: _Step) -> None:
-        in_flight = self._in_flight_hashes()
+    def _schedule_waiting(self, step: StepBatch) -> None:
+        inflight = self.inflight
+        in_flight = inflight.hashes(self.running, bool(self.waiting))
         for request in sorted(self.waiting, key=self._priority_key):
             if step.budget <= 0:
                 break
-            num_seqs = self._n(request) if self._will_fork(request) else 1
+            num_seqs = num_samples(request) if will_fork(request) else 1
             if len(self.running) + num_seqs > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
             event_seq = self.kv.events.next_seq  # before allocating evicts anything
-            if in_flight is not None and self._waits_for(request, computed, in_flight):
+            if in_flight is not None and inflight.waits_for(request, computed, in_flight):
                 continue  # its next block is being computed; others may go first
             num_new = request.num_tokens - computed.num_tokens
             if num_new > step.budget and not self.config.enable_chunked_prefill:
@@ -726,11 +585,11 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_tokens
                 request.cache_event_seq = event_seq
-            self._count_inflight_share(request, computed.num_tokens)
+            inflight.count_share(request, computed.num_tokens)
             self.running.append(request)
             step.add(request, num_new, allocation.block_copies)
             if in_flight is not None:
-                in_flight.update(self._uncomputed_hashes(request))
+                in_flight.update(inflight.uncomputed_hashes(request))
 
     def _admit(self, request: Request, num_new: int, computed: ComputedBlocks) -> Allocation | None:
         """``allocate_slots`` for a waiting request's first tokens; when the room is
@@ -759,45 +618,6 @@ class Scheduler:
         released = self.kv.give_up_pins(others, num_free_blocks)
         self.num_pins_given_up += released
         return released > 0
-
-    def _in_flight_hashes(self) -> set[bytes] | None:
-        """Hashes of the full blocks running requests have yet to compute (None: no
-        in-flight sharing). Only known tokens count, so a decode holds at most the
-        block its next token completes."""
-        if not (
-            self.config.enable_inflight_sharing and self.kv.enable_prefix_caching and self.waiting
-        ):
-            return None
-        in_flight: set[bytes] = set()
-        for request in self.running:
-            in_flight.update(self._uncomputed_hashes(request))
-        return in_flight
-
-    def _uncomputed_hashes(self, request: Request) -> Sequence[bytes]:
-        hashes = self.kv.block_hashes(request)
-        return hashes[request.num_computed_tokens // self._block_size :]
-
-    def _waits_for(self, request: Request, computed: ComputedBlocks, in_flight: set[bytes]) -> bool:
-        """True when the first block ``request`` would compute, and could have found
-        cached, is being computed by a running request: it waits a step and hits it then.
-        Never starves: the block's owner runs every step until it is registered, and a
-        request that is preempted or finishes no longer counts."""
-        index = computed.num_tokens // self._block_size
-        if request.wants_prompt_logprobs:
-            return False  # it takes no prefix hit, so waiting gains nothing
-        if index >= (request.num_tokens - 1) // self._block_size:
-            return False  # beyond the cap of a prefix hit: it computes that block anyway
-        if self.kv.block_hashes(request)[index] not in in_flight:
-            return False
-        if request.request_id not in self._inflight_waiters:
-            self._inflight_waiters[request.request_id] = computed.num_tokens
-            self.num_inflight_waits += 1
-        return True
-
-    def _count_inflight_share(self, request: Request, num_cached: int) -> None:
-        base = self._inflight_waiters.pop(request.request_id, None)
-        if base is not None:
-            self.num_inflight_shared_tokens += max(0, num_cached - base)
 
     # ---------------------------------------------------------------- update
 
@@ -833,25 +653,9 @@ class Scheduler:
         return SequenceUpdate(request, (token_id,), lp, parent_id)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if params is None:
-            if token_id == request.eos_token_id:
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-        elif num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-        if (
-            num_output >= self.max_tokens(request)
-            or len(request.all_token_ids) >= self.config.max_model_len
-        ):
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
+        status = stop_status(request, token_id, self.fit.max_tokens, self.config.max_model_len)
+        if status is not None:
+            self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:
@@ -863,7 +667,7 @@ class Scheduler:
         request.status = status
         self.requests.pop(request.request_id, None)
         self._arrival_order.pop(request.request_id, None)
-        self._inflight_waiters.pop(request.request_id, None)
+        self.inflight.forget(request.request_id)
         self._finished_ids.add(request.request_id)
 
     # --------------------------------------------------------------- helpers
@@ -872,71 +676,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._arrival_order[request.request_id] = self._next_order
         self._next_order += 1
-
-    def _to_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
-        end = start + num_new
-        tokens = request.all_token_ids
-        params = request.sampling_params
-        num_drafts = end - len(tokens)
-        if num_drafts > 0:  # a decode and its drafts (``_allocate_drafts``)
-            return self._to_speculative(request, num_drafts)
-        if end < len(tokens):
-            num_samples = 0  # a prompt chunk that is not the last one
-        elif self._will_fork(request):
-            num_samples = self._n(request)
-        else:
-            num_samples = 1
-        # Positional: a named tuple built from keywords costs a good deal more, and one is
-        # built for every sequence of every step.
-        return ScheduledSequence(
-            request.request_id,
-            tuple(tokens[start:end]),
-            start,
-            self.kv.block_table_tuple(request.request_id),
-            num_samples,
-            params,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            self.kv.group_block_tables(request.request_id),
-            request.sample_index,
-        )
-
-    def _to_speculative(self, request: Request, num_drafts: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
-        drafts = request.draft_token_ids
-        assert len(drafts) == num_drafts, "drafts changed after their slots were allocated"
-        return ScheduledSequence(
-            request.request_id,
-            (request.all_token_ids[start], *drafts),
-            start,
-            self.kv.block_table_tuple(request.request_id),
-            1,
-            request.sampling_params,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            self.kv.group_block_tables(request.request_id),
-            request.sample_index,
-            num_drafts,
-        )
-
-    def _will_fork(self, request: Request) -> bool:
-        """A parent of n>1 samples that has not sampled yet (children have)."""
-        return request.num_output_tokens == 0 and self._n(request) > 1
-
-    @staticmethod
-    def _n(request: Request) -> int:
-        params = request.sampling_params
-        return 1 if params is None else params.n
-
-    def _blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` holds at its peak: the last sampled token is
-        never written to the cache, and a sliding window bounds the rest."""
-        return self.kv.blocks_needed(num_tokens - 1, self.config.max_num_batched_tokens)
-
-    def _capacity_blocks(self) -> int:
-        """The pool may be resized at run time; an elastic pool may grow to max_num_blocks."""
-        return max(self.kv.usable_blocks, self.max_num_blocks or 0)
 
     def _priority_key(self, request: Request) -> tuple[int, float, int]:
         return (request.priority, request.arrival_time, self._arrival_order[request.request_id])

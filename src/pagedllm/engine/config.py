@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from pagedllm.core.scheduler import PREEMPTION_MODES
+from pagedllm.core.scheduler_config import PREEMPTION_MODES
 from pagedllm.kv_dtypes import (
     KV_CACHE_DTYPES,
     UNQUANTIZED_FIRST_BLOCK_DTYPES,
