@@ -15,8 +15,8 @@ copy-on-write copies) first, as a runner call with nothing scheduled, then the
 forward. If the moves fail, every request of the step finishes with
 ``finish_reason="error"`` (the cache can no longer be trusted). If the forward
 fails, each sequence is re-run alone and only those that raise again fail (their
-whole group, with the error text); the others get their normal outputs. The retry
-cost is paid only on failure.
+whole group, with the error text: ``engine/retry.py``); the others get their normal
+outputs. The retry cost is paid only on failure.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SequenceUpdate, child_request_id
 from pagedllm.engine import builder
@@ -39,16 +39,13 @@ from pagedllm.engine.groups import RequestGroup
 from pagedllm.engine.kv_plan import KVPlan, plan_of_runner
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.outputs import RequestDelta, RequestOutput
+from pagedllm.engine.prompts import NO_TOKENIZER, tokenize_prompt
 from pagedllm.engine.reports import EngineCounters, EngineStats, engine_stats
+from pagedllm.engine.retry import describe, retry_alone
 from pagedllm.engine.speculator import speculative_route, speculator_of
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.base import ModelRunner
 
-# Why a text prompt (or a stop string) is refused by an engine without a tokenizer.
-NO_TOKENIZER = (
-    "this engine has no tokenizer (skip_tokenizer_init / --skip-tokenizer-init): "
-    "give prompts as token ids"
-)
 logger = logging.getLogger(__name__)
 
 
@@ -172,7 +169,7 @@ class LLMEngine:
             raise ValueError(f"{NO_TOKENIZER}; stop strings need one (use stop_token_ids)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.runner.vocab_size)
         if prompt_text is not None:
             if not isinstance(prompt_text, str):
                 raise TypeError(f"prompt_text must be a string, got {prompt_text!r}")
@@ -233,7 +230,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt's token ids, validated as ``add_request`` does."""
-        return self._tokenize(prompt)[1]
+        return tokenize_prompt(prompt, self.tokenizer, self.runner.vocab_size)[1]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -369,8 +366,8 @@ class LLMEngine:
         try:
             result = self.runner.execute(forward)
         except Exception as exc:
-            logger.warning("step failed (%s); retrying its sequences one by one", _describe(exc))
-            result, culprits = self._retry_alone(forward)
+            logger.warning("step failed (%s); retrying its sequences one by one", describe(exc))
+            result, culprits = retry_alone(self.runner, forward)
             failed = self._fail_culprits(culprits)
         else:  # a retried step's time says nothing of one forward's
             self._time_prompt_slice(forward)
@@ -450,59 +447,6 @@ class LLMEngine:
             else:
                 self.counters.finished += 1
 
-    def _retry_alone(
-        self, forward: SchedulerOutput
-    ) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
-        """Re-run each sequence of a failed forward on its own; returns the outputs
-        aligned with ``forward.scheduled`` (empty for a culprit) and the culprits.
-
-        Rewriting a sequence's new-token slots is safe: the retry writes the same
-        tokens at the same positions (so the same K/V), and those slots lie only in
-        blocks the sequence holds alone. A block shared by several sequences is
-        either full (prefix-cache hits and fork ancestors; full blocks are never
-        written again, and a cache hit stops one token short of the prompt so the
-        recomputed last token lands in a fresh block) or the partial last block of
-        a fork, which copy-on-write duplicated in this step's block moves, already
-        done. Blocks written this step are registered in the prefix cache only
-        after the step succeeds (``scheduler.update``), so no other sequence can
-        have read them. A parent of ``n`` samples is retried with the same
-        ``num_samples``; children are forked only once its sampling succeeded.
-
-        Limit: a seeded request's generator advances when the sampler draws. If the
-        batched attempt failed *after* its draws (an error in the sampler's last
-        stages or a deferred device error), the retry draws the next values and the
-        seeded request's token differs from an undisturbed run. Forward-pass errors
-        and ``FakeModelRunner``'s injected failures come before any draw, so for
-        them the retry reproduces the exact tokens.
-        """
-        n = len(forward.scheduled)
-        sampled: list[tuple[int, ...]] = [()] * n
-        logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * n
-        prompt_logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * n
-        culprits: dict[str, Exception] = {}
-        finished_ids = forward.finished_request_ids  # releasing twice is harmless
-        for i, seq in enumerate(forward.scheduled):
-            mask = forward.token_bitmasks.get(seq.request_id)
-            alone = SchedulerOutput(
-                scheduled=(seq,),
-                finished_request_ids=finished_ids,
-                token_bitmasks={seq.request_id: mask} if mask is not None else {},
-            )
-            try:
-                result = self.runner.execute(alone)
-            except Exception as exc:
-                logger.error("request %r failed: %s", seq.request_id, _describe(exc))
-                culprits[seq.request_id] = exc
-                continue
-            if result.sampled_token_ids:
-                sampled[i] = tuple(result.sampled_token_ids[0])
-            if result.logprobs:
-                logprobs[i] = result.logprobs[0]
-            if result.prompt_logprobs:
-                prompt_logprobs[i] = result.prompt_logprobs[0]
-        output = ModelRunnerOutput(tuple(sampled), tuple(logprobs), tuple(prompt_logprobs))
-        return output, culprits
-
     def _fail_culprits(self, culprits: dict[str, Exception]) -> list[RequestGroup]:
         """Fail the groups of the sequences that raised, each with its own error."""
         failed: list[RequestGroup] = []
@@ -523,7 +467,7 @@ class LLMEngine:
         for group in groups.values():
             # A group is one answer: if one of its samples failed, so did it.
             self.scheduler.finish_requests(group.seq_ids, RequestStatus.FINISHED_ERROR)
-            group.error = _describe(exc)
+            group.error = describe(exc)
             for seq in group.seqs.values():
                 group.finish(seq, "error")
         return list(groups.values())
@@ -534,27 +478,6 @@ class LLMEngine:
             self._seq_owner.pop(seq_id, None)
         self.structured.release(group.seq_ids)
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(NO_TOKENIZER)
-            token_ids = list(self.tokenizer.encode(prompt))
-            text: str | None = prompt
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            token_ids = list(prompt)
-            text = None
-        else:
-            raise TypeError(f"prompt must be a string or a list of token ids, got {prompt!r}")
-        if not token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.runner.vocab_size
-        for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise TypeError(f"prompt token ids must be integers, got {token!r}")
-            if not 0 <= token < vocab:
-                raise ValueError(f"prompt token id {token} is outside the vocabulary [0, {vocab})")
-        return text, token_ids
-
     def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         params.check_vocabulary(self.runner.vocab_size)
         if params.max_tokens is None:
@@ -564,7 +487,3 @@ class LLMEngine:
             if extra:
                 params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         return params.with_eos(self.eos_token_id)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
