@@ -148,6 +148,25 @@ void quantize_all(const T* x, int64_t total_blocks, Activations& a) {
 }
 #endif
 
+// Where the sums go: [rows, n] in x's dtype, the bias (float32) added in float32 and the sum
+// then rounded once to bf16, as out.add_(bias) and out.to(bf16) on a float32 result would
+// (without that result's allocation and copy, a real share of a decode step's small products).
+struct Output {
+  void* data;
+  bool bf16;
+  const float* bias;  // nullptr: none
+  int64_t n;
+
+  void store(int64_t r, int64_t col, float v) const {
+    if (bias != nullptr) v += bias[col];
+    if (bf16) {
+      static_cast<c10::BFloat16*>(data)[r * n + col] = c10::BFloat16(v);
+    } else {
+      static_cast<float*>(data)[r * n + col] = v;
+    }
+  }
+};
+
 const Activations& quantize_rows(const at::Tensor& x) {
   thread_local Activations a;
   const at::Tensor xc = x.contiguous();
@@ -284,10 +303,10 @@ __attribute__((always_inline)) inline void group_step(const Layout& l, const uin
   }
 }
 
-// out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1), float sums (bias not
-// yet added): each group of a weight row is loaded once for the RB rows.
+// out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1): each group of a
+// weight row is loaded once for the RB rows.
 template <Route R, Format F, int RB>
-void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, float* out) {
+void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, const Output& out) {
   const Layout& l = w.lay;
   const int64_t blocks = l.blocks(), whole = blocks / GROUP;
   const int tail = static_cast<int>(blocks % GROUP);
@@ -301,12 +320,12 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);
     if (tail > 0) group_step<R, F, RB>(l, row, whole, tail, a, r0, acc);
-    for (int r = 0; r < RB; ++r) out[(r0 + r) * w.n + n] = hsum(acc[r]);
+    for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
   }
 }
 
 template <Route R, Format F>
-void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
+void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   int64_t r0 = 0;
   for (; r0 + ROW_BLOCK <= rows; r0 += ROW_BLOCK) row_block<R, F, ROW_BLOCK>(w, a, r0, n0, n1, out);
   for (; r0 + 2 <= rows; r0 += 2) row_block<R, F, 2>(w, a, r0, n0, n1, out);
@@ -314,7 +333,7 @@ void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0
 }
 
 template <Route R>
-void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
+void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   switch (w.lay.format) {
     case Format::q8_0: return weight_rows<R, Format::q8_0>(w, a, rows, n0, n1, out);
     case Format::q4_0: return weight_rows<R, Format::q4_0>(w, a, rows, n0, n1, out);
@@ -326,7 +345,7 @@ void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, 
   }
 }
 
-void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, float* out) {
+void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   switch (route) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case Route::avx512_vnni: return run_route<Route::avx512_vnni>(w, a, rows, n0, n1, out);
@@ -339,19 +358,24 @@ void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64
 }
 #endif
 
-// out = x @ w.T (+ bias) in float32 on the integer kernel, x [rows, K].
+// out = x @ w.T (+ bias) in x's dtype on the integer kernel, x [rows, K].
 at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias) {
   const Route route = current_route();
   TORCH_CHECK(route != Route::none, "quant_gemm needs AVX2 with FMA and F16C");
   const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, w.n}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({rows, w.n}, x.options());
   if (rows == 0) return out;
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == w.n, "quant_gemm: the bias must have ", w.n, " entries");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
 #if defined(QUANT_AVX2)
   const Activations& a = quantize_rows(x);
-  float* o = out.data_ptr<float>();
+  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                 w.n};
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
 #endif
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out;
 }
 
@@ -378,8 +402,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, int64_t for
   const Weight w = check_weight(weight, format, x.size(1));
   check_x(x, w, "quant_gemm");
   if (x.size(0) > int_max_rows(x.scalar_type())) return tiled_gemm(x, w, bias);
-  const at::Tensor out = integer_gemm(x, w, bias);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return integer_gemm(x, w, bias);
 }
 
 // quant_gemm on the integer kernel, whatever the row count (tests, benchmarks).
@@ -388,8 +411,7 @@ at::Tensor quant_gemm_integer(const at::Tensor& x, const at::Tensor& weight, int
   TORCH_CHECK(x.dim() == 2, "quant_gemm_integer: x must be 2-D");
   const Weight w = check_weight(weight, format, x.size(1));
   check_x(x, w, "quant_gemm_integer");
-  const at::Tensor out = integer_gemm(x, w, bias);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return integer_gemm(x, w, bias);
 }
 
 // quant_gemm on dequantised tiles, whatever the row count (tests, benchmarks).
