@@ -17,10 +17,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 
 #include "layer_groups.h"
+#include "parallel.h"
 
 namespace {
 
@@ -131,10 +133,9 @@ struct Weights {
 // hidden becomes the residual stream and is updated in place; output_rows: only these rows go
 // on after the last layer's attention.
 template <typename Attend>
-at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
+at::Tensor layer_loop(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       const OptTensor& output_rows, const Attend& attend) {
-  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
@@ -160,6 +161,25 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
     out_of_layer = linear(f, act, w.down[i], w.format(i, 3), w.down_bias.get(i));
   }
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
+}
+
+// Up to this many tokens a step whose linears are all block-quantized runs in one step team
+// (parallel.h): its products are matrix-vector sized, a fork and join each cost a real share
+// of one, and a busy neighbour's core stalls every join.
+constexpr int64_t TEAM_MAX_TOKENS = 8;
+
+// layer_loop, in a step team where every linear is on quant_gemm (their products and the
+// attention's tasks go to the team; the small ops run on one thread).
+template <typename Attend>
+at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const OptTensor& output_rows, const Attend& attend) {
+  TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
+  auto loop = [&] { return layer_loop(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend); };
+  const bool all_quantized =
+      !w.formats.empty() && std::all_of(w.formats.begin(), w.formats.end(), [](int64_t f) { return f != 0; });
+  if (all_quantized && hidden.size(0) <= TEAM_MAX_TOKENS) return pagedllm_parallel::with_team(loop);
+  return loop();
 }
 
 // hidden: the embedded tokens [T, hidden], which become the residual stream and are updated

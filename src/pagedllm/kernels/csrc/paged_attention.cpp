@@ -39,6 +39,7 @@
 #include "amx.h"
 #include "dispatch.h"
 #include "paged_attention.h"
+#include "parallel.h"
 #include "prefill_attention.h"
 #include "vec.h"
 
@@ -845,7 +846,9 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   const std::vector<int64_t> groups = task_groups(tasks);
   const int64_t n = static_cast<int64_t>(groups.size()) - 1;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  // In chunks (parallel.h): inside a decode step's team, a helper that is not on its core
+  // leaves its worker's tasks to the others.
+  pagedllm_parallel::parallel_chunks(workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qbuf, acc;
 #if !defined(__AVX512F__)
     pagedllm_attn::Avx2Scratch avx2_scratch;

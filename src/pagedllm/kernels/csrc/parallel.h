@@ -6,10 +6,16 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <optional>
+#include <utility>
 
 namespace pagedllm_parallel {
 
@@ -24,11 +30,137 @@ inline int64_t chunk_size(int64_t total, int64_t unit, int64_t threads) {
   return units * unit;
 }
 
+// A step team: the threads of one parallel region held for a whole decode step
+// (decoder_layers), so that a step's ~120 small matrix-vector products cost no fork/join
+// each, and so that no product waits for a thread the OS has not scheduled. The first
+// thread runs the step; the others wait for work (spinning: a step's products come
+// microseconds apart) and take chunks of it as they come free. Taking part is optional: the
+// running thread claims chunks too, and a product ends when every chunk is claimed and done,
+// so a helper that is off its core (a neighbour on it) costs the step nothing, where a
+// region's closing barrier waits for it (docs/performance.md, decode threads). Inside the
+// team, at::parallel_for runs serially on the calling thread (an op that does not post its
+// work here runs on one thread).
+inline void relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+class Team {
+ public:
+  explicit Team(int64_t size) : size_(size) {}
+
+  // The threads that may take part (the poster included).
+  int64_t size() const { return size_; }
+
+  // Posts fn(begin, end) over [0, total) in chunks of `chunk` indices and runs chunks until
+  // every one is claimed, then waits for the helpers' chunks to finish.
+  template <typename F>
+  void run(int64_t total, int64_t chunk, const F& fn) {
+    const int64_t chunks = (total + chunk - 1) / chunk;
+    total_.store(total, std::memory_order_relaxed);
+    chunk_.store(chunk, std::memory_order_relaxed);
+    chunks_.store(chunks, std::memory_order_relaxed);
+    fn_.store(&call<F>, std::memory_order_relaxed);
+    ctx_.store(&fn, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t epoch = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(epoch << 32, std::memory_order_release);
+    for (;;) {
+      const uint64_t c = (state_.fetch_add(1, std::memory_order_acq_rel) & 0xffffffffu);
+      if (static_cast<int64_t>(c) >= chunks) break;
+      fn(static_cast<int64_t>(c) * chunk, std::min(total, static_cast<int64_t>(c + 1) * chunk));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    while (done_.load(std::memory_order_acquire) < chunks) relax();
+  }
+
+  // A helper's loop: chunks of each posted job until stop().
+  void help() {
+    uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
+    while (!stop_.load(std::memory_order_acquire)) {
+      uint64_t s = state_.load(std::memory_order_acquire);
+      if ((s >> 32) == seen) {
+        relax();
+        continue;
+      }
+      // Read the job, then claim a chunk of it only while its epoch is still the posted one
+      // (the compare-exchange fails once the poster has moved on to a later job).
+      const int64_t chunks = chunks_.load(std::memory_order_relaxed);
+      const int64_t chunk = chunk_.load(std::memory_order_relaxed);
+      const int64_t total = total_.load(std::memory_order_relaxed);
+      void (*fn)(const void*, int64_t, int64_t) = fn_.load(std::memory_order_relaxed);
+      const void* ctx = ctx_.load(std::memory_order_relaxed);
+      const uint64_t epoch = s >> 32;
+      for (;;) {
+        const int64_t c = static_cast<int64_t>(s & 0xffffffffu);
+        if (c >= chunks) {
+          seen = epoch;
+          break;
+        }
+        if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+          fn(ctx, c * chunk, std::min(total, (c + 1) * chunk));
+          done_.fetch_add(1, std::memory_order_acq_rel);
+          s = state_.load(std::memory_order_acquire);
+        }
+        if ((s >> 32) != epoch) break;  // a later job: read it afresh
+      }
+    }
+  }
+
+  void stop() { stop_.store(true, std::memory_order_release); }
+
+ private:
+  template <typename F>
+  static void call(const void* ctx, int64_t begin, int64_t end) {
+    (*static_cast<const F*>(ctx))(begin, end);
+  }
+
+  // The posted job's epoch (high 32 bits) and its next unclaimed chunk (low 32 bits).
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int64_t> total_{0}, chunk_{1}, chunks_{0}, done_{0};
+  std::atomic<void (*)(const void*, int64_t, int64_t)> fn_{nullptr};
+  std::atomic<const void*> ctx_{nullptr};
+  std::atomic<bool> stop_{false};
+  const int64_t size_;
+};
+
+// The team the calling thread runs a step for (nullptr: none).
+inline Team*& current_team() {
+  static thread_local Team* team = nullptr;
+  return team;
+}
+
+// body() with a step team of the ATen threads: parallel_chunks inside it posts its work to
+// the team. Plain body() on one thread or inside a parallel region.
+template <typename Body>
+auto with_team(const Body& body) -> decltype(body()) {
+  if (at::in_parallel_region() || at::get_num_threads() < 2 || current_team() != nullptr) return body();
+  Team team(at::get_num_threads());
+  std::optional<decltype(body())> result;
+  std::exception_ptr error;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t) {
+    if (begin != 0) return team.help();
+    current_team() = &team;
+    try {
+      result.emplace(body());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    current_team() = nullptr;
+    team.stop();
+  });
+  if (error) std::rethrow_exception(error);
+  return std::move(*result);
+}
+
 // fn(begin, end) over [0, total), in chunks of whole units, each chunk taken by the next
-// free thread. Serial (one call) on one thread or inside a parallel region.
+// free thread (inside a step team: posted to the team). Serial (one call) on one thread or
+// inside another parallel region.
 template <typename F>
 void parallel_chunks(int64_t total, int64_t unit, const F& fn) {
   if (total <= 0) return;
+  if (Team* team = current_team()) return team->run(total, chunk_size(total, unit, team->size()), fn);
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t chunk = chunk_size(total, unit, threads);
   const int64_t chunks = (total + chunk - 1) / chunk;

@@ -57,6 +57,7 @@
 #endif
 
 #include "kv_formats.h"
+#include "parallel.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
@@ -1172,7 +1173,8 @@ void run(const Args<T>& a, int64_t num_seqs, int64_t num_kv_heads) {
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
-  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+  // In chunks (parallel.h): inside a decode step's team, the helpers take part when free.
+  pagedllm_parallel::parallel_chunks(std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
     std::vector<State> states;
     std::vector<float> kf(B * a.head_dim), vf(B * a.head_dim);
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) run_task(a, tasks[t], states, kf, vf);
