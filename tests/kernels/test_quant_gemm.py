@@ -130,6 +130,34 @@ def test_every_integer_route_gives_the_same_bits(format) -> None:
     assert all(torch.equal(out, first) for out in outs.values())
 
 
+@pytest.mark.parametrize("route", QUANT_ROUTES)
+@pytest.mark.parametrize("format", [f for f in FORMATS if f not in K_QUANTS])
+@pytest.mark.parametrize("blocks", [7, 9, 15, 28, 31])
+def test_last_groups_of_every_length(route, format, blocks) -> None:
+    """Rows whose last group has 1 to 7 blocks (the scales of such a group are moved into
+    place from the row's last eight), and a row shorter than one group."""
+    weight, reference = gguf_weight(format, 24, width=blocks * quant.BLOCK, seed=blocks)
+    x = torch.randn(3, reference.shape[1], generator=torch.Generator().manual_seed(blocks))
+    with quant_gemm_capped(route):
+        out = ops.quant_gemm_integer(x, weight.data, weight.code, None)
+    assert relative_error(out, emulated(x, reference)) <= MAX_EMULATION_ERROR
+
+
+@pytest.mark.parametrize("route", QUANT_ROUTES)
+@pytest.mark.parametrize("format", FORMATS)
+def test_bf16_out_is_the_float32_sum_rounded_once(route, format) -> None:
+    """In bf16 the kernel adds the bias to each float32 sum and rounds once: the float32
+    result (same activations, same bias) rounded to bf16, bit for bit."""
+    weight, _ = gguf_weight(format, 40, seed=3)
+    x = torch.randn(3, weight.shape[1]).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    with quant_gemm_capped(route):
+        out = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
+        wide = ops.quant_gemm_integer(x.float(), weight.data, weight.code, bias.float())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, wide.to(torch.bfloat16))
+
+
 TILE_ROUTES = [(dtype, isa) for dtype, isas in ROUTES.items() for isa in isas]
 
 

@@ -242,6 +242,17 @@ inline GroupScales group_scales(const Layout& l, const uint8_t* row, int64_t g, 
       const __m256 d = half8(row + l.d + 16 * g);
       return {d, F == Format::q4_1 ? half8(row + l.m + 16 * g) : _mm256_setzero_ps()};
     }
+    if (l.blocks() >= GROUP) {
+      // A last group of `count` blocks: the row's last eight scales moved down to lanes
+      // 0..count-1, the lanes past them zero.
+      const int64_t last = l.blocks() - GROUP;
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i from = _mm256_add_epi32(lane, _mm256_set1_epi32(GROUP - count));
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+      const __m256 d = _mm256_and_ps(_mm256_permutevar8x32_ps(half8(row + l.d + 2 * last), from), keep);
+      if constexpr (F != Format::q4_1) return {d, _mm256_setzero_ps()};
+      return {d, _mm256_and_ps(_mm256_permutevar8x32_ps(half8(row + l.m + 2 * last), from), keep)};
+    }
     alignas(32) float d[GROUP] = {}, m[GROUP] = {};
     for (int j = 0; j < count; ++j) {
       d[j] = half(row + l.d + 2 * (g * GROUP + j));
