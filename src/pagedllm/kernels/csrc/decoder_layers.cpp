@@ -175,7 +175,9 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
                       const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       const OptTensor& output_rows, const Attend& attend) {
   TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
-  auto loop = [&] { return layer_loop(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend); };
+  auto loop = [&] {
+    return layer_loop(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
+  };
   const bool all_quantized =
       !w.formats.empty() && std::all_of(w.formats.begin(), w.formats.end(), [](int64_t f) { return f != 0; });
   if (all_quantized && hidden.size(0) <= TEAM_MAX_TOKENS) return pagedllm_parallel::with_team(loop);

@@ -383,8 +383,8 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
   }
 #if defined(QUANT_AVX2)
   const Activations& a = quantize_rows(x);
-  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-                 w.n};
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
 #endif
   return out;
