@@ -237,6 +237,38 @@ def test_one_call_decoder_equals_the_layer_loop(tmp_path, checkpoints, monkeypat
             assert torch.equal(row, loop_step[request_id])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_one_call_over_a_quantized_cache_equals_the_layer_loop(
+    tmp_path, checkpoints, monkeypatch, kv_cache_dtype
+) -> None:
+    """Quantized weights over a quantized cache: decode steps in quant_decoder_layers (with
+    two or more threads, one step team: products and quant_attention's tasks handed out
+    as threads come free) give the per-layer loop's logits bit for bit."""
+    from pagedllm.model import fast_path
+
+    from .test_decoder_layers import run_steps
+
+    gguf_file = write_tiny_gguf(checkpoints("qwen2_bias"), tmp_path / "t.gguf", False, "Q4_1")
+    calls = []
+    real = fast_path.quant_decoder_layers
+    monkeypatch.setattr(fast_path, "quant_decoder_layers", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for whole in (True, False):
+        model = load_model(gguf_file, "bfloat16", load_tokenizer=False).model
+        runner = TorchModelRunner(
+            model, block_size=16, num_blocks=64, kv_cache_dtype=kv_cache_dtype
+        )
+        if model.fast_path is None or model.fast_path.plan is None:
+            pytest.skip("no one-call decoder here (no kernels, or no small_gemm for the head)")
+        if not whole:
+            model.fast_path.plan = None
+        results.append(run_steps(runner))
+    assert len(calls) >= 6  # the decode steps
+    for whole_step, loop_step in zip(*results, strict=True):
+        for request_id, row in whole_step.items():
+            assert torch.equal(row, loop_step[request_id])
+
+
 def test_tensor_parallel_shards_keep_the_quantized_rows(tmp_path, checkpoints) -> None:
     """A rank keeps its rows of a quantized linear (q/k/v pieces in order), still quantized."""
     from pagedllm.kernels.quant import dequantize
