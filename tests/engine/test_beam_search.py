@@ -5,14 +5,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from pagedllm.engine.beam_search import beam_search, beam_search_score
+from pagedllm.engine.beam_search import BeamSearchOutput, beam_search, beam_search_score
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import BeamSearchParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
 
 EOS = 256  # the tiny checkpoint's EOS
 
@@ -94,3 +97,39 @@ def test_llm_beam_search_and_validation(model_engine: Callable[..., LLMEngine]) 
         llm.beam_search([prompt_ids(0, 38)], BeamSearchParams(2, 4))
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         BeamSearchParams(0, 4)
+
+
+def test_a_failing_beam_fails_the_search_and_frees_every_block() -> None:
+    # "__beam-2" is a child of the first round: the step that runs it raises, the engine
+    # retries its sequences alone and fails that one (failure isolation), the search stops.
+    runner = FakeModelRunner(64, 4, use_sampler=True, fail_request_ids={"__beam-2"})
+    engine = LLMEngine(EngineConfig(block_size=4, max_model_len=64), runner)
+    with pytest.raises(RuntimeError, match="__beam-2.*InjectedFailure"):
+        beam_search(engine, [prompt_ids(3, 9)], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    assert engine.kv.stats().blocks_used == 0
+    engine.kv.check_invariants()
+    # The engine serves on: another search (its ids fail no more) and a plain request.
+    runner.fail_request_ids.clear()
+    (output,) = beam_search(engine, [prompt_ids(3, 9)], BeamSearchParams(3, 6))
+    assert len(output.sequences) == 3
+    engine.add_request("plain", prompt_ids(4, 5), SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.stats().blocks_used == 0
+
+
+def test_the_speculator_never_drafts_for_beams() -> None:
+    # Three tokens in all and a repetitive prompt: the n-gram proposer finds a draft for
+    # every beam, if it is asked.
+    def search(**config: Any) -> tuple[LLMEngine, list[BeamSearchOutput]]:
+        runner = FakeModelRunner(64, 4, use_sampler=True, allowed_token_ids=[7, 8, 9])
+        engine = LLMEngine(EngineConfig(block_size=4, max_model_len=64, **config), runner)
+        return engine, beam_search(engine, [[7, 8, 9] * 4], BeamSearchParams(3, 6))
+
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3}
+    _, plain = search()
+    engine, speculative = search(speculative_config={**spec, "automatic": False})
+    assert speculative == plain
+    stats = engine.get_stats().speculative
+    assert stats is not None and stats.num_verifications == 0

@@ -84,6 +84,10 @@ class Request:
     stop_reason: int | str | None = None
     # Speculative decoding: the next step's guesses (unverified, not in all_token_ids).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Scored, never extended (beam search): a step that computes its last token reports
+    # that position's top logprobs and appends nothing; the request then waits, computed
+    # to its end ("parked"), until its client forks it with the chosen token or finishes it.
+    score_only: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -214,7 +214,8 @@ class Scheduler:
         return replace(output, scheduled=scheduled)
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceUpdate]:
-        """Advance counters, append sampled tokens, fork parallel samples, finish."""
+        """Advance counters, append sampled tokens, fork parallel samples, finish. A
+        ``score_only`` request's update has no token, only its logprobs."""
         if output.num_steps > 1:
             return self._update_steps(output, result)
         updates: list[SequenceUpdate] = []
@@ -230,6 +231,10 @@ class Scheduler:
                 continue
             request = self._advance(seq)
             if request is None:
+                continue
+            if request.score_only:  # the sampled token is not appended: the client picks
+                if tokens:
+                    updates.append(SequenceUpdate(request, (), logprobs))
                 continue
             if len(tokens) == 1:  # the common case: one token, no fork
                 updates.append(self._append(request, tokens[0], logprobs[0] if logprobs else None))
@@ -299,17 +304,6 @@ class Scheduler:
                 updates.append(SequenceUpdate(request, tuple(tokens[:kept]), None, None))
         return updates
 
-    def advance(self, output: SchedulerOutput) -> list[tuple[int, Request]]:
-        """The model ran ``output``: advance ``num_computed_tokens`` and register
-        newly full blocks. Returns ``(index in output.scheduled, request)`` for the
-        requests still running (one finished since ``schedule()`` is skipped)."""
-        advanced = []
-        for i, seq in enumerate(output.scheduled):
-            request = self._advance(seq)
-            if request is not None:
-                advanced.append((i, request))
-        return advanced
-
     def _advance(self, seq: ScheduledSequence) -> Request | None:
         """``seq``'s request with its tokens computed and newly full blocks registered, or
         None when it finished (or left) since ``schedule()``."""
@@ -336,6 +330,7 @@ class Scheduler:
             cache_salt=parent.cache_salt,
             output_token_ids=list(parent.output_token_ids),
             sample_index=sample_index,
+            score_only=parent.score_only,
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

@@ -22,11 +22,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.outputs import TokenLogprob
-from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -65,7 +64,8 @@ def beam_search_score(
 
 @dataclass(slots=True)
 class _Beam:
-    request: Request
+    request_id: str  # its scoring request
+    tokens: list[int]  # prompt + output
     cum_logprob: float
 
 
@@ -88,6 +88,9 @@ class _Instance:
 
 
 class _BeamSearch:
+    """One batch of prompts, driven through ``LLMEngine.step`` with scoring requests
+    (``engine/scoring.py``): each beam is one, scored and never extended by the step."""
+
     def __init__(
         self,
         engine: LLMEngine,
@@ -95,7 +98,6 @@ class _BeamSearch:
         on_step: Callable[[LLMEngine], None] | None,
     ) -> None:
         self.engine = engine
-        self.scheduler = engine.scheduler
         self.params = params
         self.on_step = on_step
         self.eos = engine.eos_token_id
@@ -107,67 +109,60 @@ class _BeamSearch:
         )
         self._ids = (f"__beam-{i}" for i in itertools.count())
         self._results: dict[str, TokenLogprob] = {}
-        self.matchers = engine.structured.matchers
-        self.grammar = None
-        if params.structured_outputs is not None:
-            self.grammar = engine.structured.compiler().compile(params.structured_outputs)
+        self.constrained = params.structured_outputs is not None
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
-        instances = [self._start(p) for p in prompts]
+        instances: list[_Instance] = []
         try:
+            for prompt in prompts:
+                instances.append(self._start(prompt))
             while any(inst.beams for inst in instances):
                 self._step()
                 for inst in instances:
-                    if inst.beams and all(
-                        b.request.request_id in self._results for b in inst.beams
-                    ):
+                    if inst.beams and all(b.request_id in self._results for b in inst.beams):
                         self._select(inst)
                 if self.on_step is not None:
                     self.on_step(self.engine)
         finally:
-            live = [b.request.request_id for inst in instances for b in inst.beams]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            self.matchers.release(live)
+            live = [b.request_id for inst in instances for b in inst.beams]
+            self.engine.finish_scoring_requests(live, aborted=True)
         return [self._finish(inst) for inst in instances]
 
     def _start(self, prompt: list[int]) -> _Instance:
-        request = Request(next(self._ids), prompt, self.sampling, eos_token_id=self.eos)
-        self.scheduler.add_request(request)
-        if self.grammar is not None:
-            self.matchers.add(request.request_id, self.grammar)
-        return _Instance(list(prompt), [_Beam(request, 0.0)])
+        request_id = next(self._ids)
+        structured = self.params.structured_outputs
+        self.engine.add_scoring_request(request_id, prompt, self.sampling, structured)
+        return _Instance(list(prompt), [_Beam(request_id, list(prompt), 0.0)])
 
     def _step(self) -> None:
-        output = self.scheduler.schedule()
-        if self.grammar is not None:
-            output = replace(output, token_bitmasks=self.matchers.bitmasks(output.scheduled))
-        result = self.engine.runner.execute(output)
-        for i, request in self.scheduler.advance(output):
-            lps = result.logprobs[i] if i < len(result.logprobs) else None
-            if lps and output.scheduled[i].num_samples:
-                self._results[request.request_id] = lps[0]
+        self.engine.step()
+        scores = self.engine.take_scores()
+        if scores.failed:
+            request_id, error = next(iter(scores.failed.items()))
+            raise RuntimeError(f"beam search failed: beam {request_id}: {error}")
+        self._results.update(scores.top)
 
     def _select(self, inst: _Instance) -> None:
         width = self.params.beam_width
         candidates = []
         for beam in inst.beams:
-            top = self._results.pop(beam.request.request_id)
-            tokens = beam.request.all_token_ids
+            top = self._results.pop(beam.request_id)
             for token, logprob in zip(top.top_token_ids, top.top_logprobs, strict=True):
                 if logprob == -math.inf:  # masked by the beam's grammar
                     continue
-                candidate = self._candidate(tokens + [token], beam, beam.cum_logprob + logprob)
-                if self.grammar is not None:
-                    beam_id = beam.request.request_id
-                    candidate.grammar_complete = self.matchers.completes_with(beam_id, token)
+                candidate = self._candidate(beam.tokens + [token], beam, beam.cum_logprob + logprob)
+                if self.constrained:
+                    candidate.grammar_complete = self.engine.completes_grammar(
+                        beam.request_id, token
+                    )
                 if candidate.grammar_complete or (token == self.eos and not self.params.ignore_eos):
                     inst.completed.append(candidate)
                 else:
                     candidates.append(candidate)
         candidates.sort(key=lambda c: c.score, reverse=True)
         chosen = candidates[:width]
-        old = [b.request.request_id for b in inst.beams]
-        num_output = len(inst.beams[0].request.output_token_ids) + 1
+        old = [b.request_id for b in inst.beams]
+        num_output = len(inst.beams[0].tokens) - len(inst.prompt_token_ids) + 1
         at_limit = (
             num_output >= self.params.max_tokens
             or len(inst.prompt_token_ids) + num_output >= self.engine.max_model_len
@@ -177,32 +172,19 @@ class _BeamSearch:
             inst.beams = []
         else:
             inst.beams = [self._spawn(c) for c in chosen]
-        self.scheduler.finish_requests(old, RequestStatus.FINISHED_STOPPED)
-        self.matchers.release(old)
+        self.engine.finish_scoring_requests(old)
 
     def _candidate(self, tokens: list[int], parent: _Beam, cum: float) -> _Candidate:
         score = beam_search_score(tokens, cum, self.eos, self.params.length_penalty)
         return _Candidate(tokens, parent, cum, score)
 
     def _spawn(self, candidate: _Candidate) -> _Beam:
-        parent = candidate.parent.request
-        token = candidate.tokens[-1]
-        if parent.status is RequestStatus.RUNNING:
-            child = self.scheduler.fork(parent, next(self._ids))  # shares every block
-            child.append_output_token_ids(token)
-        else:  # preempted while waiting for its siblings: recompute (prefix cache helps)
-            child = Request(
-                next(self._ids),
-                list(parent.prompt_token_ids),
-                self.sampling,
-                eos_token_id=self.eos,
-                output_token_ids=[*parent.output_token_ids, token],
-            )
-            self.scheduler.add_request(child)
-        if self.grammar is not None:
-            self.matchers.fork(parent.request_id, child.request_id)
-            self.matchers.advance(child.request_id, child.output_token_ids)
-        return _Beam(child, candidate.cum_logprob)
+        """The candidate's beam: its parent's request forked with the new token (sharing
+        every block; a parent preempted while parked is recomputed)."""
+        child_id = next(self._ids)
+        parent_id = candidate.parent.request_id
+        self.engine.fork_scoring_request(parent_id, child_id, candidate.tokens[-1])
+        return _Beam(child_id, candidate.tokens, candidate.cum_logprob)
 
     def _finish(self, inst: _Instance) -> BeamSearchOutput:
         best = sorted(inst.completed, key=lambda c: c.score, reverse=True)[: self.params.beam_width]
@@ -253,7 +235,7 @@ def beam_search(
         raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({max_seqs})")
     token_lists = [engine.tokenize(p) for p in prompts]
     for ids in token_lists:
-        engine.scheduler.check_fits(len(ids), params.max_tokens)
+        engine.check_fits(len(ids), params.max_tokens)
     per_batch = max(1, max_seqs // params.beam_width)
     outputs: list[BeamSearchOutput] = []
     for start in range(0, len(token_lists), per_batch):

@@ -42,8 +42,9 @@ from pagedllm.engine.outputs import RequestDelta, RequestOutput
 from pagedllm.engine.prompts import NO_TOKENIZER, tokenize_prompt
 from pagedllm.engine.reports import EngineCounters, EngineStats, engine_stats
 from pagedllm.engine.retry import describe, retry_alone
+from pagedllm.engine.scoring import Scores, ScoringRequests
 from pagedllm.engine.speculator import speculative_route, speculator_of
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.worker.base import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class LLMEngine:
         )
         # The outputs of ``step``; a request has a state once ``step`` has advanced it.
         self.output_processor = OutputProcessor(tokenizer)
+        # Requests a client extends itself (beam search): engine/scoring.py.
+        self.scoring = ScoringRequests(self.scheduler, self.structured)
         self._seq_owner: dict[str, tuple[RequestGroup, int]] = {}
         self.counters = EngineCounters()
         self.routes = builder.with_dtype(runner.routes(), dtype_reason)
@@ -228,15 +231,62 @@ class LLMEngine:
                 seq.delta_finished = True  # the processor finished it: no delta says so again
         self._maybe_forget(group)
 
+    # ------------------------------------------------------------- scoring requests
+
+    def add_scoring_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        structured: StructuredOutputsParams | None = None,
+    ) -> None:
+        """Queue a request that is scored, never extended (``engine/scoring.py``): each
+        ``step`` that computes its last token reports the top ``params.logprobs`` of the
+        next one (``take_scores``) and appends nothing. ``structured``: a grammar masking
+        its candidates (compiled now). ``ValueError`` for a request that can never fit or
+        an id in use."""
+        token_ids = self.tokenize(prompt_token_ids)
+        if request_id in self._seq_owner or request_id in self.scoring.live:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.max_tokens is None:
+            raise ValueError("a scoring request needs max_tokens")
+        self.check_fits(len(token_ids), params.max_tokens)
+        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id)
+        self.scoring.add(request, structured)
+
+    def fork_scoring_request(self, parent_id: str, child_id: str, token_id: int) -> None:
+        """A new scoring request: ``parent_id``'s tokens and ``token_id``, sharing the
+        parent's blocks (a copy of its grammar state consumes the token)."""
+        if child_id in self._seq_owner or child_id in self.scoring.live:
+            raise ValueError(f"request_id {child_id!r} is already in use")
+        self.scoring.fork(parent_id, child_id, token_id)
+
+    def completes_grammar(self, request_id: str, token_id: int) -> bool:
+        """Whether ``token_id`` would complete scoring request ``request_id``'s grammar."""
+        return self.scoring.completes_grammar(request_id, token_id)
+
+    def finish_scoring_requests(self, request_ids: Iterable[str], *, aborted: bool = False) -> None:
+        """Finish scoring requests (unknown ids are ignored); frees their blocks."""
+        status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
+        self.scoring.finish(request_ids, status)
+
+    def take_scores(self) -> Scores:
+        """The scores (and failures) of the scoring requests since the last call."""
+        return self.scoring.take()
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """``ValueError`` (with both numbers) for a request that can never fit."""
+        self.scheduler.check_fits(num_prompt_tokens, max_tokens)
+
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt's token ids, validated as ``add_request`` does."""
         return tokenize_prompt(prompt, self.tokenizer, self.runner.vocab_size)[1]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups or self.scoring.live)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self.scoring.live)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._groups)
@@ -386,6 +436,9 @@ class LLMEngine:
             self._record_prompt_logprobs(forward, result)
         touched = {g.request_id: g for g in failed}
         for update in self.scheduler.update(forward, result):
+            if update.request.score_only:
+                self.scoring.record(update)
+                continue
             refused = self.structured.advance(update)
             if refused is not None:
                 error = RuntimeError(f"the grammar refused a token: {refused}")
@@ -461,6 +514,8 @@ class LLMEngine:
         them)."""
         groups: dict[str, RequestGroup] = {}
         for request in requests:
+            if request.score_only and self.scoring.fail(request, describe(exc)):
+                continue
             owner = self._seq_owner.get(request.request_id)
             if owner is not None:
                 groups[owner[0].request_id] = owner[0]

@@ -167,7 +167,9 @@ class Speculator:
         decodes = [
             r
             for r in scheduler.running
-            if len(r.all_token_ids) - r.num_computed_tokens == 1 and r.output_token_ids
+            if len(r.all_token_ids) - r.num_computed_tokens == 1
+            and r.output_token_ids
+            and not r.score_only  # scored, not extended: nothing to verify a draft against
         ]
         if not decodes:
             return False
