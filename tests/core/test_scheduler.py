@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, child_request_id
 from pagedllm.sampling_params import SamplingParams
@@ -269,6 +269,26 @@ def test_parallel_samples_fork_after_one_prefill_and_copy_the_partial_block() ->
     assert s.kv.stats().blocks_used == 4  # 1 shared full block + 3 private partial blocks
     run_to_end(s)
     assert s.kv.stats().blocks_used == 0
+
+
+def test_a_score_only_request_parks_and_its_fork_continues_it() -> None:
+    s = make(budget=32)
+    parent = req("B", 6, max_tokens=3, logprobs=2)
+    parent.score_only = True
+    s.add_request(parent)
+    out = s.schedule()
+    top = TokenLogprob(1000, -0.1, 1, (1000, 7), (-0.1, -2.0))
+    result = ModelRunnerOutput(sampled_token_ids=((1000,),), logprobs=((top,),))
+    (update,) = s.update(out, result)
+    # Scored, not extended: no token, the position's logprobs; then nothing to schedule.
+    assert update.new_token_ids == () and update.new_logprobs == (top,)
+    assert parent.output_token_ids == [] and parent.num_computed_tokens == 6
+    assert s.schedule().scheduled == ()
+    child = s.fork(parent, "B2")
+    child.append_output_token_ids(7)  # the client's choice, not the sampled 1000
+    assert child.score_only and s.kv.live_block_tables()["B2"] == s.kv.live_block_tables()["B"]
+    s.finish_requests(["B"], RequestStatus.FINISHED_STOPPED)
+    assert batch(s.schedule()) == [("B2", 6, 1, 1)]
 
 
 def test_stops_eos_stop_token_min_tokens_and_length() -> None:
