@@ -288,3 +288,28 @@ def test_the_json_schema_workload_checks_replies_against_their_schema():
     with pytest.raises(SystemExit):
         load("serve_vs_vllm").parse_args(["--workload", "json-schema", "--vllm", "x",
                                           "--no-vllm-server"])  # fmt: skip
+
+
+def test_quant_quality_compares_each_format_and_cache_on_held_out_text(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    from pagedllm.testing import make_tiny_checkpoint
+    from tests.model.test_gguf_and_default_model import write_tiny_gguf
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1)
+    gguf_file = write_tiny_gguf(checkpoint, tmp_path / "t.gguf", False, linears="Q4_1")
+    models = f"{gguf_file},{gguf_file}@Q8_0,{tmp_path / 'absent.gguf'}"
+    args = ["--models", models, "--kv-model", str(checkpoint), "--tokens", "40"]
+    args += ["--texts", "argparse.py,email/message.py", "--threads", "1"]
+    assert load("quant_quality").main(args) == 0
+    result = last_json(capsys)
+    rows = result["weights"]["rows"]
+    assert set(rows[str(gguf_file)]["formats"]) == {"Q4_1"}
+    assert set(rows[f"{gguf_file}@Q8_0"]["formats"]) == {"Q8_0"}  # requantized
+    assert "neither a named model" in rows[str(tmp_path / "absent.gguf")]["skipped"]
+    kv = result["kv"]["rows"]
+    assert "bf16 weights, int8 KV (block 0 full) vs bf16 weights, bf16 KV" in kv
+    for row in [rows[str(gguf_file)], rows[f"{gguf_file}@Q8_0"], *kv.values()]:
+        assert row["positions"] == 2 * 39
+        assert 0.5 < row["min_top1"] <= row["top1"] <= 1.0
+        assert 0.0 <= row["mean_kl"] < 1e-2 and row["ppl"] > 1.0
+        assert set(row["texts"]) == {"argparse.py", "email/message.py"}
