@@ -379,6 +379,9 @@ class KVCase:
     reference: str  # "float32" (f32 weights, f32 cache) or "bfloat16" (bf16 weights and cache)
 
 
+REFERENCE_LABELS = {"float32": "f32 weights, f32 KV", "bfloat16": "bf16 weights, bf16 KV"}
+
+
 def kv_cases(kv_dtypes: Sequence[str]) -> list[KVCase]:
     cases = [
         KVCase("f32 weights, bf16 KV", "float32", "bfloat16", False, "float32"),
@@ -394,29 +397,29 @@ def kv_cases(kv_dtypes: Sequence[str]) -> list[KVCase]:
 
 
 def measure_kv(args: argparse.Namespace, texts: dict[str, str]) -> dict[str, dict]:
-    """Rows keyed ``"<case> vs <reference>"``. One model dtype loaded at a time."""
+    """Rows keyed ``"<case> vs <reference>"``. Both dtypes' models stay loaded and one
+    text's logits at a time are kept (a [tokens, vocabulary] tensor per configuration)."""
     cases = kv_cases(args.kv_dtypes)
-    logits: dict[tuple[str, str, bool], dict[str, torch.Tensor]] = {}
-    ids: dict[str, list[int]] = {}
+    models = {
+        dtype: load_model(args.kv_model, dtype, get_backend("cpu"), keep_quantized=False)
+        for dtype in ("float32", "bfloat16")
+    }
+    ids = tokenize(models["float32"].tokenizer, texts, args.tokens)
+    configs = {(d, "auto", False) for d in models} | {(c.dtype, c.kv, c.first) for c in cases}
     per_case: dict[str, dict[str, QualityReport]] = {}
-    for dtype in ("float32", "bfloat16"):
-        loaded = load_model(args.kv_model, dtype, get_backend("cpu"), keep_quantized=False)
-        ids = ids or tokenize(loaded.tokenizer, texts, args.tokens)
-        configs = {("auto", False)} | {(c.kv, c.first) for c in cases if c.dtype == dtype}
-        for kv, first in sorted(configs):
-            logits[(dtype, kv, first)] = {
-                name: text_logits(runner(loaded.model, args.tokens, kv, first), text_ids, chunk=PROMPT_CHUNK)
-                for name, text_ids in ids.items()
-            }  # fmt: skip
-        del loaded
-        gc.collect()
-    for case in cases:
-        reference = logits[(case.reference, "auto", False)]
-        test = logits[(case.dtype, case.kv, case.first)]
-        label = f"{case.label} vs {'f32 weights, f32 KV' if case.reference == 'float32' else 'bf16 weights, bf16 KV'}"
-        per_case[label] = {
-            name: compare_text(reference[name], test[name], ids[name]) for name in ids
+    for name, text_ids in ids.items():
+        logits = {
+            (dtype, kv, first): text_logits(
+                runner(models[dtype].model, args.tokens, kv, first), text_ids, chunk=PROMPT_CHUNK
+            )
+            for dtype, kv, first in sorted(configs)
         }
+        for case in cases:
+            reference = logits[(case.reference, "auto", False)]
+            test = logits[(case.dtype, case.kv, case.first)]
+            label = f"{case.label} vs {REFERENCE_LABELS[case.reference]}"
+            per_case.setdefault(label, {})[name] = compare_text(reference, test, text_ids)
+        del logits
     return {label: report_row(per_text) for label, per_text in per_case.items()}
 
 
