@@ -24,13 +24,12 @@ import torch.nn.functional as F
 from pagedllm.kernels import ops as kernel_ops
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import (
-    FORMATS,
-    K_QUANTS,
     concat_rows,
     dequantize,
     from_gguf_blocks,
     quant_linear,
 )
+from pagedllm.quant_layout import FORMATS, K_QUANTS
 
 from .gguf_blocks import quantize
 from .isa_caps import QUANT_ROUTES, ROUTES, quant_gemm_capped, small_gemm_capped

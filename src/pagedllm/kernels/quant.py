@@ -31,45 +31,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32
-SUPER_BLOCK = 256
-# The formats kept as stored, by their GGML type numbers (the kernels' format argument).
-CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-FORMATS = tuple(CODES)
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
-# Section sizes of a row of ``blocks`` 32-blocks (``pairs``, ``groups``: of 2 and 8 blocks,
-# rounded up) in the kernels' layout, in order.
-_SECTIONS = {
-    "Q8_0": lambda b, p, g: [32 * b, 2 * b],
-    "Q4_0": lambda b, p, g: [32 * p, 2 * b],
-    "Q4_1": lambda b, p, g: [32 * p, 2 * b, 2 * b],
-    "Q5_0": lambda b, p, g: [32 * p, 32 * g, 2 * b],
-    "Q4_K": lambda b, p, g: [16 * b, b, b, 2 * g, 2 * g],
-    "Q5_K": lambda b, p, g: [16 * b, 4 * b, b, b, 2 * g, 2 * g],
-    "Q6_K": lambda b, p, g: [16 * b, 8 * b, 2 * b, 2 * g],
-}
-# Formats whose values another holds exactly, widest last: a fused linear whose parts came
-# in several formats keeps the narrowest that holds them all (``concat_rows``).
-_WIDER = {"Q4_0": ("Q5_0", "Q8_0"), "Q5_0": ("Q8_0",), "Q4_K": ("Q5_K",)}
+from pagedllm.quant_layout import (
+    BLOCK,
+    CODES,
+    FORMATS,
+    WIDER,
+    common_format,
+    row_bytes,
+    section_sizes,
+    unit,
+)
+
 # Elements of one dequantised tile on the torch path: a few MiB, so that a prompt step never
 # holds a whole large weight (the LM head) in float at once.
 TILE_ELEMENTS = 1 << 20
-
-
-def unit(format: str) -> int:
-    """Weights per repeated unit of ``format``'s layout: 32, or 256 for a K-quant."""
-    return SUPER_BLOCK if format in K_QUANTS else BLOCK
-
-
-def section_sizes(format: str, width: int) -> list[int]:
-    """Bytes of each section of a row of ``width`` weights, in order."""
-    blocks = width // BLOCK
-    return _SECTIONS[format](blocks, (blocks + 1) // 2, (blocks + 7) // 8)
-
-
-def row_bytes(format: str, width: int) -> int:
-    """Bytes of one row of ``width`` weights."""
-    return sum(section_sizes(format, width))
 
 
 def width_of(format: str, size: int) -> int:
@@ -257,12 +232,12 @@ def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch
 
 
 def widen(weight: QuantWeight, format: str) -> QuantWeight:
-    """The same values in a wider format that holds them exactly (``_WIDER``): Q4_0 or Q5_0
+    """The same values in a wider format that holds them exactly (``WIDER``): Q4_0 or Q5_0
     as Q8_0 (the same scales, q less its offset), Q4_0 as Q5_0 (q + 8), Q4_K as Q5_K (no high
     bits)."""
     if format == weight.format:
         return weight
-    if format not in _WIDER.get(weight.format, ()):
+    if format not in WIDER.get(weight.format, ()):
         raise ValueError(f"{weight.format} has no exact {format} form")
     rows, width = weight.shape
     parts = _sections(weight)
@@ -277,14 +252,6 @@ def widen(weight: QuantWeight, format: str) -> QuantWeight:
         return QuantWeight(format, torch.cat((qs, d), dim=1), weight.source)
     q5 = (q + 8).to(torch.uint8).view(rows, -1, BLOCK)  # Q4_0 -> Q5_0
     return QuantWeight(format, _pack_quants(q5, True, [d]), weight.source)
-
-
-def common_format(formats: list[str]) -> str | None:
-    """The narrowest format that holds weights of all ``formats`` exactly, or None."""
-    for candidate in dict.fromkeys([*formats, *(w for f in formats for w in _WIDER.get(f, ()))]):
-        if all(f == candidate or candidate in _WIDER.get(f, ()) for f in formats):
-            return candidate
-    return None
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:

@@ -28,15 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.kernels.quant import FORMATS, QuantWeight, from_gguf_blocks
+from pagedllm.gguf_header import gguf_config, kept
+from pagedllm.kernels.quant import QuantWeight, from_gguf_blocks
 from pagedllm.model.gguf_index import GGUFIndex, read_index
 
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
 # Gemma's chat turns (the GGUF of gemma-3-270m carries no template).
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -69,15 +64,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# The weights (Hugging Face names end so) that may stay quantized: the linears', and the
-# token embedding (a tied LM head's weight too).
-_KEPT_SUFFIXES = tuple(
-    f"{name}.weight"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-) + ("lm_head.weight", "embed_tokens.weight")
-# Families whose decoder runs quantized linears (model/llama.py's).
-_QUANTIZED_FAMILIES = ("llama", "qwen2", "qwen3")
-
 Tensor = torch.Tensor | QuantWeight
 
 
@@ -90,68 +76,9 @@ def read_gguf(
     next load (``gguf_tokenizer``)."""
     path = Path(path)
     index = read_index(path)
-    config = gguf_config(index)
+    config = gguf_config(index.fields, [t.name for t in index.tensors])
     tensors = gguf_tensors(index, config, keep_quantized)
     return config, tensors, lambda: gguf_tokenizer(path, tokenizer_cache)
-
-
-def gguf_config(reader: GGUFIndex) -> dict[str, Any]:
-    """A ``config.json``-style dict from the file's metadata; refuses what we cannot run."""
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("unsupported GGUF rope scaling (rope_freqs.weight, as in Llama 3.1)")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden_size = int(_field(reader, f"{arch}.embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens", [])
-    config: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
-        "hidden_size": hidden_size,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    if arch == "qwen2":
-        config["use_sliding_window"] = False
-    if arch == "gemma3":
-        config.update(_gemma3_config(reader, tokens))
-    return {k: v for k, v in config.items() if v is not None}
-
-
-def _gemma3_config(reader: GGUFIndex, tokens: list[str]) -> dict[str, Any]:
-    """Gemma 3's keys: what the file says; the rest (local rope base, layer pattern,
-    query_pre_attn_scalar) are transformers' defaults, as its own GGUF loader leaves them.
-    A chat turn ends with <end_of_turn>, a stop token besides <eos>."""
-    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
-    if "<end_of_turn>" in tokens:
-        eos.append(tokens.index("<end_of_turn>"))
-    return {
-        "model_type": "gemma3_text",
-        "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
-        "hidden_act": None,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-        "eos_token_id": eos,
-    }
 
 
 def gguf_tensors(
@@ -163,12 +90,12 @@ def gguf_tensors(
 
     unpermute = config["model_type"] == "llama"
     gemma = config["model_type"] == "gemma3_text"
-    keep_quantized = keep_quantized and config["model_type"] in _QUANTIZED_FAMILIES
+    arch = reader.fields.get("general.architecture", "")
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, gemma)
         shape = tuple(reversed(tensor.shape))
         kind = tensor.tensor_type.name
-        if keep_quantized and kind in FORMATS and name.endswith(_KEPT_SUFFIXES):
+        if keep_quantized and kept(arch, tensor.name, kind):
             yield name, quantized_tensor(tensor.data, kind, shape, name, config, unpermute)
             continue
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
@@ -271,7 +198,3 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     load_tokenizer().save_pretrained(str(out_dir))
     return out_dir
-
-
-def _field(reader: GGUFIndex, key: str, default: Any = None) -> Any:
-    return reader.fields.get(key, default)

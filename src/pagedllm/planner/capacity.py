@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedllm.core.kv_groups import KVCacheLayout, kv_cache_layout
+from pagedllm.gguf_header import held_weight_bytes
 from pagedllm.planner.presets import GIB, ModelSpec, spec_from_config
 
 SCHEMES = ("contiguous_max", "contiguous_exact", "paged", "paged_shared")
@@ -127,8 +128,13 @@ def _attention_params(spec: ModelSpec) -> int:
 def weight_bytes(
     model_config: ModelSpec | Mapping[str, Any], weight_dtype_bytes: float, tp: int = 1
 ) -> int:
-    """Weight bytes on one rank: parameters x dtype bytes / tp (quantisation scales ignored)."""
-    return int(param_count(model_config) * weight_dtype_bytes / tp)
+    """Weight bytes on one rank: parameters x dtype bytes / tp (quantisation scales ignored);
+    a GGUF's as the engine holds them (kept quantized tensors at their stored size, the
+    rest at ``weight_dtype_bytes``) / tp."""
+    spec = _spec(model_config)
+    if spec.gguf is not None:
+        return held_weight_bytes(spec.gguf, weight_dtype_bytes) // tp
+    return int(param_count(spec) * weight_dtype_bytes / tp)
 
 
 def reserve_bytes_estimate(model_config: ModelSpec | Mapping[str, Any], tp: int = 1) -> int:

@@ -26,6 +26,7 @@ from pagedllm.planner.workloads import (
     sample_distribution,
     trace_workload,
 )
+from pagedllm.quant_layout import FORMATS
 
 DEFAULT_TARGET = 16
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="default",
         help="preset name (Llama-3.1-8B, DeepSeek-V3, ...), 'default', an HF model "
-        "directory or a config.json",
+        "directory, a config.json or a .gguf file (weights counted as stored)",
     )
     m.add_argument(
         "--memory",
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--weight-dtype",
         default="auto",
-        help="bf16, fp16, fp32, fp8, int8, int4; auto = the config's dtype",
+        help="bf16, fp16, fp32, fp8, int8, int4; auto = the config's dtype (a .gguf: "
+        "the dtype of the tensors it dequantises; those kept quantized count as stored)",
     )
     m.add_argument(
         "--kv-dtype",
@@ -281,13 +283,21 @@ def _memory_figures(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]
         )
     return {
         "device": {"name": device.name, "memory_bytes": device.memory_bytes, "tp": args.tp},
-        "dtypes": {"weights": weight_dtype, "kv": kv_dtype},
+        "dtypes": {"weights": _weights_label(spec, weight_dtype), "kv": kv_dtype},
         "kv_bytes_per_token": cap.kv_bytes_per_token(spec, kv_bytes, args.tp),
         "kv_formula": cap.kv_formula(spec, kv_bytes, args.tp),
         "first_block_bytes": _first_block_bytes(args, spec, kv_dtype, weight_dtype),
         "budget": asdict(budget),
         "budget_given": args.kv_cache_memory is not None,
     }
+
+
+def _weights_label(spec: ModelSpec, weight_dtype: str) -> str:
+    """The weights' dtype; a GGUF's formats as stored, the rest in ``weight_dtype``."""
+    if spec.gguf is None:
+        return weight_dtype
+    formats = dict.fromkeys(t.type_name for t in spec.gguf.tensors if t.type_name in FORMATS)
+    return f"{'/'.join(formats) or 'none'} as stored, the rest {weight_dtype}"
 
 
 def _first_block_bytes(

@@ -13,10 +13,11 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pagedllm.gguf_header import GGUFHeader, gguf_config, read_header
 from pagedllm.kv_dtypes import QUANTIZED_KV_DTYPES, kv_element_bytes
 
 GIB = 1024**3
@@ -75,6 +76,9 @@ class ModelSpec:
     first_k_dense_replace: int = 0
     # Each layer's sliding window (None: full attention); empty: every layer is full.
     layer_windows: tuple[int | None, ...] = ()
+    # A GGUF file's header: its weights are counted as the engine holds them (kept
+    # quantized ones at their stored size, ``gguf_header.held_weight_bytes``).
+    gguf: GGUFHeader | None = field(default=None, compare=False, repr=False)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -97,9 +101,9 @@ def spec_from_config(config: Mapping[str, Any], name: str | None = None) -> Mode
     text = config.get("text_config")
     if isinstance(text, Mapping):  # multimodal wrappers keep the decoder here
         config = {**config, **text}
-    for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
-        if field not in config:
-            raise ValueError(f"model config lacks {field!r}")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if key not in config:
+            raise ValueError(f"model config lacks {key!r}")
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     head_dim = config.get("head_dim") or hidden // num_heads
@@ -258,12 +262,15 @@ DEFAULT_MODEL = "SmolLM2-135M"
 
 
 def resolve_model(model: str) -> ModelSpec:
-    """A preset name, ``"default"``, a HF model directory or a ``config.json`` path."""
+    """A preset name, ``"default"``, a HF model directory, a ``config.json`` path or a
+    ``.gguf`` file (only its header is read)."""
     presets = model_presets()
     key = DEFAULT_MODEL.lower() if model == "default" else model.lower()
     if key in presets:
         return presets[key]
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return spec_from_gguf(path)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
@@ -272,6 +279,14 @@ def resolve_model(model: str) -> ModelSpec:
         return spec_from_config(config, name=name)
     known = ", ".join(spec.name for spec in presets.values())
     raise ValueError(f"--model {model!r}: not a preset ({known}), 'default', or a config path")
+
+
+def spec_from_gguf(path: Path) -> ModelSpec:
+    """The spec of a GGUF file from its header: shapes from its metadata, weights as the
+    engine holds them (``ModelSpec.gguf``)."""
+    header = read_header(path)
+    config = gguf_config(header.fields, [t.name for t in header.tensors])
+    return replace(spec_from_config(config, name=path.stem), gguf=header)
 
 
 @dataclass(frozen=True, slots=True)

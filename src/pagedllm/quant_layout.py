@@ -1,0 +1,53 @@
+"""The block-quantized formats kept as stored and the size of their kernels' layout.
+
+Plain Python (no numpy, no torch): ``kernels/quant.py`` repacks weights into this layout,
+and ``pagedllm plan`` counts a GGUF's weights with it without loading them. The layout
+itself is described in ``kernels/quant.py``.
+"""
+
+from __future__ import annotations
+
+BLOCK = 32
+SUPER_BLOCK = 256
+# The formats kept as stored, by their GGML type numbers (the kernels' format argument).
+CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+FORMATS = tuple(CODES)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# Section sizes of a row of ``blocks`` 32-blocks (``pairs``, ``groups``: of 2 and 8 blocks,
+# rounded up) in the kernels' layout, in order.
+_SECTIONS = {
+    "Q8_0": lambda b, p, g: [32 * b, 2 * b],
+    "Q4_0": lambda b, p, g: [32 * p, 2 * b],
+    "Q4_1": lambda b, p, g: [32 * p, 2 * b, 2 * b],
+    "Q5_0": lambda b, p, g: [32 * p, 32 * g, 2 * b],
+    "Q4_K": lambda b, p, g: [16 * b, b, b, 2 * g, 2 * g],
+    "Q5_K": lambda b, p, g: [16 * b, 4 * b, b, b, 2 * g, 2 * g],
+    "Q6_K": lambda b, p, g: [16 * b, 8 * b, 2 * b, 2 * g],
+}
+# Formats whose values another holds exactly, widest last: a fused linear whose parts came
+# in several formats keeps the narrowest that holds them all (``concat_rows``).
+WIDER = {"Q4_0": ("Q5_0", "Q8_0"), "Q5_0": ("Q8_0",), "Q4_K": ("Q5_K",)}
+
+
+def unit(format: str) -> int:
+    """Weights per repeated unit of ``format``'s layout: 32, or 256 for a K-quant."""
+    return SUPER_BLOCK if format in K_QUANTS else BLOCK
+
+
+def section_sizes(format: str, width: int) -> list[int]:
+    """Bytes of each section of one row of ``width`` weights in ``format``'s layout."""
+    blocks = width // BLOCK
+    return _SECTIONS[format](blocks, (blocks + 1) // 2, (blocks + 7) // 8)
+
+
+def row_bytes(format: str, width: int) -> int:
+    """Bytes of one row of ``width`` weights."""
+    return sum(section_sizes(format, width))
+
+
+def common_format(formats: list[str]) -> str | None:
+    """The narrowest format that holds weights of all ``formats`` exactly, or None."""
+    for candidate in dict.fromkeys([*formats, *(w for f in formats for w in WIDER.get(f, ()))]):
+        if all(f == candidate or candidate in WIDER.get(f, ()) for f in formats):
+            return candidate
+    return None
