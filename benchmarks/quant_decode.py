@@ -6,7 +6,8 @@ Two parts:
   model whose GGUF runs natively (``LLM(model=NAME)``: linears kept as stored) against the
   float model converted from the same file (``LLM(model=<its converted directory>)``). The
   default model (SmolLM2-135M, Q4_1) unless ``--model qwen2.5-coder-0.5b`` (opt-in: the
-  Qwen2.5-Coder-0.5B GGUF, mostly Q5_0 with Q8_0 / Q4_K / Q6_K tensors). Each configuration
+  Qwen2.5-Coder-0.5B GGUF, mostly Q5_0 with Q8_0 / Q4_K / Q6_K tensors; or ``gemma-3-270m``,
+  Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K). Each configuration
   runs in a fresh child process (so that its RSS is its own), in alternated rounds; figures
   are medians over the rounds of each round's best of ``REPEATS`` generations (on a shared
   machine a neighbour's burst lands in some generations: the best is the code's speed, the
@@ -34,7 +35,7 @@ import time
 CONFIGS = ("float", "quantized")
 # Timed generations in each child; the child reports the best.
 REPEATS = 5
-MODELS = ("default", "qwen2.5-coder-0.5b")
+MODELS = ("default", "qwen2.5-coder-0.5b", "gemma-3-270m")
 
 
 def child(model: str, config: str, prompt_tokens: int, output_tokens: int, kv_mib: int) -> dict:

@@ -80,7 +80,7 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 # The architectures whose decoders run quantized linears, and the tensors kept as stored
 # there (GGUF names: the linears', the token embedding, the untied head).
-QUANTIZED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+QUANTIZED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _KEPT_LAYER_TENSORS = (
     "attn_q",
     "attn_k",

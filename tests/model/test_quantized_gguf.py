@@ -40,9 +40,9 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((log_p.exp() * (log_p - log_q)).sum(-1).max())
 
 
-def run_in_lockstep(reference, quantized, prompts) -> tuple[float, float]:
+def run_in_lockstep(reference, quantized, prompts, tie_gap=TIE_GAP) -> tuple[float, float]:
     """(largest KL, top-1 agreement on the rows whose reference top-2 gap is at least
-    TIE_GAP) over a prompt step and DECODE_STEPS decode steps, both models fed the
+    ``tie_gap``) over a prompt step and DECODE_STEPS decode steps, both models fed the
     reference's greedy tokens."""
     drivers = [
         HandDriver(TorchModelRunner(model, block_size=4, num_blocks=64))
@@ -59,7 +59,7 @@ def run_in_lockstep(reference, quantized, prompts) -> tuple[float, float]:
         actual = torch.stack([steps[1][f"r{i}"] for i in range(len(prompts))])
         worst = max(worst, kl_divergence(expected, actual))
         top2 = expected.topk(2, dim=-1).values
-        decided = (top2[:, 0] - top2[:, 1]) >= TIE_GAP
+        decided = (top2[:, 0] - top2[:, 1]) >= tie_gap
         agree += int(((expected.argmax(-1) == actual.argmax(-1)) & decided).sum())
         total += int(decided.sum())
         if step == DECODE_STEPS:

@@ -375,12 +375,6 @@ def kernel_max_rows(t: LinearTensors) -> int:
     return SMALL_GEMM_MAX_ROWS_BF16 if t.quant is not None else small_gemm_max_rows(t.small)
 
 
-def on_one_small_gemm(linears: list[LinearTensors]) -> bool:
-    """Every linear has its ``small_gemm`` copy, all in one dtype (the one-call ops'
-    condition)."""
-    return all(t.small is not None for t in linears) and len({t.small.dtype for t in linears}) == 1
-
-
 def kind_arguments(kinds: list[AttentionKind]) -> tuple[list[int], list[float], AttentionKind]:
     """Each layer's window and soft-cap as ``paged_attention`` takes them (0: none), and the
     kind whose route decides whether the kernel takes a step whole: full attention when any

@@ -5,7 +5,8 @@ gating, the local rope of the sliding layers, per-layer windows and soft-capping
 ``paged_attention``.
 
 It takes the steps the attention kernel takes whole (``AttentionBackend.kernel_step``)
-with at most ``small_gemm``'s rows; every other step runs the model's own module loop, on
+with at most ``small_gemm``'s rows, its linears on ``small_gemm`` or, kept quantized (a
+GGUF's), on ``quant_gemm`` as ``decoder_layers`` runs them; every other step runs the model's own module loop, on
 the same packed weights. ``GemmaFastPath.build`` says whether a model has one.
 """
 
@@ -17,13 +18,16 @@ from typing import Any, NamedTuple
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
-from pagedllm.kernels.linear import small_gemm_max_rows
+from pagedllm.kernels.quant import kernels_run
 from pagedllm.model.base import KVCaches
 from pagedllm.model.fast_path import (
     group_arguments,
+    kernel_format,
+    kernel_max_rows,
     kernel_steps,
+    kernel_weight,
     kind_arguments,
-    on_one_small_gemm,
+    on_own_kernels,
     step_arguments,
 )
 from pagedllm.model.llama import Heads, RotaryTable
@@ -60,6 +64,9 @@ class GemmaPlan(NamedTuple):
     sliding_windows: list[int]
     softcaps: list[float]
     kind: AttentionKind  # the kind whose route decides whether the kernel takes a step
+    # Per layer the formats of qkv, o, gate_up and down (``kernel_format``), or empty where
+    # every linear is on small_gemm.
+    weight_formats: list[int]
 
 
 class GemmaFastPath:
@@ -84,7 +91,8 @@ class GemmaFastPath:
     def build(cls, model: Any, ops: Any) -> GemmaFastPath | None:
         """The fast path of a Gemma ``DecoderForCausalLM`` (its linears packed), or None
         where it has none: no C++ ops, another family, a mixture of experts, a linear
-        without its ``small_gemm`` copy, or a rope the table does not hold (YaRN scale)."""
+        without its ``small_gemm`` copy or quantized layout (or a quantized one where the
+        integer kernels do not run), or a rope the table does not hold (YaRN scale)."""
         config = model.config
         if (
             ops is None
@@ -97,7 +105,7 @@ class GemmaFastPath:
         ):
             return None
         plan = gemma_plan(model)
-        if plan is None:
+        if plan is None or (plan.weight_formats and not kernels_run(ops)):
             return None
         local = model.local_inv_freq if model.local_inv_freq is not None else model.inv_freq
         rotary = RotaryTable(model.inv_freq)
@@ -161,6 +169,7 @@ class GemmaFastPath:
                     plan.sliding_windows,
                     plan.softcaps,
                     *group_arguments(steps, meta),
+                    plan.weight_formats,
                 )
         return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
 
@@ -172,8 +181,8 @@ def offset_weight(norm: Any) -> torch.Tensor:
 
 def gemma_plan(model: Any) -> GemmaPlan | None:
     """The plan for ``gemma_layers``, or None where a layer does not fit it: every linear
-    needs its ``small_gemm`` copy (one dtype), and every layer one head shape, scale and
-    backend."""
+    needs its ``small_gemm`` copy (one dtype) or its quantized layout (``quant_gemm``), and
+    every layer one head shape, scale and backend."""
     layers = list(model.layers)
     attns = [layer.self_attn for layer in layers]
     mlps = [layer.mlp for layer in layers]
@@ -181,7 +190,7 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
     modules += [m for p in mlps for m in (p.gate_up_proj, p.down_proj)]
     linears = [m.tensors for m in modules]
     first = attns[0]
-    if not on_one_small_gemm(linears) or any(
+    if not on_own_kernels(linears) or any(
         a.heads.counts != first.heads.counts
         or a.head_dim != first.head_dim
         or a.scale != first.scale
@@ -190,19 +199,24 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
     ):
         return None
     sliding_windows, softcaps, kind = kind_arguments([a.kind for a in attns])
+    formats = [
+        kernel_format(t)
+        for a, p in zip(attns, mlps, strict=True)
+        for t in (a.qkv_proj.tensors, a.o_proj.tensors, p.gate_up_proj.tensors, p.down_proj.tensors)
+    ]
     return GemmaPlan(
         in_norm=[offset_weight(layer.input_layernorm) for layer in layers],
         q_norm=[None if a.q_norm is None else offset_weight(a.q_norm) for a in attns],
         k_norm=[None if a.k_norm is None else offset_weight(a.k_norm) for a in attns],
-        qkv=[a.qkv_proj.tensors.small for a in attns],
+        qkv=[kernel_weight(a.qkv_proj.tensors) for a in attns],
         qkv_bias=[a.qkv_proj.tensors.bias for a in attns],
-        o=[a.o_proj.tensors.small for a in attns],
+        o=[kernel_weight(a.o_proj.tensors) for a in attns],
         o_bias=[a.o_proj.tensors.bias for a in attns],
         post_attn_norm=[offset_weight(layer.post_attention_layernorm) for layer in layers],
         pre_ff_norm=[offset_weight(layer.pre_feedforward_layernorm) for layer in layers],
-        gate_up=[p.gate_up_proj.tensors.small for p in mlps],
+        gate_up=[kernel_weight(p.gate_up_proj.tensors) for p in mlps],
         gate_up_bias=[p.gate_up_proj.tensors.bias for p in mlps],
-        down=[p.down_proj.tensors.small for p in mlps],
+        down=[kernel_weight(p.down_proj.tensors) for p in mlps],
         down_bias=[p.down_proj.tensors.bias for p in mlps],
         post_ff_norm=[offset_weight(layer.post_feedforward_layernorm) for layer in layers],
         final_norm=offset_weight(model.norm),
@@ -210,8 +224,9 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
         heads=first.heads,
         scale=first.scale,
         backend=first.backend,
-        max_rows=small_gemm_max_rows(first.qkv_proj.tensors.small),
+        max_rows=min(kernel_max_rows(t) for t in linears),
         sliding_windows=sliding_windows,
         softcaps=softcaps,
         kind=kind,
+        weight_formats=formats if any(formats) else [],
     )

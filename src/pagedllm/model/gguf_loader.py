@@ -2,15 +2,14 @@
 
 Tensors are dequantised with the ``gguf`` package (``gguf.quants.dequantize``) to
 float32, except, when asked (``keep_quantized``: the loader asks), the linears and the
-token embedding of the Llama-family decoder stored as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or
-Q6_K: those come as ``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``,
+token embedding of the Llama family and Gemma 3 stored as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
+Q5_K or Q6_K (``gguf_header.kept``): those come as ``QuantWeight`` (their blocks repacked once for ``kernels/quant.py``,
 the only copy). llama.cpp stores Llama q/k projection rows permuted for its own rotary
 layout; they are permuted back here so that the HF rotary (``rotate_half``) applies.
 The tokenizer is rebuilt from the file's metadata by ``transformers`` (``gguf_file=``).
 Gemma 3: llama.cpp stores the norms' weights with Gemma's ``1 +`` folded in (taken off
 here, as transformers' GGUF loader does) and no chat template (Gemma's turn template is
-supplied); every K-quant type the ``gguf`` package knows (Q4_K, Q6_K, Q5_0, Q8_0, ...)
-dequantises.
+supplied); its tensors in other types the ``gguf`` package knows dequantise.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def _kept_gguf(path: Path) -> Path | None:
     was converted from), where its family runs quantized linears; else None."""
     config = _read_config(path)
     source = config.get("pagedllm_converted_from")
-    if source is None or config.get("model_type") not in ("llama", "qwen2", "qwen3"):
+    if source is None or config.get("model_type") not in ("llama", "qwen2", "qwen3", "gemma3_text"):
         return None
     gguf = path / source
     return gguf if gguf.is_file() else None

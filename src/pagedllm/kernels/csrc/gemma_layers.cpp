@@ -1,7 +1,7 @@
 // Gemma 2 / Gemma 3 decoder layers of one step in one call: the module loop of
 // model/decoder.py (GeneralDecoderLayer with Gemma's norms) with the same roundings, for the
 // steps the per-layer path would give entirely to pagedllm's kernels (every linear on
-// small_gemm, every sequence on paged_attention). What differs from decoder_layers.cpp
+// small_gemm or, kept quantized, quant_gemm; every sequence on paged_attention). What differs from decoder_layers.cpp
 // (the Llama family's loop) is Gemma's layer: norms scaled by (1 + weight) in float32, q/k
 // norms (Gemma 3), "sandwich" norms after attention and around the MLP, GELU (tanh) gating,
 // a local rope table for the sliding layers, per-layer windows and soft-capping.
@@ -91,6 +91,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 
 using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
+using QuantGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&);
 using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -99,6 +100,7 @@ using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, co
 
 struct Ops {
   c10::TypedOperatorHandle<SmallGemm> small_gemm = op<SmallGemm>("pagedllm::small_gemm");
+  c10::TypedOperatorHandle<QuantGemm> quant_gemm = op<QuantGemm>("pagedllm::quant_gemm");
   c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
   c10::TypedOperatorHandle<PagedAttention> attention = op<PagedAttention>("pagedllm::paged_attention");
@@ -109,9 +111,16 @@ const Ops& ops() {
   return handles;
 }
 
+// x @ w.T (+ bias) on the weight's kernel: quant_gemm for a block-quantized weight (format:
+// its GGML type, kernels/quant.py's layout), small_gemm for format 0.
+at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, int64_t format, const OptTensor& bias) {
+  return format != 0 ? f.quant_gemm.call(x, w, format, bias) : f.small_gemm.call(x, w, bias);
+}
+
 // Per layer i: norms (float32, 1 + weight): in_norm, q_norm / k_norm (absent: none),
-// post_attn_norm, pre_ff_norm, post_ff_norm; small_gemm-packed linears qkv, o, gate_up, down
-// with optional biases; K/V caches; sliding_windows[i] (0: full attention; the sliding layers
+// post_attn_norm, pre_ff_norm, post_ff_norm; linears qkv, o, gate_up, down (small_gemm-packed,
+// or block-quantized for quant_gemm: weight_formats[4 i + j] their GGML types, 0 small_gemm,
+// empty all small_gemm) with optional biases; K/V caches; sliding_windows[i] (0: full attention; the sliding layers
 // take the local cos/sin) and softcaps[i] (0: none). hidden: the scaled embeddings [T, hidden];
 // cos/sin: [T, head_dim] of the full and of the sliding layers. The attention arguments are
 // paged_attention's; with several KV cache groups, each layer's block table and slots are its
@@ -130,7 +139,8 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                         int64_t num_kv_heads, int64_t head_dim, double scale, int64_t rows_per_task,
                         bool fast_bf16, bool use_amx, const OptTensor& output_rows, at::IntArrayRef sliding_windows,
                         at::ArrayRef<double> softcaps, at::TensorList group_block_tables,
-                        at::TensorList group_slot_mappings, at::IntArrayRef layer_groups) {
+                        at::TensorList group_slot_mappings, at::IntArrayRef layer_groups,
+                        at::IntArrayRef weight_formats) {
   const size_t n = in_norm.size();
   TORCH_CHECK(n > 0, "gemma_layers: no layers");
   for (size_t size : {q_norm.size(), k_norm.size(), qkv.size(), qkv_bias.size(), o.size(), o_bias.size(),
@@ -139,6 +149,11 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                       sliding_windows.size(), softcaps.size()})
     TORCH_CHECK(size == n, "gemma_layers: every per-layer list needs ", n, " entries");
   TORCH_CHECK(hidden.dim() == 2, "gemma_layers: hidden must be [T, hidden]");
+  TORCH_CHECK(weight_formats.empty() || weight_formats.size() == 4 * n,
+              "gemma_layers: weight_formats needs 4 entries a layer (qkv, o, gate_up, down)");
+  auto format = [&](size_t layer, size_t which) -> int64_t {
+    return weight_formats.empty() ? 0 : weight_formats[4 * layer + which];
+  };
   const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
                                        layer_groups, n);
   const Ops& f = ops();
@@ -147,7 +162,7 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
   at::Tensor h = hidden;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor x = offset_rms_norm(h, in_norm[i], eps);
-    const at::Tensor qkv_out = f.small_gemm.call(x, qkv[i], qkv_bias.get(i));
+    const at::Tensor qkv_out = linear(f, x, qkv[i], format(i, 0), qkv_bias.get(i));
     TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "gemma_layers: qkv width disagrees with the heads");
     const auto heads = qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
                            .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
@@ -165,12 +180,12 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
       attn = attn.index_select(0, *output_rows);
       h = h.index_select(0, *output_rows);
     }
-    const at::Tensor projected = f.small_gemm.call(attn.view({attn.size(0), q_width}), o[i], o_bias.get(i));
+    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), o[i], format(i, 1), o_bias.get(i));
     h = at::add(h, offset_rms_norm(projected, post_attn_norm[i], eps));
-    const at::Tensor gu = f.small_gemm.call(offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], gate_up_bias.get(i));
+    const at::Tensor gu = linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, 2), gate_up_bias.get(i));
     const int64_t inter = gu.size(1) / 2;
     const at::Tensor act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
-    const at::Tensor mlp = f.small_gemm.call(act, down[i], down_bias.get(i));
+    const at::Tensor mlp = linear(f, act, down[i], format(i, 3), down_bias.get(i));
     h = at::add(h, offset_rms_norm(mlp, post_ff_norm[i], eps));
   }
   return offset_rms_norm(h, final_norm, eps);
@@ -188,7 +203,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor handled, int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, "
       "bool fast_bf16, bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
-      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups) -> Tensor");
+      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups, int[] weight_formats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
