@@ -6,7 +6,7 @@ kernels/quant.py, against the same file dequantised to float32; the one-call Gem
 With the linears on the dequantising torch path the kept weights give the reference's
 logits (KL below 1e-10: the loading is exact). On the integer kernels (activations
 quantised to int8 per 32-block, as llama.cpp does) the tiny random Gemma moves further
-than the Llama-family ones of test_quantized_gguf.py (KL 1e-5 there): 1.9e-4 to 3.4e-4
+than the Llama-family ones of test_quantized_gguf.py (KL 1e-5 there): 2.3e-4 to 5.7e-4
 nats measured in every format, from the prompt step on, the head and the layers each
 adding their share, Q8_0 weights as much as Q4 ones (the int8 activations, not the
 weights); the bound is GEMMA_MAX_KL. Logits move by up to 0.05-0.1 there (a spread of

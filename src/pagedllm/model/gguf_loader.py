@@ -30,6 +30,7 @@ import torch
 from pagedllm.gguf_header import gguf_config, kept
 from pagedllm.kernels.quant import QuantWeight, from_gguf_blocks
 from pagedllm.model.gguf_index import GGUFIndex, read_index
+from pagedllm.model.layout_cache import layout_cache_file, load_layouts, save_layouts
 
 # Gemma's chat turns (the GGUF of gemma-3-270m carries no template).
 GEMMA_CHAT_TEMPLATE = (
@@ -67,33 +68,72 @@ Tensor = torch.Tensor | QuantWeight
 
 
 def read_gguf(
-    path: str | Path, keep_quantized: bool = False, tokenizer_cache: Path | None = None
+    path: str | Path,
+    keep_quantized: bool = False,
+    tokenizer_cache: Path | None = None,
+    layout_cache: Path | None = None,
 ) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]], Callable[[], Any]]:
     """(HF config dict, iterator of (HF name, float32 tensor or ``QuantWeight``), tokenizer
     loader). ``keep_quantized``: linears in a format of ``kernels/quant.py`` come as stored.
     ``tokenizer_cache``: where the tokenizer, once rebuilt from the file, is kept for the
-    next load (``gguf_tokenizer``)."""
+    next load (``gguf_tokenizer``); ``layout_cache``: where the kept weights, once
+    repacked, are kept for the next load (``model/layout_cache.py``)."""
     path = Path(path)
     index = read_index(path)
     config = gguf_config(index.fields, [t.name for t in index.tensors])
-    tensors = gguf_tensors(index, config, keep_quantized)
+    if keep_quantized and layout_cache is not None:
+        tensors = cached_gguf_tensors(index, config, layout_cache_file(path, layout_cache))
+    else:
+        tensors = gguf_tensors(index, config, keep_quantized)
     return config, tensors, lambda: gguf_tokenizer(path, tokenizer_cache)
 
 
+def cached_gguf_tensors(
+    reader: GGUFIndex, config: dict[str, Any], file: Path
+) -> Iterator[tuple[str, Tensor]]:
+    """``gguf_tensors`` keeping the quantized ones, read from ``file`` where an earlier
+    load saved them, else repacked and saved there once every tensor has been taken."""
+    cached = load_layouts(file)
+    fresh: dict[str, QuantWeight] = {}
+    for name, tensor in gguf_tensors(reader, config, True, cached or {}):
+        if cached is None and isinstance(tensor, QuantWeight):
+            fresh[name] = tensor
+        yield name, tensor
+    if cached is None and fresh:
+        save_layouts(file, fresh)
+
+
 def gguf_tensors(
-    reader: GGUFIndex, config: dict[str, Any], keep_quantized: bool = False
+    reader: GGUFIndex,
+    config: dict[str, Any],
+    keep_quantized: bool = False,
+    repacked: dict[str, QuantWeight] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Tensors under their Hugging Face names: dequantised to float32, or as stored
-    (``QuantWeight``) for a linear in a kept format when ``keep_quantized``."""
+    (``QuantWeight``) for a linear in a kept format when ``keep_quantized`` (taken from
+    ``repacked`` by name where it holds them, else repacked, with a progress bar on a
+    terminal: seconds for a large file)."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     unpermute = config["model_type"] == "llama"
     gemma = config["model_type"] == "gemma3_text"
     arch = reader.fields.get("general.architecture", "")
-    for tensor in reader.tensors:
+    repacked = repacked or {}
+    progress = tqdm(
+        reader.tensors,
+        desc="repacking GGUF blocks",
+        unit="tensor",
+        disable=None if keep_quantized and not repacked else True,
+        leave=False,
+    )
+    for tensor in progress:
         name = hf_tensor_name(tensor.name, gemma)
         shape = tuple(reversed(tensor.shape))
         kind = tensor.tensor_type.name
+        if keep_quantized and name in repacked:
+            yield name, repacked[name]
+            continue
         if keep_quantized and kept(arch, tensor.name, kind):
             yield name, quantized_tensor(tensor.data, kind, shape, name, config, unpermute)
             continue

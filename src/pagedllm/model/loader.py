@@ -94,7 +94,7 @@ def load_model(
     if gguf is not None:
         from pagedllm.model.gguf_loader import read_gguf
 
-        raw_config, weights, _ = read_gguf(gguf, keep_quantized=True)
+        raw_config, weights, _ = read_gguf(gguf, keep_quantized=True, layout_cache=layout_cache())
         tokenizer_loader = _hf_tokenizer_loader(path)
     elif path.suffix == ".gguf" and path.is_file():
         from pagedllm.model.gguf_loader import read_gguf
@@ -212,6 +212,14 @@ def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module
     from pagedllm.model.gemma_fast_path import GemmaFastPath
 
     return DecoderForCausalLM(config, backend, fast_path_builder=GemmaFastPath.build)
+
+
+def layout_cache() -> Path:
+    """Where a named model's GGUF weights, once repacked for the kernels, are kept
+    (``layout_cache.py``; a GGUF given by path is repacked at each load)."""
+    from pagedllm.model.default_model import cache_dir
+
+    return cache_dir() / "layouts"
 
 
 def tokenizer_cache() -> Path:

@@ -1,0 +1,64 @@
+"""The repacked layout of a GGUF's kept weights, cached for the next load.
+
+Repacking a file's blocks into the kernels' layout (``kernels/quant.py``) is most of a
+GGUF's start-up (Qwen2.5-Coder-0.5B: ~460 MiB, seconds to tens of seconds on two busy
+cores); reading the result back is a file copy. The first load writes every kept weight,
+as repacked, into one safetensors file under ``<cache>/layouts``, named by the GGUF's
+path, size and modification time and by the layout's code (``kernels/quant.py`` and
+``quant_layout.py``: a changed layout is repacked afresh); later loads read it instead of
+repacking. Written whole or not at all (a temporary file renamed into place).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pagedllm import quant_layout
+from pagedllm.kernels import quant
+from pagedllm.kernels.quant import QuantWeight
+
+_META_KEY = "pagedllm_layouts"
+
+
+def layout_cache_file(path: Path, cache: Path) -> Path:
+    """Where the repacked weights of the GGUF at ``path`` are kept."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    for source in (quant.__file__, quant_layout.__file__):
+        key.update(Path(source).read_bytes())
+    return cache / f"{path.stem}-{key.hexdigest()[:16]}.safetensors"
+
+
+def load_layouts(file: Path) -> dict[str, QuantWeight] | None:
+    """The weights saved in ``file`` by name, or None where there is no such file."""
+    if not file.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get(_META_KEY, "{}"))
+        return {
+            name: QuantWeight(format, handle.get_tensor(name), stored)
+            for name, (format, stored) in meta.items()
+        }
+
+
+def save_layouts(file: Path, weights: dict[str, QuantWeight]) -> None:
+    """Write ``weights`` to ``file`` whole (a concurrent writer may win the rename)."""
+    from safetensors.torch import save_file
+
+    meta = {name: (w.format, w.stored) for name, w in weights.items()}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".layout-", suffix=".tmp", dir=file.parent)
+    os.close(handle)
+    try:
+        tensors = {name: w.data.contiguous() for name, w in weights.items()}
+        save_file(tensors, temporary, metadata={_META_KEY: json.dumps(meta)})
+        os.replace(temporary, file)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
