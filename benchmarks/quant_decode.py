@@ -154,7 +154,7 @@ def kernels_part(args: argparse.Namespace) -> dict:
 
     from pagedllm.kernels.ops import layer_ops
     from pagedllm.kernels.probe import cpu_info
-    from pagedllm.kernels.quant import FORMATS, K_QUANTS
+    from pagedllm.quant_layout import FORMATS, K_QUANTS
 
     ops = layer_ops()
     if ops is None:
