@@ -6,13 +6,16 @@ cores); reading the result back is a file copy. The first load writes every kept
 as repacked, into one safetensors file under ``<cache>/layouts``, named by the GGUF's
 path, size and modification time and by the layout's code (``kernels/quant.py`` and
 ``quant_layout.py``: a changed layout is repacked afresh); later loads read it instead of
-repacking. Written whole or not at all (a temporary file renamed into place).
+repacking. Written whole or not at all (a temporary file renamed into place); a file that
+cannot be read back is a miss (removed and repacked), a write that fails only costs the
+next load its repacking, and writing a new layout removes the GGUF's older ones.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +25,8 @@ from pagedllm.kernels import quant
 from pagedllm.kernels.quant import QuantWeight
 
 _META_KEY = "pagedllm_layouts"
+
+logger = logging.getLogger(__name__)
 
 
 def layout_cache_file(path: Path, cache: Path) -> Path:
@@ -34,21 +39,39 @@ def layout_cache_file(path: Path, cache: Path) -> Path:
 
 
 def load_layouts(file: Path) -> dict[str, QuantWeight] | None:
-    """The weights saved in ``file`` by name, or None where there is no such file."""
+    """The weights saved in ``file`` by name, or None where there is no such file or it
+    cannot be read back (then it is removed: the caller repacks and writes it again)."""
     if not file.is_file():
         return None
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as handle:
-        meta = json.loads((handle.metadata() or {}).get(_META_KEY, "{}"))
-        return {
-            name: QuantWeight(format, handle.get_tensor(name), stored)
-            for name, (format, stored) in meta.items()
-        }
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            meta = json.loads((handle.metadata() or {})[_META_KEY])
+            return {
+                name: QuantWeight(format, handle.get_tensor(name), stored)
+                for name, (format, stored) in meta.items()
+            }
+    except Exception as error:  # any unreadable file is a miss, never a failed load
+        logger.warning("layout cache %s unreadable (%s): repacking", file, error)
+        file.unlink(missing_ok=True)
+        return None
 
 
 def save_layouts(file: Path, weights: dict[str, QuantWeight]) -> None:
-    """Write ``weights`` to ``file`` whole (a concurrent writer may win the rename)."""
+    """Write ``weights`` to ``file`` whole (a concurrent writer may win the rename), then
+    remove the same GGUF's older layouts; a failed write is logged, not raised."""
+    try:
+        _write(file, weights)
+    except OSError as error:
+        logger.warning("layout cache %s not written (%s)", file, error)
+        return
+    for older in file.parent.glob(f"{file.stem.rsplit('-', 1)[0]}-*.safetensors"):
+        if older != file:
+            older.unlink(missing_ok=True)
+
+
+def _write(file: Path, weights: dict[str, QuantWeight]) -> None:
     from safetensors.torch import save_file
 
     meta = {name: (w.format, w.stored) for name, w in weights.items()}
