@@ -46,6 +46,7 @@ def start_model(config: EngineConfig, backend: Any) -> tuple[Any, Any, KVPlan]:
         backend,
         device=config.device,
         load_tokenizer=not config.skip_tokenizer_init,
+        quantization=config.quantization,
     )
     plans: list[KVPlan] = []
 

@@ -3,6 +3,7 @@
     pagedllm env                      # the default model, --dtype auto
     pagedllm env --model ./m --dtype float32 --json
     pagedllm env --kv-cache-dtype int8   # attention's route over a quantized cache
+    pagedllm env --model ./m --quantization q4_0   # linears quantized at load
 
 The CPU (model, the feature flags the kernels use, the CPUs this process may use), the
 threads (torch's intra-op threads and the OpenMP settings), the kernel library (where it was
@@ -19,7 +20,7 @@ import os
 from typing import Any
 
 from pagedllm.engine.args import json_config
-from pagedllm.engine.config import DTYPES
+from pagedllm.engine.config import DTYPES, QUANTIZATIONS
 from pagedllm.kv_dtypes import KV_CACHE_DTYPES
 from pagedllm.spec_decode.config import SpeculativeConfig
 
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the cache's routes"
     )
+    parser.add_argument(
+        "--quantization", default=None, choices=QUANTIZATIONS, help="linears quantized at load"
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
         "--speculative-config",
@@ -57,6 +61,7 @@ def environment(
     attention_backend: str,
     kv_cache_dtype: str = "auto",
     speculative_config: SpeculativeConfig | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """The report as plain data: cpu, threads, kernels and the model's routes (over a
     ``kv_cache_dtype`` cache; speculative decoding's under ``speculative_config``)."""
@@ -72,7 +77,13 @@ def environment(
 
     cpu = cpu_info()
     ops = layer_ops()
-    loaded = load_model(model, dtype, get_backend(attention_backend), load_tokenizer=False)
+    loaded = load_model(
+        model,
+        dtype,
+        get_backend(attention_backend),
+        load_tokenizer=False,
+        quantization=quantization,
+    )
     runner = TorchModelRunner(
         loaded.model, block_size=16, num_blocks=4, kv_cache_dtype=kv_cache_dtype
     )
@@ -148,7 +159,12 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.num_threads)
     env = environment(
-        args.model, args.dtype, args.attention_backend, args.kv_cache_dtype, args.speculative_config
+        args.model,
+        args.dtype,
+        args.attention_backend,
+        args.kv_cache_dtype,
+        args.speculative_config,
+        args.quantization,
     )
     print(json.dumps(env) if args.json else format_environment(env))
     return 0

@@ -31,6 +31,9 @@ GIB = 1 << 30
 DEFAULT_KV_CACHE_MEMORY = 1 * GIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight formats a float checkpoint is quantized to at load (model/quantize.py): int8 is
+# GGUF's Q8_0 layout (int8 weights, one fp16 scale per 32), q4_0 GGUF's Q4_0.
+QUANTIZATIONS = ("int8", "q8_0", "q4_0")
 # The names pagedllm.attention.select.get_backend accepts (kept here so config stays torch-free).
 ATTENTION_BACKENDS = ("auto", "cpu", "reference")
 # How tensor-parallel ranks gather activations: "shm" through shared memory (ranks on one
@@ -95,6 +98,17 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto", metadata=flag("the model's weights and activations", choices=DTYPES)
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=flag(
+            "quantize a float checkpoint's layer linears at load, without calibration data "
+            "(embedding and LM head stay in --dtype): int8 and q8_0 are both GGUF's Q8_0 "
+            "layout (int8 weights, an fp16 scale per 32; ~0.27x float32's bytes), q4_0 "
+            "GGUF's Q4_0 (4-bit, ~0.14x); a GGUF already quantized is refused unless it "
+            "is stored in that format",
+            choices=QUANTIZATIONS,
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto",
@@ -376,6 +390,10 @@ class EngineConfig:
         self._check_distributed()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
+            )
         check_kv_cache_dtype(self.kv_cache_dtype)
         first = self.kv_cache_unquantized_first_block
         if first is not None and not isinstance(first, bool):

@@ -47,10 +47,16 @@ def quant_path(weight: QuantWeight, dtype: torch.dtype) -> str:
     stored = weight.format if not weight.stored else f"{weight.stored} as {weight.format}"
     if not kernels_run(ops):
         return f"torch, {stored} dequantised per call (no quant_gemm here)"
+    # model/quantize.py's weights: "int8 at load"
+    held = (
+        f"{weight.format}, {weight.stored}"
+        if weight.stored.endswith(" at load")
+        else (f"{stored} kept as stored")
+    )
     bf16_tiles = dtype == torch.bfloat16 and small_gemm_route(dtype) != "none"
     tiles = small_gemm_route(torch.bfloat16 if bf16_tiles else torch.float32)
     return (
-        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {stored} kept as stored) up to "
+        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {held}) up to "
         f"{ops.quant_gemm_int_rows(dtype)} rows, dequantised tiles on small_gemm ({tiles}) beyond"
     )
 

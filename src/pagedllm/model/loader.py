@@ -12,6 +12,8 @@
                                          converted directory gives the tokenizer; so for
                                          "qwen2.5-coder-0.5b"), keep_quantized=False: the
                                          converted float weights
+    load_model(..., quantization="int8")  the float layer linears quantized at load
+                                         (model/quantize.py)
 
 Nothing is downloaded from a model hub.
 """
@@ -74,6 +76,7 @@ def load_model(
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
     keep_quantized: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. ``ValueError`` for anything unsupported.
 
@@ -82,7 +85,11 @@ def load_model(
     ``keep_quantized``: a GGUF's linears stored in a format of ``kernels/quant.py`` run as
     stored on the CPU (their only copy), a named model's too (its GGUF, kept beside the
     converted directory); False dequantises every tensor to ``dtype``.
+    ``quantization`` ("int8", "q8_0", "q4_0"; ``model/quantize.py``): the float layer linears
+    quantized as they load (a named model's from its converted float weights), the CPU only.
     """
+    if quantization is not None:
+        check_quantization(quantization, torch.device(device), keep_quantized)
     keep = keep_quantized and torch.device(device).type == "cpu"
     named = named_model(str(model))
     if named is not None:
@@ -90,7 +97,7 @@ def load_model(
     else:
         path = Path(model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.name
-    gguf = _kept_gguf(path) if named is not None and keep else None
+    gguf = _kept_gguf(path) if named is not None and keep and quantization is None else None
     if gguf is not None:
         from pagedllm.model.gguf_loader import read_gguf
 
@@ -109,10 +116,28 @@ def load_model(
     else:
         raise ValueError(f"model {str(model)!r} is neither a directory nor a .gguf file")
     config = ModelConfig.from_dict(raw_config)
+    if quantization is not None:
+        from pagedllm.model.quantize import check_family, quantized_weights
+
+        check_family(quantization, raw_config.get("model_type", ""))
+        weights = quantized_weights(weights, quantization)
     torch_dtype, reason = choose_dtype(dtype, config, torch.device(device))
     module = build_model(config, weights, torch_dtype, backend, torch.device(device))
     tokenizer = tokenizer_loader() if load_tokenizer else None
     return LoadedModel(module, config, tokenizer, name, dtype_reason=reason)
+
+
+def check_quantization(quantization: str, device: torch.device, keep_quantized: bool) -> None:
+    """``ValueError`` naming the field where ``quantization`` cannot be served."""
+    from pagedllm.model.quantize import scheme_format
+
+    scheme_format(quantization)
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU's integer kernels, not on {device}"
+        )
+    if not keep_quantized:
+        raise ValueError("quantization needs keep_quantized=True (weights kept quantized)")
 
 
 def load_tokenizer(model: str | Path = DEFAULT_MODEL_NAME) -> Any:

@@ -65,6 +65,7 @@ def load_shard(config: EngineConfig, comm: Any) -> Any:
         get_backend(config.attention_backend),
         device=rank_device(config, comm.rank),
         load_tokenizer=False,
+        quantization=config.quantization,
     )
     return shard_loaded(loaded, comm)
 
