@@ -13,6 +13,9 @@ SUPER_BLOCK = 256
 CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 FORMATS = tuple(CODES)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# --quantization: the layout each scheme makes of a float checkpoint's linears at load
+# (model/quantize.py); int8 is Q8_0's layout (int8 weights, one fp16 scale per 32).
+QUANTIZE_AT_LOAD = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 # Section sizes of a row of ``blocks`` 32-blocks (``pairs``, ``groups``: of 2 and 8 blocks,
 # rounded up) in the kernels' layout, in order.
 _SECTIONS = {

@@ -22,6 +22,7 @@ from pagedllm.kv_dtypes import (
     check_kv_cache_dtype,
     is_quantized,
 )
+from pagedllm.quant_layout import QUANTIZE_AT_LOAD
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.tool_calls.parsers import TOOL_CALL_PARSERS
 
@@ -31,9 +32,8 @@ GIB = 1 << 30
 DEFAULT_KV_CACHE_MEMORY = 1 * GIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Weight formats a float checkpoint is quantized to at load (model/quantize.py): int8 is
-# GGUF's Q8_0 layout (int8 weights, one fp16 scale per 32), q4_0 GGUF's Q4_0.
-QUANTIZATIONS = ("int8", "q8_0", "q4_0")
+# Weight formats a float checkpoint is quantized to at load (quant_layout.QUANTIZE_AT_LOAD).
+QUANTIZATIONS = tuple(QUANTIZE_AT_LOAD)
 # The names pagedllm.attention.select.get_backend accepts (kept here so config stays torch-free).
 ATTENTION_BACKENDS = ("auto", "cpu", "reference")
 # How tensor-parallel ranks gather activations: "shm" through shared memory (ranks on one

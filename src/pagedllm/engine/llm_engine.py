@@ -181,9 +181,7 @@ class LLMEngine:
             text = prompt_text
         params = self._complete_params(params, len(token_ids))
         seq_ids = [request_id] + [child_request_id(request_id, j) for j in range(1, params.n)]
-        for seq_id in seq_ids:
-            if request_id in self._groups or seq_id in self._seq_owner:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_unused(request_id, seq_ids)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -246,19 +244,14 @@ class LLMEngine:
         its candidates (compiled now). ``ValueError`` for a request that can never fit or
         an id in use."""
         token_ids = self.tokenize(prompt_token_ids)
-        if request_id in self._seq_owner or request_id in self.scoring.live:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.max_tokens is None:
-            raise ValueError("a scoring request needs max_tokens")
-        self.check_fits(len(token_ids), params.max_tokens)
+        self._check_unused(request_id)  # the scheduler checks live requests and the fit
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id)
         self.scoring.add(request, structured)
 
     def fork_scoring_request(self, parent_id: str, child_id: str, token_id: int) -> None:
         """A new scoring request: ``parent_id``'s tokens and ``token_id``, sharing the
         parent's blocks (a copy of its grammar state consumes the token)."""
-        if child_id in self._seq_owner or child_id in self.scoring.live:
-            raise ValueError(f"request_id {child_id!r} is already in use")
+        self._check_unused(child_id)
         self.scoring.fork(parent_id, child_id, token_id)
 
     def completes_grammar(self, request_id: str, token_id: int) -> bool:
@@ -532,6 +525,12 @@ class LLMEngine:
         for seq_id in group.seq_ids:
             self._seq_owner.pop(seq_id, None)
         self.structured.release(group.seq_ids)
+
+    def _check_unused(self, request_id: str, seq_ids: Sequence[str] = ()) -> None:
+        """``ValueError`` when ``request_id`` (or a sample id of it) names a request whose
+        outputs are still held (the scheduler refuses ids of requests it still runs)."""
+        if request_id in self._groups or any(i in self._seq_owner for i in (request_id, *seq_ids)):
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         params.check_vocabulary(self.runner.vocab_size)

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.quant import QuantWeight, from_gguf_blocks
+from pagedllm.quant_layout import QUANTIZE_AT_LOAD as SCHEMES
 
-# --quantization -> the layout it makes (engine/config.py's QUANTIZATIONS).
-SCHEMES = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 # The families whose linears run quantized (model/llama.py's ``Linear``).
 FAMILIES = ("llama", "qwen2", "qwen3")
 LINEAR_SUFFIXES = tuple(
