@@ -111,13 +111,11 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path) -> None:
 
 
 def engine_bytes(tensors, float_bytes: int) -> int:
-    """What the engine's repacking holds for these tensors (``from_gguf_blocks``, fused by
-    ``concat_rows``; mixes no format holds dequantised): one row of each built and scaled
-    by the rows, every layer's q/k/v and gate/up fused as the loader fuses them."""
-    import torch
-
-    from pagedllm.kernels.quant import concat_rows, from_gguf_blocks
-    from pagedllm.quant_layout import common_format
+    """What the engine's repacking holds for these tensors (``from_gguf_blocks``, joined by
+    ``concat_rows``: fused where the parts share a format, else apart): one row of each
+    built and scaled by the rows, every layer's q/k/v and gate/up joined as the loader
+    joins them."""
+    from pagedllm.kernels.quant import QuantParts, concat_rows, from_gguf_blocks
 
     def one_row(dims, kind):
         _, block, size = next(t for t in GGML_TYPES.values() if t[0] == kind)
@@ -135,19 +133,33 @@ def engine_bytes(tensors, float_bytes: int) -> int:
         key = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}
         groups.setdefault(name.split(".")[1] + key.get(part, part), []).append((dims, kind))
     for members in groups.values():
-        if common_format([kind for _, kind in members]) is None:
-            total += sum(int(np.prod(dims)) for dims, _ in members) * float_bytes
-            continue
         rows = [one_row(dims, kind) for dims, kind in members]
-        fused = concat_rows(rows) if len(rows) > 1 else rows[0]
-        per_row = fused.data.shape[1]
-        total += per_row * sum(int(np.prod(dims[1:])) for dims, _ in members)
-        assert isinstance(fused.data, torch.Tensor)
+        joined = concat_rows(rows) if len(rows) > 1 else rows[0]
+        # bytes of one row of each member: apart, each its own; fused, one size for all
+        per_row = (
+            [p.nbytes for p in joined.parts]
+            if isinstance(joined, QuantParts)
+            else [joined.data.shape[1]] * len(members)
+        )
+        total += sum(b * int(np.prod(d[1:])) for b, (d, _) in zip(per_row, members, strict=True))
+    return total
+
+
+def stored_bytes(tensors) -> int:
+    """The file's tensor bytes (the ``gguf`` package's block sizes)."""
+    total = 0
+    for _, dims, kind in tensors:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        total += int(np.prod(dims)) // block * size
     return total
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_7b_q4_k_m_plan_matches_the_engines_accounting(tmp_path, capsys, dtype) -> None:
+    """Llama-2-7B in Q4_K_M (v and down in Q6_K in every other layer): every linear kept as
+    stored, q/k/v apart where v's format differs, so the plan is the file's size within 5%
+    (measured 3.88 GiB for 3.80: +2.2%, Q4_K repacked as 148 bytes a super-block, not 144;
+    the F32 norms at ``dtype``); it was 4.89 GiB while mixed q/k/v were dequantised."""
     tensors = q4_k_m_tensors()
     path = tmp_path / "llama-7b-q4_k_m.gguf"
     write_header_only(path, tensors)
@@ -156,13 +168,7 @@ def test_a_7b_q4_k_m_plan_matches_the_engines_accounting(tmp_path, capsys, dtype
     args = ["plan", "--model", str(path), "--memory", "64", "--context-len", "4096"]
     assert main([*args, "--weight-dtype", dtype, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["budget"]["weight_bytes"]
-    assert abs(planned - expected) <= 0.05 * expected  # the goal; measured: equal
     assert planned == expected
     assert planned == held_weight_bytes(read_header(path), float_bytes)
-    stored = sum(
-        int(np.prod(d))
-        // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[k]][0]
-        * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[k]][1]
-        for _, d, k in tensors
-    )
-    assert planned > stored  # Q4_K repacked: 148 bytes a super-block, not 144; mixed qkv float
+    stored = stored_bytes(tensors)
+    assert stored <= planned <= 1.05 * stored, f"{planned / stored:.4f} of the file"

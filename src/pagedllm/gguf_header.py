@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedllm.quant_layout import FORMATS, common_format, row_bytes
+from pagedllm.quant_layout import FORMATS, row_bytes
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -234,9 +234,10 @@ def kept(architecture: str, name: str, type_name: str) -> bool:
 def held_weight_bytes(header: GGUFHeader, float_bytes: float) -> int:
     """The weight bytes the engine holds for this file (``model/weights.py``'s
     ``held_weight_bytes`` of the loaded model): tensors kept as stored at their size in the
-    kernels' layout (a fused q/k/v or gate/up in the narrowest format holding all its
-    parts, ``common_format``; mixed beyond that: dequantised), every other tensor
-    dequantised at ``float_bytes`` a weight. Float linears' packed copies are not counted."""
+    kernels' layout (a q/k/v or gate/up whose parts are all kept: each part in its own
+    format, fused or apart, ``fused_format``; only some of them kept: all dequantised),
+    every other tensor dequantised at ``float_bytes`` a weight. Float linears' packed copies
+    are not counted."""
     groups: dict[tuple[str, str], list[TensorInfo]] = {}
     total = 0.0
     for tensor in header.tensors:
@@ -248,13 +249,12 @@ def held_weight_bytes(header: GGUFHeader, float_bytes: float) -> int:
         groups.setdefault((parts[1], fused) if fused else (tensor.name, ""), []).append(tensor)
     for (_, fused), members in groups.items():
         whole = len(members) == (3 if fused == "qkv" else 2 if fused else 1)
-        target = common_format([t.type_name for t in members]) if whole else None
         for tensor in members:
             width, rows = tensor.dims[0], tensor.numel // tensor.dims[0]
-            if target is None:
-                total += tensor.numel * float_bytes
+            if whole:
+                total += rows * row_bytes(tensor.type_name, width)
             else:
-                total += rows * row_bytes(target, width)
+                total += tensor.numel * float_bytes
     return int(total)
 
 

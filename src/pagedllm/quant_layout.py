@@ -27,9 +27,6 @@ _SECTIONS = {
     "Q5_K": lambda b, p, g: [16 * b, 4 * b, b, b, 2 * g, 2 * g],
     "Q6_K": lambda b, p, g: [16 * b, 8 * b, 2 * b, 2 * g],
 }
-# Formats whose values another holds exactly, widest last: a fused linear whose parts came
-# in several formats keeps the narrowest that holds them all (``concat_rows``).
-WIDER = {"Q4_0": ("Q5_0", "Q8_0"), "Q5_0": ("Q8_0",), "Q4_K": ("Q5_K",)}
 
 
 def unit(format: str) -> int:
@@ -48,9 +45,9 @@ def row_bytes(format: str, width: int) -> int:
     return sum(section_sizes(format, width))
 
 
-def common_format(formats: list[str]) -> str | None:
-    """The narrowest format that holds weights of all ``formats`` exactly, or None."""
-    for candidate in dict.fromkeys([*formats, *(w for f in formats for w in WIDER.get(f, ()))]):
-        if all(f == candidate or candidate in WIDER.get(f, ()) for f in formats):
-            return candidate
-    return None
+def fused_format(formats: list[str]) -> str | None:
+    """The format of one fused linear (q/k/v, gate/up) whose parts are stored in
+    ``formats``: theirs where they match; None where they differ, and the parts then stay
+    apart, each in its own format (llama.cpp's Q4_K_M stores v in Q6_K beside Q4_K q/k in
+    some layers; widening them all to one format would hold more bytes than the file)."""
+    return formats[0] if len(set(formats)) == 1 else None

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from pagedllm.kernels import ops as kernel_ops
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import (
+    QuantParts,
+    QuantWeight,
     concat_rows,
     dequantize,
     from_gguf_blocks,
@@ -196,31 +198,49 @@ def test_torch_path_without_kernels(monkeypatch, format) -> None:
     assert torch.allclose(out, F.linear(x, reference, bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("formats", "fused"),
-    [
-        (("Q5_0", "Q5_0", "Q8_0"), "Q8_0"),  # the real Qwen2.5-Coder file's q, k, v
-        (("Q4_0", "Q5_0"), "Q5_0"),
-        (("Q4_0", "Q8_0"), "Q8_0"),
-        (("Q4_K", "Q5_K"), "Q5_K"),
-        (("Q4_1", "Q4_1"), "Q4_1"),
-    ],
-)
-def test_fused_parts_keep_their_values_exactly(formats, fused) -> None:
+@pytest.mark.parametrize("formats", [("Q4_1", "Q4_1"), ("Q6_K", "Q6_K", "Q6_K")])
+def test_parts_in_one_format_fuse(formats) -> None:
     parts = [gguf_weight(f, 16, width=512, seed=i) for i, f in enumerate(formats)]
     weight = concat_rows([w for w, _ in parts])
-    assert weight.format == fused and weight.shape == (16 * len(formats), 512)
-    stored = "+".join(dict.fromkeys(formats))
-    assert weight.source == stored
+    assert isinstance(weight, QuantWeight) and weight.format == formats[0]
+    assert weight.shape == (16 * len(formats), 512)
     assert torch.equal(dequantize(weight), torch.cat([ref for _, ref in parts]))
     order = torch.tensor([3, 0, 17])
     assert torch.equal(dequantize(weight.rows(order)), dequantize(weight)[order])
 
 
-@pytest.mark.parametrize("formats", [("Q4_1", "Q8_0"), ("Q6_K", "Q4_K"), ("Q5_0", "Q5_K")])
-def test_parts_no_format_holds_exactly_are_refused(formats) -> None:
-    parts = [gguf_weight(f, 16, width=512)[0] for f in formats]
-    with pytest.raises(ValueError, match="one quantized layout"):
+@pytest.mark.parametrize(
+    "formats",
+    [
+        ("Q5_0", "Q5_0", "Q8_0"),  # the real Qwen2.5-Coder and gemma-3-270m files' q, k, v
+        ("Q4_K", "Q4_K", "Q6_K"),  # llama.cpp's Q4_K_M, where v has more bits
+        ("Q4_1", "Q8_0"),
+    ],
+)
+def test_parts_in_several_formats_stay_apart(formats) -> None:
+    """Kept as stored, each part in its own format: the same values and bytes, each part
+    its own product, the outputs side by side (bias split with them)."""
+    parts = [gguf_weight(f, 16 * (i + 1), width=512, seed=i) for i, f in enumerate(formats)]
+    weight = concat_rows([w for w, _ in parts])
+    rows = sum(16 * (i + 1) for i in range(len(formats)))
+    assert isinstance(weight, QuantParts) and weight.format == "+".join(formats)
+    assert weight.shape == (rows, 512) and weight.nbytes == sum(w.nbytes for w, _ in parts)
+    full = torch.cat([ref for _, ref in parts])
+    assert torch.equal(dequantize(weight), full)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
+    out = quant_linear(x, weight, bias, None)
+    assert torch.allclose(out, F.linear(x, full, bias), rtol=1e-5, atol=1e-4)
+    order = torch.tensor([0, 3, 17, 20, rows - 1])  # in the parts' order: a rank's rows
+    assert torch.equal(dequantize(weight.rows(order)), full[order])
+    assert isinstance(weight.rows(slice(0, 8)), QuantWeight)
+    with pytest.raises(ValueError, match="parts' order"):
+        weight.rows(torch.tensor([rows - 1, 0]))
+
+
+def test_parts_of_several_widths_are_refused() -> None:
+    parts = [gguf_weight("Q8_0", 16, width=w)[0] for w in (256, 512)]
+    with pytest.raises(ValueError, match="share their width"):
         concat_rows(parts)
 
 

@@ -2,7 +2,7 @@
 alone (``gguf_header.held_weight_bytes``), they equal ``held_weight_bytes`` of the loaded
 model, the figure of the start-up report, byte for byte, for the format mixes real files
 have (Qwen2.5-Coder's Q5_0 with Q8_0 v, SmolLM2's Q4_1 with a Q8_0 tied embedding,
-Q4_K_M's Q4_K with Q6_K v/down in some layers, whose q/k/v no one format holds)."""
+Q4_K_M's Q4_K with Q6_K v/down in some layers, whose q/k/v are kept apart there)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,9 @@ from pagedllm.model import load_model
 from pagedllm.model.weights import held_weight_bytes as engine_weight_bytes
 
 from .test_gguf_and_default_model import write_tiny_gguf
-from .test_quantized_gguf import qwen_coder_formats
+from .test_quantized_gguf import q4_k_m_formats, qwen_coder_formats
 
 pytest.importorskip("gguf")
-
-
-def q4_k_m_formats(name: str) -> str:
-    """llama.cpp's Q4_K_M: Q4_K, with v and down in Q6_K in some layers (layer 0 here)
-    and the head in Q6_K."""
-    if name == "lm_head.weight" or (name.startswith("model.layers.0.") and "v_proj" in name):
-        return "Q6_K"
-    return "Q6_K" if name.startswith("model.layers.0.") and "down_proj" in name else "Q4_K"
 
 
 CASES = {

@@ -54,9 +54,9 @@ def gemma_checkpoint(tmp_path_factory):
 
 
 def gemma_270m_formats(name: str) -> str:
-    """gemma-3-270m's Q4_K_M mix: q/k/gate/up Q5_0, v Q8_0, o Q4_K, down Q6_K, the
-    (tied) embedding Q8_0."""
-    if "v_proj" in name or "embed_tokens" in name:
+    """gemma-3-270m's Q4_K_M mix: q/k/gate/up Q5_0, v Q8_0 in some layers (here layer 0;
+    Q5_0 in the others), o Q4_K, down Q6_K, the (tied) embedding Q8_0."""
+    if ("v_proj" in name and name.startswith("model.layers.0.")) or "embed_tokens" in name:
         return "Q8_0"
     if "o_proj" in name:
         return "Q4_K"
@@ -105,15 +105,17 @@ def test_kept_gemma_weights_are_the_dequantised_ones(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gemma_270m_mix_runs_in_one_call(tmp_path, gemma_checkpoint, monkeypatch, dtype):
-    """The real file's mix (q/k Q5_0 with v Q8_0 fused as Q8_0): close to the dequantised
-    model; its steps go through gemma_layers with quant_gemm inside, close to the module
-    loop. Not bit for bit: the C++ offset norm rounds last bits as torch's does not
+    """The real file's mix (q/k Q5_0 with v Q8_0 kept apart in layer 0, fused in Q5_0 in
+    the others): close to the dequantised model; its steps go through gemma_layers with
+    quant_gemm inside, close to the module loop. Not bit for bit: the C++ offset norm rounds last bits as torch's does not
     (test_gemma_fast_path.py: 1e-5 relative), and a last bit can move an int8 activation by
     a step; measured 1e-5 nats at most (logits 0.02 apart)."""
     path = write_gemma_gguf(gemma_checkpoint, tmp_path / "g.gguf", gemma_270m_formats)
     quantized, reference = load_pair(path, dtype)
     qkv = quantized.model.layers[0].self_attn.qkv_proj.quant
-    assert qkv.format == "Q8_0" and qkv.source == "Q5_0+Q8_0"
+    # as the file: q/k 320 rows of Q5_0 (176 bytes a row of 256), v 64 rows of Q8_0 (272)
+    assert qkv.format == "Q5_0+Q5_0+Q8_0" and qkv.nbytes == 320 * 176 + 64 * 272
+    assert quantized.model.layers[1].self_attn.qkv_proj.quant.format == "Q5_0"
     worst, top1 = run_in_lockstep(reference.model, quantized.model, PROMPTS, GEMMA_TIE_GAP)
     assert worst <= (GEMMA_MAX_KL if dtype == "float32" else 5e-3), f"KL {worst:.2e}"
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
@@ -124,7 +126,8 @@ def test_the_gemma_270m_mix_runs_in_one_call(tmp_path, gemma_checkpoint, monkeyp
         runner = TorchModelRunner(model, block_size=16, num_blocks=64)
         if model.fast_path is None:
             pytest.skip("no one-call Gemma loop here (the C++ kernels did not load)")
-        assert model.fast_path.plan.weight_formats[:4] == [8, 12, 6, 14]  # qkv, o, gu, down
+        # q, k, v, o, gate/up, down: layer 0's apart, layer 1's rows of its fused qkv
+        assert model.fast_path.plan.weight_formats[:12] == [6, 6, 8, 12, 6, 14, 6, 6, 6, 12, 6, 14]
         if whole:
             counting = CountingOps(model.fast_path.ops)
             model.fast_path.ops = counting

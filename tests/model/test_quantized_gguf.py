@@ -16,8 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels.quant import QuantParts, QuantWeight
 from pagedllm.model import load_model
 from pagedllm.model.llama import Linear
+from pagedllm.quant_layout import CODES
 from pagedllm.worker.model_runner import TorchModelRunner
 
 from .parity_helpers import PROMPTS, HandDriver
@@ -105,34 +107,90 @@ def test_k_quants_stay_close_to_the_dequantised_model(tmp_path, checkpoints, for
 
 
 def qwen_coder_formats(name: str) -> str:
-    """The real Qwen2.5-Coder-0.5B GGUF's mix: v Q8_0, down Q6_K, the head Q8_0, the rest
-    Q5_0."""
-    if "v_proj" in name or name == "lm_head.weight":
+    """The real Qwen2.5-Coder-0.5B GGUF's mix: v Q8_0 in some layers (here layer 0), down
+    Q6_K, the head Q8_0, the rest Q5_0."""
+    if name.startswith("model.layers.0.") and "v_proj" in name or name == "lm_head.weight":
         return "Q8_0"
     return "Q6_K" if "down_proj" in name else "Q5_0"
 
 
+def q4_k_m_formats(name: str) -> str:
+    """llama.cpp's Q4_K_M: Q4_K, with v and down in Q6_K in some layers (layer 0 here)
+    and the head in Q6_K."""
+    if name == "lm_head.weight" or (name.startswith("model.layers.0.") and "v_proj" in name):
+        return "Q6_K"
+    return "Q6_K" if name.startswith("model.layers.0.") and "down_proj" in name else "Q4_K"
+
+
+MIXES = {
+    "qwen_coder": (qwen_coder_formats, "Q5_0", "Q8_0"),
+    "q4_k_m": (q4_k_m_formats, "Q4_K", "Q6_K"),
+}
+
+
+@pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_qwen_coder_mix_is_kept_whole(tmp_path, checkpoints, dtype) -> None:
-    """q/k in Q5_0 with v in Q8_0 fuse into one Q8_0 qkv (the same values); every linear and
-    the Q5_0 embedding stay quantized; the one-call decoder takes decode steps."""
+def test_mixed_q_k_v_stay_apart_as_stored(tmp_path, checkpoints, dtype, mix) -> None:
+    """The real files' mixes: where v is stored in another format than q/k (layer 0), the
+    three stay apart, each as stored (no widening, no float copy); where they match (layer
+    1), one fused linear; every linear and the embedding stay quantized; the one-call
+    decoder takes decode steps; logits close to the dequantised model's."""
+    formats, common, v_format = MIXES[mix]
     source = checkpoints("qwen2_wide")
-    path = write_tiny_gguf(source, tmp_path / "t.gguf", False, qwen_coder_formats, "Q5_0")
+    path = write_tiny_gguf(source, tmp_path / "t.gguf", False, formats, "Q5_0")
     quantized = load_model(path, dtype=dtype, load_tokenizer=False)
     reference = load_model(path, dtype=dtype, load_tokenizer=False, keep_quantized=False)
     model = quantized.model
-    qkv = model.layers[0].self_attn.qkv_proj.quant
-    assert qkv.format == "Q8_0" and qkv.source == "Q5_0+Q8_0"
-    assert model.layers[1].mlp.down_proj.quant.format == "Q6_K"
+    apart = model.layers[0].self_attn.qkv_proj.quant
+    assert isinstance(apart, QuantParts) and apart.format == f"{common}+{common}+{v_format}"
+    fused = model.layers[1].self_attn.qkv_proj.quant
+    assert isinstance(fused, QuantWeight) and fused.format == common
     assert model.embed_tokens.quant.format == "Q5_0"
     assert all(m.quant is not None for m in model.modules() if isinstance(m, Linear))
     worst, top1 = run_in_lockstep(reference.model, model, PROMPTS)
     assert worst <= (MAX_KL if dtype == "float32" else 5e-3), f"KL {worst:.2e}"
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.3f}"
     routes = model.routes()
-    assert "Q5_0+Q8_0 as Q8_0 kept as stored" in routes.linears
+    assert f"{common}+{common}+{v_format} kept as stored, a call a part" in routes.linears
     if model.fast_path is not None:
-        assert model.fast_path.plan is not None
+        plan = model.fast_path.plan
+        assert plan is not None and len(plan.qkv) == 3 * len(model.layers)
+        code = CODES[common]
+        assert plan.weight_formats[:3] == [code, code, CODES[v_format]]
+        assert plan.weight_formats[6:9] == [code, code, code]  # layer 1: its rows as views
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_one_call_with_q_k_v_apart_equals_the_layer_loop(
+    tmp_path, checkpoints, monkeypatch, mix, kv_cache_dtype
+) -> None:
+    """q/k/v apart in some layers: decoder_layers (quant_decoder_layers over an int8 cache)
+    gives the per-layer loop's logits bit for bit."""
+    from pagedllm.model import fast_path
+
+    from .test_decoder_layers import run_steps
+
+    name = "decoder_layers" if kv_cache_dtype == "auto" else "quant_decoder_layers"
+    path = write_tiny_gguf(checkpoints("qwen2_wide"), tmp_path / "t.gguf", False, MIXES[mix][0])
+    calls = []
+    real = getattr(fast_path, name)
+    monkeypatch.setattr(fast_path, name, lambda *a: calls.append(1) or real(*a))
+    results = []
+    for whole in (True, False):
+        model = load_model(path, "bfloat16", load_tokenizer=False).model
+        runner = TorchModelRunner(
+            model, block_size=16, num_blocks=64, kv_cache_dtype=kv_cache_dtype
+        )
+        if model.fast_path is None or model.fast_path.plan is None:
+            pytest.skip("no one-call decoder here (no kernels)")
+        if not whole:
+            model.fast_path.plan = None
+        results.append(run_steps(runner))
+    assert len(calls) >= 6  # the decode steps
+    for whole_step, loop_step in zip(*results, strict=True):
+        for request_id, row in whole_step.items():
+            assert torch.equal(row, loop_step[request_id])
 
 
 def test_a_quantized_embedding_is_the_tied_head_too(tmp_path, checkpoints) -> None:
@@ -186,9 +244,9 @@ def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
         assert expected in env["routes"]["linears"]
 
 
-def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> None:
-    """q in Q4_1, k and v in Q4_0: no format holds both exactly, so the fused qkv_proj holds
-    the dequantised floats."""
+def test_a_linear_only_partly_quantized_is_dequantised(tmp_path, checkpoints) -> None:
+    """q and k quantized (in different formats), v not: the fused qkv_proj holds the
+    dequantised floats beside v's."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -199,15 +257,17 @@ def test_mixed_formats_in_one_linear_are_dequantised(tmp_path, checkpoints) -> N
     model = load_model(gguf_file, dtype="float32", load_tokenizer=False).model
     rng = torch.Generator().manual_seed(0)
     parts = {}
-    for part, rows, kind in (("q", 64, "Q4_1"), ("k", 32, "Q4_0"), ("v", 32, "Q4_0")):
+    for part, rows, kind in (("q", 64, "Q4_1"), ("k", 32, "Q4_0")):
         blocks = quantize(
             (torch.randn(rows, 64, generator=rng) * 0.1).numpy(), GGMLQuantizationType[kind]
         )
         parts[part] = from_gguf_blocks(blocks, kind, (rows, 64))
     qkv = model.layers[0].self_attn.qkv_proj
+    v = qkv.weight[96:].clone()
     place_quantized(model, "layers.0.self_attn.qkv_proj.weight", parts, qkv.weight)
     assert qkv.quant is None
-    assert torch.equal(qkv.weight, torch.cat([dequantize(parts[p]) for p in ("q", "k", "v")]))
+    expected = torch.cat([dequantize(parts["q"]), dequantize(parts["k"]), v])
+    assert torch.equal(qkv.weight, expected)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -295,7 +355,7 @@ def test_held_weight_bytes_count_quantized_weights_as_stored(tmp_path, checkpoin
     floats = sum(p.numel() * 4 for p in model.parameters())
     stored = sum(q.nbytes for q in quantized)
     assert held_weight_bytes(model) == stored + floats
-    # q/k/v widened to Q8_0: 34 bytes a block, the rest as the file stores them.
-    assert model.layers[0].self_attn.qkv_proj.quant.nbytes == (256 + 2 * 128) * 8 * 34
+    # Layer 0's q/k in Q5_0 (176 bytes a row of 256), v in Q8_0 (272): as the file, apart.
+    assert model.layers[0].self_attn.qkv_proj.quant.nbytes == (256 + 128) * 176 + 128 * 272
     model.optimize_for_cpu()  # quantized weights get no packed copy
     assert held_weight_bytes(model) == stored + floats

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.quant import QuantWeight, quant_linear
+from pagedllm.kernels.quant import Quantized, quant_linear
 
 # Up to this many rows (the default max_num_seqs: every decode batch), float32 linears run on
 # pagedllm's small-batch kernel, which streams decode-step weights faster than MKL; more rows
@@ -86,7 +86,7 @@ class LinearTensors(NamedTuple):
     bias: torch.Tensor | None
     packed: torch.Tensor | None
     small: torch.Tensor | None
-    quant: QuantWeight | None = None
+    quant: Quantized | None = None
 
 
 # A weight's packed copies: (oneDNN's, small_gemm's), one of them at most.
@@ -107,7 +107,7 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
     small: torch.Tensor | None,
-    quant: QuantWeight | None,
+    quant: Quantized | None,
     ops: Any,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) on the fastest form of the weight for x's row count; a

@@ -35,8 +35,7 @@ from pagedllm.quant_layout import (
     BLOCK,
     CODES,
     FORMATS,
-    WIDER,
-    common_format,
+    fused_format,
     row_bytes,
     section_sizes,
     unit,
@@ -60,8 +59,7 @@ def width_of(format: str, size: int) -> int:
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
     """A linear's weight [N, K] in the kernels' layout of ``format`` (``data``, uint8).
-    ``stored``: the GGUF formats its rows came in, where it differs ("Q5_0+Q8_0" widened to
-    Q8_0 to fuse q/k/v)."""
+    ``stored``: where its blocks came from, where not a GGUF's ("int8 at load")."""
 
     format: str
     data: torch.Tensor
@@ -70,10 +68,6 @@ class QuantWeight:
     @property
     def code(self) -> int:
         return CODES[self.format]
-
-    @property
-    def source(self) -> str:
-        return self.stored or self.format
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -204,9 +198,13 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
     return ((qh[..., :, None] >> shifts) & 1).flatten(-2)
 
 
-def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: QuantWeight | QuantParts, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The float weight [N, K] (computed in float32 as GGUF's dequantisers do, then cast):
     the plain reference of the layouts, and the fallback where the C++ kernels are missing."""
+    if isinstance(weight, QuantParts):
+        return torch.cat([dequantize(part, dtype) for part in weight.parts])
     rows, width = weight.shape
     q = stored_integers(weight).float().view(rows, -1, BLOCK)
     parts = _sections(weight)
@@ -231,46 +229,78 @@ def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch
     return w.reshape(rows, width).to(dtype)
 
 
-def widen(weight: QuantWeight, format: str) -> QuantWeight:
-    """The same values in a wider format that holds them exactly (``WIDER``): Q4_0 or Q5_0
-    as Q8_0 (the same scales, q less its offset), Q4_0 as Q5_0 (q + 8), Q4_K as Q5_K (no high
-    bits)."""
-    if format == weight.format:
-        return weight
-    if format not in WIDER.get(weight.format, ()):
-        raise ValueError(f"{weight.format} has no exact {format} form")
-    rows, width = weight.shape
-    parts = _sections(weight)
-    q = stored_integers(weight)
-    if weight.format == "Q4_K":
-        high = torch.zeros(rows, width // 8, dtype=torch.uint8)
-        return QuantWeight(format, torch.cat((parts[0], high, *parts[1:]), dim=1), weight.source)
-    offset = {"Q4_0": 8, "Q5_0": 16}[weight.format]
-    d = parts[-1]
-    if format == "Q8_0":
-        qs = (q - offset).to(torch.int8).view(torch.uint8)
-        return QuantWeight(format, torch.cat((qs, d), dim=1), weight.source)
-    q5 = (q + 8).to(torch.uint8).view(rows, -1, BLOCK)  # Q4_0 -> Q5_0
-    return QuantWeight(format, _pack_quants(q5, True, [d]), weight.source)
+@dataclass(frozen=True, slots=True)
+class QuantParts:
+    """A linear's weight kept as row blocks in different formats (q, k and v stored apart:
+    llama.cpp's Q4_K_M keeps v in Q6_K beside Q4_K q/k in some layers), each block its own
+    ``QuantWeight`` and its own ``quant_gemm`` call, the outputs side by side: the file's
+    bytes, none widened or dequantised."""
+
+    parts: tuple[QuantWeight, ...]
+
+    @property
+    def format(self) -> str:
+        """The parts' formats in order ("Q4_K+Q4_K+Q6_K")."""
+        return "+".join(p.format for p in self.parts)
+
+    @property
+    def stored(self) -> str:
+        return ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantWeight | QuantParts:
+        """The weight of the rows ``index``, which must keep the parts' order (a tensor
+        parallel rank's q, k and v rows)."""
+        ends = torch.tensor([p.shape[0] for p in self.parts]).cumsum(0)
+        picked = torch.arange(int(ends[-1]))[index]
+        owner = torch.bucketize(picked, ends, right=True)
+        if bool((owner.diff() < 0).any()):
+            raise ValueError("rows of a weight kept in parts must keep the parts' order")
+        kept = [
+            part.rows(picked[owner == i] - (int(ends[i - 1]) if i else 0))
+            for i, part in enumerate(self.parts)
+            if bool((owner == i).any())
+        ]
+        return kept[0] if len(kept) == 1 else QuantParts(tuple(kept))
 
 
-def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """One weight of ``parts``' rows in order (q/k/v or gate/up fused into one linear), in
-    the narrowest format that holds every part exactly (``widen``); ``ValueError`` where
-    none does or the widths differ."""
-    target = common_format([p.format for p in parts])
-    if target is None or len({p.shape[1] for p in parts}) != 1:
-        raise ValueError("fused parts must share one quantized layout and width")
-    sources = "+".join(dict.fromkeys(p.source for p in parts))
-    data = torch.cat([widen(p, target).data for p in parts])
-    return QuantWeight(target, data, "" if sources == target else sources)
+# A linear's weight kept quantized: one layout, or row blocks in several (``QuantParts``).
+Quantized = QuantWeight | QuantParts
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantParts:
+    """One weight of ``parts``' rows in order (q/k/v or gate/up as one linear): fused where
+    they share a format (``fused_format``), else kept apart (``QuantParts``); ``ValueError``
+    where their widths differ."""
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("the parts of one linear must share their width")
+    if fused_format([p.format for p in parts]) is None:
+        return QuantParts(tuple(parts))
+    data = torch.cat([p.data for p in parts])
+    return QuantWeight(parts[0].format, data, parts[0].stored)
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None, ops
+    x: torch.Tensor, weight: QuantWeight | QuantParts, bias: torch.Tensor | None, ops
 ) -> torch.Tensor:
     """x @ weight.T (+ bias): on ``quant_gemm`` (``ops``: the kernels, where they run this
-    weight), else in torch over dequantised tiles of rows."""
+    weight), else in torch over dequantised tiles of rows; a weight in parts one part at a
+    time, the outputs side by side."""
+    if isinstance(weight, QuantParts):
+        outs, start = [], 0
+        for part in weight.parts:
+            stop = start + part.shape[0]
+            part_bias = None if bias is None else bias[start:stop]
+            outs.append(quant_linear(x, part, part_bias, ops))
+            start = stop
+        return torch.cat(outs, dim=-1)
     if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
         flat = x.reshape(-1, x.shape[-1])
         out = ops.quant_gemm(flat, weight.data, weight.code, bias)

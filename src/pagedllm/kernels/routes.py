@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows, small_gemm_refusal
 from pagedllm.kernels.ops import layer_ops
-from pagedllm.kernels.quant import QuantWeight, kernels_run
+from pagedllm.kernels.quant import Quantized, QuantParts, kernels_run
 
 # The routes read the kernels from layer_ops() rather than from a model: a model keeps
 # ops only beside the weights it packed, so an unpacked head has none to describe others.
@@ -39,20 +39,19 @@ def linear_path(linear: LinearTensors) -> str:
     return "torch F.linear"
 
 
-def quant_path(weight: QuantWeight, dtype: torch.dtype) -> str:
-    """Where a linear kept quantized runs, with activations of ``dtype``: its format (and the
-    GGUF formats it came in where they differ), the integer kernel's ISA and row limit, and
-    the dequantised tiles' GEMM beyond."""
+def quant_path(weight: Quantized, dtype: torch.dtype) -> str:
+    """Where a linear kept quantized runs, with activations of ``dtype``: its format (each
+    part's, for one kept in parts), the integer kernel's ISA and row limit, and the
+    dequantised tiles' GEMM beyond."""
     ops = layer_ops()
-    stored = weight.format if not weight.stored else f"{weight.stored} as {weight.format}"
     if not kernels_run(ops):
-        return f"torch, {stored} dequantised per call (no quant_gemm here)"
+        return f"torch, {weight.format} dequantised per call (no quant_gemm here)"
     # model/quantize.py's weights: "int8 at load"
     held = (
-        f"{weight.format}, {weight.stored}"
-        if weight.stored.endswith(" at load")
-        else (f"{stored} kept as stored")
+        f"{weight.format}, {weight.stored}" if weight.stored else f"{weight.format} kept as stored"
     )
+    if isinstance(weight, QuantParts):
+        held += ", a call a part"
     bf16_tiles = dtype == torch.bfloat16 and small_gemm_route(dtype) != "none"
     tiles = small_gemm_route(torch.bfloat16 if bf16_tiles else torch.float32)
     return (

@@ -36,7 +36,7 @@ from pagedllm.kernels.linear import (
     linear,
     small_gemm_max_rows,
 )
-from pagedllm.kernels.quant import kernels_run
+from pagedllm.kernels.quant import QuantParts, kernels_run
 from pagedllm.model.base import KVCaches
 from pagedllm.model.llama import (
     DecoderLayer,
@@ -279,6 +279,8 @@ class DecoderPlan(NamedTuple):
     the ops (a real share of a small decode step)."""
 
     norm1: list[torch.Tensor]
+    # Each layer's fused q/k/v, or where some layer keeps them apart, each layer's q, k and v
+    # in turn (``qkv_arguments``).
     qkv: list[torch.Tensor]
     qkv_bias: list[torch.Tensor | None]
     o: list[torch.Tensor]
@@ -300,8 +302,8 @@ class DecoderPlan(NamedTuple):
     sliding_windows: list[int]
     softcaps: list[float]
     kind: AttentionKind
-    # Per layer the formats of qkv, o, gate_up and down (``kernel_format``), or empty where
-    # every linear is on small_gemm.
+    # Per layer the formats of qkv (or q, k and v), o, gate_up and down (``kernel_format``),
+    # or empty where every linear is on small_gemm.
     weight_formats: list[int]
 
 
@@ -314,8 +316,11 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
         return None
     first = layers[0]
     linears = [t for layer in layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    qkv = qkv_arguments([layer.qkv for layer in layers], first.heads)
     if (
-        not on_own_kernels(linears)
+        qkv is None
+        or not on_own_kernels(linears)
+        or any(kept_apart(t) for layer in layers for t in (layer.o, layer.gate_up, layer.down))
         or any(layer.heads != first.heads or layer.scale != first.scale for layer in layers)
         or first.heads.qk_norm is not None
         or any(layer.backend is not first.backend for layer in layers)
@@ -323,11 +328,11 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
     ):
         return None
     sliding_windows, softcaps, kind = kind_arguments([layer.kind for layer in layers])
-    formats = [kernel_format(t) for t in linears]
+    formats = layer_formats(qkv[2], [(layer.o, layer.gate_up, layer.down) for layer in layers])
     return DecoderPlan(
         norm1=[layer.norm1 for layer in layers],
-        qkv=[kernel_weight(layer.qkv) for layer in layers],
-        qkv_bias=[layer.qkv.bias for layer in layers],
+        qkv=qkv[0],
+        qkv_bias=qkv[1],
         o=[kernel_weight(layer.o) for layer in layers],
         o_bias=[layer.o.bias for layer in layers],
         norm2=[layer.norm2 for layer in layers],
@@ -344,7 +349,7 @@ def decoder_plan(layers: list[FusedLayer], final_norm: RMSNorm) -> DecoderPlan |
         sliding_windows=sliding_windows,
         softcaps=softcaps,
         kind=kind,
-        weight_formats=formats if any(formats) else [],
+        weight_formats=formats,
     )
 
 
@@ -353,6 +358,58 @@ def on_own_kernels(linears: list[LinearTensors]) -> bool:
     ``small_gemm`` (all in one dtype) or, kept quantized, ``quant_gemm``."""
     dtypes = {t.small.dtype for t in linears if t.small is not None}
     return all(t.small is not None or t.quant is not None for t in linears) and len(dtypes) <= 1
+
+
+def kept_apart(t: LinearTensors) -> bool:
+    """``t``'s weight is kept in parts (``QuantParts``): the one-call loops take that for
+    q/k/v only (``qkv_arguments``)."""
+    return isinstance(t.quant, QuantParts)
+
+
+def qkv_arguments(
+    qkvs: list[LinearTensors], heads: Heads
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]] | None:
+    """Every layer's q/k/v as the one-call loops take them: (weights, biases, formats), one
+    fused weight a layer; where some layer keeps them apart (their stored formats differ),
+    three a layer, q, k and v (a fused weight's rows as views, no copy). None where the
+    loops cannot take them: parts that are not q, k and v, or a layer on small_gemm beside
+    one kept apart."""
+    if not any(kept_apart(t) for t in qkvs):
+        return (
+            [kernel_weight(t) for t in qkvs],
+            [t.bias for t in qkvs],
+            [kernel_format(t) for t in qkvs],
+        )
+    q, kv = heads.counts[0] * heads.head_dim, heads.counts[1] * heads.head_dim
+    bounds = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+    weights, biases, formats = [], [], []
+    for t in qkvs:
+        if t.quant is None:
+            return None
+        parts = (
+            t.quant.parts
+            if isinstance(t.quant, QuantParts)
+            else [t.quant.rows(slice(a, b)) for a, b in bounds]
+        )
+        if [p.shape[0] for p in parts] != [b - a for a, b in bounds]:
+            return None
+        weights += [p.data for p in parts]
+        biases += [None if t.bias is None else t.bias[a:b] for a, b in bounds]
+        formats += [p.code for p in parts]
+    return weights, biases, formats
+
+
+def layer_formats(qkv_formats: list[int], others: list[tuple[LinearTensors, ...]]) -> list[int]:
+    """The one-call loops' ``weight_formats``: per layer its q/k/v weights' (one or three,
+    from ``qkv_arguments``), then o's, gate_up's and down's; empty where every linear is on
+    small_gemm."""
+    per = len(qkv_formats) // len(others)
+    formats = [
+        f
+        for i, layer in enumerate(others)
+        for f in (*qkv_formats[per * i : per * (i + 1)], *(kernel_format(t) for t in layer))
+    ]
+    return formats if any(formats) else []
 
 
 def kernel_weight(t: LinearTensors) -> torch.Tensor:

@@ -22,12 +22,14 @@ from pagedllm.kernels.quant import kernels_run
 from pagedllm.model.base import KVCaches
 from pagedllm.model.fast_path import (
     group_arguments,
-    kernel_format,
+    kept_apart,
     kernel_max_rows,
     kernel_steps,
     kernel_weight,
     kind_arguments,
+    layer_formats,
     on_own_kernels,
+    qkv_arguments,
     step_arguments,
 )
 from pagedllm.model.llama import Heads, RotaryTable
@@ -44,7 +46,7 @@ class GemmaPlan(NamedTuple):
     in_norm: list[torch.Tensor]
     q_norm: list[torch.Tensor | None]
     k_norm: list[torch.Tensor | None]
-    qkv: list[torch.Tensor]
+    qkv: list[torch.Tensor]  # as DecoderPlan's: fused, or q, k and v a layer
     qkv_bias: list[torch.Tensor | None]
     o: list[torch.Tensor]
     o_bias: list[torch.Tensor | None]
@@ -64,8 +66,8 @@ class GemmaPlan(NamedTuple):
     sliding_windows: list[int]
     softcaps: list[float]
     kind: AttentionKind  # the kind whose route decides whether the kernel takes a step
-    # Per layer the formats of qkv, o, gate_up and down (``kernel_format``), or empty where
-    # every linear is on small_gemm.
+    # Per layer the formats of qkv (or q, k and v), o, gate_up and down (``layer_formats``),
+    # or empty where every linear is on small_gemm.
     weight_formats: list[int]
 
 
@@ -190,7 +192,16 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
     modules += [m for p in mlps for m in (p.gate_up_proj, p.down_proj)]
     linears = [m.tensors for m in modules]
     first = attns[0]
-    if not on_own_kernels(linears) or any(
+    qkv = qkv_arguments([a.qkv_proj.tensors for a in attns], first.heads)
+    others = [
+        (a.o_proj.tensors, p.gate_up_proj.tensors, p.down_proj.tensors)
+        for a, p in zip(attns, mlps, strict=True)
+    ]
+    if (
+        qkv is None
+        or not on_own_kernels(linears)
+        or any(kept_apart(t) for layer in others for t in layer)
+    ) or any(
         a.heads.counts != first.heads.counts
         or a.head_dim != first.head_dim
         or a.scale != first.scale
@@ -199,17 +210,12 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
     ):
         return None
     sliding_windows, softcaps, kind = kind_arguments([a.kind for a in attns])
-    formats = [
-        kernel_format(t)
-        for a, p in zip(attns, mlps, strict=True)
-        for t in (a.qkv_proj.tensors, a.o_proj.tensors, p.gate_up_proj.tensors, p.down_proj.tensors)
-    ]
     return GemmaPlan(
         in_norm=[offset_weight(layer.input_layernorm) for layer in layers],
         q_norm=[None if a.q_norm is None else offset_weight(a.q_norm) for a in attns],
         k_norm=[None if a.k_norm is None else offset_weight(a.k_norm) for a in attns],
-        qkv=[kernel_weight(a.qkv_proj.tensors) for a in attns],
-        qkv_bias=[a.qkv_proj.tensors.bias for a in attns],
+        qkv=qkv[0],
+        qkv_bias=qkv[1],
         o=[kernel_weight(a.o_proj.tensors) for a in attns],
         o_bias=[a.o_proj.tensors.bias for a in attns],
         post_attn_norm=[offset_weight(layer.post_attention_layernorm) for layer in layers],
@@ -228,5 +234,5 @@ def gemma_plan(model: Any) -> GemmaPlan | None:
         sliding_windows=sliding_windows,
         softcaps=softcaps,
         kind=kind,
-        weight_formats=formats if any(formats) else [],
+        weight_formats=layer_formats(qkv[2], others),
     )

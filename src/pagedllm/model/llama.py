@@ -32,7 +32,7 @@ from pagedllm.kernels.linear import (
     pack_for_cpu,
     small_gemm_max_rows,
 )
-from pagedllm.kernels.quant import QuantWeight, dequantize_rows, kernels_run
+from pagedllm.kernels.quant import Quantized, QuantWeight, dequantize_rows, kernels_run
 from pagedllm.kernels.routes import head_route, linear_route, sampler_route
 from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
 from pagedllm.model.config import ModelConfig, RopeConfig
@@ -57,10 +57,10 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
-    quant: QuantWeight | None = None
+    quant: Quantized | None = None
     ops: Any = None
 
-    def keep_quantized(self, weight: QuantWeight) -> None:
+    def keep_quantized(self, weight: Quantized) -> None:
         """Run on ``weight`` as stored; the float weight is dropped (an empty tensor of
         the model's dtype stands in its place)."""
         if weight.shape != tuple(self.weight.shape):

@@ -18,7 +18,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from pagedllm.kernels.quant import QuantWeight, common_format, concat_rows, dequantize
+from pagedllm.kernels.quant import QuantParts, QuantWeight, concat_rows, dequantize
 
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),
@@ -131,26 +131,21 @@ class KeepsQuantized(Protocol):
     """A module that can hold a weight as stored (``llama.Linear``, ``llama.Embedding``);
     named here so loading does not import the model it fills."""
 
-    def keep_quantized(self, weight: QuantWeight) -> None: ...
+    def keep_quantized(self, weight: QuantWeight | QuantParts) -> None: ...
 
 
 def place_quantized(
     model: nn.Module, name: str, parts: dict[str, QuantWeight], param: torch.Tensor
 ) -> None:
-    """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized in formats
-    that one holds exactly (``common_format``: Q5_0 and Q8_0 parts as Q8_0) keeps them fused
-    in it, as does a token embedding; otherwise the quantized parts are dequantised into the
-    float weight."""
+    """A linear all of whose parts (q/k/v, gate/up, or the one) came quantized keeps them
+    (``concat_rows``: fused where they share a format, else apart), as does a token
+    embedding (one format); otherwise the quantized parts are dequantised into the float
+    weight."""
     module_name, leaf = name.rsplit(".", 1)
     module = model.get_submodule(module_name)
     order = _PARTS.get(module_name.split(".")[-1], ("",))
     kept = [parts[part] for part in order if part in parts]
-    if (
-        isinstance(module, KeepsQuantized)
-        and leaf == "weight"
-        and len(kept) == len(order)
-        and common_format([w.format for w in kept]) is not None
-    ):
+    if isinstance(module, KeepsQuantized) and leaf == "weight" and len(kept) == len(order):
         module.keep_quantized(kept[0] if len(kept) == 1 else concat_rows(kept))
         return
     with torch.no_grad():
@@ -211,6 +206,9 @@ def held_weight_bytes(model: nn.Module) -> int:
         quant = getattr(module, "quant", None)
         if isinstance(quant, QuantWeight):
             add(quant.data)
+        elif isinstance(quant, QuantParts):
+            for part in quant.parts:
+                add(part.data)
     for copy in getattr(model, "tied_packs", ()):
         add(copy)
     return sum(sizes.values())

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "layer_groups.h"
 #include "parallel.h"
@@ -94,7 +95,9 @@ void check_layers(size_t n, const List& list, const char* name) {
 }
 
 // Every layer's weights: the norms', the four linears' weights (small_gemm-packed, or
-// block-quantized for quant_gemm) and optional biases, and the final norm.
+// block-quantized for quant_gemm) and optional biases, and the final norm. qkv (and
+// qkv_bias) hold one fused weight a layer, or three, q, k and v, where some layer keeps them
+// apart (stored in different formats: fast_path.qkv_arguments).
 struct Weights {
   at::TensorList norm1, qkv;
   const OptTensors& qkv_bias;
@@ -106,16 +109,22 @@ struct Weights {
   const OptTensors& down_bias;
   const at::Tensor& final_norm;
   double eps;
-  // Per layer the formats of qkv, o, gate_up and down (0: small_gemm-packed; empty: all).
+  // Per layer the formats of its q/k/v weights (one or three), o, gate_up and down (0:
+  // small_gemm-packed; empty: all).
   at::IntArrayRef formats;
 
-  int64_t format(size_t layer, int which) const { return formats.empty() ? 0 : formats[4 * layer + which]; }
+  size_t qkv_parts() const { return qkv.size() / norm1.size(); }
+
+  // which: the layer's q/k/v weights from 0, then o, gate_up, down.
+  int64_t format(size_t layer, size_t which) const {
+    return formats.empty() ? 0 : formats[(qkv_parts() + 3) * layer + which];
+  }
 
   size_t layers() const {
     const size_t n = norm1.size();
     TORCH_CHECK(n > 0, "decoder_layers: no layers");
-    check_layers(n, qkv, "qkv");
-    check_layers(n, qkv_bias, "qkv_bias");
+    TORCH_CHECK(qkv.size() == n || qkv.size() == 3 * n, "decoder_layers: qkv needs 1 or 3 weights a layer");
+    check_layers(qkv.size(), qkv_bias, "qkv_bias");
     check_layers(n, o, "o");
     check_layers(n, o_bias, "o_bias");
     check_layers(n, norm2, "norm2");
@@ -123,10 +132,33 @@ struct Weights {
     check_layers(n, gate_up_bias, "gate_up_bias");
     check_layers(n, down, "down");
     check_layers(n, down_bias, "down_bias");
-    TORCH_CHECK(formats.empty() || formats.size() == 4 * n, "decoder_layers: weight_formats needs 4 per layer");
+    TORCH_CHECK(formats.empty() || formats.size() == (qkv_parts() + 3) * n,
+                "decoder_layers: weight_formats needs one a weight");
+    TORCH_CHECK(qkv_parts() == 1 || !formats.empty(), "decoder_layers: q/k/v apart are quantized weights");
     return n;
   }
 };
+
+// Layer i's q, k and v [T, heads, head_dim]: views of its fused product (one view and one
+// split, as llama.split_heads), or three products where q/k/v are kept apart.
+std::vector<at::Tensor> project_qkv(const Ops& f, const Weights& w, size_t i, const at::Tensor& x, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t tokens = x.size(0);
+  if (w.qkv_parts() == 1) {
+    const at::Tensor qkv_out = linear(f, x, w.qkv[i], w.format(i, 0), w.qkv_bias.get(i));
+    TORCH_CHECK(qkv_out.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+                "decoder_layers: qkv width disagrees with the heads");
+    return qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
+        .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+  }
+  std::vector<at::Tensor> heads;
+  const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
+  for (size_t p = 0; p < 3; ++p) {
+    const at::Tensor out = linear(f, x, w.qkv[3 * i + p], w.format(i, p), w.qkv_bias.get(3 * i + p));
+    heads.push_back(out.view({tokens, counts[p], head_dim}));
+  }
+  return heads;
+}
 
 // The loop of fused_layer over n layers plus the final norm; attend(i, q, k, v) writes layer
 // i's K/V and returns its attention output [T, num_heads, head_dim] (q and k already rotated).
@@ -137,28 +169,25 @@ at::Tensor layer_loop(const Weights& w, size_t n, const at::Tensor& hidden, cons
                       const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       const OptTensor& output_rows, const Attend& attend) {
   const Ops& f = ops();
-  const int64_t tokens = hidden.size(0);
-  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  const int64_t q_width = num_heads * head_dim;
+  const size_t o_at = w.qkv_parts();  // o's, gate_up's and down's formats follow q/k/v's
   at::Tensor x = f.rms_norm.call(hidden, w.norm1[0], w.eps);
   at::Tensor residual = hidden;
   at::Tensor out_of_layer;
   for (size_t i = 0; i < n; ++i) {
     if (i > 0) x = f.add_rms_norm.call(out_of_layer, residual, w.norm1[i], w.eps);
-    const at::Tensor qkv_out = linear(f, x, w.qkv[i], w.format(i, 0), w.qkv_bias.get(i));
-    TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "decoder_layers: qkv width disagrees with the heads");
-    // One view and one split, as llama.split_heads.
-    const auto heads =
-        qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    const auto heads = project_qkv(f, w, i, x, num_heads, num_kv_heads, head_dim);
     f.rope.call(heads[0], heads[1], cos, sin);
     at::Tensor attn = attend(i, heads[0], heads[1], heads[2]);
     if (i + 1 == n && output_rows.has_value()) {
       attn = attn.index_select(0, *output_rows);
       residual = residual.index_select(0, *output_rows);
     }
-    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), w.o[i], w.format(i, 1), w.o_bias.get(i));
+    const at::Tensor projected =
+        linear(f, attn.view({attn.size(0), q_width}), w.o[i], w.format(i, o_at), w.o_bias.get(i));
     x = f.add_rms_norm.call(projected, residual, w.norm2[i], w.eps);
-    const at::Tensor act = f.silu_mul.call(linear(f, x, w.gate_up[i], w.format(i, 2), w.gate_up_bias.get(i)));
-    out_of_layer = linear(f, act, w.down[i], w.format(i, 3), w.down_bias.get(i));
+    const at::Tensor act = f.silu_mul.call(linear(f, x, w.gate_up[i], w.format(i, o_at + 1), w.gate_up_bias.get(i)));
+    out_of_layer = linear(f, act, w.down[i], w.format(i, o_at + 2), w.down_bias.get(i));
   }
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }

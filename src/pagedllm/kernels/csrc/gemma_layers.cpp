@@ -20,6 +20,7 @@
 #include <cmath>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -119,8 +120,10 @@ at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, int64_
 
 // Per layer i: norms (float32, 1 + weight): in_norm, q_norm / k_norm (absent: none),
 // post_attn_norm, pre_ff_norm, post_ff_norm; linears qkv, o, gate_up, down (small_gemm-packed,
-// or block-quantized for quant_gemm: weight_formats[4 i + j] their GGML types, 0 small_gemm,
-// empty all small_gemm) with optional biases; K/V caches; sliding_windows[i] (0: full attention; the sliding layers
+// or block-quantized for quant_gemm: weight_formats, a layer's q/k/v weights' then o's,
+// gate_up's and down's, their GGML types, 0 small_gemm, empty all small_gemm) with optional
+// biases, qkv (and qkv_bias) one fused weight a layer or, where some layer keeps them apart
+// (stored in different formats: fast_path.qkv_arguments), three: q, k and v; K/V caches; sliding_windows[i] (0: full attention; the sliding layers
 // take the local cos/sin) and softcaps[i] (0: none). hidden: the scaled embeddings [T, hidden];
 // cos/sin: [T, head_dim] of the full and of the sliding layers. The attention arguments are
 // paged_attention's; with several KV cache groups, each layer's block table and slots are its
@@ -143,29 +146,42 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                         at::IntArrayRef weight_formats) {
   const size_t n = in_norm.size();
   TORCH_CHECK(n > 0, "gemma_layers: no layers");
-  for (size_t size : {q_norm.size(), k_norm.size(), qkv.size(), qkv_bias.size(), o.size(), o_bias.size(),
+  TORCH_CHECK(qkv.size() == n || qkv.size() == 3 * n, "gemma_layers: qkv needs 1 or 3 weights a layer");
+  TORCH_CHECK(qkv_bias.size() == qkv.size(), "gemma_layers: qkv_bias needs one entry a qkv weight");
+  const size_t parts = qkv.size() / n;  // q/k/v weights a layer
+  for (size_t size : {q_norm.size(), k_norm.size(), o.size(), o_bias.size(),
                       post_attn_norm.size(), pre_ff_norm.size(), gate_up.size(), gate_up_bias.size(), down.size(),
                       down_bias.size(), post_ff_norm.size(), k_caches.size(), v_caches.size(),
                       sliding_windows.size(), softcaps.size()})
     TORCH_CHECK(size == n, "gemma_layers: every per-layer list needs ", n, " entries");
   TORCH_CHECK(hidden.dim() == 2, "gemma_layers: hidden must be [T, hidden]");
-  TORCH_CHECK(weight_formats.empty() || weight_formats.size() == 4 * n,
-              "gemma_layers: weight_formats needs 4 entries a layer (qkv, o, gate_up, down)");
+  TORCH_CHECK(weight_formats.empty() || weight_formats.size() == (parts + 3) * n,
+              "gemma_layers: weight_formats needs one entry a weight (q/k/v, o, gate_up, down)");
+  TORCH_CHECK(parts == 1 || !weight_formats.empty(), "gemma_layers: q/k/v apart are quantized weights");
+  // which: the layer's q/k/v weights from 0, then o, gate_up, down.
   auto format = [&](size_t layer, size_t which) -> int64_t {
-    return weight_formats.empty() ? 0 : weight_formats[4 * layer + which];
+    return weight_formats.empty() ? 0 : weight_formats[(parts + 3) * layer + which];
   };
   const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
                                        layer_groups, n);
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
   at::Tensor h = hidden;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor x = offset_rms_norm(h, in_norm[i], eps);
-    const at::Tensor qkv_out = linear(f, x, qkv[i], format(i, 0), qkv_bias.get(i));
-    TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "gemma_layers: qkv width disagrees with the heads");
-    const auto heads = qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
-                           .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    std::vector<at::Tensor> heads;
+    if (parts == 1) {
+      const at::Tensor qkv_out = linear(f, x, qkv[i], format(i, 0), qkv_bias.get(i));
+      TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "gemma_layers: qkv width disagrees with the heads");
+      heads = qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
+                  .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    } else {  // q, k and v kept apart: three products
+      for (size_t p = 0; p < 3; ++p)
+        heads.push_back(linear(f, x, qkv[3 * i + p], format(i, p), qkv_bias.get(3 * i + p))
+                            .view({tokens, counts[p], head_dim}));
+    }
     at::Tensor q = heads[0], k = heads[1];
     const OptTensor qn = q_norm.get(i), kn = k_norm.get(i);
     if (qn.has_value()) q = offset_rms_norm(q, *qn, eps);
@@ -180,12 +196,14 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
       attn = attn.index_select(0, *output_rows);
       h = h.index_select(0, *output_rows);
     }
-    const at::Tensor projected = linear(f, attn.view({attn.size(0), q_width}), o[i], format(i, 1), o_bias.get(i));
+    const at::Tensor projected =
+        linear(f, attn.view({attn.size(0), q_width}), o[i], format(i, parts), o_bias.get(i));
     h = at::add(h, offset_rms_norm(projected, post_attn_norm[i], eps));
-    const at::Tensor gu = linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, 2), gate_up_bias.get(i));
+    const at::Tensor gu =
+        linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, parts + 1), gate_up_bias.get(i));
     const int64_t inter = gu.size(1) / 2;
     const at::Tensor act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
-    const at::Tensor mlp = linear(f, act, down[i], format(i, 3), down_bias.get(i));
+    const at::Tensor mlp = linear(f, act, down[i], format(i, parts + 2), down_bias.get(i));
     h = at::add(h, offset_rms_norm(mlp, post_ff_norm[i], eps));
   }
   return offset_rms_norm(h, final_norm, eps);
