@@ -16,6 +16,9 @@ perplexity of each, pooled over the texts). Two parts:
   ``gemma-3-270m`` (Q4_K_M), a ``.gguf`` path, or any of these with ``@Q8_0`` (or another
   format the ``gguf`` package quantizes: ``Q4_0``, ``Q4_1``, ``Q5_0``): every quantized
   tensor of its GGUF dequantised and quantized again in that format into a temporary file.
+  A named model with ``:int8`` (or ``:q8_0``, ``:q4_0``) is its converted float directory
+  quantized at load (``--quantization``: linears, embedding and head) against the same
+  directory's float weights.
   A named model runs only when it is already fetched; a model whose linears are not kept
   quantized is skipped with the reason.
 - ``kv``: the KV cache's formats on ``--kv-model``'s float weights, against float32 weights
@@ -29,6 +32,7 @@ A table per part, then one JSON line.
     .venv/bin/python benchmarks/quant_quality.py
     .venv/bin/python benchmarks/quant_quality.py --parts kv --tokens 2048
     .venv/bin/python benchmarks/quant_quality.py --models default@Q8_0 --parts weights
+    .venv/bin/python benchmarks/quant_quality.py --models default:int8,default:q4_0 --parts weights
 """
 
 from __future__ import annotations
@@ -270,17 +274,20 @@ def requantize_gguf(source: Path, target: Path, kind: str) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class WeightRow:
-    """A ``--models`` entry: ``source`` (a named model or a path) and the format it is
-    requantized to (None: as stored)."""
+    """A ``--models`` entry: ``source`` (a named model or a path), the format it is
+    requantized to (None: as stored), or the ``--quantization`` scheme its float weights
+    are quantized with at load (None: its GGUF)."""
 
     label: str
     source: str
     requantize: str | None
+    scheme: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> WeightRow:
-        source, _, kind = spec.partition("@")
-        return cls(spec, source, kind or None)
+        rest, _, scheme = spec.partition(":")
+        source, _, kind = rest.partition("@")
+        return cls(spec, source, kind or None, scheme or None)
 
 
 def skip_reason(row: WeightRow) -> str | None:
@@ -308,8 +315,13 @@ def kept_formats(model: torch.nn.Module) -> dict[str, int]:
 
 
 def load_pair(row: WeightRow, dtype: str, workdir: Path) -> tuple[LoadedModel, LoadedModel, object]:
-    """(served as stored, dequantised to float32 weights, tokenizer) of a row."""
+    """(served as stored, dequantised to float32 weights, tokenizer) of a row; a
+    ``scheme`` row: (quantized at load, the float weights, tokenizer)."""
     backend = get_backend("cpu")
+    if row.scheme is not None:
+        quantized = load_model(row.source, dtype, backend, quantization=row.scheme)
+        reference = load_model(row.source, dtype, backend, keep_quantized=False)
+        return quantized, reference, quantized.tokenizer
     if row.requantize is None and row.source in NAMED_MODELS:
         quantized = load_model(row.source, dtype, backend)
         reference = load_model(row.source, dtype, backend, keep_quantized=False)

@@ -102,11 +102,11 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata=flag(
-            "quantize a float checkpoint's layer linears at load, without calibration data "
-            "(embedding and LM head stay in --dtype): int8 and q8_0 are both GGUF's Q8_0 "
-            "layout (int8 weights, an fp16 scale per 32; ~0.27x float32's bytes), q4_0 "
-            "GGUF's Q4_0 (4-bit, ~0.14x); a GGUF already quantized is refused unless it "
-            "is stored in that format",
+            "quantize a float checkpoint's linears, embedding and LM head at load, without "
+            "calibration data: int8 and q8_0 are both GGUF's Q8_0 layout (int8 weights, an "
+            "fp16 scale per 32; ~0.27x float32's bytes), q4_0 GGUF's Q4_0 (4-bit, ~0.14x) "
+            "with the head (and a tied embedding) in Q8_0; a GGUF "
+            "already quantized is refused unless it is stored in that format",
             choices=QUANTIZATIONS,
         ),
     )

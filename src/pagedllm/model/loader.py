@@ -12,7 +12,7 @@
                                          converted directory gives the tokenizer; so for
                                          "qwen2.5-coder-0.5b"), keep_quantized=False: the
                                          converted float weights
-    load_model(..., quantization="int8")  the float layer linears quantized at load
+    load_model(..., quantization="int8")  the float linears, embedding and head quantized at load
                                          (model/quantize.py)
 
 Nothing is downloaded from a model hub.
@@ -85,8 +85,8 @@ def load_model(
     ``keep_quantized``: a GGUF's linears stored in a format of ``kernels/quant.py`` run as
     stored on the CPU (their only copy), a named model's too (its GGUF, kept beside the
     converted directory); False dequantises every tensor to ``dtype``.
-    ``quantization`` ("int8", "q8_0", "q4_0"; ``model/quantize.py``): the float layer linears
-    quantized as they load (a named model's from its converted float weights), the CPU only.
+    ``quantization`` ("int8", "q8_0", "q4_0"; ``model/quantize.py``): the float layer linears,
+    embedding and LM head quantized as they load (a named model's from its converted float weights), the CPU only.
     """
     if quantization is not None:
         check_quantization(quantization, torch.device(device), keep_quantized)
@@ -120,7 +120,7 @@ def load_model(
         from pagedllm.model.quantize import check_family, quantized_weights
 
         check_family(quantization, raw_config.get("model_type", ""))
-        weights = quantized_weights(weights, quantization)
+        weights = quantized_weights(weights, quantization, config.tie_word_embeddings)
     torch_dtype, reason = choose_dtype(dtype, config, torch.device(device))
     module = build_model(config, weights, torch_dtype, backend, torch.device(device))
     tokenizer = tokenizer_loader() if load_tokenizer else None
