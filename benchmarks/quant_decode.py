@@ -7,7 +7,9 @@ Two parts:
   float model converted from the same file (``LLM(model=<its converted directory>)``). The
   default model (SmolLM2-135M, Q4_1) unless ``--model qwen2.5-coder-0.5b`` (opt-in: the
   Qwen2.5-Coder-0.5B GGUF, mostly Q5_0 with Q8_0 / Q4_K / Q6_K tensors; or ``gemma-3-270m``,
-  Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K). Each configuration
+  Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K). With ``--quantization int8|q8_0|q4_0`` the quantized
+  configuration is the converted float directory quantized at load instead (linears,
+  embedding and head). ``--model-dtype``: both configurations' ``dtype``. Each configuration
   runs in a fresh child process (so that its RSS is its own), in alternated rounds; figures
   are medians over the rounds of each round's best of ``REPEATS`` generations (on a shared
   machine a neighbour's burst lands in some generations: the best is the code's speed, the
@@ -20,6 +22,7 @@ Two parts:
 
     .venv/bin/python benchmarks/quant_decode.py --rounds 5
     .venv/bin/python benchmarks/quant_decode.py --model qwen2.5-coder-0.5b --prompt-tokens 256
+    .venv/bin/python benchmarks/quant_decode.py --quantization int8 --model-dtype float32
     .venv/bin/python benchmarks/quant_decode.py --part kernels --rows 1,4,16,64,256
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -38,16 +42,20 @@ REPEATS = 5
 MODELS = ("default", "qwen2.5-coder-0.5b", "gemma-3-270m")
 
 
-def child(model: str, config: str, prompt_tokens: int, output_tokens: int, kv_mib: int) -> dict:
+def child(args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
     from pagedllm.model.loader import named_model
 
-    directory, _ = named_model(model)
+    directory, _ = named_model(args.model)
+    config, prompt_tokens, output_tokens = args.child, args.prompt_tokens, args.output_tokens
+    at_load = config == "quantized" and args.quantization is not None
     start = time.perf_counter()
     # No prefix cache: every call computes its prompt, as the first one did.
     llm = LLM(
-        model=model if config == "quantized" else str(directory),
-        kv_cache_memory=kv_mib << 20,
+        model=args.model if config == "quantized" and not at_load else str(directory),
+        dtype=args.model_dtype,
+        quantization=args.quantization if at_load else None,
+        kv_cache_memory=args.kv_mib << 20,
         max_num_seqs=1,
         enable_prefix_caching=False,
     )
@@ -69,7 +77,9 @@ def child(model: str, config: str, prompt_tokens: int, output_tokens: int, kv_mi
         speeds.append((len(out[0].outputs[0].token_ids) - 1) / (total_s - prompt_s))
         first_token_s.append(prompt_s)
     routes = llm.engine.routes
+    held = re.search(r"weights ([\d,]+) MiB as held", llm.engine.startup_report or "")
     return {
+        "weights_mib": float(held.group(1).replace(",", "")) if held else None,
         "decode_tok_s": max(speeds),
         "first_token_ms": min(first_token_s) * 1e3,
         "load_s": load_s,
@@ -97,6 +107,8 @@ def models_part(args: argparse.Namespace) -> dict:
         order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
         for config in order:
             command = [sys.executable, __file__, "--child", config, "--model", args.model]
+            command += ["--model-dtype", args.model_dtype]
+            command += ["--quantization", args.quantization] if args.quantization else []
             command += ["--prompt-tokens", str(args.prompt_tokens)]
             command += ["--output-tokens", str(args.output_tokens), "--kv-mib", str(args.kv_mib)]
             line = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -105,8 +117,8 @@ def models_part(args: argparse.Namespace) -> dict:
             shown = {k: v for k, v in result.items() if k not in ("tokens", "linears")}
             print(round_index, config, json.dumps(shown))
     summary = {}
-    print("| | decode tok/s (rounds) | first token ms | RSS MiB (peak) | load s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| | decode tok/s (rounds) | first token ms | RSS MiB (peak) | load s | weights MiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for config, rounds in results.items():
         speeds = [r["decode_tok_s"] for r in rounds]
         summary[config] = {
@@ -115,18 +127,25 @@ def models_part(args: argparse.Namespace) -> dict:
             "rss_mib": statistics.median(r["rss_mib"] for r in rounds),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds),
             "load_s": statistics.median(r["load_s"] for r in rounds),
+            "weights_mib": rounds[0]["weights_mib"],
         }
         s = summary[config]
         print(
             f"| {config} | {s['decode_tok_s']:.1f} ({', '.join(f'{v:.1f}' for v in speeds)}) "
             f"| {s['first_token_ms']:.1f} | {s['rss_mib']:.0f} ({s['peak_rss_mib']:.0f}) "
-            f"| {s['load_s']:.1f} |"
+            f"| {s['load_s']:.1f} | {s['weights_mib']} |"
         )
     first = results["float"][0]["tokens"]
     same = sum(a == b for a, b in zip(first, results["quantized"][0]["tokens"], strict=False))
     print(f"first 16 greedy tokens equal: {same} of {len(first)}")
     print(f"quantized linears: {results['quantized'][0]['linears']}")
-    return {"model": args.model, **summary, "equal_first_tokens": same}
+    return {
+        "model": args.model,
+        "quantization": args.quantization,
+        "dtype": args.model_dtype,
+        **summary,
+        "equal_first_tokens": same,
+    }
 
 
 def random_weight(format: str, rows: int, width: int, seed: int = 0):
@@ -211,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--kv-mib", type=int, default=64)
     parser.add_argument("--child", choices=CONFIGS)
+    parser.add_argument("--quantization", choices=("int8", "q8_0", "q4_0"), default=None)
+    parser.add_argument("--model-dtype", default="auto", help="models: LLM(dtype=)")
     parser.add_argument("--rows", default="1,4,16,64,256", help="kernels: row counts")
     parser.add_argument(
         "--shape", type=int, nargs=2, default=(9728, 896), help="kernels: weight N K"
@@ -220,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     if args.child:
-        result = child(args.model, args.child, args.prompt_tokens, args.output_tokens, args.kv_mib)
+        result = child(args)
         print(json.dumps(result))
         return 0
     result = models_part(args) if args.part == "models" else kernels_part(args)
