@@ -10,9 +10,13 @@ write. The formats follow llama.cpp's choice (``tensor_format``): the head, the 
 sensitive to rounding, is Q8_0 under every scheme (llama.cpp gives it Q6_K under Q4_0, and
 Q8_0 where its width is not in 256s, as SmolLM2's 576 and Qwen2.5-0.5B's 896 are; the
 ``gguf`` package has no Q6_K quantizer), an untied embedding the scheme's format, a tied
-one the head's (one copy: looked up by rows, multiplied as the head). A float tensor is
-freed as soon as its blocks exist, so loading never holds the float model beside the
-quantized one.
+one the head's (one copy: looked up by rows, multiplied as the head). Measured on
+SmolLM2-135M's float32 weights (3 held-out texts, 1,024 tokens each, ``quant_quality.py``),
+top-1 agreement with the float model, layer linears alone -> with the embedding and head:
+int8 96.8% -> 95.9% (perplexity 23.64 float, 23.72 -> 23.75), q4_0 70.8% -> 70.9% (the
+Q8_0 head adds next to nothing to Q4_0's own loss); held weights 324 -> 136 MiB (int8). A
+float tensor is freed as soon as its blocks exist, so loading never holds the float model
+beside the quantized one.
 """
 
 from __future__ import annotations
