@@ -21,8 +21,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <ctime>
 #include <optional>
 #include <string>
 #include <vector>
@@ -425,6 +427,64 @@ at::Tensor quant_gemm_integer(const at::Tensor& x, const at::Tensor& weight, int
   return integer_gemm(x, w, bias);
 }
 
+// Every byte of rows [n0, n1) of w read once (32 at a time, xor-ed together): what streaming
+// the weight costs without multiplying it.
+uint8_t read_rows(const Weight& w, int64_t n0, int64_t n1) {
+  const uint8_t* p = w.row(n0);
+  const int64_t bytes = (n1 - n0) * w.lay.bytes;
+  uint64_t acc = 0;
+#if defined(QUANT_AVX2)
+  __m256i v = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= bytes; i += 32) v = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+  acc = static_cast<uint64_t>(_mm256_extract_epi64(v, 0) ^ _mm256_extract_epi64(v, 3));
+  for (; i < bytes; ++i) acc ^= p[i];
+#else
+  for (int64_t i = 0; i < bytes; ++i) acc ^= p[i];
+#endif
+  return static_cast<uint8_t>(acc);
+}
+
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// The seconds each of `passes` passes took, wall-clock then the calling thread's CPU time
+// (2 numbers per pass; on a shared host a thread off its core counts only in the first). A
+// pass is x through every weight in turn on the integer kernel, as a decode step runs its
+// products (on more than one thread: in one step team); read_only: a pass only reads each
+// weight's bytes (the memory's ceiling). For benchmarks/quant_matvec.py.
+std::vector<double> quant_gemm_bench(const at::Tensor& x, at::TensorList weights, int64_t format, int64_t passes,
+                                     bool read_only) {
+  TORCH_CHECK(x.dim() == 2 && passes > 0 && !weights.empty(), "quant_gemm_bench: x [rows, K], passes > 0, weights");
+  std::vector<Weight> ws;
+  for (const at::Tensor& t : weights) {
+    ws.push_back(check_weight(t, format, x.size(1)));
+    check_x(x, ws.back(), "quant_gemm_bench");
+  }
+  std::atomic<uint8_t> sink{0};
+  auto body = [&] {
+    std::vector<double> seconds;
+    for (int64_t p = 0; p < passes; ++p) {
+      const auto start = std::chrono::steady_clock::now();
+      const double cpu_start = thread_seconds();
+      for (const Weight& w : ws) {
+        if (read_only) {
+          pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { sink ^= read_rows(w, n0, n1); });
+        } else {
+          integer_gemm(x, w, std::nullopt);
+        }
+      }
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      seconds.push_back(thread_seconds() - cpu_start);
+    }
+    return seconds;
+  };
+  return pagedllm_parallel::with_team(body);
+}
+
 // quant_gemm on dequantised tiles, whatever the row count (tests, benchmarks).
 at::Tensor quant_gemm_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t format,
                             const std::optional<at::Tensor>& bias) {
@@ -444,6 +504,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
+  m.def("quant_gemm_bench(Tensor x, Tensor[] weights, int format, int passes, bool read_only) -> float[]",
+        &pagedllm_quant::quant_gemm_bench);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
