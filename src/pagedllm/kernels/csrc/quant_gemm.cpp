@@ -38,10 +38,13 @@ namespace {
 
 // Activation rows that share one pass over a weight row (register block).
 constexpr int ROW_BLOCK = 4;
-// Weight rows ahead whose bytes are prefetched while a row is multiplied: a decode step
-// streams every weight from memory once, and the hardware prefetcher alone left the
-// integer work waiting on it (docs/performance.md, quantized weights).
-constexpr int64_t PREFETCH_ROWS = 4;
+// How far ahead of a weight row its bytes' lines are prefetched (into L1) while the row is
+// multiplied: a decode step streams every weight from memory once, and the hardware
+// prefetcher alone left the integer work waiting on it. A distance in bytes, not rows: four
+// rows ahead (the first choice) was 1.4 KB for SmolLM2's rows but 3.8 KB for its down
+// projection's and 16 KB for Qwen's, and 1-1.5 KB measured best on each, 2-8 KB and no
+// prefetch worse (docs/performance.md, quantized weights).
+constexpr int64_t PREFETCH_BYTES = 1024;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
 enum class Route { avx512_vnni = 0, avx_vnni = 1, avx2 = 2, none = 3 };
@@ -323,12 +326,12 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   const Layout& l = w.lay;
   const int64_t blocks = l.blocks(), whole = blocks / GROUP;
   const int tail = static_cast<int>(blocks % GROUP);
+  const int64_t end = w.n * l.bytes;  // no prefetch past the weight
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
-    if (n + PREFETCH_ROWS < n1) {
-      const char* ahead = reinterpret_cast<const char*>(w.row(n + PREFETCH_ROWS));
-      for (int64_t i = 0; i < l.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    }
+    const int64_t ahead = n * l.bytes + PREFETCH_BYTES;
+    for (int64_t i = 0; i < std::min(l.bytes, end - ahead); i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);
