@@ -16,6 +16,10 @@ Two parts:
   median over rounds keeps one lucky round from setting it). Decode tok/s: (output tokens -
   1) over the time after the first token (a one-token generation of the same prompt timed
   just before), greedy, ``ignore_eos``.
+  ``--variant-src NAME=DIR`` adds a configuration NAME: the GGUF as stored, run from the
+  checkout DIR (its ``src/``, e.g. a ``git archive`` of main), alternated with the others in
+  every round, with its speed against this tree's (an A/B of two trees' kernels in one run);
+  ``--no-float`` leaves the float model out.
 - ``kernels``: one linear of each format (``kernels/quant.py``) on random blocks against
   small_gemm's bf16 / float32 copy of the same shape, at decode and prompt row counts:
   microseconds per call (the best of ``--repeats``).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -66,21 +71,26 @@ def child(args: argparse.Namespace) -> dict:
     full = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     request = [{"prompt_token_ids": prompt}]
     llm.generate(request, full, use_tqdm=False)  # warm-up
-    speeds, first_token_s = [], []
+    speeds, first_token_s, cpu_ms = [], [], []
     for _ in range(REPEATS):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         llm.generate(request, first, use_tqdm=False)
-        prompt_s = time.perf_counter() - start
-        start = time.perf_counter()
+        prompt_s, prompt_cpu = time.perf_counter() - start, time.process_time() - cpu
+        start, cpu = time.perf_counter(), time.process_time()
         out = llm.generate(request, full, use_tqdm=False)
-        total_s = time.perf_counter() - start
-        speeds.append((len(out[0].outputs[0].token_ids) - 1) / (total_s - prompt_s))
+        total_s, total_cpu = time.perf_counter() - start, time.process_time() - cpu
+        decoded = len(out[0].outputs[0].token_ids) - 1
+        speeds.append(decoded / (total_s - prompt_s))
+        cpu_ms.append((total_cpu - prompt_cpu) / decoded * 1e3)
         first_token_s.append(prompt_s)
     routes = llm.engine.routes
     held = re.search(r"weights ([\d,]+) MiB as held", llm.engine.startup_report or "")
     return {
         "weights_mib": float(held.group(1).replace(",", "")) if held else None,
         "decode_tok_s": max(speeds),
+        # The process's CPU time per decoded token: on one thread (OMP_NUM_THREADS=1) the work
+        # a token takes, which a busy neighbour does not add to as it does to wall time.
+        "decode_cpu_ms": min(cpu_ms),
         "first_token_ms": min(first_token_s) * 1e3,
         "load_s": load_s,
         "rss_mib": _status("VmRSS") / 1024,
@@ -102,27 +112,40 @@ def models_part(args: argparse.Namespace) -> dict:
     from pagedllm.kernels.probe import cpu_info
 
     print(f"CPU: {cpu_info().label}; model {args.model}")
-    results: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+    # Each configuration: (the child's configuration, the checkout it runs from or None).
+    configs = {c: (c, None) for c in CONFIGS if c != "float" or not args.no_float}
+    configs.update({name: ("quantized", src) for name, src in args.variant_src.items()})
+    results: dict[str, list[dict]] = {config: [] for config in configs}
     for round_index in range(args.rounds):
-        order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
+        order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
         for config in order:
-            command = [sys.executable, __file__, "--child", config, "--model", args.model]
+            kind, src = configs[config]
+            command = [sys.executable, __file__, "--child", kind, "--model", args.model]
             command += ["--model-dtype", args.model_dtype]
             command += ["--quantization", args.quantization] if args.quantization else []
             command += ["--prompt-tokens", str(args.prompt_tokens)]
             command += ["--output-tokens", str(args.output_tokens), "--kv-mib", str(args.kv_mib)]
-            line = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            env = dict(os.environ)
+            if src is not None:
+                env["PYTHONPATH"] = os.path.join(src, "src")
+            line = subprocess.run(
+                command, capture_output=True, text=True, check=True, env=env
+            ).stdout
             result = json.loads(line.strip().splitlines()[-1])
             results[config].append(result)
             shown = {k: v for k, v in result.items() if k not in ("tokens", "linears")}
             print(round_index, config, json.dumps(shown))
     summary = {}
-    print("| | decode tok/s (rounds) | first token ms | RSS MiB (peak) | load s | weights MiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| | decode tok/s (rounds) | CPU ms a token | first token ms | RSS MiB (peak) | load s "
+        "| weights MiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for config, rounds in results.items():
         speeds = [r["decode_tok_s"] for r in rounds]
         summary[config] = {
             "decode_tok_s": statistics.median(speeds),
+            "decode_cpu_ms": statistics.median(r["decode_cpu_ms"] for r in rounds),
             "first_token_ms": statistics.median(r["first_token_ms"] for r in rounds),
             "rss_mib": statistics.median(r["rss_mib"] for r in rounds),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds),
@@ -132,12 +155,28 @@ def models_part(args: argparse.Namespace) -> dict:
         s = summary[config]
         print(
             f"| {config} | {s['decode_tok_s']:.1f} ({', '.join(f'{v:.1f}' for v in speeds)}) "
-            f"| {s['first_token_ms']:.1f} | {s['rss_mib']:.0f} ({s['peak_rss_mib']:.0f}) "
+            f"| {s['decode_cpu_ms']:.2f} | {s['first_token_ms']:.1f} | {s['rss_mib']:.0f} ({s['peak_rss_mib']:.0f}) "
             f"| {s['load_s']:.1f} | {s['weights_mib']} |"
         )
-    first = results["float"][0]["tokens"]
-    same = sum(a == b for a, b in zip(first, results["quantized"][0]["tokens"], strict=False))
-    print(f"first 16 greedy tokens equal: {same} of {len(first)}")
+    quantized = results["quantized"][0]["tokens"]
+    same = None
+    if "float" in results:
+        first = results["float"][0]["tokens"]
+        same = sum(a == b for a, b in zip(first, quantized, strict=False))
+        print(f"first 16 greedy tokens equal (float, quantized): {same} of {len(first)}")
+    for name in args.variant_src:
+        pairs = list(zip(results["quantized"], results[name], strict=True))
+        ratios = [q["decode_tok_s"] / v["decode_tok_s"] for q, v in pairs]
+        cpu = [v["decode_cpu_ms"] / q["decode_cpu_ms"] for q, v in pairs]
+        summary[name]["this_over_variant"] = statistics.median(ratios)
+        summary[name]["cpu_variant_over_this"] = statistics.median(cpu)
+        summary[name]["same_tokens"] = results[name][0]["tokens"] == quantized
+        print(
+            f"quantized / {name} decode: {statistics.median(ratios):.3f} (rounds: "
+            f"{', '.join(f'{r:.3f}' for r in ratios)}); CPU ms a token, {name} / quantized: "
+            f"{statistics.median(cpu):.3f} ({', '.join(f'{r:.3f}' for r in cpu)}); "
+            f"same tokens: {summary[name]['same_tokens']}"
+        )
     print(f"quantized linears: {results['quantized'][0]['linears']}")
     return {
         "model": args.model,
@@ -239,7 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="kernels: torch threads")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-float", action="store_true", help="models: leave the float model out")
+    parser.add_argument("--variant-src", action="append", default=[], metavar="NAME=DIR",
+                        help="models: also the GGUF as stored run from the checkout DIR")  # fmt: skip
     args = parser.parse_args(argv)
+    variants = {}
+    for spec in args.variant_src:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name or not directory or name in CONFIGS or name in variants:
+            parser.error(f"--variant-src takes NAME=DIR with a new NAME, got {spec!r}")
+        variants[name] = directory
+    args.variant_src = variants
     if args.child:
         result = child(args)
         print(json.dumps(result))

@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> dict:
     if ops is None or not hasattr(ops, "quant_gemm_bench"):
         raise SystemExit("the C++ kernels did not build (or lack quant_gemm_bench)")
     results = []
-    for model, linear, format, n, k in selected(args.models):
+    for model, linear, format, n, k in selected(args.models, args.linears):
         weight = random_weight(format, n, k)
         copies = max(1, -(-(args.working_set << 20) // weight.nbytes))
         weights = [weight.data] + [weight.data.clone() for _ in range(copies - 1)]
@@ -118,14 +118,16 @@ def child(args: argparse.Namespace) -> dict:
     return {"isa": ops.quant_gemm_isa(), "cases": results}
 
 
-def selected(models: list[str]) -> list[tuple]:
-    return [case for case in CASES if case[0] in models]
+def selected(models: list[str], linears: list[str] | None) -> list[tuple]:
+    return [c for c in CASES if c[0] in models and (not linears or c[1] in linears)]
 
 
 def run_child(args: argparse.Namespace, src: str | None) -> dict:
     command = [sys.executable, __file__, "--child", "--working-set", str(args.working_set)]
     command += ["--models", ",".join(args.models), "--threads", ",".join(map(str, args.threads))]
     command += ["--rows", ",".join(map(str, args.rows))]
+    if args.linears:
+        command += ["--linears", ",".join(args.linears)]
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = str(Path(src) / "src")
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
     )
+    parser.add_argument(
+        "--linears", default="", help="comma-separated: only these linears (e.g. head)"
+    )
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--rows", default="1", help="comma-separated activation row counts")
     parser.add_argument("--rounds", type=int, default=3)
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.models) - set(MODELS)
     if unknown or not args.models:
         parser.error(f"--models takes some of {', '.join(MODELS)}")
+    args.linears = [name for name in args.linears.split(",") if name]
+    if not selected(args.models, args.linears):
+        parser.error("--models and --linears select no case")
     try:
         args.threads = [int(t) for t in args.threads.split(",")]
         args.rows = [int(r) for r in args.rows.split(",")]

@@ -313,3 +313,33 @@ def test_quant_quality_compares_each_format_and_cache_on_held_out_text(capsys, t
         assert 0.5 < row["min_top1"] <= row["top1"] <= 1.0
         assert 0.0 <= row["mean_kl"] < 1e-2 and row["ppl"] > 1.0
         assert set(row["texts"]) == {"argparse.py", "email/message.py"}
+
+
+def test_quant_matvec_times_the_kernel_and_the_read_and_ab_tests_a_tree(capsys):
+    pytest.importorskip("gguf")
+    from pagedllm.kernels.ops import layer_ops
+
+    if layer_ops() is None:
+        pytest.skip("the C++ kernels did not build")
+    root = Path(__file__).resolve().parents[2]
+    args = ["--models", "smollm2", "--linears", "o", "--threads", "1,2", "--rounds", "2"]
+    assert (
+        load("quant_matvec").main([*args, "--working-set", "1", "--variant-src", f"same={root}"])
+        == 0
+    )
+    result = last_json(capsys)
+    assert [(c["linear"], c["threads"]) for c in result["cases"]] == [("o", 1), ("o", 2)]
+    for case in result["cases"]:
+        assert case["bytes"] == 576 * 360  # Q4_1: 18 blocks of 20 bytes a row
+        for variant in ("this", "same"):
+            assert case[variant]["us"] > 0 and case[variant]["read_us"] > 0
+            assert len(case[variant]["rounds_us"]) == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--models", "llama"], ["--linears", "nope"], ["--variant-src", "this=/x"], ["--rows", "0"]],
+)
+def test_quant_matvec_rejects_bad_args(bad):
+    with pytest.raises(SystemExit):
+        load("quant_matvec").main(bad)
