@@ -210,11 +210,23 @@ inline __m256i block_dot(__m256i w, const int8_t* xq) {
   return dot_u8s8<R>(w, x);
 }
 
+// hadd_epi32(a, b) for lane sums that fit in int16 (|sum| <= 4 * 63 * 127 but for Q8_0's):
+// packed to int16 and pair-summed by madd, one shuffle where hadd takes two (the shuffle port
+// is what the eight-block reduction waits on).
+inline __m256i hadd_small(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_packs_epi32(a, b), _mm256_set1_epi16(1));
+}
+
 // Eight blocks' lane sums (block j's in s[j]) as two vectors: the sums over each block's first
 // 16 elements (block j in lane j) and over its last 16.
+template <Format F>
 inline void halves8(const __m256i s[GROUP], __m256i& first, __m256i& last) {
-  const __m256i t0 = _mm256_hadd_epi32(s[0], s[1]), t1 = _mm256_hadd_epi32(s[2], s[3]);
-  const __m256i t2 = _mm256_hadd_epi32(s[4], s[5]), t3 = _mm256_hadd_epi32(s[6], s[7]);
+  auto pairs = [](__m256i a, __m256i b) {
+    if constexpr (F == Format::q8_0) return _mm256_hadd_epi32(a, b);  // |q| up to 128: no int16
+    return hadd_small(a, b);
+  };
+  const __m256i t0 = pairs(s[0], s[1]), t1 = pairs(s[2], s[3]);
+  const __m256i t2 = pairs(s[4], s[5]), t3 = pairs(s[6], s[7]);
   // u0's low 128 bits: blocks 0-3 over their first 16 elements; its high 128 bits: the last 16.
   const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
   first = _mm256_permute2x128_si256(u0, u1, 0x20);
@@ -274,7 +286,7 @@ inline __m256 accumulate(__m256 acc, const __m256i s[GROUP], const GroupScales& 
   const __m256 dx = _mm256_loadu_ps(a.dx.data() + i);
   const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum.data() + i));
   __m256i first, last;
-  halves8(s, first, last);
+  halves8<F>(s, first, last);
   if constexpr (F == Format::q6_k) {
     // q - 32 in each half: subtract 32 times the half's activation sum.
     const __m256i first16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.first16.data() + i));
