@@ -14,7 +14,8 @@ microseconds per call and weight GB/s, the median pass of a child, then the medi
 rounds; on one thread the thread's CPU time (on a shared host a pass's time off the core does
 not count), on more the wall-clock time.
 
-``--variant-src NAME=DIR`` also runs the children from the checkout DIR (its ``src/``, e.g.
+``--isa avx2`` (or ``avx_vnni``) caps the kernel's route: a CPU with AVX-512-VNNI times the
+routes of CPUs without it. ``--variant-src NAME=DIR`` also runs the children from the checkout DIR (its ``src/``, e.g.
 a ``git archive`` of main), alternated with this tree in every round (the order reversed
 every other round), and prints each variant's time against this tree's: an A/B of two
 kernels in one run. Prints a table and one JSON line.
@@ -85,6 +86,12 @@ def child(args: argparse.Namespace) -> dict:
     ops = layer_ops()
     if ops is None or not hasattr(ops, "quant_gemm_bench"):
         raise SystemExit("the C++ kernels did not build (or lack quant_gemm_bench)")
+    if args.isa:
+        ops.set_quant_gemm_isa(args.isa)
+        if ops.quant_gemm_isa() != args.isa:
+            raise SystemExit(
+                f"this CPU has no {args.isa} route (quant_gemm runs {ops.quant_gemm_isa()})"
+            )
     results = []
     for model, linear, format, n, k in selected(args.models, args.linears):
         weight = random_weight(format, n, k)
@@ -128,6 +135,8 @@ def run_child(args: argparse.Namespace, src: str | None) -> dict:
     command += ["--rows", ",".join(map(str, args.rows))]
     if args.linears:
         command += ["--linears", ",".join(args.linears)]
+    if args.isa:
+        command += ["--isa", args.isa]
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = str(Path(src) / "src")
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--linears", default="", help="comma-separated: only these linears (e.g. head)"
     )
+    parser.add_argument("--isa", choices=("avx512_vnni", "avx_vnni", "avx2"),
+                        help="cap quant_gemm's route (e.g. avx2: the Zen 3 route on this CPU)")  # fmt: skip
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--rows", default="1", help="comma-separated activation row counts")
     parser.add_argument("--rounds", type=int, default=3)
