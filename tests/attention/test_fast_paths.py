@@ -115,14 +115,18 @@ def test_optimize_switches_the_fast_paths_on(checkpoint):
     plain = loaded.model.layers[0].mlp.gate_up_proj
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8, optimize=False)
     assert plain.packed is None and plain.small is None and loaded.model.fast_path is None
+    weight = plain.weight
     TorchModelRunner(loaded.model, block_size=16, num_blocks=8)
     ops = layer_ops()
     assert (loaded.model.fast_path is not None) == load_library()
-    # One packed copy: the small-batch tiles where the CPU has the tile unit, else oneDNN's.
-    if pack_small_weight(plain.weight, ops) is not None:
-        assert plain.small is not None and plain.packed is None
+    # One packed copy, in place of the plain weight: the small-batch tiles where the CPU has
+    # the tile unit, else oneDNN's.
+    if pack_small_weight(weight, ops) is not None:
+        assert plain.small is not None and plain.packed is None and plain.weight.numel() == 0
+    elif pack_weight(weight) is not None:
+        assert plain.packed is not None and plain.weight.numel() == 0
     else:
-        assert plain.packed is not None or pack_weight(plain.weight) is None
+        assert plain.weight is weight
 
 
 def test_greedy_tokens_from_the_head_equal_the_argmax_of_the_logits(checkpoint):

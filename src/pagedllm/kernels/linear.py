@@ -1,8 +1,11 @@
 """Linear layers on pagedllm's kernels: the packed weight layouts and the choice between them.
 
-A linear's weight gets one packed copy (``pack_for_cpu``): the small-batch kernel's layout
+A linear's weight is packed once (``pack_for_cpu``) into the small-batch kernel's layout
 (``small_gemm``, ``csrc/small_gemm.cpp``) where this CPU runs it, else oneDNN's blocked bf16
-layout. ``linear`` then takes the fastest form for the row count at hand.
+layout, and the packed copy replaces the plain weight: ``linear`` runs every row count on
+it. Where a reference path needs the row-major weight it is made on demand
+(``dense_weight``), not kept; a table tied to a packed head gives its rows from the packed
+copy (``small_rows``).
 """
 
 from __future__ import annotations
@@ -12,21 +15,21 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.quant import Quantized, quant_linear
+from pagedllm.kernels.quant import Quantized, dequantize, quant_linear
 
-# Up to this many rows (the default max_num_seqs: every decode batch), float32 linears run on
-# pagedllm's small-batch kernel, which streams decode-step weights faster than MKL; more rows
-# go to torch. bf16 goes on with the kernel up to its own limit (prompt chunks), beyond which
-# oneDNN is as fast or faster; so does float32 on AVX2, where MKL's AVX2 sgemm is slower than
-# the kernel up to 1024 rows and level with it at 2048. The measurements: docs/performance.md
-# (small_gemm).
+# The most rows the one-call decoder loop (``decoder_layers``) takes on small_gemm: float32
+# up to the default max_num_seqs (every decode batch), bf16 and float32 on AVX2 up to their
+# prompt chunks; bigger steps go layer by layer. Every row count runs on the kernel, whose
+# packed copy is the weight's only one: beyond these counts MKL / oneDNN on a plain copy
+# were level or up to ~1.3x faster per product (docs/performance.md, small_gemm), which no
+# longer pays for a second copy of every weight.
 SMALL_GEMM_MAX_ROWS = 256
 SMALL_GEMM_MAX_ROWS_BF16 = 1024
 SMALL_GEMM_MAX_ROWS_F32_AVX2 = 1024
 
 
 def small_gemm_max_rows(small: torch.Tensor) -> int:
-    """The most rows ``small_gemm`` takes for a weight packed as ``small``."""
+    """The most rows the one-call decoder loop runs on a weight packed as ``small``."""
     if small.dtype == torch.bfloat16:
         return SMALL_GEMM_MAX_ROWS_BF16
     if torch.ops.pagedllm.small_gemm_f32_isa() == "avx2":
@@ -79,8 +82,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class LinearTensors(NamedTuple):
-    """A linear's weight and bias with its pre-packed copies: ``linear``'s arguments. A
-    weight kept quantized (``quant``) has no other copy: ``weight`` is then empty."""
+    """A linear's weight and bias with its packed forms: ``linear``'s arguments. A weight
+    packed (``packed``: oneDNN's, or ``small``: small_gemm's) or kept quantized (``quant``)
+    has no other copy: ``weight`` is then empty (of the model's dtype)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -94,11 +98,41 @@ Packs = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def pack_for_cpu(weight: torch.Tensor, ops: Any) -> Packs:
-    """(oneDNN copy, small-batch copy) of a linear weight, one of them at most: with the
-    small-batch layout, larger batches use the plain weight (F.linear reorders it per call,
-    which at prefill sizes is small next to the work)."""
+    """(oneDNN copy, small-batch copy) of a linear weight, one of them at most (both None
+    where neither applies: the plain weight stays the only one)."""
     small = pack_small_weight(weight, ops)
     return (pack_weight(weight) if small is None else None), small
+
+
+def unpack_small(small: torch.Tensor) -> torch.Tensor:
+    """The row-major [N, K] weight of small_gemm's packed copy (``pack_small_gemm``: float32
+    [N/16, K, 16], element (g, j, c) = w[16 g + c, j]; bf16 [N/16, K/32, 16, 32], element
+    (g, t, p, 2 c + h) = w[16 g + c, 32 t + 2 p + h]), made on demand."""
+    return small_rows(small, torch.arange(small.shape[0] * 16, device=small.device))
+
+
+def small_rows(small: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the weight packed as ``small``: [*ids.shape, K]."""
+    groups, cols = ids.div(16, rounding_mode="floor"), ids.remainder(16)
+    if small.dtype == torch.float32:
+        return small[groups, :, cols]  # [*ids, K]
+    n, steps = small.shape[0], small.shape[1]
+    pairs = small.view(n, steps, 16, 16, 2)[groups, :, :, cols]  # [*ids, K/32, 16, 2]
+    return pairs.reshape(*ids.shape, steps * 32)
+
+
+def dense_weight(t: LinearTensors) -> torch.Tensor:
+    """A linear's row-major weight for a reference path: the plain one where it is held,
+    else made from its packed or quantized form (a new tensor each call, not kept)."""
+    if t.weight.numel():
+        return t.weight
+    if t.small is not None:
+        return unpack_small(t.small)
+    if t.packed is not None:
+        return t.packed.to_dense()
+    if t.quant is not None:
+        return dequantize(t.quant, t.weight.dtype)
+    return t.weight
 
 
 def linear(
@@ -110,18 +144,15 @@ def linear(
     quant: Quantized | None,
     ops: Any,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) on the fastest form of the weight for x's row count; a
-    quantized weight on ``quant_linear``."""
+    """x @ weight.T (+ bias) on the form the weight is held in: small_gemm's packed copy,
+    oneDNN's, the plain weight, or a quantized weight on ``quant_linear``."""
     if quant is not None:
         return quant_linear(x, quant, bias, ops)
-    # Every route takes at least SMALL_GEMM_MAX_ROWS: a decode batch never asks the library
-    # for its route (one dispatcher call per linear per step).
-    if (
-        small is not None
-        and x.dim() == 2
-        and (x.shape[0] <= SMALL_GEMM_MAX_ROWS or x.shape[0] <= small_gemm_max_rows(small))
-    ):
-        return ops.small_gemm(x, small, bias)
+    if small is not None:
+        if x.dim() == 2:
+            return ops.small_gemm(x, small, bias)
+        rows = ops.small_gemm(x.reshape(-1, x.shape[-1]), small, bias)
+        return rows.view(*x.shape[:-1], rows.shape[-1])
     if packed is not None:
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)

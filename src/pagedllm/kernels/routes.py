@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pagedllm.kernels.linear import LinearTensors, small_gemm_max_rows, small_gemm_refusal
+from pagedllm.kernels.linear import LinearTensors, small_gemm_refusal
 from pagedllm.kernels.ops import layer_ops
 from pagedllm.kernels.quant import Quantized, QuantParts, kernels_run
 
@@ -26,14 +26,12 @@ def small_gemm_route(dtype: torch.dtype) -> str:
 
 def linear_path(linear: LinearTensors) -> str:
     """Where one linear runs, as ``kernels/linear.py``'s ``linear`` picks: pagedllm's own
-    kernel (up to how many rows, and what beyond), oneDNN's packed layout, or plain torch."""
+    kernel, oneDNN's packed layout, or plain torch."""
     if linear.quant is not None:
         return quant_path(linear.quant, linear.weight.dtype)
     small = linear.small
     if small is not None:
-        beyond = "oneDNN" if small.dtype == torch.bfloat16 else "torch"
-        isa, rows = small_gemm_route(small.dtype), small_gemm_max_rows(small)
-        return f"own kernel small_gemm ({isa}) up to {rows} rows, {beyond} beyond"
+        return f"own kernel small_gemm ({small_gemm_route(small.dtype)})"
     if linear.packed is not None:
         return "oneDNN (packed bf16)"
     return "torch F.linear"
@@ -72,7 +70,9 @@ def head_route(head: LinearTensors) -> str:
     path = linear_path(head)
     if head.small is not None or head.quant is not None:
         return path
-    reason = small_gemm_refusal(head.weight, layer_ops())
+    # oneDNN's copy stands for a weight it replaced (same shape and dtype).
+    weight = head.weight if head.weight.numel() or head.packed is None else head.packed
+    reason = small_gemm_refusal(weight, layer_ops())
     return path if reason is None else f"{path}; not small_gemm: {reason}"
 
 

@@ -8,7 +8,7 @@ q/k/v are fused into one linear (``qkv_proj``) and gate/up into another
 (``gate_up_proj``) at load time: fewer, larger matmuls.
 
 ``optimize_for_cpu()`` (the runner calls it) packs the linears for this CPU's kernels
-(``kernels/linear.py``) and switches on the fast path (``model/fast_path.py``), which gives
+(``kernels/linear.py``; the packed copy replaces the plain weight) and switches on the fast path (``model/fast_path.py``), which gives
 this module's results through fused C++ ops; this module's forward stays the ground truth.
 """
 
@@ -28,9 +28,11 @@ from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMe
 from pagedllm.kernels.linear import (
     LinearTensors,
     Packs,
+    dense_weight,
     linear,
     pack_for_cpu,
     small_gemm_max_rows,
+    small_rows,
 )
 from pagedllm.kernels.quant import Quantized, QuantWeight, dequantize_rows, kernels_run
 from pagedllm.kernels.routes import head_route, linear_route, sampler_route
@@ -40,20 +42,30 @@ from pagedllm.routes import Routes
 
 
 def pack_linears(model: nn.Module, ops: Any) -> None:
-    """Give every ``Linear`` of ``model`` its packed copy for this CPU's kernels, and a head
-    tied to the embedding (``lm_head`` None) its own (``tied_packs``)."""
+    """Pack every ``Linear`` of ``model`` for this CPU's kernels, one at a time (each plain
+    weight is dropped before the next is packed, so the two copies are never both held
+    for the whole model), and a head tied to the embedding (``lm_head`` None) too
+    (``tied_packs``): the embedding then looks its rows up in small_gemm's copy."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(ops)
-    if model.lm_head is None and model.embed_tokens.quant is None:
-        model.tied_packs = pack_for_cpu(model.embed_tokens.weight, ops)
+    table = model.embed_tokens
+    unpacked = all(copy is None for copy in model.tied_packs)
+    if model.lm_head is None and table.quant is None and unpacked:
+        model.tied_packs = pack_for_cpu(table.weight, ops)
+        small = model.tied_packs[1]
+        # oneDNN's blocked layout has no rows to look tokens up in: there the table stays
+        # beside it (a tensor-parallel shard too: ``VocabEmbedding``).
+        if small is not None and isinstance(table, Embedding):
+            table.read_from_packed(small)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that uses a pre-packed weight once ``pack()`` has made one: the
-    small-batch kernel's layout (up to ``small_gemm_max_rows`` rows; more rows use the
-    plain weight) where this CPU runs that kernel, else oneDNN's. A weight kept quantized
-    (``keep_quantized``) is its only copy and runs on ``kernels/quant.py``."""
+    """``nn.Linear`` whose weight, once ``pack()`` has run, is held packed for this CPU:
+    the small-batch kernel's layout where this CPU runs that kernel, else oneDNN's; the
+    packed copy replaces the plain weight (``dense_weight`` makes a row-major one on
+    demand). A weight kept quantized (``keep_quantized``) is its only copy and runs on
+    ``kernels/quant.py``."""
 
     packed: torch.Tensor | None = None
     small: torch.Tensor | None = None
@@ -69,11 +81,20 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self, ops: Any = None) -> None:
+        """Pack the weight (once; a second call keeps the packed copy) and drop the plain
+        one where a packed layout takes it; else the plain weight stays."""
         if self.quant is not None:
             self.ops = ops if kernels_run(ops) else None
             return
-        self.packed, self.small = pack_for_cpu(self.weight, ops)
+        if self.packed is None and self.small is None:
+            self.packed, self.small = pack_for_cpu(self.weight, ops)
+            if self.packed is not None or self.small is not None:
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.ops = ops if self.small is not None else None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The row-major weight, made from the held form where it is not plain."""
+        return dense_weight(self.tensors)
 
     @property
     def tensors(self) -> LinearTensors:
@@ -86,9 +107,19 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose table may be kept quantized as stored (``keep_quantized``: a
     GGUF's token embedding, which a tied LM head also reads): its only copy; the rows a
-    step looks up are dequantised."""
+    step looks up are dequantised. A table tied to a head on small_gemm is held once, in
+    the head's packed copy (``read_from_packed``), and its rows gathered from there."""
 
     quant: QuantWeight | None = None
+    small: torch.Tensor | None = None
+
+    def read_from_packed(self, small: torch.Tensor) -> None:
+        """Look rows up in ``small`` (``pack_small_gemm`` of this table); the plain table is
+        dropped (an empty tensor of the model's dtype stands in its place)."""
+        if small.numel() != self.weight.numel() or small.dtype != self.weight.dtype:
+            raise ValueError("the packed table is not this embedding's")
+        self.small = small
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def keep_quantized(self, weight: QuantWeight) -> None:
         """Look rows up in ``weight``; the float table is dropped (an empty tensor of the
@@ -99,6 +130,8 @@ class Embedding(nn.Embedding):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.small is not None:
+            return small_rows(self.small, input_ids)
         if self.quant is None:
             return super().forward(input_ids)
         from pagedllm.kernels.ops import layer_ops
@@ -423,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
     def optimize_for_cpu(self) -> None:
         """Pack the linears for this CPU's kernels and switch on the fast path (see
         ``model/fast_path.py``); a no-op elsewhere. Call after the weights are loaded:
-        packed weights are copies."""
+        the packed copies replace the plain weights."""
         if self.embed_tokens.weight.device.type != "cpu":
             return
         from pagedllm.kernels.ops import layer_ops

@@ -116,7 +116,9 @@ class LatentAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, q_width, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(
+        # Plain nn.Linear, never packed: its weight is read row-major, split per head into
+        # the absorbed query and value products (einsums), and never called as a linear.
+        self.kv_b_proj = nn.Linear(
             mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
         self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
