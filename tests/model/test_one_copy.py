@@ -202,3 +202,20 @@ def test_a_tied_table_looked_up_in_the_heads_packed_copy_matches_transformers(ch
     hf = HFReference(path, dtype)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert list(output.outputs[0].token_ids) == hf.greedy(prompt, 6), prompt
+
+
+def test_a_tensor_parallel_rank_reads_its_tied_vocabulary_from_the_packed_copy(checkpoints):
+    from pagedllm.engine.executor.collectives import LocalCollective
+    from pagedllm.model.tensor_parallel import TensorParallelModel
+
+    path = checkpoints("llama_tied")
+    loaded = load_model(path, dtype="float32", load_tokenizer=False)
+    table = loaded.model.embed_tokens.weight.detach().clone()
+    model = TensorParallelModel(loaded.model, LocalCollective())
+    model.optimize_for_cpu()
+    if model.inner.tied_packs[1] is None:
+        pytest.skip("no float32 small_gemm route here: the shard stays plain")
+    assert model.embed_tokens.weight.numel() == 0
+    ids = torch.tensor([[0, 5], [319, 17]])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    assert held_weight_bytes(model.inner) == checkpoint_bytes(path, torch.float32, tied=True)

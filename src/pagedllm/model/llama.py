@@ -18,7 +18,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -54,10 +54,17 @@ def pack_linears(model: nn.Module, ops: Any) -> None:
     if model.lm_head is None and table.quant is None and unpacked:
         model.tied_packs = pack_for_cpu(table.weight, ops)
         small = model.tied_packs[1]
-        # oneDNN's blocked layout has no rows to look tokens up in: there the table stays
-        # beside it (a tensor-parallel shard too: ``VocabEmbedding``).
-        if small is not None and isinstance(table, Embedding):
+        # oneDNN's blocked layout has no rows to look tokens up in: there the table stays.
+        if small is not None and isinstance(table, ReadsFromPacked):
             table.read_from_packed(small)
+
+
+@runtime_checkable
+class ReadsFromPacked(Protocol):
+    """A token table that can give its rows from its tied head's small_gemm copy
+    (``Embedding``, a tensor-parallel rank's ``VocabEmbedding``), dropping its own."""
+
+    def read_from_packed(self, small: torch.Tensor) -> None: ...
 
 
 class Linear(nn.Linear):
@@ -116,9 +123,7 @@ class Embedding(nn.Embedding):
     def read_from_packed(self, small: torch.Tensor) -> None:
         """Look rows up in ``small`` (``pack_small_gemm`` of this table); the plain table is
         dropped (an empty tensor of the model's dtype stands in its place)."""
-        if small.numel() != self.weight.numel() or small.dtype != self.weight.dtype:
-            raise ValueError("the packed table is not this embedding's")
-        self.small = small
+        self.small = packed_table(self.weight, small)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def keep_quantized(self, weight: QuantWeight) -> None:
@@ -139,6 +144,13 @@ class Embedding(nn.Embedding):
         rows = self.quant.rows(input_ids.reshape(-1).cpu())
         table = dequantize_rows(rows, self.weight.dtype, layer_ops())
         return table.view(*input_ids.shape, self.embedding_dim)
+
+
+def packed_table(table: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+    """``small`` where it is ``table`` packed for small_gemm, else ``ValueError``."""
+    if small.numel() != table.numel() or small.dtype != table.dtype:
+        raise ValueError("the packed copy is not this table's")
+    return small
 
 
 def describe_routes(

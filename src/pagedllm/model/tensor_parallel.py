@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import AttentionMetadata
-from pagedllm.kernels.linear import LinearTensors, linear
+from pagedllm.kernels.linear import LinearTensors, linear, small_rows
 from pagedllm.kernels.quant import dequantize
 from pagedllm.kernels.routes import sampled_route
 from pagedllm.model.base import KVCaches
-from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors
+from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors, packed_table
 from pagedllm.routes import Routes
 
 SHARD_ALIGN = 16  # output columns per tile of the linear kernels: shards start on one
@@ -136,17 +136,25 @@ class VocabEmbedding(nn.Module):
     rows are added in rank order (one of them is the token's, the others exact zeros)."""
 
     quant = None  # a shard is float (``head_tensors`` asks every embedding)
+    small: torch.Tensor | None = None  # the tied head's packed shard, once it replaces mine
 
     def __init__(self, weight: torch.Tensor, start: int, comm: Collective) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.num_rows = weight.shape[0]
         self.start = start
         self.comm = comm
 
+    def read_from_packed(self, small: torch.Tensor) -> None:
+        """Look rows up in the tied head's small_gemm copy of this shard (its only copy)."""
+        self.small = packed_table(self.weight, small)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        mine = (local >= 0) & (local < self.num_rows)
+        ids = local.clamp(0, self.num_rows - 1)
+        rows = F.embedding(ids, self.weight) if self.small is None else small_rows(self.small, ids)
         rows = rows * mine.unsqueeze(-1).to(rows.dtype)
         if self.comm.world_size == 1:
             return rows
