@@ -373,7 +373,9 @@ def qkv_arguments(
     fused weight a layer; where some layer keeps them apart (their stored formats differ),
     three a layer, q, k and v (a fused weight's rows as views, no copy). None where the
     loops cannot take them: parts that are not q, k and v, or a layer on small_gemm beside
-    one kept apart."""
+    one kept apart, or a layer on neither kernel (oneDNN, torch)."""
+    if not on_own_kernels(qkvs):
+        return None
     if not any(kept_apart(t) for t in qkvs):
         return (
             [kernel_weight(t) for t in qkvs],
