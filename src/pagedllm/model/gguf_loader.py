@@ -194,13 +194,12 @@ def gguf_tokenizer(path: Path, cache: Path | None = None) -> Any:
     """The tokenizer (with chat template) that ``transformers`` rebuilds from GGUF metadata;
     with ``cache``, rebuilt once (tens of seconds for a large vocabulary) and saved under it
     (``tokenizer_cache_dir``) for the next load."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from pagedllm.model.hf_tokenizer import load_hf_tokenizer
 
     saved = None if cache is None else tokenizer_cache_dir(path, cache)
     if saved is not None and (saved / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(saved))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return load_hf_tokenizer(str(saved))
+    tokenizer = load_hf_tokenizer(str(path.parent), gguf_file=path.name)
     if not getattr(tokenizer, "chat_template", None) and "<start_of_turn>" in tokenizer.vocab:
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     if saved is not None:

@@ -46,7 +46,10 @@ def load_layouts(file: Path) -> dict[str, QuantWeight] | None:
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file), framework="pt") as handle:
+        # Read, not mapped: a mapping lives while any weight viewing it does, and keeps
+        # resident every page read, those of the q/k/v and gate/up parts the loader fuses
+        # into new tensors included (each weight's bytes counted twice).
+        with safe_open(str(file), framework="pt", backend="pread") as handle:
             meta = json.loads((handle.metadata() or {})[_META_KEY])
             return {
                 name: QuantWeight(format, handle.get_tensor(name), stored)

@@ -126,6 +126,12 @@ class Embedding(nn.Embedding):
         self.small = packed_table(self.weight, small)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
+    def reset_parameters(self) -> None:
+        # A table built on the meta device is loaded, never drawn: torch's normal_ under a
+        # device context runs a decomposition that imports torch._dynamo (70 MiB resident).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def keep_quantized(self, weight: QuantWeight) -> None:
         """Look rows up in ``weight``; the float table is dropped (an empty tensor of the
         model's dtype stands in its place)."""

@@ -34,6 +34,7 @@ from pagedllm.kernels.probe import CpuInfo, cpu_info
 from pagedllm.kernels.quant import QuantWeight
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.util.memory import release_freed_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_NAME = "default"
@@ -204,7 +205,7 @@ def build_model(
         backend = get_backend("auto")
     with torch.device("meta"):
         model = new_model(config, backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = empty_on(model.to(dtype=dtype), torch.device(device))
     model.load_weights(
         (name, tensor if isinstance(tensor, QuantWeight) else tensor.to(dtype))
         for name, tensor in weights
@@ -213,17 +214,11 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def release_freed_memory() -> None:
-    """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): loading
-    frees a few hundred MiB of transient tensors (a GGUF's blocks being repacked) that
-    glibc would otherwise keep, counted in the process's resident memory. A no-op where
-    the C library has no such call."""
-    import contextlib
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+def empty_on(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to_empty(device=device)`` through ``torch.empty``: ``to_empty``'s
+    ``empty_like`` of a meta tensor runs torch's Python reference, which imports
+    sympy (35 MiB resident) for a shape check."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def new_model(config: ModelConfig, backend: AttentionBackend) -> torch.nn.Module:
@@ -326,11 +321,10 @@ def _hf_tokenizer_loader(path: Path):
                 f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); to serve "
                 "token ids only, pass skip_tokenizer_init=True / --skip-tokenizer-init"
             )
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+        from pagedllm.model.hf_tokenizer import load_hf_tokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(str(path))
+            return load_hf_tokenizer(str(path))
         except (ImportError, OSError, ValueError) as error:
             raise ValueError(
                 f"the tokenizer of {path} cannot be loaded ({error}); to serve token ids "

@@ -88,12 +88,9 @@ class ModelTokenizer:
 
     def _encoder(self) -> HFTokenizer:
         if self._hf is None:
-            import os
+            from pagedllm.model.hf_tokenizer import load_hf_tokenizer
 
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            from transformers import AutoTokenizer
-
-            self._hf = HFTokenizer(AutoTokenizer.from_pretrained(str(self.path)))
+            self._hf = HFTokenizer(load_hf_tokenizer(str(self.path)))
         return self._hf
 
 
