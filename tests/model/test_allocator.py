@@ -135,3 +135,15 @@ def test_kv_cache_is_backed_by_huge_pages():
     assert end - start == 4 * 2048 * spec.bytes_per_block // (2 * spec.num_layers)
     assert _huge_kib_of_range(start, end) > 0  # faulted in at allocation
     assert all(k.is_contiguous() and v.is_contiguous() and not k.any() for k, v in caches)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_arena_commits_its_blocks_not_whole_huge_pages_past_them():
+    mib = 1 << 20
+    before = process_resident_bytes()
+    arena = BlockArena([((mib // 4,), torch.uint8)] * 8, 5, 64)  # 8 regions, 1.25 MiB each
+    committed = process_resident_bytes() - before
+    assert committed < 8 * 1.25 * mib + mib  # a huge page at each end would make 16 MiB
+    arena.resize(13)  # 3.25 MiB each: one huge page, then small pages to the end
+    arena.wait_populated()
+    assert process_resident_bytes() - before < 8 * 3.25 * mib + mib

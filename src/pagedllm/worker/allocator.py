@@ -62,6 +62,7 @@ def keep_step_buffers() -> bool:
 # madvise advice numbers (Linux, asm-generic/mman-common.h); mmap lacks some of them.
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 MAP_NORESERVE = 0x4000  # Linux: address space only, no commit charge
 PAGE = mmap.PAGESIZE
@@ -134,6 +135,8 @@ class BlockArena:
                 high = -(-old * block_bytes // PAGE) * PAGE
                 if high > low:
                     _madvise(region.data_ptr() + low, high - low, MADV_DONTNEED)
+        if num_blocks > old:
+            self._small_pages_at_end(num_blocks)
         self.tensors = [region[:num_blocks] for region in self._regions]
         self.num_blocks = num_blocks
         if populate and num_blocks > old:
@@ -145,6 +148,15 @@ class BlockArena:
                 target=_populate, args=(ranges,), name="kv-populate", daemon=True
             )
             self._populating.start()
+
+    def _small_pages_at_end(self, num_blocks: int) -> None:
+        """4 KiB pages for the 2 MiB span holding each region's end: a huge page there
+        would commit the whole span, most of it past the last block (a 64 MiB cache of
+        60 tensors held 120 MiB)."""
+        for region, block_bytes in zip(self._regions, self.block_bytes, strict=True):
+            end = region.data_ptr() + num_blocks * block_bytes  # regions start on huge pages
+            if end % HUGE_PAGE:
+                _madvise(end - end % HUGE_PAGE, HUGE_PAGE, MADV_NOHUGEPAGE)
 
     def wait_populated(self) -> None:
         """Wait for the background fault-in of the last growth (tests, benchmarks)."""
