@@ -11,7 +11,7 @@ ranks receive its spec and sizes.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.hybrid_kv import HybridKVCacheManager
@@ -23,6 +23,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_plan import KVPlan, plan_kv_cache
 from pagedllm.engine.prefill_slice import SMALLEST_CAP, PrefillSliceTuner
 from pagedllm.routes import Routes
+from pagedllm.util.memory import Resident, resident_memory
 from pagedllm.worker.base import ModelRunner, SupportsDiskTier
 from pagedllm.worker.disk_store import DiskKVStore
 
@@ -269,28 +270,54 @@ def startup_report(engine: LLMEngine, weight_bytes: int | None = None) -> str:
         unquantized_first_block=spec.unquantized_first_block,
         step_tokens=engine.scheduler.config.max_num_batched_tokens,
     )
-    lines = [
-        report,
-        memory_line(weight_bytes, plan.num_blocks * plan.block_size * spec.bytes_per_token),
-    ]
+    lines = [report, memory_split(weight_bytes, plan).line()]
     if engine.routes is not None:
         lines += ["routes:", *(f"  {line}" for line in engine.routes.lines())]
     return "\n".join(line for line in lines if line)
 
 
-def memory_line(weight_bytes: int | None, kv_bytes: int) -> str:
-    """ "memory: weights ..., KV cache ..., process RSS ..." (the resident set read from
-    /proc, where there is one)."""
-    mib = 1 << 20
-    parts = [] if weight_bytes is None else [f"weights {weight_bytes / mib:,.0f} MiB as held"]
-    parts.append(f"KV cache {kv_bytes / mib:,.0f} MiB")
-    try:
-        with open("/proc/self/status") as status:
-            rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-        parts.append(f"process RSS {rss / 1024:,.0f} MiB")
-    except (OSError, StopIteration, ValueError):
-        pass
-    return "memory: " + ", ".join(parts)
+@dataclass(frozen=True, slots=True)
+class MemorySplit:
+    """Where the process's resident set goes: the model's weights as held, the KV cache's
+    device tier, and the rest (the Python runtime and torch, the tokenizer, the C++
+    kernels, step buffers); ``resident`` None where /proc cannot be read."""
+
+    weight_bytes: int | None
+    kv_bytes: int
+    resident: Resident | None
+
+    @property
+    def rest_bytes(self) -> int | None:
+        if self.resident is None:
+            return None
+        return self.resident.total - (self.weight_bytes or 0) - self.kv_bytes
+
+    def line(self) -> str:
+        """ "memory: weights ..., KV cache ..., process RSS ... (anonymous ..., file ...),
+        the rest ..." """
+        mib = 1 << 20
+        parts = (
+            []
+            if self.weight_bytes is None
+            else [f"weights {self.weight_bytes / mib:,.0f} MiB as held"]
+        )
+        parts.append(f"KV cache {self.kv_bytes / mib:,.0f} MiB")
+        resident, rest = self.resident, self.rest_bytes
+        if resident is not None and rest is not None:
+            parts.append(
+                f"process RSS {resident.total / mib:,.0f} MiB (anonymous "
+                f"{resident.anonymous / mib:,.0f}, mapped files {resident.file / mib:,.0f})"
+            )
+            parts.append(f"the rest {rest / mib:,.0f} MiB (runtime, tokenizer, kernels, buffers)")
+        return "memory: " + ", ".join(parts)
+
+
+def memory_split(weight_bytes: int | None, plan: KVPlan) -> MemorySplit:
+    """The split now: ``weight_bytes`` and the plan's device tier beside the resident set
+    read at this moment."""
+    spec = plan.spec
+    kv_bytes = 0 if spec is None else plan.num_blocks * plan.block_size * spec.bytes_per_token
+    return MemorySplit(weight_bytes, int(kv_bytes), resident_memory())
 
 
 def _window_fields(windows: tuple[int | None, ...]) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def environment(
             "quant_gemm": ops.quant_gemm_isa() if ops is not None else "none",
         },
         "model": loaded.name,
+        "weight_bytes": loaded.weight_bytes,
         "routes": {
             **routes.as_dict(),
             "dtype_reason": loaded.dtype_reason,
@@ -145,6 +146,8 @@ def format_environment(env: dict[str, Any]) -> str:
         f"quant_gemm route (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K weights): {kernels['quant_gemm']}",
         f"tensor-parallel gathers: {env['tensor_parallel_gathers']}",
         f"model: {env['model']}",
+        f"weights: {env['weight_bytes'] / (1 << 20):,.0f} MiB as held (the engine's start-up "
+        "report splits its resident set: weights, KV cache, the rest)",
         "routes:",
     ]
     lines += [

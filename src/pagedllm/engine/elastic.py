@@ -24,6 +24,7 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_plan import KVPlan
+from pagedllm.util.memory import resident_bytes as process_resident_bytes
 from pagedllm.worker.base import ModelRunner, ResizableRunner
 
 logger = logging.getLogger(__name__)
@@ -32,18 +33,6 @@ logger = logging.getLogger(__name__)
 MAX_EVENTS = 64
 # Blocks the first slice of a shrink under load moves: its time sets the next ones' size.
 FIRST_SLICE_MOVES = 8
-
-
-def process_resident_bytes() -> int | None:
-    """This process's resident memory (``VmRSS`` of /proc/self/status), or None."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass(frozen=True, slots=True)

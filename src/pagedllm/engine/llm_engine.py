@@ -117,6 +117,7 @@ class LLMEngine:
             self.routes = replace(self.routes, speculative=speculative)
         self.startup_report: str | None = None  # set by from_config
         self.model_name: str | None = None  # set by from_config
+        self.weight_bytes: int | None = None  # set by from_config: the model's, as held
         self.elastic = elastic_pool(config, self.kv, self.scheduler, runner, self.plan)
         if config.preemption_mode == "swap" and runner.num_host_blocks == 0:
             logger.warning(
@@ -141,6 +142,7 @@ class LLMEngine:
             builder.release(None, runner)  # the ranks started above; nobody else will stop them
             raise
         engine.model_name = loaded.name
+        engine.weight_bytes = loaded.weight_bytes
         engine.startup_report = builder.startup_report(engine, loaded.weight_bytes)
         logger.info("%s", engine.startup_report)
         return engine

@@ -21,7 +21,6 @@ Nothing is downloaded from a model hub.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
