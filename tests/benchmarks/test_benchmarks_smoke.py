@@ -343,3 +343,23 @@ def test_quant_matvec_times_the_kernel_and_the_read_and_ab_tests_a_tree(capsys):
 def test_quant_matvec_rejects_bad_args(bad):
     with pytest.raises(SystemExit):
         load("quant_matvec").main(bad)
+
+
+def test_memory_split_reports_each_phase_and_the_goal(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/smaps_rollup")
+    from pagedllm.testing import make_tiny_checkpoint
+    from tests.model.test_gguf_and_default_model import write_tiny_gguf
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1)
+    gguf_file = write_tiny_gguf(checkpoint, tmp_path / "t.gguf", False, "Q4_1", "Q8_0")
+    args = ["--model", str(gguf_file), "--kv-mib", "8", "--prompt-tokens", "20"]
+    args += ["--output-tokens", "4"]
+    assert load("memory_split").main(args) == 0
+    (row,) = last_json(capsys)["models"]
+    assert list(row["phases"]) == ["imports", "LLM()", "first step", "warm"]
+    assert row["kv_mib"] == 8.0 and 0 < row["weights_mib"] < 1
+    assert row["rest_mib"] == pytest.approx(row["rss_mib"] - row["weights_mib"] - 8.0, abs=0.2)
+    assert row["goal_mib"] == pytest.approx(row["weights_mib"] * 1.1 + 8.0 + 300, abs=0.2)
+    assert all(0 < p["anonymous"] < p["rss"] for p in row["phases"].values())
