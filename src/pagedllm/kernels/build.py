@@ -56,6 +56,7 @@ HEADERS = tuple(
         "paged_attention.h",
         "prefill_attention.h",
         "layer_groups.h",
+        "step_head.h",
         "kv_formats.h",
         "dispatch.h",
         "quant_formats.h",

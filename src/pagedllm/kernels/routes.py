@@ -64,10 +64,17 @@ def linear_route(linears: Iterable[LinearTensors]) -> str:
     return "; ".join(f"{count} on {path}" for path, count in counts)
 
 
-def head_route(head: LinearTensors) -> str:
-    """Where the LM head runs (``linear_path``) and, off small_gemm, why: a vocabulary
-    that is not a multiple of 16 leaves the head on another path than the layers."""
+# Where a quantized head runs when the one-call decode loop takes a step (step_head.h).
+HEAD_IN_STEP = "inside the one-call decode loop (its step team) when that takes the step"
+
+
+def head_route(head: LinearTensors, *, in_step: bool = False) -> str:
+    """Where the LM head runs (``linear_path``; ``in_step``: a quantized head inside the
+    one-call decode loop too) and, off small_gemm, why: a vocabulary that is not a multiple
+    of 16 leaves the head on another path than the layers."""
     path = linear_path(head)
+    if head.quant is not None and in_step:
+        return f"{path}; {HEAD_IN_STEP}"
     if head.small is not None or head.quant is not None:
         return path
     # oneDNN's copy stands for a weight it replaced (same shape and dtype).
@@ -76,14 +83,20 @@ def head_route(head: LinearTensors) -> str:
     return path if reason is None else f"{path}; not small_gemm: {reason}"
 
 
-def sampler_route(head: LinearTensors, *, in_head: bool = True) -> str:
+def sampler_route(head: LinearTensors, *, in_head: bool = True, in_step: bool = False) -> str:
     """How tokens are picked: greedy ones (``in_head``: inside the LM head where the kernel
-    allows) and sampled ones (``sampled_route``)."""
+    allows; ``in_step``: a quantized head's argmax inside the one-call decode loop) and
+    sampled ones (``sampled_route``)."""
     if layer_ops() is None:
         greedy = "greedy: torch argmax"
     elif in_head and head.small is not None and head.small.dtype == torch.bfloat16:
         isa = small_gemm_route(head.small.dtype)
         greedy = f"greedy: argmax inside the LM head (small_gemm_argmax, {isa})"
+    elif head.quant is not None and in_step:
+        greedy = (
+            "greedy: C++ argmax_rows of the quantized head's logits; for plain greedy rows "
+            f"(no grammar, no logprobs) {HEAD_IN_STEP}, where only the tokens come back"
+        )
     else:
         greedy = "greedy: C++ argmax_rows over the logits"
     return f"{greedy}; {sampled_route()}"

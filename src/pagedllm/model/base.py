@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -15,6 +15,28 @@ from pagedllm.routes import Routes
 
 # One (key, value) cache tensor pair per layer.
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepHead(NamedTuple):
+    """The LM head a fast path may run inside its one-call layer loop, after the final norm
+    (``kernels/csrc/step_head.h``): a block-quantized weight in the kernels' layout, its GGML
+    type and bias; ``argmax``: each row's argmax instead of its logits (a greedy batch)."""
+
+    weight: torch.Tensor
+    format: int
+    bias: torch.Tensor | None
+    argmax: bool
+
+
+class StepOutput(NamedTuple):
+    """A forward pass with its head (``forward_head``): the final-normed hidden states and,
+    where the head ran inside the layers' call, its logits in the model's dtype
+    ([S, vocab]; asked without ``argmax``) or each row's argmax (int64 [S]); None where it
+    did not run (the caller then uses ``compute_logits`` on the hidden states)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 class FastPath(Protocol):
@@ -30,6 +52,23 @@ class FastPath(Protocol):
     ) -> torch.Tensor:
         """The embedded tokens [T, hidden] -> final-normed hidden states, as the model's
         own forward (only ``output_rows`` when given)."""
+        ...
+
+    def forward_head(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        head: StepHead,
+    ) -> StepOutput:
+        """``forward``, and ``head`` inside the same call where the one-call loop takes the
+        step (else only the hidden states)."""
+        ...
+
+    def runs_head(self) -> bool:
+        """Whether ``forward_head`` can run a head inside a one-call loop (for the routes)."""
         ...
 
     def route(self, kv_quantization: str | None = None) -> str:
@@ -58,6 +97,22 @@ class CausalLM(Protocol):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states (only ``output_rows``
         when given)."""
+        ...
+
+    def forward_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+        *,
+        argmax: bool,
+    ) -> StepOutput:
+        """The forward pass, with the LM head's logits in the model's dtype (``argmax``:
+        each row's argmax instead) where the model runs its head inside the layers' call;
+        else the hidden states alone. The same logits and argmax as ``compute_logits(hidden,
+        float32=False)``."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.linear import Packs, linear
-from pagedllm.model.base import FastPath, FastPathBuilder
+from pagedllm.model.base import FastPath, FastPathBuilder, StepOutput
 from pagedllm.model.config import ModelConfig, MoeConfig
 from pagedllm.model.llama import (
     MLP,
@@ -42,6 +42,7 @@ from pagedllm.model.llama import (
     pack_linears,
     rope_inv_freq,
     rotary,
+    step_head,
 )
 from pagedllm.model.mla import LatentAttention, rope_frequencies
 from pagedllm.routes import Routes
@@ -263,13 +264,36 @@ class DecoderForCausalLM(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T or S, hidden_size]."""
+        hidden = self._embed(input_ids)
+        if self.fast_path is not None and hidden.device.type == "cpu":
+            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
+        return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
+
+    def forward_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+        *,
+        argmax: bool,
+    ) -> StepOutput:
+        """``forward``, with a block-quantized LM head run inside the fast path's one-call
+        loop where it takes the step (``LlamaForCausalLM.forward_head``); not where the
+        logits are soft-capped (the cap is applied on torch, in ``compute_logits``)."""
+        head = step_head(head_tensors(self), argmax)
+        if head is None or self.fast_path is None or self.config.final_softcap is not None:
+            return StepOutput(self(input_ids, positions, kv_caches, meta, output_rows))
+        hidden = self._embed(input_ids)
+        return self.fast_path.forward_head(hidden, positions, kv_caches, meta, output_rows, head)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.config.embed_scale:
             # Rounded to the model's dtype first, as transformers does.
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        if self.fast_path is not None and hidden.device.type == "cpu":
-            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
-        return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
+        return hidden
 
     def module_loop(
         self,
@@ -313,8 +337,18 @@ class DecoderForCausalLM(nn.Module):
             if self.fast_path is None
             else self.fast_path.route(kv_quantization)
         )
+        in_step = (
+            self.fast_path is not None
+            and self.fast_path.runs_head()
+            and self.config.final_softcap is None
+        )
         return describe_routes(
-            self, self.backend, decode, greedy_in_head=False, kv_quantization=kv_quantization
+            self,
+            self.backend,
+            decode,
+            greedy_in_head=False,
+            kv_quantization=kv_quantization,
+            head_in_step=in_step,
         )
 
     def optimize_for_cpu(self) -> None:

@@ -37,7 +37,7 @@ from pagedllm.kernels.linear import (
     small_gemm_max_rows,
 )
 from pagedllm.kernels.quant import QuantParts, kernels_run
-from pagedllm.model.base import KVCaches
+from pagedllm.model.base import KVCaches, StepHead, StepOutput
 from pagedllm.model.llama import (
     DecoderLayer,
     Heads,
@@ -92,6 +92,9 @@ class CpuFastPath:
             return None  # its quantized linears stay on the modules' torch path
         return cls(ops, layers, model.norm, RotaryTable(model.inv_freq))
 
+    def runs_head(self) -> bool:
+        return self.plan is not None
+
     def route(self, kv_quantization: str | None = None) -> str:
         if self.gather is not None:
             return "fused C++ ops layer by layer, gathers between the ranks' ops"
@@ -116,10 +119,34 @@ class CpuFastPath:
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None,
     ) -> torch.Tensor:
+        return self._run(hidden, positions, kv_caches, meta, output_rows, None).hidden
+
+    def forward_head(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        head: StepHead,
+    ) -> StepOutput:
+        return self._run(hidden, positions, kv_caches, meta, output_rows, head)
+
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        head: StepHead | None,
+    ) -> StepOutput:
+        """The one-call loop (with ``head`` inside it) where it takes the step, else the
+        loop of ``fused_layer`` (the hidden states alone)."""
         cos, sin = self.rotary_table.lookup(positions, hidden.dtype, meta.max_seq_len)
         plan = self.plan
         if plan is not None and hidden.shape[0] <= plan.max_rows:
-            whole = self._one_call(plan, hidden, cos, sin, kv_caches, meta, output_rows)
+            whole = self._one_call(plan, hidden, cos, sin, kv_caches, meta, output_rows, head)
             if whole is not None:
                 return whole
         residual = None
@@ -139,7 +166,7 @@ class CpuFastPath:
                 self.gather,
             )
         norm = self.final_norm
-        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return StepOutput(self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps))
 
     def _one_call(
         self,
@@ -150,20 +177,48 @@ class CpuFastPath:
         kv_caches: KVCaches,
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Every layer in one C++ call when the attention kernels take the step whole
-        (``decoder_layers``, or ``quant_decoder_layers`` over a quantized cache), else None."""
+        head: StepHead | None,
+    ) -> StepOutput | None:
+        """Every layer (and ``head``) in one C++ call when the attention kernels take the
+        step whole (``decoder_layers``, or ``quant_decoder_layers`` over a quantized cache),
+        else None."""
         if meta.quant is not None:
             step = quant_kernel_step(plan, hidden.dtype, kv_caches, meta)
             if step is None:
                 return None
-            return quant_decoder_layers(
-                self.ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows
+            return step_output(
+                quant_decoder_layers(
+                    self.ops, plan, step, hidden, cos, sin, kv_caches, meta, output_rows, head
+                ),
+                head,
             )
         steps = kernel_steps(plan.backend, plan.kind, hidden.dtype, plan.heads, kv_caches, meta)
         if steps is None:
             return None
-        return decoder_layers(self.ops, plan, steps, hidden, cos, sin, kv_caches, meta, output_rows)
+        return step_output(
+            decoder_layers(
+                self.ops, plan, steps, hidden, cos, sin, kv_caches, meta, output_rows, head
+            ),
+            head,
+        )
+
+
+def step_output(
+    result: tuple[torch.Tensor, torch.Tensor, torch.Tensor], head: StepHead | None
+) -> StepOutput:
+    """A one-call op's (hidden, logits, tokens) as a ``StepOutput``: only what ``head``
+    asked for (the op returns empty tensors for the rest)."""
+    hidden, logits, tokens = result
+    if head is None:
+        return StepOutput(hidden)
+    return StepOutput(hidden, tokens=tokens) if head.argmax else StepOutput(hidden, logits)
+
+
+def head_arguments(head: StepHead | None) -> tuple:
+    """The one-call ops' last arguments: the head run after the final norm (none: None)."""
+    if head is None:
+        return (None, 0, None, False)
+    return (head.weight, head.format, head.bias, head.argmax)
 
 
 def fused_layer_of(layer: DecoderLayer) -> FusedLayer:
@@ -455,9 +510,11 @@ def decoder_layers(
     kv_caches: KVCaches,
     meta: AttentionMetadata,
     output_rows: torch.Tensor | None,
-) -> torch.Tensor:
-    """The loop of ``fused_layer`` plus the final norm in one C++ call, for a step the
-    attention backend's kernel takes whole (``step``: its ``kernel_step``)."""
+    head: StepHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loop of ``fused_layer`` plus the final norm (and ``head``) in one C++ call, for a
+    step the attention backend's kernel takes whole (``step``: its ``kernel_step``): the
+    hidden states, the head's logits and argmax (``step_output``)."""
     return ops.decoder_layers(
         hidden,
         cos,
@@ -469,6 +526,7 @@ def decoder_layers(
         plan.softcaps,
         *group_arguments(steps, meta),
         plan.weight_formats,
+        *head_arguments(head),
     )
 
 
@@ -482,7 +540,8 @@ def quant_decoder_layers(
     kv_caches: KVCaches,
     meta: AttentionMetadata,
     output_rows: torch.Tensor | None,
-) -> torch.Tensor:
+    head: StepHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``decoder_layers`` over a quantized cache: per layer ``quant_write`` (the step's
     windows, seals and staging: ``meta.quant``) and ``quant_attention`` in one C++ call, for
     a step the backend's ``quant_kernel_step`` takes whole."""
@@ -507,6 +566,7 @@ def quant_decoder_layers(
         plan.scale,
         output_rows,
         plan.weight_formats,
+        *head_arguments(head),
     )
 
 

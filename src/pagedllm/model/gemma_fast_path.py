@@ -19,9 +19,10 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionKind, AttentionMetadata
 from pagedllm.kernels.quant import kernels_run
-from pagedllm.model.base import KVCaches
+from pagedllm.model.base import KVCaches, StepHead, StepOutput
 from pagedllm.model.fast_path import (
     group_arguments,
+    head_arguments,
     kept_apart,
     kernel_max_rows,
     kernel_steps,
@@ -31,6 +32,7 @@ from pagedllm.model.fast_path import (
     on_own_kernels,
     qkv_arguments,
     step_arguments,
+    step_output,
 )
 from pagedllm.model.llama import Heads, RotaryTable
 
@@ -114,6 +116,9 @@ class GemmaFastPath:
         local_rotary = rotary if local is model.inv_freq else RotaryTable(local)
         return cls(ops, plan, rotary, local_rotary, model.module_loop)
 
+    def runs_head(self) -> bool:
+        return True
+
     def route(self, kv_quantization: str | None = None) -> str:
         if kv_quantization is not None:  # the one-call loop reads plain blocks only
             return (
@@ -133,6 +138,30 @@ class GemmaFastPath:
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None,
     ) -> torch.Tensor:
+        return self._run(hidden, positions, kv_caches, meta, output_rows, None).hidden
+
+    def forward_head(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        head: StepHead,
+    ) -> StepOutput:
+        return self._run(hidden, positions, kv_caches, meta, output_rows, head)
+
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        head: StepHead | None,
+    ) -> StepOutput:
+        """``gemma_layers`` (with ``head`` inside it) where it takes the step, else the
+        module loop (the hidden states alone)."""
         plan = self.plan
         if hidden.shape[0] <= plan.max_rows:
             heads = plan.heads
@@ -144,7 +173,7 @@ class GemmaFastPath:
                     if self.local_rotary is self.rotary
                     else self.local_rotary.lookup(positions, hidden.dtype, meta.max_seq_len)
                 )
-                return self.ops.gemma_layers(
+                result = self.ops.gemma_layers(
                     hidden,
                     cos,
                     sin,
@@ -172,8 +201,10 @@ class GemmaFastPath:
                     plan.softcaps,
                     *group_arguments(steps, meta),
                     plan.weight_formats,
+                    *head_arguments(head),
                 )
-        return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
+                return step_output(result, head)
+        return StepOutput(self.module_loop(hidden, positions, kv_caches, meta, output_rows))
 
 
 def offset_weight(norm: Any) -> torch.Tensor:

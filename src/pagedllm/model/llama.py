@@ -36,7 +36,7 @@ from pagedllm.kernels.linear import (
 )
 from pagedllm.kernels.quant import Quantized, QuantWeight, dequantize_rows, kernels_run
 from pagedllm.kernels.routes import head_route, linear_route, sampler_route
-from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches
+from pagedllm.model.base import FastPath, FastPathBuilder, KVCaches, StepHead, StepOutput
 from pagedllm.model.config import ModelConfig, RopeConfig
 from pagedllm.routes import Routes
 
@@ -166,11 +166,13 @@ def describe_routes(
     *,
     greedy_in_head: bool = True,
     kv_quantization: str | None = None,
+    head_in_step: bool = False,
 ) -> Routes:
     """A model's ``Routes``: its attention backend's (over a cache quantized as
     ``kv_quantization``, if any), its ``Linear`` modules' and its LM head's (tied or not),
     its decode loop and its greedy sampler (``greedy_in_head``: the model offers
-    ``greedy_tokens``)."""
+    ``greedy_tokens``; ``head_in_step``: a quantized head runs inside the one-call decode
+    loop, ``forward_head``)."""
     head = head_tensors(model)
     dtype = head.weight.dtype
     linears = [m.tensors for m in model.modules() if isinstance(m, Linear)]
@@ -184,9 +186,9 @@ def describe_routes(
         ),
         windowed_attention=kinds_route(model, backend, dtype),
         linears=linear_route(linears),
-        lm_head=head_route(head),
+        lm_head=head_route(head, in_step=head_in_step),
         decode_loop=decode_loop,
-        sampler=sampler_route(head, in_head=greedy_in_head),
+        sampler=sampler_route(head, in_head=greedy_in_head, in_step=head_in_step),
     )
 
 
@@ -198,6 +200,14 @@ def head_tensors(model: nn.Module) -> LinearTensors:
     # The weight is read here, not kept: loading (to_empty) replaces the parameter.
     table = model.embed_tokens
     return LinearTensors(table.weight, None, *model.tied_packs, table.quant)
+
+
+def step_head(head: LinearTensors, argmax: bool) -> StepHead | None:
+    """``head`` as the one-call layer loops run it (``StepHead``), or None where they do not:
+    only a head kept block-quantized runs there (on quant_gemm, in the layers' step team)."""
+    if head.quant is None:
+        return None
+    return StepHead(head.quant.data, head.quant.code, head.bias, argmax)
 
 
 def kinds_route(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> str:
@@ -471,6 +481,26 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         return hidden if output_rows is None else hidden[output_rows]
 
+    def forward_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+        *,
+        argmax: bool,
+    ) -> StepOutput:
+        """``forward``, with a block-quantized LM head (``step_head``) run inside the fast
+        path's one-call loop where it takes the step: its logits in the model's dtype
+        (``argmax``: each row's argmax instead), as ``compute_logits(hidden, float32=False)``
+        gives them; elsewhere the hidden states alone."""
+        head = step_head(head_tensors(self), argmax)
+        if head is None or self.fast_path is None:
+            return StepOutput(self(input_ids, positions, kv_caches, meta, output_rows))
+        hidden = self.embed_tokens(input_ids)
+        return self.fast_path.forward_head(hidden, positions, kv_caches, meta, output_rows, head)
+
     def optimize_for_cpu(self) -> None:
         """Pack the linears for this CPU's kernels and switch on the fast path (see
         ``model/fast_path.py``); a no-op elsewhere. Call after the weights are loaded:
@@ -516,7 +546,10 @@ class LlamaForCausalLM(nn.Module):
             if self.fast_path is None
             else self.fast_path.route(kv_quantization)
         )
-        return describe_routes(self, self.backend, decode, kv_quantization=kv_quantization)
+        in_step = self.fast_path is not None and self.fast_path.runs_head()
+        return describe_routes(
+            self, self.backend, decode, kv_quantization=kv_quantization, head_in_step=in_step
+        )
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin [T, 1, head_dim] (``rotary``)."""

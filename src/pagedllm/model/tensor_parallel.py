@@ -39,7 +39,7 @@ from pagedllm.attention.base import AttentionMetadata
 from pagedllm.kernels.linear import LinearTensors, linear, small_rows
 from pagedllm.kernels.quant import dequantize
 from pagedllm.kernels.routes import sampled_route
-from pagedllm.model.base import KVCaches
+from pagedllm.model.base import KVCaches, StepOutput
 from pagedllm.model.llama import Linear, LlamaForCausalLM, head_tensors, packed_table
 from pagedllm.routes import Routes
 
@@ -205,6 +205,20 @@ class TensorParallelModel(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.inner(input_ids, positions, kv_caches, meta, output_rows)
+
+    def forward_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+        *,
+        argmax: bool,
+    ) -> StepOutput:
+        """The hidden states alone: each rank holds a slice of the head, whose logits are
+        gathered in ``compute_logits``."""
+        return StepOutput(self(input_ids, positions, kv_caches, meta, output_rows))
 
     def optimize_for_cpu(self) -> None:
         """The single-rank packing, then the fast path with its gathers (where the CPU

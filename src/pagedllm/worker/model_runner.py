@@ -28,6 +28,7 @@ from pagedllm.core.outputs import (
     TokenLogprob,
 )
 from pagedllm.kernels.ops import argmax_rows
+from pagedllm.model.base import StepOutput
 from pagedllm.routes import Routes
 from pagedllm.worker.allocator import keep_step_buffers
 from pagedllm.worker.disk_store import DiskKVStore
@@ -213,21 +214,22 @@ class TorchModelRunner:
             output = self._execute_with_prompt_logprobs(scheduled, scheduler_output.token_bitmasks)
         elif scheduled:
             # A greedy fast-path batch takes its argmax on the model's dtype, inside the LM
-            # head where the model can (no logits written at all), unless a grammar masks it.
-            hidden = self.sampled_hidden(scheduled)
+            # head where the model can (no logits written at all), unless a grammar masks it;
+            # a quantized head runs inside the layers' call (``forward_head``).
             fast = self.sampler.uses_fast_path(scheduled)
+            step = self.sampled_step(scheduled, argmax=fast)
             masks = bitmask_rows(scheduled, scheduler_output.token_bitmasks)
             if fast:
-                best = self._best_tokens(hidden).tolist()
+                best = self._step_tokens(step).tolist()
                 if masks[0]:
-                    best = self._masked_argmax(hidden, best, *masks)
+                    best = self._masked_argmax(step.hidden, best, *masks)
                 if has_drafts(scheduled):
                     output = accept_argmax(best, scheduled)
                 else:
                     output = self.sampler.greedy_from_argmax(best, scheduled)
             else:
                 float32 = not self.sampler.takes_model_dtype(scheduled)
-                logits = self._logits(hidden, float32=float32)
+                logits = self._step_logits(step, float32=float32)
                 apply_token_bitmask(logits, *masks)
                 output = self._sample(logits, scheduled)
             self._settle_drafts(scheduled, output)
@@ -291,10 +293,11 @@ class TorchModelRunner:
         batch = self.input_buffers.build(scheduled, block_size, self.device, self.num_blocks)
         later = later_decode_steps(batch, num_steps, block_size)
         with torch.inference_mode():
-            best = self._best_tokens(self._forward(batch.input_ids, batch.positions, batch.meta))
+            step = self._forward_head(batch.input_ids, batch.positions, batch.meta, argmax=True)
+            best = self._step_tokens(step)
             steps = [best]
             for positions, meta in later:
-                best = self._best_tokens(self._forward(best, positions, meta))
+                best = self._step_tokens(self._forward_head(best, positions, meta, argmax=True))
                 steps.append(best)
             tokens = torch.stack(steps, dim=1).tolist()
         return ModelRunnerOutput(tuple(map(tuple, tokens)), (None,) * len(tokens))
@@ -345,6 +348,23 @@ class TorchModelRunner:
                 batch.input_ids, batch.positions, batch.meta, rows, _num_drafts(scheduled)
             )
 
+    def sampled_step(self, scheduled: Sequence[ScheduledSequence], *, argmax: bool) -> StepOutput:
+        """``sampled_hidden``, with the LM head's logits in the model's dtype (``argmax``:
+        each row's argmax) where the model runs its head inside the layers' call
+        (``forward_head``)."""
+        batch = self.input_buffers.build(scheduled, self.block_size, self.device, self.num_blocks)
+        all_rows = batch.logits_indices.numel() == batch.input_ids.numel()
+        rows = None if all_rows else batch.logits_indices
+        with torch.inference_mode():
+            return self._forward_head(
+                batch.input_ids,
+                batch.positions,
+                batch.meta,
+                rows,
+                _num_drafts(scheduled),
+                argmax=argmax,
+            )
+
     def _forward(
         self,
         input_ids: torch.Tensor,
@@ -361,6 +381,35 @@ class TorchModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
         self.kv_cache.finish_step()
         return hidden
+
+    def _forward_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+        drafts: Sequence[int] = (),
+        *,
+        argmax: bool,
+    ) -> StepOutput:
+        """``_forward`` through the model's ``forward_head``."""
+        meta.quant = self.kv_cache.plan_step(meta, drafts)
+        step = self.model.forward_head(
+            input_ids, positions, self.kv_caches, meta, output_rows, argmax=argmax
+        )
+        self.kv_cache.finish_step()
+        return step
+
+    def _step_tokens(self, step: StepOutput) -> torch.Tensor:
+        """Each row's argmax: from the step's head where it ran, else ``_best_tokens``."""
+        return step.tokens if step.tokens is not None else self._best_tokens(step.hidden)
+
+    def _step_logits(self, step: StepOutput, *, float32: bool) -> torch.Tensor:
+        """The step's logits (float32 unless ``float32`` is False): its head's where it
+        ran (in the model's dtype, upcast as ``compute_logits`` does), else the model's."""
+        if step.logits is None:
+            return self._logits(step.hidden, float32=float32)
+        return step.logits.float() if float32 else step.logits
 
     def _sample(
         self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "layer_groups.h"
-#include "parallel.h"
+#include "step_head.h"
 
 namespace {
 
@@ -192,25 +192,19 @@ at::Tensor layer_loop(const Weights& w, size_t n, const at::Tensor& hidden, cons
   return f.add_rms_norm.call(out_of_layer, residual, w.final_norm, w.eps);
 }
 
-// Up to this many tokens a step whose linears are all block-quantized runs in one step team
-// (parallel.h): its products are matrix-vector sized, a fork and join each cost a real share
-// of one, and a busy neighbour's core stalls every join.
-constexpr int64_t TEAM_MAX_TOKENS = 8;
-
-// layer_loop, in a step team where every linear is on quant_gemm (their products and the
-// attention's tasks go to the team; the small ops run on one thread).
+// layer_loop, then the head where one is given (step_head.h), in a step team where every
+// linear and the head are on quant_gemm (their products and the attention's tasks go to the
+// team; the small ops run on one thread).
 template <typename Attend>
-at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
-                      const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      const OptTensor& output_rows, const Attend& attend) {
+pagedllm_step::Step run_layers(const Weights& w, size_t n, const at::Tensor& hidden, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               const OptTensor& output_rows, const pagedllm_step::Head& head, const Attend& attend) {
   TORCH_CHECK(hidden.dim() == 2, "decoder_layers: hidden must be [T, hidden]");
+  pagedllm_step::check_head(head, "decoder_layers");
   auto loop = [&] {
     return layer_loop(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
   };
-  const bool all_quantized =
-      !w.formats.empty() && std::all_of(w.formats.begin(), w.formats.end(), [](int64_t f) { return f != 0; });
-  if (all_quantized && hidden.size(0) <= TEAM_MAX_TOKENS) return pagedllm_parallel::with_team(loop);
-  return loop();
+  return pagedllm_step::run_step(w.formats, head, hidden.size(0), loop);
 }
 
 // hidden: the embedded tokens [T, hidden], which become the residual stream and are updated
@@ -222,9 +216,10 @@ at::Tensor run_layers(const Weights& w, size_t n, const at::Tensor& hidden, cons
 // (paged_attention's arguments; empty: none in any layer). A model whose layers are grouped by
 // attention kind has one block table and slot mapping per group: block_tables/slot_mapping
 // are group 0's, group_block_tables/group_slot_mappings groups 1.., layer_groups each
-// layer's group (empty: one group). Returns the final-normed hidden states of the rows that
-// go on.
-at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+// layer's group (empty: one group). head, head_format, head_bias, head_argmax: the LM head to
+// run after the final norm (step_head.h; absent: none). Returns the final-normed hidden states
+// of the rows that go on, the head's logits and each row's argmax (step_head.h's Step).
+pagedllm_step::Step decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList norm1, at::TensorList qkv, const OptTensors& qkv_bias, at::TensorList o,
                           const OptTensors& o_bias, at::TensorList norm2, at::TensorList gate_up,
                           const OptTensors& gate_up_bias, at::TensorList down, const OptTensors& down_bias,
@@ -235,7 +230,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                           bool fast_bf16, bool use_amx, const OptTensor& output_rows,
                           at::IntArrayRef sliding_windows, at::ArrayRef<double> softcaps,
                           at::TensorList group_block_tables, at::TensorList group_slot_mappings,
-                          at::IntArrayRef layer_groups, at::IntArrayRef weight_formats) {
+                          at::IntArrayRef layer_groups, at::IntArrayRef weight_formats,
+                          const OptTensor& head, int64_t head_format, const OptTensor& head_bias,
+                          bool head_argmax) {
   const Weights w{norm1,   qkv,  qkv_bias,     o,    o_bias,    norm2,     gate_up,
                   gate_up_bias, down, down_bias, final_norm, eps, weight_formats};
   const size_t n = w.layers();
@@ -254,15 +251,17 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& cos, const
                      softcaps.empty() ? 0.0 : softcaps[i]);
     return attn;
   };
-  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
+  const pagedllm_step::Head step_head{head, head_format, head_bias, head_argmax};
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, step_head, attend);
 }
 
 // decoder_layers over a quantized cache (attention/quant.py): each layer writes its K/V with
 // quant_write (windows, seals, staging) and attends with quant_attention, as the per-layer
 // path's CpuAttention.forward does. Per layer: each side's data, scale, minimum and staging
 // (QuantizedCache); k_kind, v_kind: the formats (BlockCodec.code, the same in every layer). The
-// write plan is the step's QuantStep (quant_write's arguments), then quant_attention's step.
-at::Tensor quant_decoder_layers(
+// write plan is the step's QuantStep (quant_write's arguments), then quant_attention's step;
+// the head and the result are decoder_layers'.
+pagedllm_step::Step quant_decoder_layers(
     const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norm1, at::TensorList qkv,
     const OptTensors& qkv_bias, at::TensorList o, const OptTensors& o_bias, at::TensorList norm2,
     at::TensorList gate_up, const OptTensors& gate_up_bias, at::TensorList down, const OptTensors& down_bias,
@@ -274,7 +273,8 @@ at::Tensor quant_decoder_layers(
     const at::Tensor& keep_slots, const at::Tensor& window_start, const at::Tensor& first_slots,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double scale, const OptTensor& output_rows,
-    at::IntArrayRef weight_formats) {
+    at::IntArrayRef weight_formats, const OptTensor& head, int64_t head_format, const OptTensor& head_bias,
+    bool head_argmax) {
   const Weights w{norm1,   qkv,  qkv_bias,     o,    o_bias,    norm2,     gate_up,
                   gate_up_bias, down, down_bias, final_norm, eps, weight_formats};
   const size_t n = w.layers();
@@ -298,7 +298,8 @@ at::Tensor quant_decoder_layers(
                      k_stage[i], v_stage[i], first_slots, scale, false);
     return attn;
   };
-  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
+  const pagedllm_step::Head step_head{head, head_format, head_bias, head_argmax};
+  return run_layers(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, step_head, attend);
 }
 
 }  // namespace
@@ -312,7 +313,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, bool fast_bf16, "
       "bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
       "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups, "
-      "int[] weight_formats=[]) -> Tensor");
+      "int[] weight_formats=[], Tensor? head=None, int head_format=0, Tensor? head_bias=None, "
+      "bool head_argmax=False) -> (Tensor, Tensor, Tensor)");
   m.def(
       "quant_decoder_layers(Tensor(c!) hidden, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] qkv, "
       "Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] norm2, Tensor[] gate_up, Tensor?[] gate_up_bias, "
@@ -322,7 +324,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor row_slots, Tensor seal_window, Tensor seal_blocks, Tensor keep_window, Tensor keep_slots, "
       "Tensor window_start, Tensor first_slots, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor? output_rows, "
-      "int[] weight_formats=[]) -> Tensor");
+      "int[] weight_formats=[], Tensor? head=None, int head_format=0, Tensor? head_bias=None, "
+      "bool head_argmax=False) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

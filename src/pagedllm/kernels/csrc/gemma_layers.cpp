@@ -28,6 +28,7 @@
 
 #include "dispatch.h"
 #include "layer_groups.h"
+#include "step_head.h"
 #include "vec.h"
 
 namespace {
@@ -128,8 +129,12 @@ at::Tensor linear(const Ops& f, const at::Tensor& x, const at::Tensor& w, int64_
 // cos/sin: [T, head_dim] of the full and of the sliding layers. The attention arguments are
 // paged_attention's; with several KV cache groups, each layer's block table and slots are its
 // group's (layer_groups.h). output_rows: only these rows go on after the last layer's
-// attention. Returns the final-normed hidden states of the rows that go on.
-at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+// attention. head, head_format, head_bias, head_argmax: the LM head to run after the final
+// norm (step_head.h; absent: none; the caller soft-caps no logits here). Returns the
+// final-normed hidden states of the rows that go on, the head's logits and each row's argmax
+// (step_head.h's Step). A small step whose linears and head are all block-quantized runs in
+// one step team, as decoder_layers does.
+pagedllm_step::Step gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& local_cos, const at::Tensor& local_sin, at::TensorList in_norm,
                         const OptTensors& q_norm, const OptTensors& k_norm, at::TensorList qkv,
                         const OptTensors& qkv_bias, at::TensorList o, const OptTensors& o_bias,
@@ -143,7 +148,8 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                         bool fast_bf16, bool use_amx, const OptTensor& output_rows, at::IntArrayRef sliding_windows,
                         at::ArrayRef<double> softcaps, at::TensorList group_block_tables,
                         at::TensorList group_slot_mappings, at::IntArrayRef layer_groups,
-                        at::IntArrayRef weight_formats) {
+                        at::IntArrayRef weight_formats, const OptTensor& head, int64_t head_format,
+                        const OptTensor& head_bias, bool head_argmax) {
   const size_t n = in_norm.size();
   TORCH_CHECK(n > 0, "gemma_layers: no layers");
   TORCH_CHECK(qkv.size() == n || qkv.size() == 3 * n, "gemma_layers: qkv needs 1 or 3 weights a layer");
@@ -164,49 +170,54 @@ at::Tensor gemma_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
   };
   const pagedllm_groups::Groups groups(block_tables, slot_mapping, group_block_tables, group_slot_mappings,
                                        layer_groups, n);
+  const pagedllm_step::Head step_head{head, head_format, head_bias, head_argmax};
+  pagedllm_step::check_head(step_head, "gemma_layers");
   const Ops& f = ops();
   const int64_t tokens = hidden.size(0);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
-  at::Tensor h = hidden;
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor x = offset_rms_norm(h, in_norm[i], eps);
-    std::vector<at::Tensor> heads;
-    if (parts == 1) {
-      const at::Tensor qkv_out = linear(f, x, qkv[i], format(i, 0), qkv_bias.get(i));
-      TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "gemma_layers: qkv width disagrees with the heads");
-      heads = qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
-                  .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-    } else {  // q, k and v kept apart: three products
-      for (size_t p = 0; p < 3; ++p)
-        heads.push_back(linear(f, x, qkv[3 * i + p], format(i, p), qkv_bias.get(3 * i + p))
-                            .view({tokens, counts[p], head_dim}));
+  auto loop = [&] {
+    at::Tensor h = hidden;
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor x = offset_rms_norm(h, in_norm[i], eps);
+      std::vector<at::Tensor> heads;
+      if (parts == 1) {
+        const at::Tensor qkv_out = linear(f, x, qkv[i], format(i, 0), qkv_bias.get(i));
+        TORCH_CHECK(qkv_out.size(1) == q_width + 2 * kv_width, "gemma_layers: qkv width disagrees with the heads");
+        heads = qkv_out.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
+                    .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+      } else {  // q, k and v kept apart: three products
+        for (size_t p = 0; p < 3; ++p)
+          heads.push_back(linear(f, x, qkv[3 * i + p], format(i, p), qkv_bias.get(3 * i + p))
+                              .view({tokens, counts[p], head_dim}));
+      }
+      at::Tensor q = heads[0], k = heads[1];
+      const OptTensor qn = q_norm.get(i), kn = k_norm.get(i);
+      if (qn.has_value()) q = offset_rms_norm(q, *qn, eps);
+      if (kn.has_value()) k = offset_rms_norm(k, *kn, eps);
+      const bool local = sliding_windows[i] > 0;
+      f.rope.call(q, k, local ? local_cos : cos, local ? local_sin : sin);
+      f.write_kv.call(k_caches[i], v_caches[i], k, heads[2], groups.slots(i));
+      at::Tensor attn = at::empty(q.sizes(), q.options());
+      f.attention.call(attn, q, k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled, scale,
+                       rows_per_task, fast_bf16, use_amx, sliding_windows[i], softcaps[i]);
+      if (i + 1 == n && output_rows.has_value()) {
+        attn = attn.index_select(0, *output_rows);
+        h = h.index_select(0, *output_rows);
+      }
+      const at::Tensor projected =
+          linear(f, attn.view({attn.size(0), q_width}), o[i], format(i, parts), o_bias.get(i));
+      h = at::add(h, offset_rms_norm(projected, post_attn_norm[i], eps));
+      const at::Tensor gu =
+          linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, parts + 1), gate_up_bias.get(i));
+      const int64_t inter = gu.size(1) / 2;
+      const at::Tensor act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
+      const at::Tensor mlp = linear(f, act, down[i], format(i, parts + 2), down_bias.get(i));
+      h = at::add(h, offset_rms_norm(mlp, post_ff_norm[i], eps));
     }
-    at::Tensor q = heads[0], k = heads[1];
-    const OptTensor qn = q_norm.get(i), kn = k_norm.get(i);
-    if (qn.has_value()) q = offset_rms_norm(q, *qn, eps);
-    if (kn.has_value()) k = offset_rms_norm(k, *kn, eps);
-    const bool local = sliding_windows[i] > 0;
-    f.rope.call(q, k, local ? local_cos : cos, local ? local_sin : sin);
-    f.write_kv.call(k_caches[i], v_caches[i], k, heads[2], groups.slots(i));
-    at::Tensor attn = at::empty(q.sizes(), q.options());
-    f.attention.call(attn, q, k_caches[i], v_caches[i], groups.tables(i), seq_lens, query_start_loc, handled, scale,
-                     rows_per_task, fast_bf16, use_amx, sliding_windows[i], softcaps[i]);
-    if (i + 1 == n && output_rows.has_value()) {
-      attn = attn.index_select(0, *output_rows);
-      h = h.index_select(0, *output_rows);
-    }
-    const at::Tensor projected =
-        linear(f, attn.view({attn.size(0), q_width}), o[i], format(i, parts), o_bias.get(i));
-    h = at::add(h, offset_rms_norm(projected, post_attn_norm[i], eps));
-    const at::Tensor gu =
-        linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, parts + 1), gate_up_bias.get(i));
-    const int64_t inter = gu.size(1) / 2;
-    const at::Tensor act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
-    const at::Tensor mlp = linear(f, act, down[i], format(i, parts + 2), down_bias.get(i));
-    h = at::add(h, offset_rms_norm(mlp, post_ff_norm[i], eps));
-  }
-  return offset_rms_norm(h, final_norm, eps);
+    return offset_rms_norm(h, final_norm, eps);
+  };
+  return pagedllm_step::run_step(weight_formats, step_head, tokens, loop);
 }
 
 }  // namespace
@@ -221,7 +232,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor handled, int num_heads, int num_kv_heads, int head_dim, float scale, int rows_per_task, "
       "bool fast_bf16, bool use_amx, Tensor? output_rows, int[] sliding_windows, float[] softcaps, "
-      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups, int[] weight_formats) -> Tensor");
+      "Tensor[] group_block_tables, Tensor[] group_slot_mappings, int[] layer_groups, int[] weight_formats, "
+      "Tensor? head=None, int head_format=0, Tensor? head_bias=None, bool head_argmax=False) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
