@@ -79,8 +79,12 @@ class QuantWeight:
         return self.data.numel()
 
     def rows(self, index: torch.Tensor | slice) -> QuantWeight:
-        """The weight of the rows ``index`` (a slice, or a permutation / gather)."""
-        return QuantWeight(self.format, self.data[index].contiguous(), self.stored)
+        """The weight of the rows ``index`` (a slice, or a permutation / gather: an index
+        tensor goes through ``index_select``, a fraction of advanced indexing's cost on the
+        one row an embedding looks up per decode step)."""
+        if isinstance(index, slice):
+            return QuantWeight(self.format, self.data[index].contiguous(), self.stored)
+        return QuantWeight(self.format, self.data.index_select(0, index), self.stored)
 
 
 def check_format(format: str, width: int) -> None:
