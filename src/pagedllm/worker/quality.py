@@ -36,17 +36,29 @@ def text_logits(
     runner: TorchModelRunner, token_ids: Sequence[int], *, chunk: int = 256
 ) -> torch.Tensor:
     """Float32 logits of every position but the last [len - 1, vocab]: position p scores
-    token p + 1. The text is one sequence on blocks 0, 1, ... fed ``chunk`` tokens a step."""
-    block_size = runner.block_size
-    num_blocks = -(-len(token_ids) // block_size)
-    if num_blocks > runner.num_blocks:
-        raise ValueError(f"{len(token_ids)} tokens need {num_blocks} blocks; the cache has fewer")
-    table = tuple(range(num_blocks))
+    token p + 1. The text is one sequence fed ``chunk`` tokens a step, on blocks 0, 1, ...;
+    a model with several KV cache groups (``core/kv_groups.py``) takes each group's blocks
+    after the previous group's."""
+    num_blocks = -(-len(token_ids) // runner.block_size)
+    groups = kv_groups(runner)
+    if num_blocks * groups > runner.num_blocks:
+        raise ValueError(
+            f"{len(token_ids)} tokens need {num_blocks * groups} blocks; the cache has fewer"
+        )
+    tables = [tuple(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(groups)]
     rows = []
     for start in range(0, len(token_ids) - 1, chunk):
         tokens = tuple(token_ids[start : min(start + chunk, len(token_ids) - 1)])
-        rows.append(runner.row_logits([ScheduledSequence("text", tokens, start, table, 0)]))
+        seq = ScheduledSequence(
+            "text", tokens, start, tables[0], 0, group_block_tables=tuple(tables[1:])
+        )
+        rows.append(runner.row_logits([seq]))
     return torch.cat(rows)
+
+
+def kv_groups(runner: TorchModelRunner) -> int:
+    """How many KV cache groups (block tables per sequence) the runner's model has."""
+    return max(runner.spec.layer_groups, default=0) + 1
 
 
 def compare(reference: torch.Tensor, test: torch.Tensor, targets: Sequence[int]) -> QualityReport:
