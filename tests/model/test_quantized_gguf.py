@@ -227,6 +227,18 @@ def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
         )
 
 
+@pytest.mark.parametrize(("format", "activations"), [("Q8_0", "int16"), ("Q4_0", "int8")])
+def test_route_names_the_activations(tmp_path, checkpoints, format, activations) -> None:
+    """Q8_0 weights run on int16 activations, the other formats on int8 ones."""
+    gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, format)
+    loaded = load_model(gguf_file, dtype="float32", load_tokenizer=False)
+    loaded.model.optimize_for_cpu()
+    if loaded.model.head_ops is None:
+        pytest.skip("the C++ kernels did not build")
+    rows = loaded.model.head_ops.quant_gemm_int_rows(loaded.dtype)
+    assert f"up to {rows} rows ({activations} activations)" in loaded.model.routes().linears
+
+
 def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
     import json
 

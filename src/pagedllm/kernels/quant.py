@@ -18,8 +18,9 @@ bits in 32 bytes per eight blocks, as Q4_K / Q5_K store them, so that one load g
 block's quants; Q4_0 / Q4_1 / Q5_0 are repacked into that shape (padded to whole runs and
 groups), the K-quants' 6-bit sub-scales become bytes, and Q6_K's 16 scales of a super-block
 are kept even ones first. ``quant_linear`` runs every row count on
-``quant_gemm`` (integer dot products with activations quantised to int8 per 32-block for
-decode-sized batches, dequantised tiles on ``small_gemm`` for prompts); ``dequantize`` is the
+``quant_gemm`` (integer dot products with activations quantised per 32-block, to int16 for
+Q8_0 weights and int8 for the others, for decode-sized batches; dequantised tiles on
+``small_gemm`` for prompts); ``dequantize`` is the
 plain torch reference of the layouts and the fallback where the C++ kernels are missing.
 """
 

@@ -4,8 +4,9 @@
 // int8, dx = max|x| / 127; then per weight row n and block b
 //   sum_i w[i] x[i] ~ dx scale_b (dot(q, xq) - offset_b sum(xq)) + min_b dx sum(xq)
 // with the dot products in int32 and the scales applied in float, eight blocks (one group,
-// a K-quant super-block) at a time. More rows go to quant_tiles.cpp: tiles of the weight
-// dequantised into small_gemm's layout and multiplied there.
+// a K-quant super-block) at a time. Q8_0 weights take int16 activations instead (wide_gemm
+// below: int8 ones were the whole of Q8_0's error). More rows go to quant_tiles.cpp: tiles of
+// the weight dequantised into small_gemm's layout and multiplied there.
 //
 // The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
 // lanes (lane l: elements 4l..4l+3): AVX2 maddubs + madd, or one dpbusd (AVX-512-VNNI on
@@ -92,6 +93,23 @@ std::string set_quant_gemm_isa(const std::string& isa) {
   for (int i = 0; i <= static_cast<int>(Route::none); ++i)
     if (isa == route_name(static_cast<Route>(i))) return route_name(static_cast<Route>(route_cap().exchange(i)));
   TORCH_CHECK(false, "set_quant_gemm_isa: unknown ISA '", isa, "' (avx512_vnni, avx_vnni, avx2, none)");
+}
+
+// Q8_0 weights' activations: "int16" (wide_gemm below, the default: the quality goal) or
+// "int8" (the route every other format takes; benchmarks compare the two).
+std::atomic<bool>& wide_flag() {
+  static std::atomic<bool> wide{true};
+  return wide;
+}
+
+bool wide_activations() { return wide_flag().load(); }
+
+std::string quant_gemm_q8_0_activations() { return wide_activations() ? "int16" : "int8"; }
+
+// Sets Q8_0's activations ("int16" or "int8"); returns the previous setting.
+std::string set_quant_gemm_q8_0_activations(const std::string& kind) {
+  TORCH_CHECK(kind == "int16" || kind == "int8", "set_quant_gemm_q8_0_activations: '", kind, "' is not int16 or int8");
+  return wide_flag().exchange(kind == "int16") ? "int16" : "int8";
 }
 
 // x [rows, k] quantised per block: xq int8 [rows, k]; per block (rows * blocks, then GROUP
@@ -375,6 +393,138 @@ void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, 
   }
 }
 
+// ---- Q8_0 weights on int16 activations (wide_gemm). 8-bit weights leave the activations'
+// int8 rounding as the whole error (~0.7% a product on SmolLM2, compounding over its 30
+// layers to 96.8% top-1 agreement with the float model; docs/performance.md, quality). Per
+// 32-block xq = round(x * 32767 / max|x|) in int16, dx = max|x| / 32767; a block's product
+// is the int32 sum of q (sign-extended to int16) times xq: madd (AVX2) or dpwssd (VNNI),
+// the same sums on every route. |q| <= 128 and |xq| <= 32767: a block's sum stays below
+// 2^28. The weight bytes read are those of the int8 route; the integer work doubles.
+struct WideActivations {
+  std::vector<int16_t> xq;
+  std::vector<float> dx;  // rows * blocks, then GROUP zeros (a last partial group's lanes)
+};
+
+template <typename T>
+void quantize_block_wide(const T* v, int16_t* xq, float* dx) {
+  __m256 f[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    f[j] = load8(v + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+  for (int j = 0; j < 4; j += 2) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(f[j + 1], inv));
+    // packs works within 128-bit lanes: 64-bit pieces back in element order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 8 * j), packed);
+  }
+  *dx = top / 32767.f;
+}
+
+const WideActivations& quantize_rows_wide(const at::Tensor& x) {
+  thread_local WideActivations a;
+  const at::Tensor xc = x.contiguous();
+  const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
+  a.xq.resize(total * BLOCK);
+  a.dx.assign(total + GROUP, 0.f);
+  for (int64_t i = 0; i < total; ++i) {
+    if (xc.scalar_type() == at::kFloat) {
+      quantize_block_wide(xc.data_ptr<float>() + i * BLOCK, a.xq.data() + i * BLOCK, a.dx.data() + i);
+    } else {
+      quantize_block_wide(xc.data_ptr<c10::BFloat16>() + i * BLOCK, a.xq.data() + i * BLOCK, a.dx.data() + i);
+    }
+  }
+  return a;
+}
+
+// acc + the eight int32 sums of two int16 pairs each.
+template <Route R>
+inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (R == Route::avx512_vnni) return _mm256_dpwssd_epi32(acc, w, x);
+#endif
+#if defined(__AVXVNNI__)
+  if constexpr (R == Route::avx_vnni) return _mm256_dpwssd_avx_epi32(acc, w, x);
+#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+}
+
+template <Route R, int RB>
+__attribute__((always_inline)) inline void wide_group_step(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                           const WideActivations& a, int64_t r0, __m256 acc[RB]) {
+  const int64_t blocks = l.blocks();
+  __m256i q[2 * GROUP];
+  for (int j = 0; j < count; ++j) {
+    const uint8_t* p = row + (g * GROUP + j) * BLOCK;
+    q[2 * j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    q[2 * j + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  const __m256 d = group_scales<Format::q8_0>(l, row, g, count).d;
+  for (int r = 0; r < RB; ++r) {
+    const int16_t* xq = a.xq.data() + (r0 + r) * l.k + g * GROUP * BLOCK;
+    __m256i s[GROUP];
+    for (int j = 0; j < GROUP; ++j) {
+      s[j] = _mm256_setzero_si256();
+      if (j >= count) continue;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * BLOCK));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * BLOCK + 16));
+      s[j] = dot_s16<R>(dot_s16<R>(s[j], q[2 * j], x0), q[2 * j + 1], x1);
+    }
+    __m256i first, last;
+    halves8(s, first, last);
+    const __m256 dx = _mm256_loadu_ps(a.dx.data() + (r0 + r) * blocks + g * GROUP);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_mul_ps(d, dx), acc[r]);
+  }
+}
+
+template <Route R, int RB>
+void wide_row_block(const Weight& w, const WideActivations& a, int64_t r0, int64_t n0, int64_t n1, const Output& out) {
+  const Layout& l = w.lay;
+  const int64_t whole = l.blocks() / GROUP;
+  const int tail = static_cast<int>(l.blocks() % GROUP);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.row(n);
+    if (n + PREFETCH_ROWS < n1) {
+      const char* ahead = reinterpret_cast<const char*>(w.row(n + PREFETCH_ROWS));
+      for (int64_t i = 0; i < l.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    }
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < whole; ++g) wide_group_step<R, RB>(l, row, g, GROUP, a, r0, acc);
+    if (tail > 0) wide_group_step<R, RB>(l, row, whole, tail, a, r0, acc);
+    for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
+  }
+}
+
+template <Route R>
+void wide_rows(const Weight& w, const WideActivations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  int64_t r0 = 0;
+  for (; r0 + ROW_BLOCK <= rows; r0 += ROW_BLOCK) wide_row_block<R, ROW_BLOCK>(w, a, r0, n0, n1, out);
+  for (; r0 + 2 <= rows; r0 += 2) wide_row_block<R, 2>(w, a, r0, n0, n1, out);
+  if (r0 < rows) wide_row_block<R, 1>(w, a, r0, n0, n1, out);
+}
+
+void run_wide(Route route, const Weight& w, const WideActivations& a, int64_t rows, int64_t n0, int64_t n1,
+              const Output& out) {
+  switch (route) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case Route::avx512_vnni: return wide_rows<Route::avx512_vnni>(w, a, rows, n0, n1, out);
+#endif
+#if defined(__AVXVNNI__)
+    case Route::avx_vnni: return wide_rows<Route::avx_vnni>(w, a, rows, n0, n1, out);
+#endif
+    default: return wide_rows<Route::avx2>(w, a, rows, n0, n1, out);
+  }
+}
+
 void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   switch (route) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -401,9 +551,14 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
     bias_f = bias->to(at::kFloat).contiguous();
   }
 #if defined(QUANT_AVX2)
-  const Activations& a = quantize_rows(x);
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
+  if (w.lay.format == Format::q8_0 && wide_activations()) {
+    const WideActivations& a = quantize_rows_wide(x);
+    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, rows, n0, n1, o); });
+    return out;
+  }
+  const Activations& a = quantize_rows(x);
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
 #endif
   return out;
@@ -518,6 +673,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa() -> str", &pagedllm_quant::quant_gemm_isa);
   m.def("set_quant_gemm_isa(str isa) -> str", &pagedllm_quant::set_quant_gemm_isa);
   m.def("quant_gemm_int_rows(ScalarType dtype) -> int", &pagedllm_quant::quant_gemm_int_rows);
+  m.def("quant_gemm_q8_0_activations() -> str", &pagedllm_quant::quant_gemm_q8_0_activations);
+  m.def("set_quant_gemm_q8_0_activations(str kind) -> str", &pagedllm_quant::set_quant_gemm_q8_0_activations);
   m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
