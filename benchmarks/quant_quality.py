@@ -7,7 +7,9 @@ logits against a reference's; top-1 agreement, mean KL(reference || test) per to
 perplexity of each, pooled over the texts). Two parts:
 
 - ``weights``: each ``--models`` row is a GGUF served as stored (linears on quant_gemm's
-  integer kernel, activations quantised to int8 per 32-block) against the same file
+  integer kernel, activations quantised per 32-block: to int16 for Q8_0 weights, to int8
+  for the others; ``--q8-0-activations int16,int8`` adds a row with Q8_0's on int8 too)
+  against the same file
   dequantised to float32 (``keep_quantized=False``), both in ``--dtype`` activations. The
   text goes in chunks of the integer kernel's row limit (``quant_gemm_int_rows``), so every
   linear runs the integer kernel, as decode steps do; longer prompt chunks run dequantised
@@ -45,7 +47,8 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +60,7 @@ import torch  # noqa: E402
 
 from pagedllm.attention.select import get_backend  # noqa: E402
 from pagedllm.model.loader import LoadedModel, load_model, load_tokenizer  # noqa: E402
-from pagedllm.worker.model_runner import TorchModelRunner  # noqa: E402
+from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec  # noqa: E402
 from pagedllm.worker.quality import QualityReport, compare, text_logits  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -65,6 +68,9 @@ PARTS = ("weights", "kv")
 LICENCES = Path("/usr/share/common-licenses")
 GIT_NOTES = Path("/usr/share/doc/git/RelNotes")
 NAMED_MODELS = ("default", "qwen2.5-coder-0.5b", "gemma-3-270m")
+# quant_gemm's activations for Q8_0 weights (``--q8-0-activations``): int16 by default.
+Q8_0_ACTIVATIONS = ("int16", "int8")
+DEFAULT_Q8_0 = "int16"
 # Positions compared at a time: a real model's [positions, vocabulary] log-softmaxes are
 # large (Qwen's vocabulary is 151,936).
 COMPARE_ROWS = 256
@@ -190,12 +196,16 @@ def compare_text(reference: torch.Tensor, test: torch.Tensor, ids: Sequence[int]
 
 
 def runner(model: torch.nn.Module, tokens: int, kv: str = "auto", first: bool = False):
+    """A runner whose cache holds ``tokens`` for each of the model's KV cache groups."""
+    spec = kv_cache_spec(model, BLOCK_SIZE, kv, first)
+    groups = max(spec.layer_groups, default=0) + 1
     return TorchModelRunner(
         model,
         block_size=BLOCK_SIZE,
-        num_blocks=-(-tokens // BLOCK_SIZE),
+        num_blocks=-(-tokens // BLOCK_SIZE) * groups,
         kv_cache_dtype=kv,
         unquantized_first_block=first,
+        spec=spec,
     )
 
 
@@ -347,6 +357,23 @@ def int_rows(dtype: str) -> int:
     return 32 if ops is None else int(ops.quant_gemm_int_rows(getattr(torch, dtype)))
 
 
+@contextmanager
+def q8_0_activations(kind: str) -> Iterator[None]:
+    """quant_gemm's integer kernel quantises Q8_0 weights' activations to ``kind`` ("int16",
+    the default, or "int8", as every other format's) inside the block."""
+    from pagedllm.kernels.ops import layer_ops
+
+    ops = layer_ops()
+    if ops is None:
+        yield
+        return
+    saved = ops.set_quant_gemm_q8_0_activations(kind)
+    try:
+        yield
+    finally:
+        ops.set_quant_gemm_q8_0_activations(saved)
+
+
 def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     chunk = args.chunk or int_rows(args.dtype)
@@ -364,13 +391,18 @@ def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str
                 "skipped": "its linears are not kept quantized (dequantised at load)"
             }
             continue
-        per_text = {}
+        per_text: dict[str, dict[str, QualityReport]] = {kind: {} for kind in args.q8_0_activations}
         for name, ids in tokenize(tokenizer, texts, args.tokens).items():
             ref = text_logits(runner(reference.model, args.tokens), ids, chunk=chunk)
-            test = text_logits(runner(quantized.model, args.tokens), ids, chunk=chunk)
-            per_text[name] = compare_text(ref, test, ids)
-            del ref, test
-        results[row.label] = {**report_row(per_text), "formats": formats, "chunk": chunk}
+            for kind in args.q8_0_activations:
+                with q8_0_activations(kind):
+                    test = text_logits(runner(quantized.model, args.tokens), ids, chunk=chunk)
+                per_text[kind][name] = compare_text(ref, test, ids)
+                del test
+            del ref
+        for kind, reports in per_text.items():
+            label = row.label if kind == DEFAULT_Q8_0 else f"{row.label} ({kind} activations)"
+            results[label] = {**report_row(reports), "formats": formats, "chunk": chunk}
         del quantized, reference
         gc.collect()
     return results
@@ -471,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         help="weights part: rows a step (0: the integer kernel's limit)",
     )
     parser.add_argument(
+        "--q8-0-activations",
+        default=DEFAULT_Q8_0,
+        help="weights part: Q8_0 weights' activations, int16 and/or int8 (a row each)",
+    )
+    parser.add_argument(
         "--kv-model", default="default", help="kv part: a model whose float weights are used"
     )
     parser.add_argument("--kv-dtypes", default="int8")
@@ -485,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens must be at least 2")
     args.models = [m for m in args.models.split(",") if m]
     args.kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
+    args.q8_0_activations = [k for k in args.q8_0_activations.split(",") if k]
+    if not args.q8_0_activations or set(args.q8_0_activations) - set(Q8_0_ACTIVATIONS):
+        parser.error(f"--q8-0-activations: choose from {Q8_0_ACTIVATIONS}")
     torch.set_num_threads(args.threads)
     texts = held_out_texts([t for t in args.texts.split(",") if t])
     results: dict = {"tokens": args.tokens, "texts": list(texts), "threads": args.threads}
