@@ -479,7 +479,7 @@ __attribute__((always_inline)) inline void wide_group_step(const Layout& l, cons
       s[j] = dot_s16<R>(dot_s16<R>(s[j], q[2 * j], x0), q[2 * j + 1], x1);
     }
     __m256i first, last;
-    halves8(s, first, last);
+    halves8<R, Format::q8_0>(s, first, last);  // 32-bit pair sums: a block's reach 2^28
     const __m256 dx = _mm256_loadu_ps(a.dx.data() + (r0 + r) * blocks + g * GROUP);
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_mul_ps(d, dx), acc[r]);
   }
@@ -490,12 +490,12 @@ void wide_row_block(const Weight& w, const WideActivations& a, int64_t r0, int64
   const Layout& l = w.lay;
   const int64_t whole = l.blocks() / GROUP;
   const int tail = static_cast<int>(l.blocks() % GROUP);
+  const int64_t end = w.n * l.bytes;  // no prefetch past the weight
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
-    if (n + PREFETCH_ROWS < n1) {
-      const char* ahead = reinterpret_cast<const char*>(w.row(n + PREFETCH_ROWS));
-      for (int64_t i = 0; i < l.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    }
+    const int64_t ahead = n * l.bytes + PREFETCH_BYTES;
+    for (int64_t i = 0; i < std::min(l.bytes, end - ahead); i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) wide_group_step<R, RB>(l, row, g, GROUP, a, r0, acc);
