@@ -23,6 +23,7 @@ from pathlib import Path
 from pagedllm import quant_layout
 from pagedllm.kernels import quant
 from pagedllm.kernels.quant import QuantWeight
+from pagedllm.util.memory import on_huge_pages
 
 _META_KEY = "pagedllm_layouts"
 
@@ -48,11 +49,12 @@ def load_layouts(file: Path) -> dict[str, QuantWeight] | None:
     try:
         # Read, not mapped: a mapping lives while any weight viewing it does, and keeps
         # resident every page read, those of the q/k/v and gate/up parts the loader fuses
-        # into new tensors included (each weight's bytes counted twice).
+        # into new tensors included (each weight's bytes counted twice). Then onto huge
+        # pages, as the fresh repacking's numpy buffers are.
         with safe_open(str(file), framework="pt", backend="pread") as handle:
             meta = json.loads((handle.metadata() or {})[_META_KEY])
             return {
-                name: QuantWeight(format, handle.get_tensor(name), stored)
+                name: QuantWeight(format, on_huge_pages(handle.get_tensor(name)), stored)
                 for name, (format, stored) in meta.items()
             }
     except Exception as error:  # any unreadable file is a miss, never a failed load
