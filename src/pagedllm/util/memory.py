@@ -72,13 +72,14 @@ def on_huge_pages(tensor: Any) -> Any:
     if nbytes < HUGE_PAGE // 2 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return tensor
     # Private: a shared anonymous mapping is shmem, which the THP setting does not cover.
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Exactly the tensor's bytes (its storage is what the held-weights count reads): the
+    # 2 MiB-aligned stretches inside get huge pages, the ends at most 2 MiB each do not.
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         area.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         area.close()
         return tensor
     raw = torch.frombuffer(area, dtype=torch.uint8)  # keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE
-    out = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+    out = raw.view(tensor.dtype).view(tensor.shape)
     return out.copy_(tensor)
