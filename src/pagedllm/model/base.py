@@ -42,18 +42,6 @@ class StepOutput(NamedTuple):
 class FastPath(Protocol):
     """A faster way to run the model's decoder on this machine, with the model's results."""
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The embedded tokens [T, hidden] -> final-normed hidden states, as the model's
-        own forward (only ``output_rows`` when given)."""
-        ...
-
     def forward_head(
         self,
         hidden: torch.Tensor,
@@ -61,10 +49,11 @@ class FastPath(Protocol):
         kv_caches: KVCaches,
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None,
-        head: StepHead,
+        head: StepHead | None,
     ) -> StepOutput:
-        """``forward``, and ``head`` inside the same call where the one-call loop takes the
-        step (else only the hidden states)."""
+        """The embedded tokens [T, hidden] -> final-normed hidden states, as the model's own
+        forward (only ``output_rows`` when given), and ``head`` (if any) inside the same
+        call where the one-call loop takes the step (else only the hidden states)."""
         ...
 
     def runs_head(self) -> bool:

@@ -266,7 +266,9 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T or S, hidden_size]."""
         hidden = self._embed(input_ids)
         if self.fast_path is not None and hidden.device.type == "cpu":
-            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
+            return self.fast_path.forward_head(
+                hidden, positions, kv_caches, meta, output_rows, None
+            ).hidden
         return self.module_loop(hidden, positions, kv_caches, meta, output_rows)
 
     def forward_head(

@@ -111,28 +111,7 @@ class CpuFastPath:
             "takes the step whole, else fused ops layer by layer"
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self._run(hidden, positions, kv_caches, meta, output_rows, None).hidden
-
     def forward_head(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-        head: StepHead,
-    ) -> StepOutput:
-        return self._run(hidden, positions, kv_caches, meta, output_rows, head)
-
-    def _run(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,

@@ -130,28 +130,7 @@ class GemmaFastPath:
             "kernel takes the step whole, else module by module (torch ops)"
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self._run(hidden, positions, kv_caches, meta, output_rows, None).hidden
-
     def forward_head(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-        head: StepHead,
-    ) -> StepOutput:
-        return self._run(hidden, positions, kv_caches, meta, output_rows, head)
-
-    def _run(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,

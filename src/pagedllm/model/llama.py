@@ -474,7 +474,9 @@ class LlamaForCausalLM(nn.Module):
         llama.cpp does): a prompt's rows but its last are only needed for their K/V."""
         hidden = self.embed_tokens(input_ids)
         if self.fast_path is not None and hidden.device.type == "cpu":
-            return self.fast_path.forward(hidden, positions, kv_caches, meta, output_rows)
+            return self.fast_path.forward_head(
+                hidden, positions, kv_caches, meta, output_rows, None
+            ).hidden
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv_cache, meta.for_layer(index))
