@@ -135,11 +135,9 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One block: xq rounded to nearest even (cvtps under the default rounding mode), as
-// nearbyint would.
+// One block's 32 values as floats in f, and the largest magnitude among them.
 template <typename T>
-void quantize_block(const T* v, int8_t* xq, Activations& a, int64_t i) {
-  __m256 f[4];
+float load_block(const T* v, __m256 f[4]) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -149,7 +147,15 @@ void quantize_block(const T* v, int8_t* xq, Activations& a, int64_t i) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float top = _mm_cvtss_f32(m);
+  return _mm_cvtss_f32(m);
+}
+
+// One block: xq rounded to nearest even (cvtps under the default rounding mode), as
+// nearbyint would.
+template <typename T>
+void quantize_block(const T* v, int8_t* xq, Activations& a, int64_t i) {
+  __m256 f[4];
+  const float top = load_block(v, f);
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
   __m256i q[4];
   for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
@@ -408,16 +414,7 @@ struct WideActivations {
 template <typename T>
 void quantize_block_wide(const T* v, int16_t* xq, float* dx) {
   __m256 f[4];
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
-    f[j] = load8(v + 8 * j);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float top = _mm_cvtss_f32(m);
+  const float top = load_block(v, f);
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
   for (int j = 0; j < 4; j += 2) {
     const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));
