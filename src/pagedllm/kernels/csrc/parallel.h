@@ -34,8 +34,8 @@ inline int64_t chunk_size(int64_t total, int64_t unit, int64_t threads) {
 // (decoder_layers), so that a step's ~120 small matrix-vector products cost no fork/join
 // each, and so that no product waits for a thread the OS has not scheduled. The first
 // thread runs the step; the others wait for work (spinning: a step's products come
-// microseconds apart) and take chunks of it as they come free. Taking part is optional: the
-// running thread claims chunks too, and a product ends when every chunk is claimed and done,
+// microseconds apart) and claim pieces of it as they come free. Taking part is optional: the
+// running thread claims pieces too, and a product ends when every piece is claimed and done,
 // so a helper that is off its core (a neighbour on it) costs the step nothing, where a
 // region's closing barrier waits for it (docs/performance.md, decode threads). Inside the
 // team, at::parallel_for runs serially on the calling thread (an op that does not post its
@@ -53,29 +53,27 @@ class Team {
   // The threads that may take part (the poster included).
   int64_t size() const { return size_; }
 
-  // Posts fn(begin, end) over [0, total) in chunks of `chunk` indices and runs chunks until
-  // every one is claimed, then waits for the helpers' chunks to finish.
+  // Posts fn(begin, end) over [0, total) in pieces of whole units and runs pieces until
+  // every index is claimed, then waits for the helpers' pieces to finish.
   template <typename F>
-  void run(int64_t total, int64_t chunk, const F& fn) {
-    const int64_t chunks = (total + chunk - 1) / chunk;
+  void run(int64_t total, int64_t unit, const F& fn) {
     total_.store(total, std::memory_order_relaxed);
-    chunk_.store(chunk, std::memory_order_relaxed);
-    chunks_.store(chunks, std::memory_order_relaxed);
+    unit_.store(std::max<int64_t>(unit, 1), std::memory_order_relaxed);
     fn_.store(&call<F>, std::memory_order_relaxed);
     ctx_.store(&fn, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     const uint64_t epoch = (state_.load(std::memory_order_relaxed) >> 32) + 1;
     state_.store(epoch << 32, std::memory_order_release);
-    for (;;) {
-      const uint64_t c = (state_.fetch_add(1, std::memory_order_acq_rel) & 0xffffffffu);
-      if (static_cast<int64_t>(c) >= chunks) break;
-      fn(static_cast<int64_t>(c) * chunk, std::min(total, static_cast<int64_t>(c + 1) * chunk));
-      done_.fetch_add(1, std::memory_order_acq_rel);
+    uint64_t s = epoch << 32;
+    int64_t begin = 0, end = 0;
+    while (claim(s, epoch, total, unit_.load(std::memory_order_relaxed), begin, end)) {
+      fn(begin, end);
+      done_.fetch_add(end - begin, std::memory_order_acq_rel);
     }
-    while (done_.load(std::memory_order_acquire) < chunks) relax();
+    while (done_.load(std::memory_order_acquire) < total) relax();
   }
 
-  // A helper's loop: chunks of each posted job until stop().
+  // A helper's loop: pieces of each posted job until stop().
   void help() {
     uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
     while (!stop_.load(std::memory_order_acquire)) {
@@ -84,27 +82,20 @@ class Team {
         relax();
         continue;
       }
-      // Read the job, then claim a chunk of it only while its epoch is still the posted one
+      // Read the job, then claim pieces of it only while its epoch is still the posted one
       // (the compare-exchange fails once the poster has moved on to a later job).
-      const int64_t chunks = chunks_.load(std::memory_order_relaxed);
-      const int64_t chunk = chunk_.load(std::memory_order_relaxed);
+      const uint64_t epoch = s >> 32;
       const int64_t total = total_.load(std::memory_order_relaxed);
+      const int64_t unit = unit_.load(std::memory_order_relaxed);
       void (*fn)(const void*, int64_t, int64_t) = fn_.load(std::memory_order_relaxed);
       const void* ctx = ctx_.load(std::memory_order_relaxed);
-      const uint64_t epoch = s >> 32;
-      for (;;) {
-        const int64_t c = static_cast<int64_t>(s & 0xffffffffu);
-        if (c >= chunks) {
-          seen = epoch;
-          break;
-        }
-        if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-          fn(ctx, c * chunk, std::min(total, (c + 1) * chunk));
-          done_.fetch_add(1, std::memory_order_acq_rel);
-          s = state_.load(std::memory_order_acquire);
-        }
-        if ((s >> 32) != epoch) break;  // a later job: read it afresh
+      int64_t begin = 0, end = 0;
+      while (claim(s, epoch, total, unit, begin, end)) {
+        fn(ctx, begin, end);
+        done_.fetch_add(end - begin, std::memory_order_acq_rel);
+        s = state_.load(std::memory_order_acquire);
       }
+      seen = epoch;
     }
   }
 
@@ -116,9 +107,30 @@ class Team {
     (*static_cast<const F*>(ctx))(begin, end);
   }
 
-  // The posted job's epoch (high 32 bits) and its next unclaimed chunk (low 32 bits).
-  std::atomic<uint64_t> state_{0};
-  std::atomic<int64_t> total_{0}, chunk_{1}, chunks_{0}, done_{0};
+  // The next piece of job `epoch` (state s, re-read on a failed claim): a share of what is
+  // left, halved as the job drains (guided: the first pieces are each thread's large share,
+  // the last ones small, so a thread that runs slow or starts late leaves little for the
+  // others to wait on, in a handful of claims rather than one per small chunk).
+  bool claim(uint64_t& s, uint64_t epoch, int64_t total, int64_t unit, int64_t& begin, int64_t& end) {
+    for (;;) {
+      if ((s >> 32) != epoch) return false;
+      begin = static_cast<int64_t>(s & 0xffffffffu);
+      if (begin >= total) return false;
+      const int64_t left = (total - begin + unit - 1) / unit;
+      const int64_t take = std::max<int64_t>(1, (left + size_ - 1) / size_) * unit;
+      if (state_.compare_exchange_weak(s, s + static_cast<uint64_t>(take), std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        end = std::min(total, begin + take);
+        return true;
+      }
+    }
+  }
+
+  // The posted job's epoch (high 32 bits) and its next unclaimed index (low 32 bits); the
+  // indices done, on a line of their own (each side writes one, the other spins on it).
+  alignas(64) std::atomic<uint64_t> state_{0};
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<int64_t> total_{0}, unit_{1};
   std::atomic<void (*)(const void*, int64_t, int64_t)> fn_{nullptr};
   std::atomic<const void*> ctx_{nullptr};
   std::atomic<bool> stop_{false};
@@ -155,12 +167,13 @@ auto with_team(const Body& body) -> decltype(body()) {
 }
 
 // fn(begin, end) over [0, total), in chunks of whole units, each chunk taken by the next
-// free thread (inside a step team: posted to the team). Serial (one call) on one thread or
-// inside another parallel region.
+// free thread (inside a step team: posted to the team, in its guided pieces: a decode
+// step's products are too small for ~16 claims a thread, docs/performance.md). Serial (one
+// call) on one thread or inside another parallel region.
 template <typename F>
 void parallel_chunks(int64_t total, int64_t unit, const F& fn) {
   if (total <= 0) return;
-  if (Team* team = current_team()) return team->run(total, chunk_size(total, unit, team->size()), fn);
+  if (Team* team = current_team()) return team->run(total, unit, fn);
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t chunk = chunk_size(total, unit, threads);
   const int64_t chunks = (total + chunk - 1) / chunk;
