@@ -795,12 +795,18 @@ std::vector<Task> make_tasks(const int32_t* seq_lens, const int32_t* query_start
 // Start index of each run of tasks with the same (sequence, rows), plus the end. One thread
 // runs a whole run: the kv heads' K/V rows interleave within the same cache pages, so the
 // first head's reads bring the next head's rows into this core's cache; spread over two
-// cores, both would fetch every page from memory.
-std::vector<int64_t> task_groups(const std::vector<Task>& tasks) {
+// cores, both would fetch every page from memory. With fewer runs than threads (one
+// sequence decoding) each task is its own run: the other threads would otherwise wait out
+// the whole attention of a layer while one thread does it.
+std::vector<int64_t> task_groups(const std::vector<Task>& tasks, int64_t threads) {
   std::vector<int64_t> starts;
   for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i)
     if (i == 0 || tasks[i].seq != tasks[i - 1].seq || tasks[i].row_begin != tasks[i - 1].row_begin)
       starts.push_back(i);
+  if (static_cast<int64_t>(starts.size()) < threads) {
+    starts.resize(tasks.size());
+    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) starts[i] = i;
+  }
   starts.push_back(static_cast<int64_t>(tasks.size()));
   return starts;
 }
@@ -843,7 +849,7 @@ bool use_prefill(const Args<c10::BFloat16>& a, const Task& t) {
 template <typename T>
 void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   std::atomic<int64_t> next{0};
-  const std::vector<int64_t> groups = task_groups(tasks);
+  const std::vector<int64_t> groups = task_groups(tasks, at::get_num_threads());
   const int64_t n = static_cast<int64_t>(groups.size()) - 1;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   // In chunks (parallel.h): inside a decode step's team, a helper that is not on its core
