@@ -358,6 +358,41 @@ def test_windows_every_head_layout(make_backend, num_heads, num_kv_heads, head_d
     check_against_reference(make_backend(), step, AttentionKind(sliding_window=40, softcap=5.0))
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 1, 256), (8, 1, 64), (9, 3, 64), (14, 2, 64), (6, 2, 128), (3, 1, 24)],
+    ids=["mqa-d256", "mqa", "g3-d64", "g7-d64", "gqa-d128", "g3-d24-scalar"],
+)
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_one_sequence_shares_its_heads(
+    make_backend, num_heads, num_kv_heads, head_dim, threads, dtype
+):
+    # One decoding sequence has fewer tasks (kv heads) than threads: the kernel cuts each
+    # task's query heads into pieces, one thread a piece; every head must still land in its
+    # own output rows, with and without a window and soft-capping.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seq_len, kind in (
+            (300, FULL_ATTENTION),
+            (1, FULL_ATTENTION),
+            (300, AttentionKind(sliding_window=40, softcap=5.0)),
+        ):
+            step = make_step(
+                [(1, seq_len)],
+                block_size=16,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                seed=seq_len + head_dim,
+            )
+            check_against_reference(make_backend(), step, kind)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_window_reads_no_block_before_it(dtype):

@@ -846,12 +846,35 @@ bool use_prefill(const Args<c10::BFloat16>& a, const Task& t) {
 }
 #endif
 
+// Pieces to cut each task's query heads into: with fewer tasks than threads (one sequence
+// decoding over one or few kv heads: Gemma-3-270M has one), the threads share a task's
+// query heads, each reading the task's keys and values (from the shared cache) for its own.
+int64_t head_pieces(int64_t tasks, int64_t group, int64_t threads) {
+  if (tasks >= threads) return 1;
+  return std::min(group, (threads + tasks - 1) / tasks);
+}
+
+// The arguments for piece `piece` of `pieces` of kv head `kv_head`'s query heads, as a task
+// over a smaller group: the kernels address query head kv_head * group + h, so the query and
+// output pointers move to where that lands on the piece's first head.
+template <typename T>
+Args<T> head_slice(const Args<T>& a, int64_t kv_head, int64_t piece, int64_t pieces) {
+  const int64_t first = a.group * piece / pieces, count = a.group * (piece + 1) / pieces - first;
+  const int64_t shift = kv_head * a.group + first - kv_head * count;
+  Args<T> s = a;
+  s.query = a.query + shift * a.q_stride_head;
+  s.out = a.out + shift * a.head_dim;
+  s.group = count;
+  return s;
+}
+
 template <typename T>
 void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
   std::atomic<int64_t> next{0};
   const std::vector<int64_t> groups = task_groups(tasks, at::get_num_threads());
   const int64_t n = static_cast<int64_t>(groups.size()) - 1;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t pieces = head_pieces(static_cast<int64_t>(tasks.size()), a.group, at::get_num_threads());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n * pieces));
   // In chunks (parallel.h): inside a decode step's team, a helper that is not on its core
   // leaves its worker's tasks to the others.
   pagedllm_parallel::parallel_chunks(workers, 1, [&](int64_t, int64_t) {
@@ -872,63 +895,66 @@ void run_tasks(const Args<T>& a, const std::vector<Task>& tasks) {
       }
     }
 #endif
-    for (int64_t j = next.fetch_add(1); j < n; j = next.fetch_add(1))
-    for (int64_t i = groups[j]; i < groups[j + 1]; ++i) {
+    for (int64_t u = next.fetch_add(1); u < n * pieces; u = next.fetch_add(1)) {
+      const int64_t j = u / pieces;
+      const Args<T> s = pieces > 1 ? head_slice(a, tasks[groups[j]].kv_head, u % pieces, pieces) : a;
+      for (int64_t i = groups[j]; i < groups[j + 1]; ++i) {
 #if !defined(__AVX512F__)
-      // Without AVX-512: the whole run (its kv heads read together) on AVX2 + FMA, where the
-      // build has them and the head_dim is one of theirs.
-      if (i == groups[j] && pagedllm_attn::attend_avx2(a, tasks.data() + i, groups[j + 1] - i, avx2_scratch)) break;
+        // Without AVX-512: the whole run (its kv heads read together) on AVX2 + FMA, where the
+        // build has them and the head_dim is one of theirs.
+        if (i == groups[j] && pagedllm_attn::attend_avx2(s, tasks.data() + i, groups[j + 1] - i, avx2_scratch)) break;
 #endif
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        // The tile path has no windows or soft-capping: those layers take the dot products.
-        if (bf16_buffers.use_amx && a.group <= 16 && a.window == 0 && a.softcap == 0.0f) {
-          attend_amx64(a, tasks[i], bf16_buffers);
-          continue;
-        }
+          // The tile path has no windows or soft-capping: those layers take the dot products.
+          if (bf16_buffers.use_amx && s.group <= 16 && s.window == 0 && s.softcap == 0.0f) {
+            attend_amx64(s, tasks[i], bf16_buffers);
+            continue;
+          }
 #endif
-        if (use_prefill(a, tasks[i])) {
-          pagedllm_prefill::attend_prefill(prefill_args(a), prefill_task(a, tasks[i]), prefill_scratch);
-          continue;
+          if (use_prefill(s, tasks[i])) {
+            pagedllm_prefill::attend_prefill(prefill_args(s), prefill_task(s, tasks[i]), prefill_scratch);
+            continue;
+          }
+          if (s.use_bf16_dot && s.head_dim == 64) {
+            attend_bf16<2>(s, tasks[i], bf16_buffers);
+            continue;
+          }
+          if (s.use_bf16_dot && s.head_dim == 128) {
+            attend_bf16<4>(s, tasks[i], bf16_buffers);
+            continue;
+          }
+          if (s.use_bf16_dot && s.head_dim == 32) {
+            attend_bf16<1>(s, tasks[i], bf16_buffers);
+            continue;
+          }
+          if (s.use_bf16_dot && s.head_dim == 256) {
+            attend_bf16<8>(s, tasks[i], bf16_buffers);
+            continue;
+          }
         }
-        if (a.use_bf16_dot && a.head_dim == 64) {
-          attend_bf16<2>(a, tasks[i], bf16_buffers);
-          continue;
-        }
-        if (a.use_bf16_dot && a.head_dim == 128) {
-          attend_bf16<4>(a, tasks[i], bf16_buffers);
-          continue;
-        }
-        if (a.use_bf16_dot && a.head_dim == 32) {
-          attend_bf16<1>(a, tasks[i], bf16_buffers);
-          continue;
-        }
-        if (a.use_bf16_dot && a.head_dim == 256) {
-          attend_bf16<8>(a, tasks[i], bf16_buffers);
-          continue;
-        }
-      }
 #endif
 #if defined(__AVX512F__)
-      if (a.head_dim == 64) {
-        attend_vec<T, 4>(a, tasks[i], scores, qbuf, acc);
-        continue;
-      }
-      if (a.head_dim == 128) {
-        attend_vec<T, 8>(a, tasks[i], scores, qbuf, acc);
-        continue;
-      }
-      if (a.head_dim == 32) {
-        attend_vec<T, 2>(a, tasks[i], scores, qbuf, acc);
-        continue;
-      }
-      if (a.head_dim == 256) {
-        attend_vec<T, 16>(a, tasks[i], scores, qbuf, acc);
-        continue;
-      }
+        if (s.head_dim == 64) {
+          attend_vec<T, 4>(s, tasks[i], scores, qbuf, acc);
+          continue;
+        }
+        if (s.head_dim == 128) {
+          attend_vec<T, 8>(s, tasks[i], scores, qbuf, acc);
+          continue;
+        }
+        if (s.head_dim == 32) {
+          attend_vec<T, 2>(s, tasks[i], scores, qbuf, acc);
+          continue;
+        }
+        if (s.head_dim == 256) {
+          attend_vec<T, 16>(s, tasks[i], scores, qbuf, acc);
+          continue;
+        }
 #endif
-      attend_scalar<T>(a, tasks[i], scores, qbuf, acc);
+        attend_scalar<T>(s, tasks[i], scores, qbuf, acc);
+      }
     }
   });
 }
