@@ -43,9 +43,10 @@ constexpr int ROW_BLOCK = 4;
 // multiplied: a decode step streams every weight from memory once, and the hardware
 // prefetcher alone left the integer work waiting on it. A distance in bytes, not rows: four
 // rows ahead (the first choice) was 1.4 KB for SmolLM2's rows but 3.8 KB for its down
-// projection's and 16 KB for Qwen's, and 1-1.5 KB measured best on each, 2-8 KB and no
-// prefetch worse (docs/performance.md, quantized weights).
-constexpr int64_t PREFETCH_BYTES = 1024;
+// projection's and 16 KB for Qwen's. One thread on a busy machine measured 1-1.5 KB best;
+// two threads on a quiet one (the decode step) 2 KB: 2-8% faster per linear than 1 KB, 3-4
+// KB slower again (docs/performance.md, quantized weights).
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
 enum class Route { avx512_vnni = 0, avx_vnni = 1, avx2 = 2, none = 3 };
