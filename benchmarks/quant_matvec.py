@@ -31,6 +31,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_decode import random_weight  # noqa: E402
+
 # (model, linear, GGUF format, N, K): the products of one decode step, as the engine holds
 # them (same-format q/k/v and gate/up fused into one weight).
 CASES = (
@@ -54,26 +57,6 @@ CASES = (
 MODELS = ("smollm2", "qwen", "gemma")
 # The tree this script runs from.
 THIS = "this"
-
-
-def random_weight(format: str, rows: int, width: int, seed: int = 0):
-    """A ``QuantWeight`` of random GGUF blocks (quants uniform, scales about 1e-3): for
-    timing, not for numbers."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from pagedllm.kernels.quant import from_gguf_blocks
-
-    kind = GGMLQuantizationType[format]
-    block, size = GGML_QUANT_SIZES[kind]
-    count = rows * width // block
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 2e-3, count).astype(np.float16).view(np.uint8).reshape(count, 2)
-    starts = {"Q6_K": [208]}.get(format, [0, 2] if format in ("Q4_1", "Q4_K", "Q5_K") else [0])
-    for start in starts:
-        raw[:, start : start + 2] = scales
-    return from_gguf_blocks(raw.reshape(rows, -1), format, (rows, width))
 
 
 def child(args: argparse.Namespace) -> dict:

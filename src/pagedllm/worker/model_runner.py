@@ -14,9 +14,9 @@ malloc's defaults.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +44,8 @@ from pagedllm.worker.sampler import (
 )
 from pagedllm.worker.spec_verify import accept_argmax, has_drafts, verify
 from pagedllm.worker.threads import ThreadGovernor
+
+T = TypeVar("T")
 
 
 class TorchModelRunner:
@@ -377,10 +379,11 @@ class TorchModelRunner:
         staging of the blocks it sealed once the pass succeeded. ``drafts``: each
         sequence's draft positions (a quantized cache keeps the rows of a block it seals
         over a draft until the draft is verified: ``_settle_drafts``)."""
-        meta.quant = self.kv_cache.plan_step(meta, drafts)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
-        self.kv_cache.finish_step()
-        return hidden
+        return self._planned(
+            meta,
+            drafts,
+            lambda: self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows),
+        )
 
     def _forward_head(
         self,
@@ -393,12 +396,21 @@ class TorchModelRunner:
         argmax: bool,
     ) -> StepOutput:
         """``_forward`` through the model's ``forward_head``."""
-        meta.quant = self.kv_cache.plan_step(meta, drafts)
-        step = self.model.forward_head(
-            input_ids, positions, self.kv_caches, meta, output_rows, argmax=argmax
+        return self._planned(
+            meta,
+            drafts,
+            lambda: self.model.forward_head(
+                input_ids, positions, self.kv_caches, meta, output_rows, argmax=argmax
+            ),
         )
+
+    def _planned(self, meta: AttentionMetadata, drafts: Sequence[int], run: Callable[[], T]) -> T:
+        """``run()`` (a forward pass) with the cache's plan for the step made first and its
+        staging freed once the pass succeeded."""
+        meta.quant = self.kv_cache.plan_step(meta, drafts)
+        result = run()
         self.kv_cache.finish_step()
-        return step
+        return result
 
     def _step_tokens(self, step: StepOutput) -> torch.Tensor:
         """Each row's argmax: from the step's head where it ran, else ``_best_tokens``."""

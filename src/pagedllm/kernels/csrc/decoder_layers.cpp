@@ -30,10 +30,7 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 using OptTensors = c10::List<OptTensor>;
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
+using pagedllm_step::op;  // an op's typed handle, looked up by name
 
 // The ops' C++ signatures (as registered by the files that define them).
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);

@@ -87,10 +87,7 @@ at::Tensor offset_rms_norm(const at::Tensor& x, const at::Tensor& weight, double
   return out;
 }
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
+using pagedllm_step::op;  // an op's typed handle, looked up by name
 
 using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
 using QuantGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&);

@@ -50,6 +50,8 @@ inline void check_head(const Head& head, const char* op) {
   TORCH_CHECK(head.weight.has_value() || !head.argmax, op, ": head_argmax needs a head");
 }
 
+// An op's typed handle (through the dispatcher: the layer loops need nothing from the files
+// that define the ops they call).
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
