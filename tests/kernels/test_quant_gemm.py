@@ -103,7 +103,7 @@ def test_layout_dequantises_as_gguf_does(format) -> None:
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
 @pytest.mark.parametrize("format", FORMATS)
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 16, 21])
 def test_integer_kernel_matches_the_float_reference(route, format, num_rows) -> None:
     weight, reference = gguf_weight(format, 40)
     x = torch.randn(num_rows, reference.shape[1], generator=torch.Generator().manual_seed(7))
@@ -172,6 +172,29 @@ def test_every_integer_route_gives_the_same_bits(format) -> None:
         pytest.skip(f"this CPU has one integer route only ({', '.join(outs) or 'none'})")
     first = next(iter(outs.values()))
     assert all(torch.equal(out, first) for out in outs.values())
+
+
+@pytest.mark.parametrize("route", QUANT_ROUTES)
+@pytest.mark.parametrize(("format", "activations"), [(f, "int8") for f in FORMATS] + [("Q8_0", "int16")])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, activations) -> None:
+    """Eight rows or more take the rows-in-lanes kernel (a row's values in one lane of a
+    vector, padded to whole groups of rows); fewer take the row kernel. Every row of a call
+    is bit for bit that row alone, in float32 and bf16 with a bias, on widths with a last
+    partial group."""
+    width = 512 if format in K_QUANTS else 224 + 32 * (len(format) % 3)
+    weight, _ = gguf_weight(format, 24, width=width, seed=5)
+    with quant_gemm_capped(route):
+        saved = ops.set_quant_gemm_q8_0_activations(activations)
+        try:
+            for dtype in (torch.float32, torch.bfloat16):
+                for num_rows in (8, 9, 17, 33):
+                    x = torch.randn(num_rows, width, generator=torch.Generator().manual_seed(num_rows)).to(dtype)
+                    bias = torch.randn(24).to(dtype)
+                    together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
+                    alone = [ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias) for r in range(num_rows)]
+                    assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
+        finally:
+            ops.set_quant_gemm_q8_0_activations(saved)
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)

@@ -25,9 +25,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <ctime>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -215,24 +217,24 @@ const Activations& quantize_rows(const at::Tensor& x) {
 }
 
 #if defined(QUANT_AVX2)
-// Eight int32 sums of four u8 x s8 products each.
+// acc + eight int32 sums of four u8 x s8 products each.
 template <Route R>
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  if constexpr (R == Route::avx512_vnni) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  if constexpr (R == Route::avx512_vnni) return _mm256_dpbusd_epi32(acc, u, s);
 #endif
 #if defined(__AVXVNNI__)
-  if constexpr (R == Route::avx_vnni) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  if constexpr (R == Route::avx_vnni) return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
   // maddubs's int16 pair sums cannot saturate: q <= 128 (|Q8_0|) or 63, |xq| <= 127.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
 template <Route R, Format F>
 inline __m256i block_dot(__m256i w, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  if constexpr (F == Format::q8_0) return dot_u8s8<R>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return dot_u8s8<R>(w, x);
+  if constexpr (F == Format::q8_0) return dot_u8s8<R>(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return dot_u8s8<R>(_mm256_setzero_si256(), w, x);
 }
 
 // hadd_epi32(a, b) for lane sums that fit in int16 (|sum| <= 4 * 63 * 127 but for Q8_0's):
@@ -358,6 +360,13 @@ __attribute__((always_inline)) inline void group_step(const Layout& l, const uin
   }
 }
 
+// The lines PREFETCH_BYTES past the start of weight row n (none past the weight's end).
+inline void prefetch_ahead(const Weight& w, int64_t n) {
+  const int64_t ahead = n * w.lay.bytes + PREFETCH_BYTES, end = w.n * w.lay.bytes;
+  for (int64_t i = 0; i < std::min(w.lay.bytes, end - ahead); i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
+}
+
 // out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1): each group of a
 // weight row is loaded once for the RB rows.
 template <Route R, Format F, int RB>
@@ -365,12 +374,9 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   const Layout& l = w.lay;
   const int64_t blocks = l.blocks(), whole = blocks / GROUP;
   const int tail = static_cast<int>(blocks % GROUP);
-  const int64_t end = w.n * l.bytes;  // no prefetch past the weight
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
-    const int64_t ahead = n * l.bytes + PREFETCH_BYTES;
-    for (int64_t i = 0; i < std::min(l.bytes, end - ahead); i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
+    prefetch_ahead(w, n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);
@@ -488,12 +494,9 @@ void wide_row_block(const Weight& w, const WideActivations& a, int64_t r0, int64
   const Layout& l = w.lay;
   const int64_t whole = l.blocks() / GROUP;
   const int tail = static_cast<int>(l.blocks() % GROUP);
-  const int64_t end = w.n * l.bytes;  // no prefetch past the weight
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
-    const int64_t ahead = n * l.bytes + PREFETCH_BYTES;
-    for (int64_t i = 0; i < std::min(l.bytes, end - ahead); i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
+    prefetch_ahead(w, n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < whole; ++g) wide_group_step<R, RB>(l, row, g, GROUP, a, r0, acc);
@@ -510,30 +513,270 @@ void wide_rows(const Weight& w, const WideActivations& a, int64_t rows, int64_t 
   if (r0 < rows) wide_row_block<R, 1>(w, a, r0, n0, n1, out);
 }
 
-void run_wide(Route route, const Weight& w, const WideActivations& a, int64_t rows, int64_t n0, int64_t n1,
-              const Output& out) {
-  switch (route) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case Route::avx512_vnni: return wide_rows<Route::avx512_vnni>(w, a, rows, n0, n1, out);
+// ---- Eight rows or more: rows in lanes. The row kernels above end each (row, block) product
+// in eight int32 lanes that must be summed across (halves8), per activation row: at 16 rows
+// that reduction is most of the work. Here eight activation rows share a vector instead, lane
+// r holding row r's dword (four int8 or two int16 values) at one place of a block: a weight
+// dword broadcast to every lane multiplies eight rows at once, and each lane's sum is its own
+// row's, with nothing to sum across. The float work is the row kernels' operations per (row,
+// block) in their order (block j of a group in accumulator j, the last sum in hsum's order),
+// so a row gets the same bits whichever rows share its call.
+constexpr int LANES = 8;
+#if defined(__AVX512F__)
+constexpr int LANE_VECTORS = 2;  // 32 vector registers: two row groups share each broadcast
+#else
+constexpr int LANE_VECTORS = 1;
 #endif
-#if defined(__AVXVNNI__)
-    case Route::avx_vnni: return wide_rows<Route::avx_vnni>(w, a, rows, n0, n1, out);
-#endif
-    default: return wide_rows<Route::avx2>(w, a, rows, n0, n1, out);
+
+// Activations rows-in-lanes, padded with zero rows to whole groups of LANES: xq [row group]
+// [block][dword][lane] (Q: int8 or int16); per block dx, sx, the xq sum and that of its first
+// 16 values, [row group][block][lane] (sx, sum, first16: int8 activations only).
+template <typename Q>
+struct LaneActivations {
+  std::vector<Q> xq;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> sum, first16;
+};
+
+template <typename Q, typename A>
+const LaneActivations<Q>& lanes_of(const A& a, int64_t rows, int64_t k) {
+  thread_local LaneActivations<Q> t;
+  constexpr int64_t per = 4 / sizeof(Q);  // values in a dword
+  const int64_t blocks = k / BLOCK, slots = (rows + LANES - 1) / LANES * blocks * LANES;
+  t.xq.assign(slots * BLOCK, 0);
+  t.dx.assign(slots, 0.f);
+  constexpr bool narrow = std::is_same_v<A, Activations>;
+  if constexpr (narrow) {
+    t.sx.assign(slots, 0.f);
+    t.sum.assign(slots, 0);
+    t.first16.assign(slots, 0);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t slot = ((r / LANES) * blocks + b) * LANES + r % LANES, i = r * blocks + b;
+      const Q* from = a.xq.data() + i * BLOCK;
+      Q* to = t.xq.data() + (slot - r % LANES) * BLOCK + (r % LANES) * per;
+      for (int64_t d = 0; d < BLOCK / per; ++d) std::memcpy(to + d * per * LANES, from + d * per, 4);
+      t.dx[slot] = a.dx[i];
+      if constexpr (narrow) {
+        t.sx[slot] = a.sx[i];
+        t.sum[slot] = a.sum[i];
+        t.first16[slot] = a.first16[i];
+      }
+    }
+  }
+  return t;
+}
+
+template <typename T>
+inline __m256i load_si256(const T* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// acc + one block's products of a row group (its lanes at `slot`): two int32 sums (Q6_K: over
+// the first 16 values and the last 16; else over any two halves of the dwords), the weight's
+// scales d, m of this block.
+template <Format F>
+inline __m256 lane_accumulate(__m256 acc, __m256i s0, __m256i s1, float d, float m,
+                              const LaneActivations<int8_t>& t, int64_t slot) {
+  const __m256 dx = _mm256_loadu_ps(t.dx.data() + slot);
+  if constexpr (F == Format::q6_k) {
+    const __m256i sum = load_si256(t.sum.data() + slot), first16 = load_si256(t.first16.data() + slot);
+    const __m256i first = _mm256_sub_epi32(s0, _mm256_slli_epi32(first16, 5));
+    const __m256i last = _mm256_sub_epi32(s1, _mm256_slli_epi32(_mm256_sub_epi32(sum, first16), 5));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(_mm256_set1_ps(m), dx), acc);
+  } else {
+    __m256i total = _mm256_add_epi32(s0, s1);
+    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_si256(t.sum.data() + slot), 3));
+    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_si256(t.sum.data() + slot), 4));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
+    const __m256 sx = _mm256_loadu_ps(t.sx.data() + slot);
+    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(_mm256_set1_ps(m), sx, acc);
+    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(_mm256_set1_ps(m), sx, acc);
+    return acc;
   }
 }
 
-void run(Route route, const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
-  switch (route) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case Route::avx512_vnni: return run_route<Route::avx512_vnni>(w, a, rows, n0, n1, out);
-#endif
-#if defined(__AVXVNNI__)
-    case Route::avx_vnni: return run_route<Route::avx_vnni>(w, a, rows, n0, n1, out);
-#endif
-    default: return run_route<Route::avx2>(w, a, rows, n0, n1, out);
+// acc[j][v] += row group g0 + v's products with group g of weight row `row` (int8
+// activations). Four chains of dependent dot products per row group, not one: each is a
+// quarter of a block's dwords.
+template <Route R, Format F, int V>
+__attribute__((always_inline)) inline void lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                      const LaneActivations<int8_t>& t, int64_t g0,
+                                                      __m256 acc[GROUP][V]) {
+  const int64_t blocks = l.blocks();
+  alignas(32) uint8_t qb[GROUP][BLOCK];
+  alignas(32) float d[GROUP], m[GROUP];
+  __m256i q[GROUP];
+  load_group<F>(l, row, g, count, q);
+  for (int j = 0; j < count; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
+  const GroupScales scales = group_scales<F>(l, row, g, count);
+  _mm256_store_ps(d, scales.d);
+  _mm256_store_ps(m, scales.m);
+  for (int j = 0; j < count; ++j) {
+    const int64_t b = g * GROUP + j;
+    __m256i s[4][V];
+    for (int h = 0; h < 4; ++h)
+      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
+    for (int i = 0; i < BLOCK / 4; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, qb[j] + 4 * i, 4);
+      const __m256i wv = _mm256_set1_epi32(bits);
+      const int h = F == Format::q6_k ? i / 4 * 2 + i % 2 : i % 4;  // Q6_K: 0, 1 the first 16 values
+      for (int v = 0; v < V; ++v) {
+        const __m256i x = load_si256(t.xq.data() + (((g0 + v) * blocks + b) * LANES + i) * 32);
+        if constexpr (F == Format::q8_0) {
+          s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv));
+        } else {
+          s[h][v] = dot_u8s8<R>(s[h][v], wv, x);
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v)
+      acc[j][v] = lane_accumulate<F>(acc[j][v], _mm256_add_epi32(s[0][v], s[1][v]), _mm256_add_epi32(s[2][v], s[3][v]),
+                                     d[j], m[j], t, ((g0 + v) * blocks + b) * LANES);
   }
 }
+
+// acc[j][v] += row group g0 + v's products with group g of a Q8_0 weight row (int16
+// activations: a dword is two of them, 16 to a block; the row kernel's wide_group_step).
+template <Route R, int V>
+__attribute__((always_inline)) inline void wide_lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                           const LaneActivations<int16_t>& t, int64_t g0,
+                                                           __m256 acc[GROUP][V]) {
+  const int64_t blocks = l.blocks();
+  alignas(32) int16_t qb[GROUP][BLOCK];
+  alignas(32) float d[GROUP];
+  for (int j = 0; j < count; ++j) {
+    const uint8_t* p = row + (g * GROUP + j) * BLOCK;
+    for (int half = 0; half < 2; ++half)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j] + 16 * half),
+                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half))));
+  }
+  _mm256_store_ps(d, group_scales<Format::q8_0>(l, row, g, count).d);
+  for (int j = 0; j < count; ++j) {
+    const int64_t b = g * GROUP + j;
+    __m256i s[4][V];
+    for (int h = 0; h < 4; ++h)
+      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
+    for (int i = 0; i < BLOCK / 2; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, qb[j] + 2 * i, 4);
+      const __m256i wv = _mm256_set1_epi32(bits);
+      for (int v = 0; v < V; ++v)
+        s[i % 4][v] = dot_s16<R>(s[i % 4][v], wv, load_si256(t.xq.data() + (((g0 + v) * blocks + b) * 2 * LANES + i) * 16));
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m256 dx = _mm256_loadu_ps(t.dx.data() + ((g0 + v) * blocks + b) * LANES);
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0][v], s[1][v]), _mm256_add_epi32(s[2][v], s[3][v]));
+      acc[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_set1_ps(d[j]), dx), acc[j][v]);
+    }
+  }
+}
+
+// out[r][n] for the rows of row group `group` (of `rows` in all): the sum over acc[.][v] lanes
+// in hsum's order ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
+template <int V>
+inline void store_lanes(__m256 acc[GROUP][V], int v, int64_t group, int64_t rows, int64_t n, const Output& out) {
+  const __m256 t0 = _mm256_add_ps(acc[0][v], acc[4][v]), t1 = _mm256_add_ps(acc[1][v], acc[5][v]);
+  const __m256 t2 = _mm256_add_ps(acc[2][v], acc[6][v]), t3 = _mm256_add_ps(acc[3][v], acc[7][v]);
+  alignas(32) float sums[LANES];
+  _mm256_store_ps(sums, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+  for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
+}
+
+// out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1); Q: the activations' type
+// (int16: Q8_0's wide route).
+template <Route R, Format F, typename Q, int V>
+void lane_block(const Weight& w, const LaneActivations<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
+                const Output& out) {
+  const Layout& l = w.lay;
+  const int64_t whole = l.blocks() / GROUP;
+  const int tail = static_cast<int>(l.blocks() % GROUP);
+  auto group = [&](const uint8_t* row, int64_t g, int count, __m256 acc[GROUP][V]) {
+    if constexpr (std::is_same_v<Q, int16_t>) {
+      wide_lane_group<R, V>(l, row, g, count, t, g0, acc);
+    } else {
+      lane_group<R, F, V>(l, row, g, count, t, g0, acc);
+    }
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.row(n);
+    prefetch_ahead(w, n);
+    __m256 acc[GROUP][V];
+    for (int j = 0; j < GROUP; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < whole; ++g) group(row, g, GROUP, acc);
+    if (tail > 0) group(row, whole, tail, acc);
+    for (int v = 0; v < V; ++v) store_lanes<V>(acc, v, g0 + v, rows, n, out);
+  }
+}
+
+template <Route R, Format F, typename Q>
+void lane_rows(const Weight& w, const LaneActivations<Q>& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  const int64_t groups = (rows + LANES - 1) / LANES;
+  int64_t g = 0;
+  for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS) lane_block<R, F, Q, LANE_VECTORS>(w, t, g, rows, n0, n1, out);
+  for (; g < groups; ++g) lane_block<R, F, Q, 1>(w, t, g, rows, n0, n1, out);
+}
+
+template <Route R>
+void lane_formats(const Weight& w, const LaneActivations<int8_t>& t, int64_t rows, int64_t n0, int64_t n1,
+                  const Output& out) {
+  switch (w.lay.format) {
+    case Format::q8_0: return lane_rows<R, Format::q8_0>(w, t, rows, n0, n1, out);
+    case Format::q4_0: return lane_rows<R, Format::q4_0>(w, t, rows, n0, n1, out);
+    case Format::q4_1: return lane_rows<R, Format::q4_1>(w, t, rows, n0, n1, out);
+    case Format::q5_0: return lane_rows<R, Format::q5_0>(w, t, rows, n0, n1, out);
+    case Format::q4_k: return lane_rows<R, Format::q4_k>(w, t, rows, n0, n1, out);
+    case Format::q5_k: return lane_rows<R, Format::q5_k>(w, t, rows, n0, n1, out);
+    case Format::q6_k: return lane_rows<R, Format::q6_k>(w, t, rows, n0, n1, out);
+  }
+}
+
+// The products of one call on route R: rows in lanes where they were laid out so (lanes not
+// null), else the row kernels.
+template <Route R>
+void run_on(const Weight& w, const Activations& a, const LaneActivations<int8_t>* lanes, int64_t rows, int64_t n0,
+            int64_t n1, const Output& out) {
+  if (lanes != nullptr) return lane_formats<R>(w, *lanes, rows, n0, n1, out);
+  run_route<R>(w, a, rows, n0, n1, out);
+}
+
+template <Route R>
+void wide_on(const Weight& w, const WideActivations& a, const LaneActivations<int16_t>* lanes, int64_t rows,
+             int64_t n0, int64_t n1, const Output& out) {
+  if (lanes != nullptr) return lane_rows<R, Format::q8_0>(w, *lanes, rows, n0, n1, out);
+  wide_rows<R>(w, a, rows, n0, n1, out);
+}
+
+void run(Route route, const Weight& w, const Activations& a, const LaneActivations<int8_t>* lanes, int64_t rows,
+         int64_t n0, int64_t n1, const Output& out) {
+  switch (route) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case Route::avx512_vnni: return run_on<Route::avx512_vnni>(w, a, lanes, rows, n0, n1, out);
+#endif
+#if defined(__AVXVNNI__)
+    case Route::avx_vnni: return run_on<Route::avx_vnni>(w, a, lanes, rows, n0, n1, out);
+#endif
+    default: return run_on<Route::avx2>(w, a, lanes, rows, n0, n1, out);
+  }
+}
+
+void run_wide(Route route, const Weight& w, const WideActivations& a, const LaneActivations<int16_t>* lanes,
+              int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  switch (route) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case Route::avx512_vnni: return wide_on<Route::avx512_vnni>(w, a, lanes, rows, n0, n1, out);
+#endif
+#if defined(__AVXVNNI__)
+    case Route::avx_vnni: return wide_on<Route::avx_vnni>(w, a, lanes, rows, n0, n1, out);
+#endif
+    default: return wide_on<Route::avx2>(w, a, lanes, rows, n0, n1, out);
+  }
+}
+
 #endif
 
 // out = x @ w.T (+ bias) in x's dtype on the integer kernel, x [rows, K].
@@ -551,13 +794,16 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
 #if defined(QUANT_AVX2)
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
+  const bool in_lanes = rows >= LANES;
   if (w.lay.format == Format::q8_0 && wide_activations()) {
     const WideActivations& a = quantize_rows_wide(x);
-    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, rows, n0, n1, o); });
+    const auto* lanes = in_lanes ? &lanes_of<int16_t>(a, rows, w.lay.k) : nullptr;
+    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, lanes, rows, n0, n1, o); });
     return out;
   }
   const Activations& a = quantize_rows(x);
-  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, rows, n0, n1, o); });
+  const auto* lanes = in_lanes ? &lanes_of<int8_t>(a, rows, w.lay.k) : nullptr;
+  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, lanes, rows, n0, n1, o); });
 #endif
   return out;
 }
