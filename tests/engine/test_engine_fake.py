@@ -370,3 +370,24 @@ def test_lazy_and_plain_steps_mixed_give_the_plain_outputs(fake_engine):
         assert got == ([o for o in expected if o.finished] if lazy else expected), step
         step += 1
     assert not mixed.has_unfinished_requests()
+
+
+def test_an_engine_gone_idle_hands_its_freed_memory_back(fake_engine, monkeypatch) -> None:
+    """The step that finishes the last request releases the heap's freed pages (the steps'
+    buffers), once; steps with work left, and idle calls, do not."""
+    from pagedllm.engine import llm_engine
+
+    releases: list[int] = []
+    monkeypatch.setattr(llm_engine, "release_freed_memory", lambda: releases.append(1))
+    engine = fake_engine()
+    add_all(engine, max_tokens=6)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert len(releases) == (0 if engine.has_unfinished_requests() else 1)
+    engine.step()  # idle: nothing to release again
+    assert steps > 1 and len(releases) == 1
+    engine.add_request("again", "hello", SamplingParams(max_tokens=2))
+    run_all(engine)
+    assert len(releases) == 2

@@ -5,7 +5,11 @@ the system, weights placed on transparent huge pages. Pure Python (ctypes for gl
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import mmap
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +50,28 @@ def resident_bytes() -> int | None:
     return None if resident is None else resident.total
 
 
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (``find_library`` alone takes milliseconds), or None off
+    Linux or where it does not load."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+
+
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): loading
     frees hundreds of MiB of transient objects (a GGUF's blocks being repacked, a
-    tokenizer's parsed JSON) that glibc would otherwise keep, counted in the resident set.
-    A no-op where the C library has no such call."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    tokenizer's parsed JSON), and an engine that goes idle leaves its steps' buffers
+    (worker/allocator.py keeps them between steps), that glibc would otherwise keep, counted
+    in the resident set. A no-op where the C library has no such call."""
+    with contextlib.suppress(AttributeError):
+        library = libc()
+        if library is not None:
+            library.malloc_trim(0)
 
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels

@@ -14,8 +14,6 @@ tcmalloc; ``mallopt`` does it in-process.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import logging
 import mmap
 import os
@@ -24,6 +22,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
+from pagedllm.util.memory import libc
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +42,11 @@ HUGE_PAGE = 2 << 20
 def keep_step_buffers() -> bool:
     """Tune glibc's malloc as described above; False (and nothing changed) where the C
     library is not glibc. Process-wide and idempotent."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
+    ok = mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD)) == 1
+    ok = mallopt(ctypes.c_int(M_TRIM_THRESHOLD), ctypes.c_int(TRIM_THRESHOLD)) == 1 and ok
     if not ok:
         logger.info("mallopt refused the step-buffer settings; keeping malloc's defaults")
     return ok
@@ -182,27 +175,14 @@ def _populate(ranges: Sequence[tuple[int, int]]) -> None:
 def _madvise(address: int, length: int, advice: int) -> bool:
     """``madvise`` through ctypes (which lets other threads run meanwhile); False where
     it is unavailable or refused (then the memory simply stays as it is)."""
-    libc = _libc()
-    if libc is None or length <= 0:
+    library = libc()
+    if library is None or length <= 0:
         return False
     start = address - address % PAGE
     return (
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice) == 0
+        library.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), ctypes.c_int(advice))
+        == 0
     )
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    return libc
 
 
 def _numel(shape: Sequence[int]) -> int:
