@@ -175,7 +175,9 @@ def test_every_integer_route_gives_the_same_bits(format) -> None:
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
-@pytest.mark.parametrize(("format", "activations"), [(f, "int8") for f in FORMATS] + [("Q8_0", "int16")])
+@pytest.mark.parametrize(
+    ("format", "activations"), [(f, "int8") for f in FORMATS] + [("Q8_0", "int16")]
+)
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, activations) -> None:
     """Eight rows or more take the rows-in-lanes kernel (a row's values in one lane of a
     vector, padded to whole groups of rows); fewer take the row kernel. Every row of a call
@@ -188,10 +190,15 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
         try:
             for dtype in (torch.float32, torch.bfloat16):
                 for num_rows in (8, 9, 17, 33):
-                    x = torch.randn(num_rows, width, generator=torch.Generator().manual_seed(num_rows)).to(dtype)
+                    x = torch.randn(
+                        num_rows, width, generator=torch.Generator().manual_seed(num_rows)
+                    ).to(dtype)
                     bias = torch.randn(24).to(dtype)
                     together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
-                    alone = [ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias) for r in range(num_rows)]
+                    alone = [
+                        ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias)
+                        for r in range(num_rows)
+                    ]
                     assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
         finally:
             ops.set_quant_gemm_q8_0_activations(saved)

@@ -180,7 +180,9 @@ def _madvise(address: int, length: int, advice: int) -> bool:
         return False
     start = address - address % PAGE
     return (
-        library.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), ctypes.c_int(advice))
+        library.madvise(
+            ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), ctypes.c_int(advice)
+        )
         == 0
     )
 
