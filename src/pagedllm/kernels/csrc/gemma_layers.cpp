@@ -214,7 +214,7 @@ pagedllm_step::Step gemma_layers(const at::Tensor& hidden, const at::Tensor& cos
     }
     return offset_rms_norm(h, final_norm, eps);
   };
-  return pagedllm_step::run_step(weight_formats, step_head, tokens, loop);
+  return pagedllm_step::run_step(weight_formats, step_head, tokens, /*own_ops=*/false, loop);
 }
 
 }  // namespace
