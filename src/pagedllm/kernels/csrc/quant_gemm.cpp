@@ -115,14 +115,18 @@ std::string set_quant_gemm_q8_0_activations(const std::string& kind) {
   return wide_flag().exchange(kind == "int16") ? "int16" : "int8";
 }
 
-// x [rows, k] quantised per block: xq int8 [rows, k]; per block (rows * blocks, then GROUP
-// zeros, so that a last partial group reads whole vectors) dx, sx = dx sum(xq), the sum of
-// xq and that of its first 16. One set per thread, reused from call to call.
-struct Activations {
-  std::vector<int8_t> xq;
+// Activations quantised per block: xq (Q: int8, or int16 for Q8_0 weights); per block dx,
+// and for int8 sx = dx sum(xq), the sum of xq and that of its first 16. Row by row
+// (quantize_rows: xq [rows, k], the per-block values rows * blocks then GROUP zeros, so that
+// a last partial group reads whole vectors) or rows in lanes (lanes_of, below). One set per
+// thread and layout, reused from call to call.
+template <typename Q>
+struct QuantizedRows {
+  std::vector<Q> xq;
   std::vector<float> dx, sx;
   std::vector<int32_t> sum, first16;
 };
+using Activations = QuantizedRows<int8_t>;
 
 #if defined(QUANT_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -308,31 +312,42 @@ inline GroupScales group_scales(const Layout& l, const uint8_t* row, int64_t g, 
   }
 }
 
+// acc + the float terms of eight (row, block) products, lane by lane: first and last their
+// int32 sums over the block's first and last 16 values (any split of the sum but for Q6_K,
+// whose halves have scales of their own), d and m the weight's scales (GroupScales), the
+// activations' per-block values the eight entries of `a` from `at` (Q8_0 reads dx only). The
+// row kernels (a lane: one of a group's blocks) and the lane kernels (a lane: one of eight
+// rows) both end here, so a product's float work is the same whichever kernel ran it.
+template <Format F, typename Q>
+inline __m256 add_block_terms(__m256 acc, __m256i first, __m256i last, __m256 d, __m256 m,
+                              const QuantizedRows<Q>& a, int64_t at) {
+  auto load_int = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  const __m256 dx = _mm256_loadu_ps(a.dx.data() + at);
+  if constexpr (F == Format::q6_k) {
+    // q - 32 in each half: subtract 32 times the half's activation sum.
+    const __m256i sum = load_int(a.sum.data() + at), first16 = load_int(a.first16.data() + at);
+    first = _mm256_sub_epi32(first, _mm256_slli_epi32(first16, 5));
+    last = _mm256_sub_epi32(last, _mm256_slli_epi32(_mm256_sub_epi32(sum, first16), 5));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(d, dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(m, dx), acc);
+  } else {
+    __m256i total = _mm256_add_epi32(first, last);
+    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), 3));
+    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), 4));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc);
+    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
+    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
+    return acc;
+  }
+}
+
 // acc += one activation row's products with a group (s: its blocks' lane sums; i: the
 // group's first block in the activations).
 template <Route R, Format F>
 inline __m256 accumulate(__m256 acc, const __m256i s[GROUP], const GroupScales& w, const Activations& a, int64_t i) {
-  const __m256 dx = _mm256_loadu_ps(a.dx.data() + i);
-  const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum.data() + i));
   __m256i first, last;
   halves8<R, F>(s, first, last);
-  if constexpr (F == Format::q6_k) {
-    // q - 32 in each half: subtract 32 times the half's activation sum.
-    const __m256i first16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.first16.data() + i));
-    first = _mm256_sub_epi32(first, _mm256_slli_epi32(first16, 5));
-    last = _mm256_sub_epi32(last, _mm256_slli_epi32(_mm256_sub_epi32(sum, first16), 5));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(w.d, dx), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(w.m, dx), acc);
-  } else {
-    __m256i total = _mm256_add_epi32(first, last);
-    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(sum, 3));
-    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(sum, 4));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(w.d, dx), acc);
-    const __m256 sx = _mm256_loadu_ps(a.sx.data() + i);
-    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(w.m, sx, acc);
-    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(w.m, sx, acc);
-    return acc;
-  }
+  return add_block_terms<F>(acc, first, last, w.d, w.m, a, i);
 }
 
 inline float hsum(__m256 v) {
@@ -413,10 +428,7 @@ void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, 
 // is the int32 sum of q (sign-extended to int16) times xq: madd (AVX2) or dpwssd (VNNI),
 // the same sums on every route. |q| <= 128 and |xq| <= 32767: a block's sum stays below
 // 2^28. The weight bytes read are those of the int8 route; the integer work doubles.
-struct WideActivations {
-  std::vector<int16_t> xq;
-  std::vector<float> dx;  // rows * blocks, then GROUP zeros (a last partial group's lanes)
-};
+using WideActivations = QuantizedRows<int16_t>;  // xq and dx only
 
 template <typename T>
 void quantize_block_wide(const T* v, int16_t* xq, float* dx) {
@@ -484,8 +496,7 @@ __attribute__((always_inline)) inline void wide_group_step(const Layout& l, cons
     }
     __m256i first, last;
     halves8<R, Format::q8_0>(s, first, last);  // 32-bit pair sums: a block's reach 2^28
-    const __m256 dx = _mm256_loadu_ps(a.dx.data() + (r0 + r) * blocks + g * GROUP);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_mul_ps(d, dx), acc[r]);
+    acc[r] = add_block_terms<Format::q8_0>(acc[r], first, last, d, _mm256_setzero_ps(), a, (r0 + r) * blocks + g * GROUP);
   }
 }
 
@@ -528,24 +539,16 @@ constexpr int LANE_VECTORS = 2;  // 32 vector registers: two row groups share ea
 constexpr int LANE_VECTORS = 1;
 #endif
 
-// Activations rows-in-lanes, padded with zero rows to whole groups of LANES: xq [row group]
-// [block][dword][lane] (Q: int8 or int16); per block dx, sx, the xq sum and that of its first
-// 16 values, [row group][block][lane] (sx, sum, first16: int8 activations only).
+// `a` (row by row) rows-in-lanes, padded with zero rows to whole groups of LANES: xq [row
+// group][block][dword][lane], the per-block values [row group][block][lane].
 template <typename Q>
-struct LaneActivations {
-  std::vector<Q> xq;
-  std::vector<float> dx, sx;
-  std::vector<int32_t> sum, first16;
-};
-
-template <typename Q, typename A>
-const LaneActivations<Q>& lanes_of(const A& a, int64_t rows, int64_t k) {
-  thread_local LaneActivations<Q> t;
+const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_t k) {
+  thread_local QuantizedRows<Q> t;
   constexpr int64_t per = 4 / sizeof(Q);  // values in a dword
   const int64_t blocks = k / BLOCK, slots = (rows + LANES - 1) / LANES * blocks * LANES;
   t.xq.assign(slots * BLOCK, 0);
   t.dx.assign(slots, 0.f);
-  constexpr bool narrow = std::is_same_v<A, Activations>;
+  constexpr bool narrow = std::is_same_v<Q, int8_t>;
   if constexpr (narrow) {
     t.sx.assign(slots, 0.f);
     t.sum.assign(slots, 0);
@@ -568,65 +571,56 @@ const LaneActivations<Q>& lanes_of(const A& a, int64_t rows, int64_t k) {
   return t;
 }
 
-template <typename T>
-inline __m256i load_si256(const T* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// acc + one block's products of a row group (its lanes at `slot`): two int32 sums (Q6_K: over
-// the first 16 values and the last 16; else over any two halves of the dwords), the weight's
-// scales d, m of this block.
-template <Format F>
-inline __m256 lane_accumulate(__m256 acc, __m256i s0, __m256i s1, float d, float m,
-                              const LaneActivations<int8_t>& t, int64_t slot) {
-  const __m256 dx = _mm256_loadu_ps(t.dx.data() + slot);
-  if constexpr (F == Format::q6_k) {
-    const __m256i sum = load_si256(t.sum.data() + slot), first16 = load_si256(t.first16.data() + slot);
-    const __m256i first = _mm256_sub_epi32(s0, _mm256_slli_epi32(first16, 5));
-    const __m256i last = _mm256_sub_epi32(s1, _mm256_slli_epi32(_mm256_sub_epi32(sum, first16), 5));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(_mm256_set1_ps(m), dx), acc);
+// The weights of group g of a row as the lane kernel multiplies them: qb[j] block j's values
+// (bytes, or Q8_0's sign-extended to int16 for int16 activations), d and m its scales.
+template <Format F, typename Q>
+__attribute__((always_inline)) inline void stage_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                       Q qb[GROUP][BLOCK], float d[GROUP], float m[GROUP]) {
+  if constexpr (std::is_same_v<Q, int16_t>) {
+    for (int j = 0; j < count; ++j)
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* p = row + (g * GROUP + j) * BLOCK + 16 * half;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j] + 16 * half),
+                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      }
   } else {
-    __m256i total = _mm256_add_epi32(s0, s1);
-    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_si256(t.sum.data() + slot), 3));
-    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_si256(t.sum.data() + slot), 4));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
-    const __m256 sx = _mm256_loadu_ps(t.sx.data() + slot);
-    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(_mm256_set1_ps(m), sx, acc);
-    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(_mm256_set1_ps(m), sx, acc);
-    return acc;
+    __m256i q[GROUP];
+    load_group<F>(l, row, g, count, q);
+    for (int j = 0; j < count; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
   }
-}
-
-// acc[j][v] += row group g0 + v's products with group g of weight row `row` (int8
-// activations). Four chains of dependent dot products per row group, not one: each is a
-// quarter of a block's dwords.
-template <Route R, Format F, int V>
-__attribute__((always_inline)) inline void lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
-                                                      const LaneActivations<int8_t>& t, int64_t g0,
-                                                      __m256 acc[GROUP][V]) {
-  const int64_t blocks = l.blocks();
-  alignas(32) uint8_t qb[GROUP][BLOCK];
-  alignas(32) float d[GROUP], m[GROUP];
-  __m256i q[GROUP];
-  load_group<F>(l, row, g, count, q);
-  for (int j = 0; j < count; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
   const GroupScales scales = group_scales<F>(l, row, g, count);
   _mm256_store_ps(d, scales.d);
   _mm256_store_ps(m, scales.m);
+}
+
+// acc[j][v] += row group g0 + v's products with group g of weight row `row`. A dword of Q
+// holds 4 / sizeof(Q) values, so a block is 8 dwords of int8 or 16 of int16 (Q8_0's wide
+// route: dpwssd where the others take dpbusd). Four chains of dependent dot products per row
+// group, not one: each a quarter of a block's dwords (Q6_K: 0, 1 over its first 16 values).
+template <Route R, Format F, typename Q, int V>
+__attribute__((always_inline)) inline void lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                      const QuantizedRows<Q>& t, int64_t g0, __m256 acc[GROUP][V]) {
+  constexpr int per = 4 / sizeof(Q), dwords = BLOCK / per;
+  const int64_t blocks = l.blocks();
+  alignas(32) Q qb[GROUP][BLOCK];
+  alignas(32) float d[GROUP], m[GROUP];
+  stage_group<F>(l, row, g, count, qb, d, m);
   for (int j = 0; j < count; ++j) {
     const int64_t b = g * GROUP + j;
     __m256i s[4][V];
     for (int h = 0; h < 4; ++h)
       for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
-    for (int i = 0; i < BLOCK / 4; ++i) {
+    for (int i = 0; i < dwords; ++i) {
       int32_t bits;
-      std::memcpy(&bits, qb[j] + 4 * i, 4);
+      std::memcpy(&bits, qb[j] + per * i, 4);
       const __m256i wv = _mm256_set1_epi32(bits);
-      const int h = F == Format::q6_k ? i / 4 * 2 + i % 2 : i % 4;  // Q6_K: 0, 1 the first 16 values
+      const int h = F == Format::q6_k ? i / 4 * 2 + i % 2 : i % 4;
       for (int v = 0; v < V; ++v) {
-        const __m256i x = load_si256(t.xq.data() + (((g0 + v) * blocks + b) * LANES + i) * 32);
-        if constexpr (F == Format::q8_0) {
+        const Q* xq = t.xq.data() + ((g0 + v) * blocks + b) * LANES * BLOCK + i * LANES * per;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        if constexpr (std::is_same_v<Q, int16_t>) {
+          s[h][v] = dot_s16<R>(s[h][v], wv, x);
+        } else if constexpr (F == Format::q8_0) {
           s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv));
         } else {
           s[h][v] = dot_u8s8<R>(s[h][v], wv, x);
@@ -634,44 +628,8 @@ __attribute__((always_inline)) inline void lane_group(const Layout& l, const uin
       }
     }
     for (int v = 0; v < V; ++v)
-      acc[j][v] = lane_accumulate<F>(acc[j][v], _mm256_add_epi32(s[0][v], s[1][v]), _mm256_add_epi32(s[2][v], s[3][v]),
-                                     d[j], m[j], t, ((g0 + v) * blocks + b) * LANES);
-  }
-}
-
-// acc[j][v] += row group g0 + v's products with group g of a Q8_0 weight row (int16
-// activations: a dword is two of them, 16 to a block; the row kernel's wide_group_step).
-template <Route R, int V>
-__attribute__((always_inline)) inline void wide_lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
-                                                           const LaneActivations<int16_t>& t, int64_t g0,
-                                                           __m256 acc[GROUP][V]) {
-  const int64_t blocks = l.blocks();
-  alignas(32) int16_t qb[GROUP][BLOCK];
-  alignas(32) float d[GROUP];
-  for (int j = 0; j < count; ++j) {
-    const uint8_t* p = row + (g * GROUP + j) * BLOCK;
-    for (int half = 0; half < 2; ++half)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j] + 16 * half),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half))));
-  }
-  _mm256_store_ps(d, group_scales<Format::q8_0>(l, row, g, count).d);
-  for (int j = 0; j < count; ++j) {
-    const int64_t b = g * GROUP + j;
-    __m256i s[4][V];
-    for (int h = 0; h < 4; ++h)
-      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
-    for (int i = 0; i < BLOCK / 2; ++i) {
-      int32_t bits;
-      std::memcpy(&bits, qb[j] + 2 * i, 4);
-      const __m256i wv = _mm256_set1_epi32(bits);
-      for (int v = 0; v < V; ++v)
-        s[i % 4][v] = dot_s16<R>(s[i % 4][v], wv, load_si256(t.xq.data() + (((g0 + v) * blocks + b) * 2 * LANES + i) * 16));
-    }
-    for (int v = 0; v < V; ++v) {
-      const __m256 dx = _mm256_loadu_ps(t.dx.data() + ((g0 + v) * blocks + b) * LANES);
-      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0][v], s[1][v]), _mm256_add_epi32(s[2][v], s[3][v]));
-      acc[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_set1_ps(d[j]), dx), acc[j][v]);
-    }
+      acc[j][v] = add_block_terms<F>(acc[j][v], _mm256_add_epi32(s[0][v], s[1][v]), _mm256_add_epi32(s[2][v], s[3][v]),
+                                     _mm256_set1_ps(d[j]), _mm256_set1_ps(m[j]), t, ((g0 + v) * blocks + b) * LANES);
   }
 }
 
@@ -689,17 +647,13 @@ inline void store_lanes(__m256 acc[GROUP][V], int v, int64_t group, int64_t rows
 // out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1); Q: the activations' type
 // (int16: Q8_0's wide route).
 template <Route R, Format F, typename Q, int V>
-void lane_block(const Weight& w, const LaneActivations<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
+void lane_block(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
                 const Output& out) {
   const Layout& l = w.lay;
   const int64_t whole = l.blocks() / GROUP;
   const int tail = static_cast<int>(l.blocks() % GROUP);
   auto group = [&](const uint8_t* row, int64_t g, int count, __m256 acc[GROUP][V]) {
-    if constexpr (std::is_same_v<Q, int16_t>) {
-      wide_lane_group<R, V>(l, row, g, count, t, g0, acc);
-    } else {
-      lane_group<R, F, V>(l, row, g, count, t, g0, acc);
-    }
+    lane_group<R, F, Q, V>(l, row, g, count, t, g0, acc);
   };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
@@ -714,7 +668,7 @@ void lane_block(const Weight& w, const LaneActivations<Q>& t, int64_t g0, int64_
 }
 
 template <Route R, Format F, typename Q>
-void lane_rows(const Weight& w, const LaneActivations<Q>& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+void lane_rows(const Weight& w, const QuantizedRows<Q>& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   const int64_t groups = (rows + LANES - 1) / LANES;
   int64_t g = 0;
   for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS) lane_block<R, F, Q, LANE_VECTORS>(w, t, g, rows, n0, n1, out);
@@ -722,7 +676,7 @@ void lane_rows(const Weight& w, const LaneActivations<Q>& t, int64_t rows, int64
 }
 
 template <Route R>
-void lane_formats(const Weight& w, const LaneActivations<int8_t>& t, int64_t rows, int64_t n0, int64_t n1,
+void lane_formats(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1,
                   const Output& out) {
   switch (w.lay.format) {
     case Format::q8_0: return lane_rows<R, Format::q8_0>(w, t, rows, n0, n1, out);
@@ -738,20 +692,20 @@ void lane_formats(const Weight& w, const LaneActivations<int8_t>& t, int64_t row
 // The products of one call on route R: rows in lanes where they were laid out so (lanes not
 // null), else the row kernels.
 template <Route R>
-void run_on(const Weight& w, const Activations& a, const LaneActivations<int8_t>* lanes, int64_t rows, int64_t n0,
+void run_on(const Weight& w, const Activations& a, const Activations* lanes, int64_t rows, int64_t n0,
             int64_t n1, const Output& out) {
   if (lanes != nullptr) return lane_formats<R>(w, *lanes, rows, n0, n1, out);
   run_route<R>(w, a, rows, n0, n1, out);
 }
 
 template <Route R>
-void wide_on(const Weight& w, const WideActivations& a, const LaneActivations<int16_t>* lanes, int64_t rows,
+void wide_on(const Weight& w, const WideActivations& a, const WideActivations* lanes, int64_t rows,
              int64_t n0, int64_t n1, const Output& out) {
   if (lanes != nullptr) return lane_rows<R, Format::q8_0>(w, *lanes, rows, n0, n1, out);
   wide_rows<R>(w, a, rows, n0, n1, out);
 }
 
-void run(Route route, const Weight& w, const Activations& a, const LaneActivations<int8_t>* lanes, int64_t rows,
+void run(Route route, const Weight& w, const Activations& a, const Activations* lanes, int64_t rows,
          int64_t n0, int64_t n1, const Output& out) {
   switch (route) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -764,7 +718,7 @@ void run(Route route, const Weight& w, const Activations& a, const LaneActivatio
   }
 }
 
-void run_wide(Route route, const Weight& w, const WideActivations& a, const LaneActivations<int16_t>* lanes,
+void run_wide(Route route, const Weight& w, const WideActivations& a, const WideActivations* lanes,
               int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   switch (route) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -797,12 +751,12 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
   const bool in_lanes = rows >= LANES;
   if (w.lay.format == Format::q8_0 && wide_activations()) {
     const WideActivations& a = quantize_rows_wide(x);
-    const auto* lanes = in_lanes ? &lanes_of<int16_t>(a, rows, w.lay.k) : nullptr;
+    const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
     pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, lanes, rows, n0, n1, o); });
     return out;
   }
   const Activations& a = quantize_rows(x);
-  const auto* lanes = in_lanes ? &lanes_of<int8_t>(a, rows, w.lay.k) : nullptr;
+  const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, lanes, rows, n0, n1, o); });
 #endif
   return out;
