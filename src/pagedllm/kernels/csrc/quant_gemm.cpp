@@ -408,19 +408,6 @@ void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0
   if (r0 < rows) row_block<R, F, 1>(w, a, r0, n0, n1, out);
 }
 
-template <Route R>
-void run_route(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
-  switch (w.lay.format) {
-    case Format::q8_0: return weight_rows<R, Format::q8_0>(w, a, rows, n0, n1, out);
-    case Format::q4_0: return weight_rows<R, Format::q4_0>(w, a, rows, n0, n1, out);
-    case Format::q4_1: return weight_rows<R, Format::q4_1>(w, a, rows, n0, n1, out);
-    case Format::q5_0: return weight_rows<R, Format::q5_0>(w, a, rows, n0, n1, out);
-    case Format::q4_k: return weight_rows<R, Format::q4_k>(w, a, rows, n0, n1, out);
-    case Format::q5_k: return weight_rows<R, Format::q5_k>(w, a, rows, n0, n1, out);
-    case Format::q6_k: return weight_rows<R, Format::q6_k>(w, a, rows, n0, n1, out);
-  }
-}
-
 // ---- Q8_0 weights on int16 activations (wide_gemm). 8-bit weights leave the activations'
 // int8 rounding as the whole error (~0.7% a product on SmolLM2, compounding over its 30
 // layers to 96.8% top-1 agreement with the float model; docs/performance.md, quality). Per
@@ -652,17 +639,14 @@ void lane_block(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t 
   const Layout& l = w.lay;
   const int64_t whole = l.blocks() / GROUP;
   const int tail = static_cast<int>(l.blocks() % GROUP);
-  auto group = [&](const uint8_t* row, int64_t g, int count, __m256 acc[GROUP][V]) {
-    lane_group<R, F, Q, V>(l, row, g, count, t, g0, acc);
-  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.row(n);
     prefetch_ahead(w, n);
     __m256 acc[GROUP][V];
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < whole; ++g) group(row, g, GROUP, acc);
-    if (tail > 0) group(row, whole, tail, acc);
+    for (int64_t g = 0; g < whole; ++g) lane_group<R, F, Q, V>(l, row, g, GROUP, t, g0, acc);
+    if (tail > 0) lane_group<R, F, Q, V>(l, row, whole, tail, t, g0, acc);
     for (int v = 0; v < V; ++v) store_lanes<V>(acc, v, g0 + v, rows, n, out);
   }
 }
@@ -675,27 +659,27 @@ void lane_rows(const Weight& w, const QuantizedRows<Q>& t, int64_t rows, int64_t
   for (; g < groups; ++g) lane_block<R, F, Q, 1>(w, t, g, rows, n0, n1, out);
 }
 
-template <Route R>
-void lane_formats(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1,
-                  const Output& out) {
-  switch (w.lay.format) {
-    case Format::q8_0: return lane_rows<R, Format::q8_0>(w, t, rows, n0, n1, out);
-    case Format::q4_0: return lane_rows<R, Format::q4_0>(w, t, rows, n0, n1, out);
-    case Format::q4_1: return lane_rows<R, Format::q4_1>(w, t, rows, n0, n1, out);
-    case Format::q5_0: return lane_rows<R, Format::q5_0>(w, t, rows, n0, n1, out);
-    case Format::q4_k: return lane_rows<R, Format::q4_k>(w, t, rows, n0, n1, out);
-    case Format::q5_k: return lane_rows<R, Format::q5_k>(w, t, rows, n0, n1, out);
-    case Format::q6_k: return lane_rows<R, Format::q6_k>(w, t, rows, n0, n1, out);
-  }
+// One call's products on route R, format F: rows in lanes where they were laid out so (lanes
+// not null), else the row kernels.
+template <Route R, Format F>
+void products(const Weight& w, const Activations& a, const Activations* lanes, int64_t rows, int64_t n0, int64_t n1,
+              const Output& out) {
+  if (lanes != nullptr) return lane_rows<R, F>(w, *lanes, rows, n0, n1, out);
+  weight_rows<R, F>(w, a, rows, n0, n1, out);
 }
 
-// The products of one call on route R: rows in lanes where they were laid out so (lanes not
-// null), else the row kernels.
 template <Route R>
 void run_on(const Weight& w, const Activations& a, const Activations* lanes, int64_t rows, int64_t n0,
             int64_t n1, const Output& out) {
-  if (lanes != nullptr) return lane_formats<R>(w, *lanes, rows, n0, n1, out);
-  run_route<R>(w, a, rows, n0, n1, out);
+  switch (w.lay.format) {
+    case Format::q8_0: return products<R, Format::q8_0>(w, a, lanes, rows, n0, n1, out);
+    case Format::q4_0: return products<R, Format::q4_0>(w, a, lanes, rows, n0, n1, out);
+    case Format::q4_1: return products<R, Format::q4_1>(w, a, lanes, rows, n0, n1, out);
+    case Format::q5_0: return products<R, Format::q5_0>(w, a, lanes, rows, n0, n1, out);
+    case Format::q4_k: return products<R, Format::q4_k>(w, a, lanes, rows, n0, n1, out);
+    case Format::q5_k: return products<R, Format::q5_k>(w, a, lanes, rows, n0, n1, out);
+    case Format::q6_k: return products<R, Format::q6_k>(w, a, lanes, rows, n0, n1, out);
+  }
 }
 
 template <Route R>
