@@ -520,11 +520,12 @@ void wide_rows(const Weight& w, const WideActivations& a, int64_t rows, int64_t 
 // block) in their order (block j of a group in accumulator j, the last sum in hsum's order),
 // so a row gets the same bits whichever rows share its call.
 //
-// A block's activations (eight vectors of int8, sixteen of int16) are held in registers while
-// LANE_TILE weight rows stream past them, each row's block broadcast dword by dword: loaded
-// anew for every dot product (activations in memory, a weight row at a time) the loads, not
-// the dot products, bounded the loop (Zen 4: 3.5 of the 6.9 dpbusd a ns a core that
-// dot_peak.py measures; ~2.2 where the activations outgrew L1, as at K = 4864).
+// int8 activations: a block's (eight vectors a row group) are held in registers while
+// LANE_TILE staged weight rows pass them (lane_tile). Loaded anew for every dot product (a
+// weight row at a time) the loads, not the dot products, bounded the loop (Zen 4: 3.5 of the
+// 6.9 dpbusd a ns a core that dot_peak.py measures, ~2.2 where the activations outgrew L1, as
+// at K = 4864). int16 ones (Q8_0's wide route) still go a weight row at a time (wide_lanes):
+// their block is sixteen vectors a row group, every register for two (docs/performance.md).
 constexpr int LANES = 8;
 #if defined(__AVX512F__)
 constexpr int LANE_VECTORS = 2;  // 32 vector registers: two int8 row groups share each broadcast
@@ -566,15 +567,7 @@ const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_
   return t;
 }
 
-template <Format F>
-__attribute__((always_inline)) inline void stage_scales(const Layout& l, const uint8_t* row, int64_t g, int count,
-                                                        float d[GROUP], float m[GROUP]) {
-  const GroupScales scales = group_scales<F>(l, row, g, count);
-  _mm256_store_ps(d, scales.d);
-  _mm256_store_ps(m, scales.m);
-}
-
-// The weights of group g of a row as the lane kernel multiplies them: qb[j] block j's values
+// The weights of group g of a row as the lane kernels multiply them: qb[j] block j's values
 // (bytes, or Q8_0's sign-extended to int16 for int16 activations), d and m its scales.
 template <Format F, typename Q>
 __attribute__((always_inline)) inline void stage_group(const Layout& l, const uint8_t* row, int64_t g, int count,
@@ -583,63 +576,23 @@ __attribute__((always_inline)) inline void stage_group(const Layout& l, const ui
     for (int j = 0; j < count; ++j)
       for (int half = 0; half < 2; ++half) {
         const uint8_t* p = row + (g * GROUP + j) * BLOCK + 16 * half;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j] + 16 * half),
-                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j] + 16 * half),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       }
   } else {
     __m256i q[GROUP];
-    // A whole group with its count known at compile time: q stays in registers.
     if (count == GROUP) {
+      // The count known at compile time: q stays in registers.
       load_group<F>(l, row, g, GROUP, q);
-      for (int j = 0; j < GROUP; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
-      return stage_scales<F>(l, row, g, GROUP, d, m);
+      for (int j = 0; j < GROUP; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
+    } else {
+      load_group<F>(l, row, g, count, q);
+      for (int j = 0; j < count; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
     }
-    load_group<F>(l, row, g, count, q);
-    for (int j = 0; j < count; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
   }
-  stage_scales<F>(l, row, g, count, d, m);
-}
-
-// acc[r][j][v] += row group g0 + v's products with block j of group g of staged weight row
-// r (qb, d, m: stage_group's), for the tile's `tile` rows. A dword of Q holds 4 / sizeof(Q)
-// values, so a block is 8 dwords of int8 or 16 of int16 (Q8_0's wide route: dpwssd where the
-// others take dpbusd); two chains of dot products per row group, the block's first 16 values
-// and its last 16 (Q6_K's halves have scales of their own).
-template <Route R, Format F, typename Q, int V>
-__attribute__((always_inline)) inline void lane_block_step(const Layout& l, int64_t g, int j, int tile,
-                                                           const Q qb[][GROUP][BLOCK], const float d[][GROUP],
-                                                           const float m[][GROUP], const QuantizedRows<Q>& t,
-                                                           int64_t g0, __m256 acc[][GROUP][V]) {
-  constexpr int per = 4 / sizeof(Q), dwords = BLOCK / per;
-  const int64_t blocks = l.blocks(), b = g * GROUP + j;
-  __m256i x[V][dwords];
-  for (int v = 0; v < V; ++v)
-    for (int i = 0; i < dwords; ++i)
-      x[v][i] = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(t.xq.data() + ((g0 + v) * blocks + b) * LANES * BLOCK + i * LANES * per));
-  for (int r = 0; r < tile; ++r) {
-    __m256i s[2][V];
-    for (int h = 0; h < 2; ++h)
-      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
-    for (int i = 0; i < dwords; ++i) {
-      int32_t bits;
-      std::memcpy(&bits, qb[r][j] + per * i, 4);
-      const __m256i wv = _mm256_set1_epi32(bits);
-      const int h = i < dwords / 2 ? 0 : 1;
-      for (int v = 0; v < V; ++v) {
-        if constexpr (std::is_same_v<Q, int16_t>) {
-          s[h][v] = dot_s16<R>(s[h][v], wv, x[v][i]);
-        } else if constexpr (F == Format::q8_0) {
-          s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
-        } else {
-          s[h][v] = dot_u8s8<R>(s[h][v], wv, x[v][i]);
-        }
-      }
-    }
-    for (int v = 0; v < V; ++v)
-      acc[r][j][v] = add_block_terms<F>(acc[r][j][v], s[0][v], s[1][v], _mm256_set1_ps(d[r][j]),
-                                        _mm256_set1_ps(m[r][j]), t, ((g0 + v) * blocks + b) * LANES);
-  }
+  const GroupScales scales = group_scales<F>(l, row, g, count);
+  _mm256_storeu_ps(d, scales.d);
+  _mm256_storeu_ps(m, scales.m);
 }
 
 // out[r][n] for the rows of row group `group` (of `rows` in all): the sum over acc[.][v] lanes
@@ -653,53 +606,165 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
   for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
 }
 
-// The part of weight rows [n0, n1)'s bytes that group g of `groups` reads ahead of its turn:
-// the next tile streams in while this one is multiplied.
-inline void prefetch_tile(const Weight& w, int64_t n0, int64_t n1, int64_t g, int64_t groups) {
-  const int64_t lo = w.lay.bytes * g / groups, hi = w.lay.bytes * (g + 1) / groups;
-  for (int64_t n = n0; n < std::min(n1, w.n); ++n)
-    for (int64_t i = lo & ~int64_t{63}; i < hi; i += 64) _mm_prefetch(reinterpret_cast<const char*>(w.row(n) + i), _MM_HINT_T0);
+// A tile's weight rows as lane_tile multiplies them: row r's block b (bytes) at
+// q[(r * padded + b) * BLOCK], its scales d and m at r * padded + b, padded the row's blocks
+// rounded up to whole groups.
+struct StagedTile {
+  std::vector<int8_t> q;
+  std::vector<float> d, m;
+};
+
+// acc[r][b % GROUP][v] += row group g0 + v's products with block b of the tile's staged row r,
+// for its `tile` rows. Two chains of dot products per row group, the block's first 16 values
+// and its last 16 (Q6_K's halves have scales of their own); rows in turn keep enough in
+// flight.
+template <Route R, Format F, int V>
+__attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t padded, int64_t b, int tile,
+                                                           const StagedTile& st, const Activations& t, int64_t g0,
+                                                           __m256 acc[][GROUP][V]) {
+  constexpr int dwords = BLOCK / 4;
+  const int j = static_cast<int>(b % GROUP);
+  __m256i x[V][dwords];
+  for (int v = 0; v < V; ++v)
+    for (int i = 0; i < dwords; ++i)
+      x[v][i] = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(t.xq.data() + ((g0 + v) * blocks + b) * LANES * BLOCK + i * LANES * 4));
+  for (int r = 0; r < tile; ++r) {
+    const int8_t* qb = st.q.data() + (r * padded + b) * BLOCK;
+    __m256i s[2][V];
+    for (int h = 0; h < 2; ++h)
+      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
+    for (int i = 0; i < dwords; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, qb + 4 * i, 4);
+      const __m256i wv = _mm256_set1_epi32(bits);
+      const int h = i < dwords / 2 ? 0 : 1;
+      for (int v = 0; v < V; ++v) {
+        if constexpr (F == Format::q8_0) {
+          s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
+        } else {
+          s[h][v] = dot_u8s8<R>(s[h][v], wv, x[v][i]);
+        }
+      }
+    }
+    const __m256 d = _mm256_set1_ps(st.d[r * padded + b]), m = _mm256_set1_ps(st.m[r * padded + b]);
+    for (int v = 0; v < V; ++v)
+      acc[r][j][v] = add_block_terms<F>(acc[r][j][v], s[0][v], s[1][v], d, m, t, ((g0 + v) * blocks + b) * LANES);
+  }
 }
 
-// out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1), n1 - n0 <= LANE_TILE; Q: the
-// activations' type (int16: Q8_0's wide route).
-template <Route R, Format F, typename Q, int V>
-void lane_tile(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
+// Weight rows [n0, n1)'s bytes from `part` / `parts` of the way to (part + 1) / parts, into L2.
+inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t part, int64_t parts) {
+  const int64_t start = n0 * w.lay.bytes, span = (std::min(n1, w.n) - n0) * w.lay.bytes;
+  for (int64_t i = (start + span * part / parts) & ~int64_t{63}; i < start + span * (part + 1) / parts; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w.data + i), _MM_HINT_T1);
+}
+
+// out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1), n1 - n0 <= LANE_TILE, int8
+// activations. The tile's rows are staged first, row after row as the row kernels read them
+// (the hardware prefetcher follows that, and prefetch_ahead: a group of each row in turn
+// measured no faster than a row at a time on weights streamed from memory), then multiplied
+// from the cache while the next tile's rows come into L2.
+template <Route R, Format F, int V>
+void lane_tile(const Weight& w, const Activations& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
                const Output& out) {
   const Layout& l = w.lay;
-  const int64_t groups = (l.blocks() + GROUP - 1) / GROUP;
+  const int64_t blocks = l.blocks(), groups = (blocks + GROUP - 1) / GROUP, padded = groups * GROUP;
   const int tile = static_cast<int>(n1 - n0);
-  alignas(32) Q qb[LANE_TILE][GROUP][BLOCK];
-  alignas(32) float d[LANE_TILE][GROUP], m[LANE_TILE][GROUP];
+  thread_local StagedTile st;
+  st.q.resize(LANE_TILE * padded * BLOCK);
+  st.d.resize(LANE_TILE * padded);
+  st.m.resize(LANE_TILE * padded);
+  for (int r = 0; r < tile; ++r) {
+    prefetch_ahead(w, n0 + r);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * padded + g * GROUP;
+      stage_group<F>(l, w.row(n0 + r), g, static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP)),
+                     reinterpret_cast<int8_t(*)[BLOCK]>(st.q.data() + at * BLOCK), st.d.data() + at, st.m.data() + at);
+    }
+  }
   __m256 acc[LANE_TILE][GROUP][V];
   for (int r = 0; r < tile; ++r)
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int count = static_cast<int>(std::min<int64_t>(GROUP, l.blocks() - g * GROUP));
-    prefetch_tile(w, n1, n1 + LANE_TILE, g, groups);
-    for (int r = 0; r < tile; ++r) stage_group<F>(l, w.row(n0 + r), g, count, qb[r], d[r], m[r]);
-    for (int j = 0; j < count; ++j) lane_block_step<R, F, Q, V>(l, g, j, tile, qb, d, m, t, g0, acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (n1 < w.n) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
+    lane_block_step<R, F, V>(blocks, padded, b, tile, st, t, g0, acc);
   }
   for (int r = 0; r < tile; ++r)
     for (int v = 0; v < V; ++v) store_lanes<V>(acc[r], v, g0 + v, rows, n0 + r, out);
 }
 
-// Row groups V at a time (int16's block fills the registers alone), LANE_TILE weight rows at
-// a time.
+// acc[j][v] += row group g0 + v's products with group g of weight row `row`, int16 activations
+// against Q8_0 weights sign-extended (dpwssd; a block: 16 dwords). Four chains of dependent
+// dot products per row group, not one: each a quarter of a block's dwords.
+template <Route R, int V>
+__attribute__((always_inline)) inline void wide_lane_group(const Layout& l, const uint8_t* row, int64_t g, int count,
+                                                           const WideActivations& t, int64_t g0, __m256 acc[GROUP][V]) {
+  constexpr int dwords = BLOCK / 2;
+  const int64_t blocks = l.blocks();
+  alignas(32) int16_t qb[GROUP][BLOCK];
+  alignas(32) float d[GROUP], m[GROUP];
+  stage_group<Format::q8_0>(l, row, g, count, qb, d, m);
+  for (int j = 0; j < count; ++j) {
+    const int64_t b = g * GROUP + j;
+    __m256i s[4][V];
+    for (int h = 0; h < 4; ++h)
+      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
+    for (int i = 0; i < dwords; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, qb[j] + 2 * i, 4);
+      const __m256i wv = _mm256_set1_epi32(bits);
+      for (int v = 0; v < V; ++v) {
+        const int16_t* xq = t.xq.data() + ((g0 + v) * blocks + b) * LANES * BLOCK + i * LANES * 2;
+        s[i % 4][v] = dot_s16<R>(s[i % 4][v], wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      }
+    }
+    for (int v = 0; v < V; ++v)
+      acc[j][v] = add_block_terms<Format::q8_0>(acc[j][v], _mm256_add_epi32(s[0][v], s[1][v]),
+                                                _mm256_add_epi32(s[2][v], s[3][v]), _mm256_set1_ps(d[j]),
+                                                _mm256_set1_ps(m[j]), t, ((g0 + v) * blocks + b) * LANES);
+  }
+}
+
+// out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1), int16 activations: a weight
+// row at a time.
+template <Route R, int V>
+void wide_lane_rows(const Weight& w, const WideActivations& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
+                    const Output& out) {
+  const Layout& l = w.lay;
+  const int64_t whole = l.blocks() / GROUP;
+  const int tail = static_cast<int>(l.blocks() % GROUP);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.row(n);
+    prefetch_ahead(w, n);
+    __m256 acc[GROUP][V];
+    for (int j = 0; j < GROUP; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < whole; ++g) wide_lane_group<R, V>(l, row, g, GROUP, t, g0, acc);
+    if (tail > 0) wide_lane_group<R, V>(l, row, whole, tail, t, g0, acc);
+    for (int v = 0; v < V; ++v) store_lanes<V>(acc, v, g0 + v, rows, n, out);
+  }
+}
+
+// Row groups [g0, g0 + V) against weight rows [n0, n1): int8 activations LANE_TILE rows at a
+// time, int16 a row at a time.
 template <Route R, Format F, typename Q, int V>
-void lane_groups(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
-                 const Output& out) {
-  for (int64_t n = n0; n < n1; n += LANE_TILE) lane_tile<R, F, Q, V>(w, t, g0, rows, n, std::min(n + LANE_TILE, n1), out);
+void lane_pass(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
+               const Output& out) {
+  if constexpr (std::is_same_v<Q, int16_t>) {
+    wide_lane_rows<R, V>(w, t, g0, rows, n0, n1, out);
+  } else {
+    for (int64_t n = n0; n < n1; n += LANE_TILE) lane_tile<R, F, V>(w, t, g0, rows, n, std::min(n + LANE_TILE, n1), out);
+  }
 }
 
 template <Route R, Format F, typename Q>
 void lane_rows(const Weight& w, const QuantizedRows<Q>& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
-  constexpr int V = std::is_same_v<Q, int16_t> ? 1 : LANE_VECTORS;
   const int64_t groups = (rows + LANES - 1) / LANES;
   int64_t g = 0;
-  for (; g + V <= groups; g += V) lane_groups<R, F, Q, V>(w, t, g, rows, n0, n1, out);
-  for (; g < groups; ++g) lane_groups<R, F, Q, 1>(w, t, g, rows, n0, n1, out);
+  for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS) lane_pass<R, F, Q, LANE_VECTORS>(w, t, g, rows, n0, n1, out);
+  for (; g < groups; ++g) lane_pass<R, F, Q, 1>(w, t, g, rows, n0, n1, out);
 }
 
 // One call's products on route R, format F: rows in lanes where they were laid out so (lanes
