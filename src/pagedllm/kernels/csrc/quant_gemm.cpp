@@ -382,20 +382,28 @@ inline void prefetch_ahead(const Weight& w, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
 }
 
+// Weight row n a group of blocks at a time: step(row, g, count) for the whole groups, then the
+// tail, after prefetching the lines PREFETCH_BYTES ahead.
+template <typename Step>
+__attribute__((always_inline)) inline void row_groups(const Weight& w, int64_t n, Step step) {
+  const int64_t blocks = w.lay.blocks(), whole = blocks / GROUP;
+  const int tail = static_cast<int>(blocks % GROUP);
+  const uint8_t* row = w.row(n);
+  prefetch_ahead(w, n);
+  for (int64_t g = 0; g < whole; ++g) step(row, g, GROUP);
+  if (tail > 0) step(row, whole, tail);
+}
+
 // out[r][n] for activation rows [r0, r0 + RB) and weight rows [n0, n1): each group of a
 // weight row is loaded once for the RB rows.
 template <Route R, Format F, int RB>
 void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, int64_t n1, const Output& out) {
-  const Layout& l = w.lay;
-  const int64_t blocks = l.blocks(), whole = blocks / GROUP;
-  const int tail = static_cast<int>(blocks % GROUP);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w.row(n);
-    prefetch_ahead(w, n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < whole; ++g) group_step<R, F, RB>(l, row, g, GROUP, a, r0, acc);
-    if (tail > 0) group_step<R, F, RB>(l, row, whole, tail, a, r0, acc);
+    row_groups(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+      group_step<R, F, RB>(w.lay, row, g, count, a, r0, acc);
+    });
     for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
   }
 }
@@ -489,16 +497,12 @@ __attribute__((always_inline)) inline void wide_group_step(const Layout& l, cons
 
 template <Route R, int RB>
 void wide_row_block(const Weight& w, const WideActivations& a, int64_t r0, int64_t n0, int64_t n1, const Output& out) {
-  const Layout& l = w.lay;
-  const int64_t whole = l.blocks() / GROUP;
-  const int tail = static_cast<int>(l.blocks() % GROUP);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w.row(n);
-    prefetch_ahead(w, n);
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < whole; ++g) wide_group_step<R, RB>(l, row, g, GROUP, a, r0, acc);
-    if (tail > 0) wide_group_step<R, RB>(l, row, whole, tail, a, r0, acc);
+    row_groups(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+      wide_group_step<R, RB>(w.lay, row, g, count, a, r0, acc);
+    });
     for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
   }
 }
@@ -732,17 +736,13 @@ __attribute__((always_inline)) inline void wide_lane_group(const Layout& l, cons
 template <Route R, int V>
 void wide_lane_rows(const Weight& w, const WideActivations& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
                     const Output& out) {
-  const Layout& l = w.lay;
-  const int64_t whole = l.blocks() / GROUP;
-  const int tail = static_cast<int>(l.blocks() % GROUP);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w.row(n);
-    prefetch_ahead(w, n);
     __m256 acc[GROUP][V];
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < whole; ++g) wide_lane_group<R, V>(l, row, g, GROUP, t, g0, acc);
-    if (tail > 0) wide_lane_group<R, V>(l, row, whole, tail, t, g0, acc);
+    row_groups(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+      wide_lane_group<R, V>(w.lay, row, g, count, t, g0, acc);
+    });
     for (int v = 0; v < V; ++v) store_lanes<V>(acc, v, g0 + v, rows, n, out);
   }
 }
