@@ -28,6 +28,20 @@ from pathlib import Path
 
 from pagedllm.kernels.probe import cpu_info
 
+
+def vnni_ymm_unit(intrinsic: str, fill: str, flops: int) -> dict:
+    """A 256-bit AVX-512-VNNI integer dot product into 32-bit lanes, both inputs `fill`(1)."""
+    return {
+        "cflags": ["-mavx512f", "-mavx512vl", "-mavx512vnni"],
+        "needs": {"avx512vl", "avx512_vnni"},
+        "flops": flops,
+        "setup": "__m256i acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm256_set1_epi32(i);"
+        f" __m256i a = {fill}(1), b = a;",
+        "step": f"acc[i] = {intrinsic}(acc[i], a, b);",
+        "sink": "_mm256_extract_epi32(acc[i], 0)",
+    }
+
+
 # Each unit: the compiler flags it needs, the CPU flags that must all be present, the
 # accumulator type and the multiply-add (acc, a, b) on registers; flops per instruction.
 UNITS = {
@@ -49,24 +63,9 @@ UNITS = {
         "step": "acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);",
         "sink": "_mm512_reduce_add_epi32(acc[i])",
     },
-    "int8 dot (vpdpbusd ymm)": {
-        "cflags": ["-mavx512f", "-mavx512vl", "-mavx512vnni"],
-        "needs": {"avx512vl", "avx512_vnni"},
-        "flops": 64,
-        "setup": "__m256i acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm256_set1_epi32(i);"
-        " __m256i a = _mm256_set1_epi8(1), b = a;",
-        "step": "acc[i] = _mm256_dpbusd_epi32(acc[i], a, b);",
-        "sink": "_mm256_extract_epi32(acc[i], 0)",
-    },
-    "int16 dot (vpdpwssd ymm)": {
-        "cflags": ["-mavx512f", "-mavx512vl", "-mavx512vnni"],
-        "needs": {"avx512vl", "avx512_vnni"},
-        "flops": 32,
-        "setup": "__m256i acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm256_set1_epi32(i);"
-        " __m256i a = _mm256_set1_epi16(1), b = a;",
-        "step": "acc[i] = _mm256_dpwssd_epi32(acc[i], a, b);",
-        "sink": "_mm256_extract_epi32(acc[i], 0)",
-    },
+    # flops: 8 lanes x 4 byte products (vpdpbusd) or 2 int16 products (vpdpwssd) x 2
+    "int8 dot (vpdpbusd ymm)": vnni_ymm_unit("_mm256_dpbusd_epi32", "_mm256_set1_epi8", 64),
+    "int16 dot (vpdpwssd ymm)": vnni_ymm_unit("_mm256_dpwssd_epi32", "_mm256_set1_epi16", 32),
     "fp32 FMA (AVX-512 zmm)": {
         "cflags": ["-mavx512f", "-mfma"],
         "needs": {"avx512f"},
