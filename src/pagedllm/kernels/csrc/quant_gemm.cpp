@@ -525,7 +525,7 @@ void wide_rows(const Weight& w, const WideActivations& a, int64_t rows, int64_t 
 // so a row gets the same bits whichever rows share its call.
 //
 // int8 activations: a block's (eight vectors a row group) are held in registers while
-// LANE_TILE staged weight rows pass them (lane_tile). Loaded anew for every dot product (a
+// LANE_TILE staged weight rows pass them (lane_tiles). Loaded anew for every dot product (a
 // weight row at a time) the loads, not the dot products, bounded the loop (Zen 4: 3.5 of the
 // 6.9 dpbusd a ns a core that dot_peak.py measures, ~2.2 where the activations outgrew L1, as
 // at K = 4864). int16 ones (Q8_0's wide route) still go a weight row at a time (wide_lanes):
@@ -610,7 +610,7 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
   for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
 }
 
-// A tile's weight rows as lane_tile multiplies them: row r's block b (bytes) at
+// A tile's weight rows as lane_tiles multiplies them: row r's block b (bytes) at
 // q[(r * padded + b) * BLOCK], its scales d and m at r * padded + b, padded the row's blocks
 // rounded up to whole groups.
 struct StagedTile {
@@ -664,22 +664,17 @@ inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t 
     _mm_prefetch(reinterpret_cast<const char*>(w.data + i), _MM_HINT_T1);
 }
 
-// out[r][n] for row groups [g0, g0 + V) and weight rows [n0, n1), n1 - n0 <= LANE_TILE, int8
-// activations. The tile's rows are staged first, row after row as the row kernels read them
-// (the hardware prefetcher follows that, and prefetch_ahead: a group of each row in turn
-// measured no faster than a row at a time on weights streamed from memory), then multiplied
-// from the cache while the next tile's rows come into L2.
-template <Route R, Format F, int V>
-void lane_tile(const Weight& w, const Activations& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
-               const Output& out) {
+// Weight rows [n0, n1), n1 - n0 <= LANE_TILE, into st: row after row as the row kernels read
+// them (the hardware prefetcher follows that, and prefetch_ahead: a group of each row in turn
+// measured no faster than a row at a time on weights streamed from memory).
+template <Format F>
+void stage_tile(const Weight& w, int64_t n0, int64_t n1, StagedTile& st) {
   const Layout& l = w.lay;
   const int64_t blocks = l.blocks(), groups = (blocks + GROUP - 1) / GROUP, padded = groups * GROUP;
-  const int tile = static_cast<int>(n1 - n0);
-  thread_local StagedTile st;
   st.q.resize(LANE_TILE * padded * BLOCK);
   st.d.resize(LANE_TILE * padded);
   st.m.resize(LANE_TILE * padded);
-  for (int r = 0; r < tile; ++r) {
+  for (int64_t r = 0; r < n1 - n0; ++r) {
     prefetch_ahead(w, n0 + r);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * padded + g * GROUP;
@@ -687,16 +682,42 @@ void lane_tile(const Weight& w, const Activations& t, int64_t g0, int64_t rows, 
                      reinterpret_cast<int8_t(*)[BLOCK]>(st.q.data() + at * BLOCK), st.d.data() + at, st.m.data() + at);
     }
   }
+}
+
+// out[r][n] for row groups [g0, g0 + V) and the staged weight rows [n0, n1), int8 activations,
+// from the cache; with prefetch, the next tile's rows are brought into L2 meanwhile.
+template <Route R, Format F, int V>
+void tile_pass(const Weight& w, const StagedTile& st, const Activations& t, int64_t g0, int64_t rows, int64_t n0,
+               int64_t n1, bool prefetch, const Output& out) {
+  const int64_t blocks = w.lay.blocks(), padded = (blocks + GROUP - 1) / GROUP * GROUP;
+  const int tile = static_cast<int>(n1 - n0);
   __m256 acc[LANE_TILE][GROUP][V];
   for (int r = 0; r < tile; ++r)
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (n1 < w.n) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
+    if (prefetch && n1 < w.n) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
     lane_block_step<R, F, V>(blocks, padded, b, tile, st, t, g0, acc);
   }
   for (int r = 0; r < tile; ++r)
     for (int v = 0; v < V; ++v) store_lanes<V>(acc[r], v, g0 + v, rows, n0 + r, out);
+}
+
+// out[r][n] for every row (in lanes) and weight rows [n0, n1), int8 activations: LANE_TILE
+// weight rows staged at a time, then multiplied by every row group, LANE_VECTORS at a time,
+// so that a prompt's many rows share one staging (the unpacking of the weights).
+template <Route R, Format F>
+void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  const int64_t groups = (rows + LANES - 1) / LANES;
+  thread_local StagedTile st;
+  for (int64_t n = n0; n < n1; n += LANE_TILE) {
+    const int64_t end = std::min(n + LANE_TILE, n1);
+    stage_tile<F>(w, n, end, st);
+    int64_t g = 0;
+    for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS)
+      tile_pass<R, F, LANE_VECTORS>(w, st, t, g, rows, n, end, g == 0, out);
+    for (; g < groups; ++g) tile_pass<R, F, 1>(w, st, t, g, rows, n, end, g == 0, out);
+  }
 }
 
 // acc[j][v] += row group g0 + v's products with group g of weight row `row`, int16 activations
@@ -747,24 +768,18 @@ void wide_lane_rows(const Weight& w, const WideActivations& t, int64_t g0, int64
   }
 }
 
-// Row groups [g0, g0 + V) against weight rows [n0, n1): int8 activations LANE_TILE rows at a
-// time, int16 a row at a time.
-template <Route R, Format F, typename Q, int V>
-void lane_pass(const Weight& w, const QuantizedRows<Q>& t, int64_t g0, int64_t rows, int64_t n0, int64_t n1,
-               const Output& out) {
-  if constexpr (std::is_same_v<Q, int16_t>) {
-    wide_lane_rows<R, V>(w, t, g0, rows, n0, n1, out);
-  } else {
-    for (int64_t n = n0; n < n1; n += LANE_TILE) lane_tile<R, F, V>(w, t, g0, rows, n, std::min(n + LANE_TILE, n1), out);
-  }
-}
-
+// Every row (in lanes) against weight rows [n0, n1): int8 activations LANE_TILE weight rows
+// at a time, int16 a weight row at a time for LANE_VECTORS row groups.
 template <Route R, Format F, typename Q>
 void lane_rows(const Weight& w, const QuantizedRows<Q>& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
-  const int64_t groups = (rows + LANES - 1) / LANES;
-  int64_t g = 0;
-  for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS) lane_pass<R, F, Q, LANE_VECTORS>(w, t, g, rows, n0, n1, out);
-  for (; g < groups; ++g) lane_pass<R, F, Q, 1>(w, t, g, rows, n0, n1, out);
+  if constexpr (std::is_same_v<Q, int8_t>) {
+    lane_tiles<R, F>(w, t, rows, n0, n1, out);
+  } else {
+    const int64_t groups = (rows + LANES - 1) / LANES;
+    int64_t g = 0;
+    for (; g + LANE_VECTORS <= groups; g += LANE_VECTORS) wide_lane_rows<R, LANE_VECTORS>(w, t, g, rows, n0, n1, out);
+    for (; g < groups; ++g) wide_lane_rows<R, 1>(w, t, g, rows, n0, n1, out);
+  }
 }
 
 // One call's products on route R, format F: rows in lanes where they were laid out so (lanes
