@@ -528,8 +528,10 @@ void wide_rows(const Weight& w, const WideActivations& a, int64_t rows, int64_t 
 // LANE_TILE staged weight rows pass them (lane_tiles). Loaded anew for every dot product (a
 // weight row at a time) the loads, not the dot products, bounded the loop (Zen 4: 3.5 of the
 // 6.9 dpbusd a ns a core that dot_peak.py measures, ~2.2 where the activations outgrew L1, as
-// at K = 4864). int16 ones (Q8_0's wide route) still go a weight row at a time (wide_lanes):
-// their block is sixteen vectors a row group, every register for two (docs/performance.md).
+// at K = 4864). int16 ones (Q8_0's wide route) still go a weight row at a time
+// (wide_lane_rows): their block is sixteen vectors a row group, every register for two, and
+// staged with a block's halves in turn they measured faster only on weights in L3, not on the
+// heads a step streams from memory (docs/performance.md).
 constexpr int LANES = 8;
 #if defined(__AVX512F__)
 constexpr int LANE_VECTORS = 2;  // 32 vector registers: two int8 row groups share each broadcast
