@@ -574,8 +574,9 @@ const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_
 }
 
 // The weights of group g of a row as the lane kernels multiply them: qb[j] block j's values
-// (bytes, or Q8_0's sign-extended to int16 for int16 activations), d and m its scales.
-template <Format F, typename Q>
+// (bytes, or Q8_0's sign-extended to int16 for int16 activations; Offset: Q8_0's bytes as
+// q + 128), d and m its scales.
+template <Format F, typename Q, bool Offset = false>
 __attribute__((always_inline)) inline void stage_group(const Layout& l, const uint8_t* row, int64_t g, int count,
                                                        Q qb[GROUP][BLOCK], float d[GROUP], float m[GROUP]) {
   if constexpr (std::is_same_v<Q, int16_t>) {
@@ -586,14 +587,15 @@ __attribute__((always_inline)) inline void stage_group(const Layout& l, const ui
                             _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       }
   } else {
+    auto stored = [](__m256i v) { return Offset ? _mm256_xor_si256(v, _mm256_set1_epi8(-128)) : v; };
     __m256i q[GROUP];
     if (count == GROUP) {
       // The count known at compile time: q stays in registers.
       load_group<F>(l, row, g, GROUP, q);
-      for (int j = 0; j < GROUP; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
+      for (int j = 0; j < GROUP; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), stored(q[j]));
     } else {
       load_group<F>(l, row, g, count, q);
-      for (int j = 0; j < count; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), q[j]);
+      for (int j = 0; j < count; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb[j]), stored(q[j]));
     }
   }
   const GroupScales scales = group_scales<F>(l, row, g, count);
@@ -610,6 +612,15 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
   alignas(32) float sums[LANES];
   _mm256_store_ps(sums, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
   for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
+}
+
+// Whether the tiles stage Q8_0's signed bytes as q + 128 (the sign bit flipped), unsigned as
+// every other format's: dpbusd then multiplies them without the sign trick's two vpsignb a
+// dot product, and lane_block_step takes 128 sum(xq) back off (the same int32 sum, so the
+// same bits). Not on AVX2: maddubs's int16 pair sums would saturate past q = 128.
+template <Route R, Format F>
+constexpr bool q8_0_offset() {
+  return F == Format::q8_0 && R != Route::avx2;
 }
 
 // A tile's weight rows as lane_tiles multiplies them: row r's block b (bytes) at
@@ -660,11 +671,18 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
       const __m256i wv = _mm256_set1_epi32(bits);
       const int h = i < dwords / 2 ? 0 : 1;
       for (int v = 0; v < V; ++v) {
-        if constexpr (F == Format::q8_0) {
+        if constexpr (F == Format::q8_0 && !q8_0_offset<R, F>()) {
           s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
         } else {
           s[h][v] = dot_u8s8<R>(s[h][v], wv, x[v][i]);
         }
+      }
+    }
+    if constexpr (q8_0_offset<R, F>()) {
+      // Staged as q + 128 (stage_group): less 128 times the block's activation sum.
+      for (int v = 0; v < V; ++v) {
+        const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.sum.data() + ((g0 + v) * blocks + b) * LANES));
+        s[0][v] = _mm256_sub_epi32(s[0][v], _mm256_slli_epi32(sum, 7));
       }
     }
     const __m256 d = _mm256_set1_ps(st.d[r * padded + b]), m = _mm256_set1_ps(st.m[r * padded + b]);
@@ -683,7 +701,7 @@ inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t 
 // Weight rows [n0, n1), n1 - n0 <= LANE_TILE, into st: row after row as the row kernels read
 // them (the hardware prefetcher follows that, and prefetch_ahead: a group of each row in turn
 // measured no faster than a row at a time on weights streamed from memory).
-template <Format F>
+template <Format F, bool Offset>
 void stage_tile(const Weight& w, int64_t n0, int64_t n1, StagedTile& st) {
   const Layout& l = w.lay;
   const int64_t blocks = l.blocks(), groups = (blocks + GROUP - 1) / GROUP;
@@ -695,7 +713,7 @@ void stage_tile(const Weight& w, int64_t n0, int64_t n1, StagedTile& st) {
     prefetch_ahead(w, n0 + r);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * st.padded + g * GROUP;
-      stage_group<F>(l, w.row(n0 + r), g, static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP)),
+      stage_group<F, int8_t, Offset>(l, w.row(n0 + r), g, static_cast<int>(std::min<int64_t>(GROUP, blocks - g * GROUP)),
                      reinterpret_cast<int8_t(*)[BLOCK]>(st.q.data() + at * BLOCK), st.d.data() + at, st.m.data() + at);
     }
   }
@@ -728,7 +746,7 @@ void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0,
   thread_local StagedTile st;
   for (int64_t n = n0; n < n1; n += LANE_TILE) {
     const int64_t end = std::min(n + LANE_TILE, n1);
-    stage_tile<F>(w, n, end, st);
+    stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
     // The first pass prefetches the rows after the tile, past n1 too, as before this fold
     // (limiting it to [n0, n1) measured no faster).
     row_group_passes((rows + LANES - 1) / LANES, [&](int64_t g, auto v) __attribute__((always_inline)) {
