@@ -11,8 +11,8 @@
 // The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
 // lanes (lane l: elements 4l..4l+3): AVX2 maddubs + madd, or one dpbusd (AVX-512-VNNI on
 // 256-bit registers, or AVX-VNNI); they give the same sums, so the same bits. Q8_0's signed
-// weights take the sign trick (|q| times x with q's sign), so every route multiplies unsigned
-// weights by signed activations.
+// weights take the sign trick (|q| times x with q's sign), or in the VNNI tiles q + 128 less
+// 128 sum(x) (q8_0_offset), so every route multiplies unsigned weights by signed activations.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
