@@ -318,7 +318,8 @@ inline GroupScales group_scales(const Layout& l, const uint8_t* row, int64_t g, 
 // activations' per-block values the eight entries of `a` from `at` (Q8_0 reads dx only). The
 // row kernels (a lane: one of a group's blocks) and the lane kernels (a lane: one of eight
 // rows) both end here, so a product's float work is the same whichever kernel ran it.
-template <Format F, typename Q>
+// Staged: Q8_0's bytes were multiplied as q + 128 (q8_0_offset, the int8 tiles).
+template <Format F, bool Staged = false, typename Q>
 inline __m256 add_block_terms(__m256 acc, __m256i first, __m256i last, __m256 d, __m256 m,
                               const QuantizedRows<Q>& a, int64_t at) {
   auto load_int = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
@@ -332,8 +333,9 @@ inline __m256 add_block_terms(__m256 acc, __m256i first, __m256i last, __m256 d,
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(m, dx), acc);
   } else {
     __m256i total = _mm256_add_epi32(first, last);
-    if constexpr (F == Format::q4_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), 3));
-    if constexpr (F == Format::q5_0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), 4));
+    // Weights stored unsigned, q + 2^shift: less 2^shift times the block's activation sum.
+    constexpr int shift = F == Format::q4_0 ? 3 : F == Format::q5_0 ? 4 : F == Format::q8_0 && Staged ? 7 : 0;
+    if constexpr (shift > 0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), shift));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc);
     if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
     if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
@@ -616,7 +618,7 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
 
 // Whether the tiles stage Q8_0's signed bytes as q + 128 (the sign bit flipped), unsigned as
 // every other format's: dpbusd then multiplies them without the sign trick's two vpsignb a
-// dot product, and lane_block_step takes 128 sum(xq) back off (the same int32 sum, so the
+// dot product, and add_block_terms takes 128 sum(xq) back off (the same int32 sum, so the
 // same bits). Not on AVX2: maddubs's int16 pair sums would saturate past q = 128.
 template <Route R, Format F>
 constexpr bool q8_0_offset() {
@@ -678,16 +680,10 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
         }
       }
     }
-    if constexpr (q8_0_offset<R, F>()) {
-      // Staged as q + 128 (stage_group): less 128 times the block's activation sum.
-      for (int v = 0; v < V; ++v) {
-        const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.sum.data() + ((g0 + v) * blocks + b) * LANES));
-        s[0][v] = _mm256_sub_epi32(s[0][v], _mm256_slli_epi32(sum, 7));
-      }
-    }
     const __m256 d = _mm256_set1_ps(st.d[r * padded + b]), m = _mm256_set1_ps(st.m[r * padded + b]);
     for (int v = 0; v < V; ++v)
-      acc[r][j][v] = add_block_terms<F>(acc[r][j][v], s[0][v], s[1][v], d, m, t, ((g0 + v) * blocks + b) * LANES);
+      acc[r][j][v] = add_block_terms<F, q8_0_offset<R, F>()>(acc[r][j][v], s[0][v], s[1][v], d, m, t,
+                                                              ((g0 + v) * blocks + b) * LANES);
   }
 }
 
