@@ -7,8 +7,9 @@ logits against a reference's; top-1 agreement, mean KL(reference || test) per to
 perplexity of each, pooled over the texts). Two parts:
 
 - ``weights``: each ``--models`` row is a GGUF served as stored (linears on quant_gemm's
-  integer kernel, activations quantised per 32-block: to int16 for Q8_0 weights, to int8
-  for the others; ``--q8-0-activations int16,int8`` adds a row with Q8_0's on int8 too)
+  integer kernel, activations quantised per 32-block: to int8, or to int16 for Q8_0
+  weights in a model all Q8_0 (``kernels/quant.py``'s ``int8_for_q8_0``);
+  ``--q8-0-activations auto,int16,int8`` adds a row for each choice named)
   against the same file
   dequantised to float32 (``keep_quantized=False``), both in ``--dtype`` activations. The
   text goes in chunks of the integer kernel's row limit (``quant_gemm_int_rows``), so every
@@ -47,8 +48,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from pagedllm.attention.select import get_backend  # noqa: E402
+from pagedllm.kernels.quant import Q8_0_ACTIVATIONS  # noqa: E402
 from pagedllm.model.loader import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from pagedllm.worker.model_runner import TorchModelRunner, kv_cache_spec  # noqa: E402
 from pagedllm.worker.quality import QualityReport, compare, text_logits  # noqa: E402
@@ -68,9 +69,8 @@ PARTS = ("weights", "kv")
 LICENCES = Path("/usr/share/common-licenses")
 GIT_NOTES = Path("/usr/share/doc/git/RelNotes")
 NAMED_MODELS = ("default", "qwen2.5-coder-0.5b", "gemma-3-270m")
-# quant_gemm's activations for Q8_0 weights (``--q8-0-activations``): int16 by default.
-Q8_0_ACTIVATIONS = ("int16", "int8")
-DEFAULT_Q8_0 = "int16"
+# quant_gemm's activations for Q8_0 weights (``--q8-0-activations``: a row each).
+DEFAULT_Q8_0 = "auto"
 # Positions compared at a time: a real model's [positions, vocabulary] log-softmaxes are
 # large (Qwen's vocabulary is 151,936).
 COMPARE_ROWS = 256
@@ -324,18 +324,35 @@ def kept_formats(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def load_pair(row: WeightRow, dtype: str, workdir: Path) -> tuple[LoadedModel, LoadedModel, object]:
-    """(served as stored, dequantised to float32 weights, tokenizer) of a row; a
-    ``scheme`` row: (quantized at load, the float weights, tokenizer)."""
+def load_pair(
+    row: WeightRow, dtype: str, workdir: Path, kinds: list[str]
+) -> tuple[dict[str, LoadedModel], LoadedModel, object]:
+    """({Q8_0 activations: served as stored} for each of ``kinds``, dequantised to float32
+    weights, tokenizer) of a row; a ``scheme`` row: quantized at load, the float weights."""
     backend = get_backend("cpu")
     if row.scheme is not None:
-        quantized = load_model(row.source, dtype, backend, quantization=row.scheme)
+        quantized = {
+            kind: load_model(
+                row.source,
+                dtype,
+                backend,
+                load_tokenizer=False,
+                quantization=row.scheme,
+                q8_0_activations=kind,
+            )
+            for kind in kinds
+        }
         reference = load_model(row.source, dtype, backend, keep_quantized=False)
-        return quantized, reference, quantized.tokenizer
+        return quantized, reference, reference.tokenizer
     if row.requantize is None and row.source in NAMED_MODELS:
-        quantized = load_model(row.source, dtype, backend)
+        quantized = {
+            kind: load_model(
+                row.source, dtype, backend, load_tokenizer=False, q8_0_activations=kind
+            )
+            for kind in kinds
+        }
         reference = load_model(row.source, dtype, backend, keep_quantized=False)
-        return quantized, reference, quantized.tokenizer
+        return quantized, reference, reference.tokenizer
     source = source_gguf(row.source)
     path = source
     if row.requantize is not None:
@@ -343,7 +360,10 @@ def load_pair(row: WeightRow, dtype: str, workdir: Path) -> tuple[LoadedModel, L
             source, workdir / f"{source.stem}.{row.requantize}.gguf", row.requantize
         )
     tokenizer = load_tokenizer(row.source if row.source in NAMED_MODELS else source)
-    quantized = load_model(path, dtype, backend, load_tokenizer=False)
+    quantized = {
+        kind: load_model(path, dtype, backend, load_tokenizer=False, q8_0_activations=kind)
+        for kind in kinds
+    }
     reference = load_model(path, dtype, backend, load_tokenizer=False, keep_quantized=False)
     return quantized, reference, tokenizer
 
@@ -357,23 +377,6 @@ def int_rows(dtype: str) -> int:
     return 32 if ops is None else int(ops.quant_gemm_int_rows(getattr(torch, dtype)))
 
 
-@contextmanager
-def q8_0_activations(kind: str) -> Iterator[None]:
-    """quant_gemm's integer kernel quantises Q8_0 weights' activations to ``kind`` ("int16",
-    the default, or "int8", as every other format's) inside the block."""
-    from pagedllm.kernels.ops import layer_ops
-
-    ops = layer_ops()
-    if ops is None:
-        yield
-        return
-    saved = ops.set_quant_gemm_q8_0_activations(kind)
-    try:
-        yield
-    finally:
-        ops.set_quant_gemm_q8_0_activations(saved)
-
-
 def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     chunk = args.chunk or int_rows(args.dtype)
@@ -384,8 +387,10 @@ def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str
             results[row.label] = {"skipped": reason}
             continue
         with tempfile.TemporaryDirectory(prefix="quant_quality_") as workdir:
-            quantized, reference, tokenizer = load_pair(row, args.dtype, Path(workdir))
-        formats = kept_formats(quantized.model)
+            quantized, reference, tokenizer = load_pair(
+                row, args.dtype, Path(workdir), args.q8_0_activations
+            )
+        formats = kept_formats(next(iter(quantized.values())).model)
         if not formats:
             results[row.label] = {
                 "skipped": "its linears are not kept quantized (dequantised at load)"
@@ -394,9 +399,8 @@ def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str
         per_text: dict[str, dict[str, QualityReport]] = {kind: {} for kind in args.q8_0_activations}
         for name, ids in tokenize(tokenizer, texts, args.tokens).items():
             ref = text_logits(runner(reference.model, args.tokens), ids, chunk=chunk)
-            for kind in args.q8_0_activations:
-                with q8_0_activations(kind):
-                    test = text_logits(runner(quantized.model, args.tokens), ids, chunk=chunk)
+            for kind, model in quantized.items():
+                test = text_logits(runner(model.model, args.tokens), ids, chunk=chunk)
                 per_text[kind][name] = compare_text(ref, test, ids)
                 del test
             del ref
@@ -505,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--q8-0-activations",
         default=DEFAULT_Q8_0,
-        help="weights part: Q8_0 weights' activations, int16 and/or int8 (a row each)",
+        help="weights part: Q8_0 weights' activations, auto, int16 and/or int8 (a row each)",
     )
     parser.add_argument(
         "--kv-model", default="default", help="kv part: a model whose float weights are used"

@@ -12,6 +12,9 @@ SUPER_BLOCK = 256
 # The formats kept as stored, by their GGML type numbers (the kernels' format argument).
 CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 FORMATS = tuple(CODES)
+# Added to Q8_0's code: its activations quantised to int8, as every other format's, not to
+# int16 (``kernels/quant.py``'s ``int8_for_q8_0``).
+INT8_ACTIVATIONS = 256
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # --quantization: the layout each scheme makes of a float checkpoint's linears at load
 # (model/quantize.py); int8 is Q8_0's layout (int8 weights, one fp16 scale per 32).

@@ -9,7 +9,7 @@ Every format (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) on every route this CPU 
   (measured: 3e-3 to 8e-3) and to 1e-5 against the same arithmetic emulated in float64; the
   routes give the same bits; Q8_0 weights take int16 activations (at most 1/65534 of the
   block's largest value), held to 1e-4 of the float reference (measured: ~3e-5), and int8
-  ones where that is asked for;
+  ones where their code carries INT8_ACTIVATIONS (``QuantWeight.int8_activations``);
 - dequantised tiles (prompt rows) on each small_gemm route: float32 within 1e-5 of the
   reference (only the order of the sums differs); bf16 within 1e-2 (the tile's weights and
   the output rounded to bf16; measured: 3e-3 to 5e-3).
@@ -17,6 +17,8 @@ A route the CPU lacks skips with the reason.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -33,7 +35,7 @@ from pagedllm.kernels.quant import (
     from_gguf_blocks,
     quant_linear,
 )
-from pagedllm.quant_layout import FORMATS, K_QUANTS
+from pagedllm.quant_layout import CODES, FORMATS, INT8_ACTIVATIONS, K_QUANTS
 
 from .gguf_blocks import quantize
 from .isa_caps import QUANT_ROUTES, ROUTES, quant_gemm_capped, small_gemm_capped
@@ -115,31 +117,39 @@ def test_integer_kernel_matches_the_float_reference(route, format, num_rows) -> 
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
-@pytest.mark.parametrize("num_rows", [1, 5])
-def test_q8_0_on_int8_activations_where_asked(route, num_rows) -> None:
-    """set_quant_gemm_q8_0_activations("int8"): Q8_0 weights back on the int8 route."""
-    weight, reference = gguf_weight("Q8_0", 40, seed=4)
+@pytest.mark.parametrize("num_rows", [1, 5, 9])
+def test_q8_0_on_int8_activations_where_its_code_says(route, num_rows) -> None:
+    """A Q8_0 weight with ``int8_activations`` (its code + INT8_ACTIVATIONS) runs on the
+    int8 route; the same bytes without it on int16."""
+    wide, reference = gguf_weight("Q8_0", 40, seed=4)
+    narrow = replace(wide, int8_activations=True)
+    assert (wide.code, narrow.code) == (CODES["Q8_0"], CODES["Q8_0"] + INT8_ACTIVATIONS)
+    assert (wide.activations, narrow.activations) == ("int16", "int8")
     x = torch.randn(num_rows, reference.shape[1], generator=torch.Generator().manual_seed(4))
     with quant_gemm_capped(route):
-        saved = ops.set_quant_gemm_q8_0_activations("int8")
-        try:
-            assert ops.quant_gemm_q8_0_activations() == "int8"
-            narrow = ops.quant_gemm_integer(x, weight.data, weight.code, None)
-        finally:
-            ops.set_quant_gemm_q8_0_activations(saved)
-        wide = ops.quant_gemm_integer(x, weight.data, weight.code, None)
-    assert relative_error(narrow, emulated(x, reference, INT8_LEVELS)) <= MAX_EMULATION_ERROR
-    assert relative_error(wide, emulated(x, reference, INT16_LEVELS)) <= MAX_EMULATION_ERROR
+        narrow_out = ops.quant_gemm_integer(x, narrow.data, narrow.code, None)
+        wide_out = ops.quant_gemm_integer(x, wide.data, wide.code, None)
+    assert relative_error(narrow_out, emulated(x, reference, INT8_LEVELS)) <= MAX_EMULATION_ERROR
+    assert relative_error(wide_out, emulated(x, reference, INT16_LEVELS)) <= MAX_EMULATION_ERROR
     # int16 brings the product ~100x nearer the float reference.
     exact = F.linear(x, reference)
-    assert relative_error(wide, exact) * 20 <= relative_error(narrow, exact)
+    assert relative_error(wide_out, exact) * 20 <= relative_error(narrow_out, exact)
 
 
-def test_q8_0_activations_setting_is_checked() -> None:
+@pytest.mark.parametrize("format", [f for f in FORMATS if f != "Q8_0"])
+def test_int8_activations_are_the_other_formats_own(format) -> None:
+    """The flag changes Q8_0's code only: the other formats are on int8 already."""
+    weight, _ = gguf_weight(format, 8, seed=3)
+    assert replace(weight, int8_activations=True).code == weight.code == CODES[format]
+    assert weight.activations == "int8"
+
+
+def test_an_activation_flag_on_another_format_is_refused() -> None:
     needs_kernels()
-    assert ops.quant_gemm_q8_0_activations() == "int16"
-    with pytest.raises(RuntimeError, match="not int16 or int8"):
-        ops.set_quant_gemm_q8_0_activations("int4")
+    weight, _ = gguf_weight("Q4_0", 8, seed=3)
+    x = torch.randn(1, weight.shape[1])
+    with pytest.raises(RuntimeError, match="unknown weight format"):
+        ops.quant_gemm(x, weight.data, CODES["Q4_0"] + INT8_ACTIVATIONS, None)
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
@@ -185,23 +195,21 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
     partial group."""
     width = 512 if format in K_QUANTS else 224 + 32 * (len(format) % 3)
     weight, _ = gguf_weight(format, 24, width=width, seed=5)
+    weight = replace(weight, int8_activations=activations == "int8")
+    assert weight.activations == activations
     with quant_gemm_capped(route):
-        saved = ops.set_quant_gemm_q8_0_activations(activations)
-        try:
-            for dtype in (torch.float32, torch.bfloat16):
-                for num_rows in (8, 9, 17, 33):
-                    x = torch.randn(
-                        num_rows, width, generator=torch.Generator().manual_seed(num_rows)
-                    ).to(dtype)
-                    bias = torch.randn(24).to(dtype)
-                    together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
-                    alone = [
-                        ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias)
-                        for r in range(num_rows)
-                    ]
-                    assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
-        finally:
-            ops.set_quant_gemm_q8_0_activations(saved)
+        for dtype in (torch.float32, torch.bfloat16):
+            for num_rows in (8, 9, 17, 33):
+                x = torch.randn(
+                    num_rows, width, generator=torch.Generator().manual_seed(num_rows)
+                ).to(dtype)
+                bias = torch.randn(24).to(dtype)
+                together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
+                alone = [
+                    ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias)
+                    for r in range(num_rows)
+                ]
+                assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.model import load_model
 from pagedllm.model.llama import Embedding, Linear
+from pagedllm.quant_layout import INT8_ACTIVATIONS
 from pagedllm.worker.model_runner import TorchModelRunner
 
 from .parity_helpers import PROMPTS, HandDriver, build_checkpoint
@@ -126,8 +127,10 @@ def test_the_gemma_270m_mix_runs_in_one_call(tmp_path, gemma_checkpoint, monkeyp
         runner = TorchModelRunner(model, block_size=16, num_blocks=64)
         if model.fast_path is None:
             pytest.skip("no one-call Gemma loop here (the C++ kernels did not load)")
-        # q, k, v, o, gate/up, down: layer 0's apart, layer 1's rows of its fused qkv
-        assert model.fast_path.plan.weight_formats[:12] == [6, 6, 8, 12, 6, 14, 6, 6, 6, 12, 6, 14]
+        # q, k, v, o, gate/up, down: layer 0's apart (its Q8_0 v among lower-bit weights on
+        # int8 activations: 8 + INT8_ACTIVATIONS), layer 1's rows of its fused qkv
+        v = 8 + INT8_ACTIVATIONS
+        assert model.fast_path.plan.weight_formats[:12] == [6, 6, v, 12, 6, 14, 6, 6, 6, 12, 6, 14]
         if whole:
             counting = CountingOps(model.fast_path.ops)
             model.fast_path.ops = counting

@@ -156,7 +156,9 @@ def test_mixed_q_k_v_stay_apart_as_stored(tmp_path, checkpoints, dtype, mix) -> 
         plan = model.fast_path.plan
         assert plan is not None and len(plan.qkv) == 3 * len(model.layers)
         code = CODES[common]
-        assert plan.weight_formats[:3] == [code, code, CODES[v_format]]
+        # Qwen's Q8_0 v among lower-bit weights: int8 activations, in its code.
+        assert plan.weight_formats[:3] == [code, code, apart.parts[2].code]
+        assert apart.parts[2].activations == "int8"
         assert plan.weight_formats[6:9] == [code, code, code]  # layer 1: its rows as views
 
 
@@ -229,7 +231,7 @@ def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
 
 @pytest.mark.parametrize(("format", "activations"), [("Q8_0", "int16"), ("Q4_0", "int8")])
 def test_route_names_the_activations(tmp_path, checkpoints, format, activations) -> None:
-    """Q8_0 weights run on int16 activations, the other formats on int8 ones."""
+    """A model all Q8_0 runs on int16 activations, the other formats on int8 ones."""
     gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, format)
     loaded = load_model(gguf_file, dtype="float32", load_tokenizer=False)
     loaded.model.optimize_for_cpu()
@@ -237,6 +239,33 @@ def test_route_names_the_activations(tmp_path, checkpoints, format, activations)
         pytest.skip("the C++ kernels did not build")
     rows = loaded.model.head_ops.quant_gemm_int_rows(loaded.dtype)
     assert f"up to {rows} rows ({activations} activations)" in loaded.model.routes().linears
+
+
+@pytest.mark.parametrize(
+    ("choice", "activations"), [("auto", "int8"), ("int16", "int16"), ("int8", "int8")]
+)
+def test_a_q8_0_head_among_lower_bit_weights_takes_int8(
+    tmp_path, checkpoints, choice, activations
+) -> None:
+    """A Q4_1 file's Q8_0 embedding (its tied head) takes int8 activations, as llama.cpp
+    runs it, unless int16 is asked for; the logits stay close to the dequantised model's."""
+    gguf_file = write_tiny_gguf(
+        checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q4_1", embedding="Q8_0"
+    )
+    loaded = load_model(gguf_file, "float32", load_tokenizer=False, q8_0_activations=choice)
+    head = loaded.model.embed_tokens.quant
+    assert head.format == "Q8_0" and head.activations == activations
+    if loaded.model.head_ops is not None:
+        assert f"({activations} activations)" in loaded.model.routes().lm_head
+    reference = load_model(gguf_file, dtype="float32", load_tokenizer=False, keep_quantized=False)
+    worst, top1 = run_in_lockstep(reference.model, loaded.model, PROMPTS)
+    assert worst <= MAX_KL and top1 >= MIN_TOP1, (worst, top1)
+
+
+def test_q8_0_activations_choice_is_checked(tmp_path, checkpoints) -> None:
+    gguf_file = write_tiny_gguf(checkpoints("llama_tied"), tmp_path / "t.gguf", False, "Q8_0")
+    with pytest.raises(ValueError, match="q8_0_activations must be one of"):
+        load_model(gguf_file, load_tokenizer=False, q8_0_activations="int4")
 
 
 def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:

@@ -18,15 +18,17 @@ bits in 32 bytes per eight blocks, as Q4_K / Q5_K store them, so that one load g
 block's quants; Q4_0 / Q4_1 / Q5_0 are repacked into that shape (padded to whole runs and
 groups), the K-quants' 6-bit sub-scales become bytes, and Q6_K's 16 scales of a super-block
 are kept even ones first. ``quant_linear`` runs every row count on
-``quant_gemm`` (integer dot products with activations quantised per 32-block, to int16 for
-Q8_0 weights and int8 for the others, for decode-sized batches; dequantised tiles on
+``quant_gemm`` (integer dot products with activations quantised per 32-block, to int8, or
+to int16 for Q8_0 weights in a model kept all in Q8_0: ``int8_for_q8_0``, for decode-sized
+batches; dequantised tiles on
 ``small_gemm`` for prompts); ``dequantize`` is the
 plain torch reference of the layouts and the fallback where the C++ kernels are missing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from pagedllm.quant_layout import (
     BLOCK,
     CODES,
     FORMATS,
+    INT8_ACTIVATIONS,
     fused_format,
     row_bytes,
     section_sizes,
@@ -60,15 +63,26 @@ def width_of(format: str, size: int) -> int:
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
     """A linear's weight [N, K] in the kernels' layout of ``format`` (``data``, uint8).
-    ``stored``: where its blocks came from, where not a GGUF's ("int8 at load")."""
+    ``stored``: where its blocks came from, where not a GGUF's ("int8 at load").
+    ``int8_activations``: a Q8_0 weight's activations quantised to int8 as every other
+    format's, not to int16 (``int8_for_q8_0``); other formats ignore it."""
 
     format: str
     data: torch.Tensor
     stored: str = ""
+    int8_activations: bool = False
 
     @property
     def code(self) -> int:
+        """``quant_gemm``'s format argument: the GGML type, Q8_0's with its activations."""
+        if self.format == "Q8_0" and self.int8_activations:
+            return CODES["Q8_0"] + INT8_ACTIVATIONS
         return CODES[self.format]
+
+    @property
+    def activations(self) -> str:
+        """What ``quant_gemm``'s integer kernel quantises the activations to."""
+        return "int16" if self.format == "Q8_0" and not self.int8_activations else "int8"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,8 +98,8 @@ class QuantWeight:
         tensor goes through ``index_select``, a fraction of advanced indexing's cost on the
         one row an embedding looks up per decode step)."""
         if isinstance(index, slice):
-            return QuantWeight(self.format, self.data[index].contiguous(), self.stored)
-        return QuantWeight(self.format, self.data.index_select(0, index), self.stored)
+            return replace(self, data=self.data[index].contiguous())
+        return replace(self, data=self.data.index_select(0, index))
 
 
 def check_format(format: str, width: int) -> None:
@@ -253,6 +267,11 @@ class QuantParts:
         return ""
 
     @property
+    def activations(self) -> str:
+        """The parts' activations, each kind once ("int8", or "int8+int16")."""
+        return "+".join(dict.fromkeys(p.activations for p in self.parts))
+
+    @property
     def shape(self) -> tuple[int, int]:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
@@ -279,6 +298,54 @@ class QuantParts:
 # A linear's weight kept quantized: one layout, or row blocks in several (``QuantParts``).
 Quantized = QuantWeight | QuantParts
 
+# What a model's Q8_0 weights' activations are quantised to ("auto": ``int8_for_q8_0``).
+Q8_0_ACTIVATIONS = ("auto", "int16", "int8")
+
+
+def check_q8_0_activations(choice: str) -> None:
+    """``ValueError`` naming the field unless ``choice`` is one of ``Q8_0_ACTIVATIONS``."""
+    if choice not in Q8_0_ACTIVATIONS:
+        raise ValueError(
+            f"q8_0_activations must be one of {', '.join(Q8_0_ACTIVATIONS)}, got {choice!r}"
+        )
+
+
+def int8_for_q8_0(formats: Iterable[str], choice: str = "auto") -> bool:
+    """Whether a model's Q8_0 weights take int8 activations, given every kept weight's
+    format. "auto": where any is stored at fewer bits (the LM head and some v projections
+    of a Q4_K_M, Q5_0 or Q4_1 file), as llama.cpp runs them: that file's error is its
+    low-bit weights', and int16 activations made its 16-row batches ~10% slower for a
+    fraction of a point of top-1 (docs/performance.md). A model kept all in Q8_0 keeps
+    int16 (the Q8_0 quality goal). ``ValueError`` for another ``choice``."""
+    check_q8_0_activations(choice)
+    if choice != "auto":
+        return choice == "int8"
+    return any(f != "Q8_0" for f in formats)
+
+
+def with_q8_0_activations(
+    weights: Iterable[tuple[str, torch.Tensor | QuantWeight]], choice: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """``weights`` with each Q8_0 one's activations as ``int8_for_q8_0`` decides over all
+    their formats: float tensors pass through as they come, the quantized ones after them
+    (the loader holds those until the end anyway). ``ValueError`` for a bad ``choice``."""
+    check_q8_0_activations(choice)  # now, not at the first tensor
+    return _with_q8_0_activations(weights, choice)
+
+
+def _with_q8_0_activations(
+    weights: Iterable[tuple[str, torch.Tensor | QuantWeight]], choice: str
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    held: list[tuple[str, QuantWeight]] = []
+    for name, tensor in weights:
+        if isinstance(tensor, QuantWeight):
+            held.append((name, tensor))
+        else:
+            yield name, tensor
+    int8 = int8_for_q8_0((w.format for _, w in held), choice)
+    for name, weight in held:
+        yield name, replace(weight, int8_activations=int8)
+
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantParts:
     """One weight of ``parts``' rows in order (q/k/v or gate/up as one linear): fused where
@@ -288,8 +355,7 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight | QuantParts:
         raise ValueError("the parts of one linear must share their width")
     if fused_format([p.format for p in parts]) is None:
         return QuantParts(tuple(parts))
-    data = torch.cat([p.data for p in parts])
-    return QuantWeight(parts[0].format, data, parts[0].stored)
+    return replace(parts[0], data=torch.cat([p.data for p in parts]))
 
 
 def quant_linear(

@@ -52,11 +52,9 @@ def quant_path(weight: Quantized, dtype: torch.dtype) -> str:
         held += ", a call a part"
     bf16_tiles = dtype == torch.bfloat16 and small_gemm_route(dtype) != "none"
     tiles = small_gemm_route(torch.bfloat16 if bf16_tiles else torch.float32)
-    # Q8_0 weights take int16 activations (quant_gemm.cpp's wide_gemm), the others int8.
-    act = ops.quant_gemm_q8_0_activations() if weight.format == "Q8_0" else "int8"
     return (
         f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {held}) up to "
-        f"{ops.quant_gemm_int_rows(dtype)} rows ({act} activations), dequantised tiles on "
+        f"{ops.quant_gemm_int_rows(dtype)} rows ({weight.activations} activations), dequantised tiles on "
         f"small_gemm ({tiles}) beyond"
     )
 

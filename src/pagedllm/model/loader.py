@@ -30,7 +30,7 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.kernels.probe import CpuInfo, cpu_info
-from pagedllm.kernels.quant import QuantWeight
+from pagedllm.kernels.quant import QuantWeight, with_q8_0_activations
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.util.memory import release_freed_memory
@@ -77,6 +77,7 @@ def load_model(
     load_tokenizer: bool = True,
     keep_quantized: bool = True,
     quantization: str | None = None,
+    q8_0_activations: str = "auto",
 ) -> LoadedModel:
     """Load weights, config and tokenizer. ``ValueError`` for anything unsupported.
 
@@ -87,6 +88,9 @@ def load_model(
     converted directory); False dequantises every tensor to ``dtype``.
     ``quantization`` ("int8", "q8_0", "q4_0"; ``model/quantize.py``): the float layer linears,
     embedding and LM head quantized as they load (a named model's from its converted float weights), the CPU only.
+    ``q8_0_activations`` ("auto", "int16", "int8"): what Q8_0 weights' activations are
+    quantised to (``kernels/quant.py``'s ``int8_for_q8_0``: "auto" gives int8 where the
+    model keeps other weights at fewer bits, int16 in a model all Q8_0).
     """
     if quantization is not None:
         check_quantization(quantization, torch.device(device), keep_quantized)
@@ -121,6 +125,7 @@ def load_model(
 
         check_family(quantization, raw_config.get("model_type", ""))
         weights = quantized_weights(weights, quantization, config.tie_word_embeddings)
+    weights = with_q8_0_activations(weights, q8_0_activations)
     torch_dtype, reason = choose_dtype(dtype, config, torch.device(device))
     module = build_model(config, weights, torch_dtype, backend, torch.device(device))
     tokenizer = tokenizer_loader() if load_tokenizer else None

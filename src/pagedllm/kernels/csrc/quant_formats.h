@@ -47,9 +47,14 @@ constexpr int64_t GROUP = 8;   // blocks per group: a K-quant super-block
 // The formats, by their GGML type numbers.
 enum class Format : int64_t { q4_0 = 2, q4_1 = 3, q5_0 = 6, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14 };
 
+// Added to Q8_0's code (quant_layout.py's INT8_ACTIVATIONS): its activations are quantised
+// to int8, as every other format's, not to int16 (a Q8_0 tensor in a lower-bit file).
+constexpr int64_t INT8_ACTIVATIONS = 256;
+
 inline bool k_quant(Format f) { return f == Format::q4_k || f == Format::q5_k || f == Format::q6_k; }
 
 inline Format format_of(int64_t code) {
+  if (code == static_cast<int64_t>(Format::q8_0) + INT8_ACTIVATIONS) return Format::q8_0;
   switch (code) {
     case 2: case 3: case 6: case 8: case 12: case 13: case 14: return static_cast<Format>(code);
     default: TORCH_CHECK(false, "quant_gemm: unknown weight format ", code);
@@ -96,6 +101,7 @@ struct Weight {
   Layout lay;
   const uint8_t* data = nullptr;
   int64_t n = 0;
+  bool wide = false;  // Q8_0 on int16 activations (its code without INT8_ACTIVATIONS)
 
   const uint8_t* row(int64_t i) const { return data + i * lay.bytes; }
 };
@@ -125,6 +131,7 @@ inline Weight check_weight(const at::Tensor& t, int64_t code, int64_t k = -1) {
               " weights of format ", code, " (", w.lay.bytes, " bytes)");
   w.data = t.data_ptr<uint8_t>();
   w.n = t.size(0);
+  w.wide = code == static_cast<int64_t>(Format::q8_0);
   return w;
 }
 

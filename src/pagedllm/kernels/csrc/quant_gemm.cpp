@@ -5,7 +5,9 @@
 //   sum_i w[i] x[i] ~ dx scale_b (dot(q, xq) - offset_b sum(xq)) + min_b dx sum(xq)
 // with the dot products in int32 and the scales applied in float, eight blocks (one group,
 // a K-quant super-block) at a time. Q8_0 weights take int16 activations instead (wide_gemm
-// below: int8 ones were the whole of Q8_0's error). More rows go to quant_tiles.cpp: tiles of
+// below: int8 ones were the whole of Q8_0's error), unless their code carries
+// INT8_ACTIVATIONS (a Q8_0 tensor among lower-bit ones: kernels/quant.py's
+// int8_for_q8_0). More rows go to quant_tiles.cpp: tiles of
 // the weight dequantised into small_gemm's layout and multiplied there.
 //
 // The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
@@ -96,23 +98,6 @@ std::string set_quant_gemm_isa(const std::string& isa) {
   for (int i = 0; i <= static_cast<int>(Route::none); ++i)
     if (isa == route_name(static_cast<Route>(i))) return route_name(static_cast<Route>(route_cap().exchange(i)));
   TORCH_CHECK(false, "set_quant_gemm_isa: unknown ISA '", isa, "' (avx512_vnni, avx_vnni, avx2, none)");
-}
-
-// Q8_0 weights' activations: "int16" (wide_gemm below, the default: the quality goal) or
-// "int8" (the route every other format takes; benchmarks compare the two).
-std::atomic<bool>& wide_flag() {
-  static std::atomic<bool> wide{true};
-  return wide;
-}
-
-bool wide_activations() { return wide_flag().load(); }
-
-std::string quant_gemm_q8_0_activations() { return wide_activations() ? "int16" : "int8"; }
-
-// Sets Q8_0's activations ("int16" or "int8"); returns the previous setting.
-std::string set_quant_gemm_q8_0_activations(const std::string& kind) {
-  TORCH_CHECK(kind == "int16" || kind == "int8", "set_quant_gemm_q8_0_activations: '", kind, "' is not int16 or int8");
-  return wide_flag().exchange(kind == "int16") ? "int16" : "int8";
 }
 
 // Activations quantised per block: xq (Q: int8, or int16 for Q8_0 weights); per block dx,
@@ -884,7 +869,7 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
   const bool in_lanes = rows >= LANES;
-  if (w.lay.format == Format::q8_0 && wide_activations()) {
+  if (w.wide) {
     const WideActivations& a = quantize_rows_wide(x);
     const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
     pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, lanes, rows, n0, n1, o); });
@@ -1006,8 +991,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa() -> str", &pagedllm_quant::quant_gemm_isa);
   m.def("set_quant_gemm_isa(str isa) -> str", &pagedllm_quant::set_quant_gemm_isa);
   m.def("quant_gemm_int_rows(ScalarType dtype) -> int", &pagedllm_quant::quant_gemm_int_rows);
-  m.def("quant_gemm_q8_0_activations() -> str", &pagedllm_quant::quant_gemm_q8_0_activations);
-  m.def("set_quant_gemm_q8_0_activations(str kind) -> str", &pagedllm_quant::set_quant_gemm_q8_0_activations);
   m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
