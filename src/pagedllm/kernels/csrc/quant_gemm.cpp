@@ -617,6 +617,31 @@ struct StagedTile {
   std::vector<int8_t> q;
   std::vector<float> d, m;
   int64_t padded = 0;
+
+  static constexpr bool flip = false;  // staged Q8_0 bytes are q + 128 already
+  // The next tile is staged from memory as the row kernels read it (stage_tile): prefetching
+  // it meanwhile, into L1 or L2, measured level (Q5_0, Q4_K) to 10% slower (Q6_K).
+  static constexpr bool prefetch_next = false;
+  const int8_t* block(int r, int64_t b) const { return q.data() + (r * padded + b) * BLOCK; }
+  float d_of(int r, int64_t b) const { return d[r * padded + b]; }
+  float m_of(int r, int64_t b) const { return m[r * padded + b]; }
+};
+
+// Q8_0 weight rows n0.. read where they are stored: the bytes the tiles stage, less the sign
+// flip (applied to each broadcast dword instead), with the scale group_scales gives. A single
+// pass over a tile (up to LANES * LANE_VECTORS rows: a decode step's) gains nothing from
+// staging, which was a third of the Q8_0 head's time (Gemma-3-270M, 16 rows, Zen 4;
+// docs/performance.md).
+struct StoredQ8_0Tile {
+  const uint8_t* first;  // row n0
+  int64_t bytes, d;      // a row's bytes, its scales' offset
+
+  StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), d(w.lay.d) {}
+  static constexpr bool flip = true;
+  static constexpr bool prefetch_next = true;  // read in place: x1.27-1.42 on the heads
+  const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
+  float d_of(int r, int64_t b) const { return half(first + r * bytes + d + 2 * b); }
+  float m_of(int, int64_t) const { return 0.f; }
 };
 
 // Row group `group`'s dword i of block b in rows-in-lanes activations t (lanes_of's layout).
@@ -638,24 +663,25 @@ __attribute__((always_inline)) inline void row_group_passes(int64_t groups, Pass
 // for its `tile` rows. Two chains of dot products per row group, the block's first 16 values
 // and its last 16 (Q6_K's halves have scales of their own); rows in turn keep enough in
 // flight.
-template <Route R, Format F, int V>
-__attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t b, int tile, const StagedTile& st,
+template <Route R, Format F, int V, typename Tile>
+__attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t b, int tile, const Tile& st,
                                                            const Activations& t, int64_t g0, __m256 acc[][GROUP][V]) {
   constexpr int dwords = BLOCK / 4;
-  const int64_t padded = st.padded;
   const int j = static_cast<int>(b % GROUP);
   __m256i x[V][dwords];
   for (int v = 0; v < V; ++v)
     for (int i = 0; i < dwords; ++i) x[v][i] = _mm256_loadu_si256(lane_dwords(t, g0 + v, blocks, b, i));
   for (int r = 0; r < tile; ++r) {
-    const int8_t* qb = st.q.data() + (r * padded + b) * BLOCK;
+    const int8_t* qb = st.block(r, b);
     __m256i s[2][V];
     for (int h = 0; h < 2; ++h)
       for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
     for (int i = 0; i < dwords; ++i) {
       int32_t bits;
       std::memcpy(&bits, qb + 4 * i, 4);
-      const __m256i wv = _mm256_set1_epi32(bits);
+      // The flip on the vector: a scalar xor would broadcast from a register, not from memory.
+      const __m256i wv = Tile::flip ? _mm256_xor_si256(_mm256_set1_epi32(bits), _mm256_set1_epi8(-128))
+                                    : _mm256_set1_epi32(bits);
       const int h = i < dwords / 2 ? 0 : 1;
       for (int v = 0; v < V; ++v) {
         if constexpr (F == Format::q8_0 && !q8_0_offset<R, F>()) {
@@ -665,18 +691,22 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
         }
       }
     }
-    const __m256 d = _mm256_set1_ps(st.d[r * padded + b]), m = _mm256_set1_ps(st.m[r * padded + b]);
+    const __m256 d = _mm256_set1_ps(st.d_of(r, b)), m = _mm256_set1_ps(st.m_of(r, b));
     for (int v = 0; v < V; ++v)
       acc[r][j][v] = add_block_terms<F, q8_0_offset<R, F>()>(acc[r][j][v], s[0][v], s[1][v], d, m, t,
                                                               ((g0 + v) * blocks + b) * LANES);
   }
 }
 
-// Weight rows [n0, n1)'s bytes from `part` / `parts` of the way to (part + 1) / parts, into L2.
-inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t part, int64_t parts) {
+// Weight rows [n0, n1)'s bytes from `part` / `parts` of the way to (part + 1) / parts, into
+// L1. Always inlined: GCC took the out-of-line function, which only prefetches, for one
+// without effects and dropped its calls (the staged tiles' prefetch into L2, ed302de on,
+// never ran).
+__attribute__((always_inline)) inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t part,
+                                                              int64_t parts) {
   const int64_t start = n0 * w.lay.bytes, span = (std::min(n1, w.n) - n0) * w.lay.bytes;
   for (int64_t i = (start + span * part / parts) & ~int64_t{63}; i < start + span * (part + 1) / parts; i += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w.data + i), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w.data + i), _MM_HINT_T0);
 }
 
 // Weight rows [n0, n1), n1 - n0 <= LANE_TILE, into st: row after row as the row kernels read
@@ -700,10 +730,11 @@ void stage_tile(const Weight& w, int64_t n0, int64_t n1, StagedTile& st) {
   }
 }
 
-// out[r][n] for row groups [g0, g0 + V) and the staged weight rows [n0, n1), int8 activations,
-// from the cache; with prefetch, the LANE_TILE rows after them are brought into L2 meanwhile.
-template <Route R, Format F, int V>
-void tile_pass(const Weight& w, const StagedTile& st, const Activations& t, int64_t g0, int64_t rows, int64_t n0,
+// out[r][n] for row groups [g0, g0 + V) and the tile st of weight rows [n0, n1), int8
+// activations; with prefetch (a tile read in place), the LANE_TILE rows after them are
+// brought into L1 meanwhile.
+template <Route R, Format F, int V, typename Tile>
+void tile_pass(const Weight& w, const Tile& st, const Activations& t, int64_t g0, int64_t rows, int64_t n0,
                int64_t n1, bool prefetch, const Output& out) {
   const int64_t blocks = w.lay.blocks();
   const int tile = static_cast<int>(n1 - n0);
@@ -712,8 +743,8 @@ void tile_pass(const Weight& w, const StagedTile& st, const Activations& t, int6
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (prefetch) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
-    lane_block_step<R, F, V>(blocks, b, tile, st, t, g0, acc);
+    if (Tile::prefetch_next && prefetch) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
+    lane_block_step<R, F, V, Tile>(blocks, b, tile, st, t, g0, acc);
   }
   for (int r = 0; r < tile; ++r)
     for (int v = 0; v < V; ++v) store_lanes<V>(acc[r], v, g0 + v, rows, n0 + r, out);
@@ -721,17 +752,23 @@ void tile_pass(const Weight& w, const StagedTile& st, const Activations& t, int6
 
 // out[r][n] for every row (in lanes) and weight rows [n0, n1), int8 activations: LANE_TILE
 // weight rows staged at a time, then multiplied by every row group, LANE_VECTORS at a time,
-// so that a prompt's many rows share one staging (the unpacking of the weights).
+// so that a prompt's many rows share one staging (the unpacking of the weights); Q8_0's rows
+// in one pass are read as stored (StoredQ8_0Tile).
 template <Route R, Format F>
 void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   thread_local StagedTile st;
+  const int64_t groups = (rows + LANES - 1) / LANES;
+  const bool stored = q8_0_offset<R, F>() && groups <= LANE_VECTORS;
   for (int64_t n = n0; n < n1; n += LANE_TILE) {
     const int64_t end = std::min(n + LANE_TILE, n1);
-    stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
+    if (!stored) stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
     // The first pass prefetches the rows after the tile, past n1 too, as before this fold
     // (limiting it to [n0, n1) measured no faster).
-    row_group_passes((rows + LANES - 1) / LANES, [&](int64_t g, auto v) __attribute__((always_inline)) {
-      tile_pass<R, F, decltype(v)::value>(w, st, t, g, rows, n, end, g == 0 && end < w.n, out);
+    row_group_passes(groups, [&](int64_t g, auto v) __attribute__((always_inline)) {
+      constexpr int V = decltype(v)::value;
+      const bool prefetch = g == 0 && end < w.n;
+      if (stored) return tile_pass<R, F, V>(w, StoredQ8_0Tile(w, n), t, g, rows, n, end, prefetch, out);
+      tile_pass<R, F, V>(w, st, t, g, rows, n, end, prefetch, out);
     });
   }
 }
