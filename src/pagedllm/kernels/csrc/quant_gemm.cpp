@@ -49,7 +49,8 @@ constexpr int ROW_BLOCK = 4;
 // rows ahead (the first choice) was 1.4 KB for SmolLM2's rows but 3.8 KB for its down
 // projection's and 16 KB for Qwen's. One thread on a busy machine measured 1-1.5 KB best;
 // two threads on a quiet one (the decode step) 2 KB: 2-8% faster per linear than 1 KB, 3-4
-// KB slower again (docs/performance.md, quantized weights).
+// KB slower again (docs/performance.md, quantized weights). The tiles' staging and the int16
+// kernels prefetch so; the int8 row kernel no longer does (row_block).
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
@@ -363,20 +364,21 @@ __attribute__((always_inline)) inline void group_step(const Layout& l, const uin
 }
 
 // The lines PREFETCH_BYTES past the start of weight row n (none past the weight's end).
-inline void prefetch_ahead(const Weight& w, int64_t n) {
+// Always inlined, as prefetch_rows_part (below), or GCC may drop its calls.
+__attribute__((always_inline)) inline void prefetch_ahead(const Weight& w, int64_t n) {
   const int64_t ahead = n * w.lay.bytes + PREFETCH_BYTES, end = w.n * w.lay.bytes;
   for (int64_t i = 0; i < std::min(w.lay.bytes, end - ahead); i += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w.data + ahead + i), _MM_HINT_T0);
 }
 
 // Weight row n a group of blocks at a time: step(row, g, count) for the whole groups, then the
-// tail, after prefetching the lines PREFETCH_BYTES ahead.
-template <typename Step>
+// tail, after prefetching the lines PREFETCH_BYTES ahead where Prefetch.
+template <bool Prefetch = true, typename Step>
 __attribute__((always_inline)) inline void row_groups(const Weight& w, int64_t n, Step step) {
   const int64_t blocks = w.lay.blocks(), whole = blocks / GROUP;
   const int tail = static_cast<int>(blocks % GROUP);
   const uint8_t* row = w.row(n);
-  prefetch_ahead(w, n);
+  if constexpr (Prefetch) prefetch_ahead(w, n);
   for (int64_t g = 0; g < whole; ++g) step(row, g, GROUP);
   if (tail > 0) step(row, whole, tail);
 }
@@ -388,7 +390,9 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    row_groups(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+    // No prefetch: GCC had dropped it here, and issued (Zen 4, one row, 2 threads) it measured
+    // 6-10% slower on weights in L3 and -3% to +2% on weights streamed from memory.
+    row_groups<false>(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
       group_step<R, F, RB>(w.lay, row, g, count, a, r0, acc);
     });
     for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
