@@ -49,8 +49,8 @@ constexpr int ROW_BLOCK = 4;
 // rows ahead (the first choice) was 1.4 KB for SmolLM2's rows but 3.8 KB for its down
 // projection's and 16 KB for Qwen's. One thread on a busy machine measured 1-1.5 KB best;
 // two threads on a quiet one (the decode step) 2 KB: 2-8% faster per linear than 1 KB, 3-4
-// KB slower again (docs/performance.md, quantized weights). The tiles' staging and the int16
-// kernels prefetch so; the int8 row kernel no longer does (row_block).
+// KB slower again (docs/performance.md, quantized weights). The tiles' staging, the int16
+// kernels and the int8 row kernel on Q8_0 prefetch so; on the other formats it does not.
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
@@ -390,9 +390,10 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    // No prefetch: GCC had dropped it here, and issued (Zen 4, one row, 2 threads) it measured
-    // 6-10% slower on weights in L3 and -3% to +2% on weights streamed from memory.
-    row_groups<false>(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+    // Prefetch for Q8_0 only (the heads, streamed from memory: one row 5.45 -> 4.80 ms on
+    // Gemma's, Zen 4, 2 threads). GCC had dropped it here for every format, and issued for
+    // the others it measured 6-10% slower on weights in L3, -3% to +2% streamed.
+    row_groups<F == Format::q8_0>(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
       group_step<R, F, RB>(w.lay, row, g, count, a, r0, acc);
     });
     for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
