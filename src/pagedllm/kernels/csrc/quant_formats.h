@@ -157,14 +157,17 @@ struct BlockScales {
   float scale[2], offset[2];
 };
 
+// Block b's own fp16 scale d in a 32-block format (Q8_0, Q4_0, Q4_1, Q5_0).
+inline float block_d(const Layout& l, const uint8_t* row, int64_t b) { return half(row + l.d + 2 * b); }
+
 inline BlockScales block_scales(const Layout& l, const uint8_t* row, int64_t b) {
   const int64_t s = b / GROUP;
   auto both = [](float scale, float offset) { return BlockScales{{scale, scale}, {offset, offset}}; };
   switch (l.format) {
-    case Format::q8_0: return both(half(row + l.d + 2 * b), 0.f);
-    case Format::q4_0: { const float d = half(row + l.d + 2 * b); return both(d, -8.f * d); }
-    case Format::q5_0: { const float d = half(row + l.d + 2 * b); return both(d, -16.f * d); }
-    case Format::q4_1: return both(half(row + l.d + 2 * b), half(row + l.m + 2 * b));
+    case Format::q8_0: return both(block_d(l, row, b), 0.f);
+    case Format::q4_0: { const float d = block_d(l, row, b); return both(d, -8.f * d); }
+    case Format::q5_0: { const float d = block_d(l, row, b); return both(d, -16.f * d); }
+    case Format::q4_1: return both(block_d(l, row, b), half(row + l.m + 2 * b));
     case Format::q4_k:
     case Format::q5_k:
       return both(half(row + l.d + 2 * s) * static_cast<float>(row[l.sc + b]),

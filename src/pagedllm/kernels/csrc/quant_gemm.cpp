@@ -624,28 +624,26 @@ struct StagedTile {
   int64_t padded = 0;
 
   static constexpr bool flip = false;  // staged Q8_0 bytes are q + 128 already
-  // The next tile is staged from memory as the row kernels read it (stage_tile): prefetching
-  // it meanwhile, into L1 or L2, measured level (Q5_0, Q4_K) to 10% slower (Q6_K).
-  static constexpr bool prefetch_next = false;
   const int8_t* block(int r, int64_t b) const { return q.data() + (r * padded + b) * BLOCK; }
   float d_of(int r, int64_t b) const { return d[r * padded + b]; }
   float m_of(int r, int64_t b) const { return m[r * padded + b]; }
 };
 
 // Q8_0 weight rows n0.. read where they are stored: the bytes the tiles stage, less the sign
-// flip (applied to each broadcast dword instead), with the scale group_scales gives. A single
-// pass over a tile (up to LANES * LANE_VECTORS rows: a decode step's) gains nothing from
-// staging, which was a third of the Q8_0 head's time (Gemma-3-270M, 16 rows, Zen 4;
+// flip (applied to each broadcast dword instead), with the block's scale (block_d). A single pass
+// over a tile (up to LANES * LANE_VECTORS rows: a decode step's) gains nothing from staging,
+// which was a third of the Q8_0 head's time (Gemma-3-270M, 16 rows, Zen 4;
 // docs/performance.md).
 struct StoredQ8_0Tile {
   const uint8_t* first;  // row n0
-  int64_t bytes, d;      // a row's bytes, its scales' offset
+  int64_t bytes;         // a row's
+  Layout lay;
 
-  StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), d(w.lay.d) {}
+  StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), lay(w.lay) {}
   static constexpr bool flip = true;
-  static constexpr bool prefetch_next = true;  // read in place: x1.27-1.42 on the heads
   const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
-  float d_of(int r, int64_t b) const { return half(first + r * bytes + d + 2 * b); }
+  // block_d, not block_scales: its switch on the format per (row, block) cost 4-7% here.
+  float d_of(int r, int64_t b) const { return block_d(lay, first + r * bytes, b); }
   float m_of(int, int64_t) const { return 0.f; }
 };
 
@@ -736,8 +734,7 @@ void stage_tile(const Weight& w, int64_t n0, int64_t n1, StagedTile& st) {
 }
 
 // out[r][n] for row groups [g0, g0 + V) and the tile st of weight rows [n0, n1), int8
-// activations; with prefetch (a tile read in place), the LANE_TILE rows after them are
-// brought into L1 meanwhile.
+// activations; with prefetch, the LANE_TILE rows after them are brought into L1 meanwhile.
 template <Route R, Format F, int V, typename Tile>
 void tile_pass(const Weight& w, const Tile& st, const Activations& t, int64_t g0, int64_t rows, int64_t n0,
                int64_t n1, bool prefetch, const Output& out) {
@@ -748,7 +745,7 @@ void tile_pass(const Weight& w, const Tile& st, const Activations& t, int64_t g0
     for (int j = 0; j < GROUP; ++j)
       for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (Tile::prefetch_next && prefetch) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
+    if (prefetch) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
     lane_block_step<R, F, V, Tile>(blocks, b, tile, st, t, g0, acc);
   }
   for (int r = 0; r < tile; ++r)
@@ -767,13 +764,15 @@ void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0,
   for (int64_t n = n0; n < n1; n += LANE_TILE) {
     const int64_t end = std::min(n + LANE_TILE, n1);
     if (!stored) stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
-    // The first pass prefetches the rows after the tile, past n1 too, as before this fold
-    // (limiting it to [n0, n1) measured no faster).
+    // A tile read in place (its one pass) prefetches the rows after it, past n1 too (limiting
+    // it to [n0, n1) measured no faster); staged ones are read from memory as the row kernels
+    // read them, and prefetching the next meanwhile, into L1 or L2, measured level (Q5_0,
+    // Q4_K) to 10% slower (Q6_K).
+    const bool prefetch = stored && end < w.n;
     row_group_passes(groups, [&](int64_t g, auto v) __attribute__((always_inline)) {
       constexpr int V = decltype(v)::value;
-      const bool prefetch = g == 0 && end < w.n;
       if (stored) return tile_pass<R, F, V>(w, StoredQ8_0Tile(w, n), t, g, rows, n, end, prefetch, out);
-      tile_pass<R, F, V>(w, st, t, g, rows, n, end, prefetch, out);
+      tile_pass<R, F, V>(w, st, t, g, rows, n, end, false, out);
     });
   }
 }
