@@ -6,22 +6,34 @@ file-mapped, from /proc/self/smaps_rollup) after the imports, after ``LLM()`` an
 prompt step and warm decode steps, against the start-up report's split (weights as held,
 the KV cache's bytes). The issue-44 goal: RSS <= weights x 1.1 + KV + 300 MiB.
 
+``--serve``: the same model behind ``pagedllm serve`` (one sequence, the same KV cache),
+the same requests over HTTP; the resident set of the API server process and of each of its
+children (the engine core; multiprocessing's resource tracker), the goal on the core's.
+
     .venv/bin/python benchmarks/memory_split.py                      # the default model
     .venv/bin/python benchmarks/memory_split.py --model default qwen2.5-coder-0.5b gemma-3-270m
     .venv/bin/python benchmarks/memory_split.py --model path/to/model.gguf --kv-mib 16
+    .venv/bin/python benchmarks/memory_split.py --serve --model gemma-3-270m
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 MIB = 1 << 20
 PHASES = ("imports", "LLM()", "first step", "warm")
 # The goal's allowance beside the weights (x 1.1) and the KV cache.
 GOAL_SLACK_MIB = 300
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 60
+# The start-up report's line (engine/builder.py's MemorySplit.line).
+SPLIT_LINE = re.compile(r"memory: weights ([\d,]+) MiB as held, KV cache ([\d,]+) MiB")
 
 
 def child(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> dict:
@@ -43,8 +55,7 @@ def child(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> di
         model=model, kv_cache_memory=kv_mib * MIB, max_num_seqs=1, enable_prefix_caching=False
     )
     mark("LLM()")
-    text = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 60
-    prompt = {"prompt_token_ids": llm.get_tokenizer().encode(text)[:prompt_tokens]}
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode(PROMPT)[:prompt_tokens]}
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     mark("first step")
     full = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
@@ -75,14 +86,114 @@ def summary(model: str, result: dict) -> dict:
     }
 
 
+def serve(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """``pagedllm serve --model model`` with one sequence and a ``kv_mib`` cache, a prompt
+    step and three generations over HTTP, then each of its processes' resident set."""
+    import httpx
+
+    from pagedllm.model.loader import load_tokenizer
+    from pagedllm.util.memory import resident_memory
+    from pagedllm.util.net import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model, "--port",
+               str(port), "--kv-cache-memory", f"{kv_mib}MiB", "--max-num-seqs", "1",
+               "--no-enable-prefix-caching", "--log-level", "info"]  # fmt: skip
+    log = Path(f"/tmp/memory_split_serve_{os.getpid()}.log")
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, server)
+        prompt = load_tokenizer(model).encode(PROMPT)[:prompt_tokens]
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
+        body = {**body, "max_tokens": output_tokens, "ignore_eos": True}
+        for _ in range(3):
+            httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
+        children = [int(p) for p in Path(f"/proc/{server.pid}/task/{server.pid}/children")
+                    .read_text().split()]  # fmt: skip
+        processes = {"API server": server.pid}
+        for pid in children:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+            name = "resource tracker" if "resource_tracker" in cmdline else "engine core"
+            processes[name if name not in processes else f"{name} {pid}"] = pid
+        resident = {name: resident_memory(pid) for name, pid in processes.items()}
+    finally:
+        server.terminate()
+        server.wait(60)
+    found = SPLIT_LINE.search(log.read_text())
+    if found is None:
+        raise SystemExit(f"no start-up memory line in {log}")
+    log.unlink()
+    weights, kv = (float(g.replace(",", "")) for g in found.groups())
+    return {
+        "weights_mib": weights,
+        "kv_mib": kv,
+        "processes": {
+            n: {"rss": r.total / MIB, "anonymous": r.anonymous / MIB} for n, r in resident.items()
+        },
+    }
+
+
+def _wait_healthy(base: str, server: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"pagedllm serve exited with {server.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"pagedllm serve did not come up in {timeout:.0f} s")
+
+
+def serve_table(args: argparse.Namespace) -> int:
+    """One ``serve`` per model: each process's RSS, the total, the goal on the core's."""
+    from pagedllm.kernels.probe import cpu_info
+
+    print(f"CPU: {cpu_info().label}; pagedllm serve, KV cache {args.kv_mib} MiB; MiB, RSS "
+          "(anonymous)")  # fmt: skip
+    print("| model | weights | KV | API server | engine core | others | total | core goal |")
+    print("| --- " * 8 + "|")
+    rows = []
+    for model in args.model:
+        result = serve(model, args.kv_mib, args.prompt_tokens, args.output_tokens)
+        processes = result["processes"]
+        core = processes["engine core"]["rss"]
+        others = sum(
+            p["rss"] for n, p in processes.items() if n not in ("API server", "engine core")
+        )
+        goal = result["weights_mib"] * 1.1 + result["kv_mib"] + GOAL_SLACK_MIB
+        row = {"model": model, **result, "total_mib": round(sum(p["rss"] for p in processes.values()), 1),
+               "core_goal_mib": round(goal, 1), "core_goal_met": core <= goal}  # fmt: skip
+        rows.append(row)
+        cells = [f"{processes[n]['rss']:.0f} ({processes[n]['anonymous']:.0f})"
+                 for n in ("API server", "engine core")]  # fmt: skip
+        met = "met" if row["core_goal_met"] else "not met"
+        print(
+            f"| {model} | {result['weights_mib']:.0f} | {result['kv_mib']:.0f} | "
+            f"{' | '.join(cells)} | {others:.0f} | {row['total_mib']:.0f} | {goal:.0f} ({met}) |"
+        )
+    print(json.dumps({"kv_mib": args.kv_mib, "serve": rows}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["default"])
     parser.add_argument("--kv-mib", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--serve", action="store_true", help="behind pagedllm serve")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve:
+        return serve_table(args)
     if args.child:
         result = child(args.model[0], args.kv_mib, args.prompt_tokens, args.output_tokens)
         print(json.dumps(result))

@@ -232,3 +232,6 @@ class FakeEngineFactory:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.tokenizer_path)
+
+    def beside(self, tokenizer: Any) -> FakeEngineFactory:
+        return self  # a tiny tokenizer: the core loads its own

@@ -363,3 +363,25 @@ def test_memory_split_reports_each_phase_and_the_goal(capsys, tmp_path):
     assert row["rest_mib"] == pytest.approx(row["rss_mib"] - row["weights_mib"] - 8.0, abs=0.2)
     assert row["goal_mib"] == pytest.approx(row["weights_mib"] * 1.1 + 8.0 + 300, abs=0.2)
     assert all(0 < p["anonymous"] < p["rss"] for p in row["phases"].values())
+
+
+@pytest.mark.slow
+def test_memory_split_serve_reports_each_process(capsys, tmp_path):
+    """``--serve``: the API server and the engine core (a child process) read apart, the
+    weights and KV cache from the core's start-up report, the goal on the core's RSS."""
+    pytest.importorskip("gguf")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/PID/smaps_rollup")
+    from pagedllm.testing import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1)
+    args = ["--serve", "--model", str(checkpoint), "--kv-mib", "8", "--prompt-tokens", "20"]
+    args += ["--output-tokens", "4"]
+    assert load("memory_split").main(args) == 0
+    (row,) = last_json(capsys)["serve"]
+    processes = row["processes"]
+    assert {"API server", "engine core"} <= set(processes)
+    assert row["kv_mib"] == 8.0 and 0 <= row["weights_mib"] < 1
+    assert row["total_mib"] == pytest.approx(sum(p["rss"] for p in processes.values()), abs=0.2)
+    assert row["core_goal_mib"] == pytest.approx(row["weights_mib"] * 1.1 + 8.0 + 300, abs=0.2)
+    assert all(0 < p["anonymous"] < p["rss"] for p in processes.values())

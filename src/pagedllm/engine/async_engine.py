@@ -332,7 +332,8 @@ class AsyncEngine:
     def launch(cls, factory: EngineFactory, **kw: Any) -> AsyncEngine:
         """Start the engine core in a process of its own and wait until it is ready
         (``RuntimeError`` with its reason if it fails to start)."""
-        return cls(_CoreProcess(factory), factory.load_tokenizer(), **kw)
+        tokenizer = factory.load_tokenizer()
+        return cls(_CoreProcess(factory.beside(tokenizer)), tokenizer, **kw)
 
     @classmethod
     def in_thread(cls, engine: LLMEngine, **kw: Any) -> AsyncEngine:

@@ -31,9 +31,13 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
 
 
-def start_model(config: EngineConfig, backend: Any) -> tuple[Any, Any, KVPlan]:
-    """Load the model on attention ``backend``, plan its cache, start the runner: (the
-    loaded model, rank 0's shard under tensor parallelism; the runner; the plan)."""
+def start_model(
+    config: EngineConfig, backend: Any, load_tokenizer: bool = True
+) -> tuple[Any, Any, KVPlan]:
+    """Load the model on attention ``backend`` (and its tokenizer, unless not
+    ``load_tokenizer`` or ``config.skip_tokenizer_init``), plan its cache, start the
+    runner: (the loaded model, rank 0's shard under tensor parallelism; the runner; the
+    plan)."""
     import torch
 
     from pagedllm.model.loader import load_model
@@ -46,7 +50,7 @@ def start_model(config: EngineConfig, backend: Any) -> tuple[Any, Any, KVPlan]:
         config.dtype,
         backend,
         device=config.device,
-        load_tokenizer=not config.skip_tokenizer_init,
+        load_tokenizer=load_tokenizer and not config.skip_tokenizer_init,
         quantization=config.quantization,
     )
     plans: list[KVPlan] = []

@@ -76,17 +76,39 @@ class EngineFactory(Protocol):
 
     def load_tokenizer(self) -> Any: ...
 
+    def beside(self, tokenizer: Any) -> EngineFactory:
+        """This factory, for a core beside a server that holds ``tokenizer`` (from
+        ``load_tokenizer``)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ConfigEngineFactory:
-    """The engine of ``pagedllm serve``: ``LLMEngine.from_config(config)``."""
+    """The engine of ``pagedllm serve``: ``LLMEngine.from_config(config)``.
+
+    ``deferred``: the core's tokenizer is loaded only when a request needs one
+    (``DeferredTokenizer``: a structured-output grammar), its EOS id ``eos_token_id``
+    taken from the server's; set by ``beside``."""
 
     config: EngineConfig
+    deferred: bool = False
+    eos_token_id: int | None = None
 
     def build_engine(self) -> LLMEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        return LLMEngine.from_config(self.config)
+        if not self.deferred or self.config.skip_tokenizer_init:
+            return LLMEngine.from_config(self.config)
+        from pagedllm.model.tokenizer import DeferredTokenizer
+
+        tokenizer = DeferredTokenizer(self.load_tokenizer, self.eos_token_id)
+        return LLMEngine.from_config(self.config, tokenizer=tokenizer)
+
+    def beside(self, tokenizer: Any) -> ConfigEngineFactory:
+        if tokenizer is None:
+            return self
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return ConfigEngineFactory(self.config, deferred=True, eos_token_id=eos)
 
     def load_tokenizer(self) -> Any:
         if self.config.skip_tokenizer_init:

@@ -127,14 +127,17 @@ class LLMEngine:
             )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, plan the cache once, start the runner (``engine/builder.py``)."""
-        loaded, runner, plan = builder.start_model(config, builder.attention_backend(config))
+    def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> LLMEngine:
+        """Load the model, plan the cache once, start the runner (``engine/builder.py``).
+        ``tokenizer``: the one to use rather than loading the model's (the core's
+        ``DeferredTokenizer`` beside a server)."""
+        backend = builder.attention_backend(config)
+        loaded, runner, plan = builder.start_model(config, backend, tokenizer is None)
         try:
             engine = cls(
                 config,
                 runner,
-                loaded.tokenizer,
+                loaded.tokenizer if tokenizer is None else tokenizer,
                 model_config=loaded.config,
                 plan=plan,
                 dtype_reason=loaded.dtype_reason,

@@ -4,7 +4,8 @@ fast tokenizer's backend, and a model directory's tokenizer loaded when first ne
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,41 @@ def load_text_tokenizer(model: str) -> ModelTokenizer:
     if not Path(path).is_dir():
         raise ValueError(f"--model {model}: not a model directory (or 'default')")
     return ModelTokenizer(Path(path))
+
+
+class DeferredTokenizer:
+    """A Hugging Face tokenizer loaded on its first use (``load()``), whose EOS id is known
+    without it: the engine core beside a server. The server holds its own tokenizer and
+    does the text work (prompts arrive as token ids; outputs and stop strings are built
+    there), so the core needs only the EOS id, and a tokenizer for nothing but a
+    structured-output grammar: Gemma 3's 262k-token one is ~125 MiB resident, beside a
+    model of 237. Any other attribute is the loaded tokenizer's (loaded once, under a
+    lock: grammars compile in worker threads)."""
+
+    def __init__(self, load: Callable[[], Any], eos_token_id: int | None) -> None:
+        self.eos_token_id = eos_token_id
+        self._load = load
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    def tokenizer(self) -> Any:
+        """The tokenizer, loaded now if it was not."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load()
+            return self._tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never load for a lookup of this class's own state
+            raise AttributeError(name)
+        return getattr(self.tokenizer(), name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer()(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer())

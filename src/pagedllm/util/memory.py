@@ -27,12 +27,12 @@ class Resident:
         return self.total - self.anonymous
 
 
-def resident_memory() -> Resident | None:
-    """The process's resident set (``/proc/self/smaps_rollup``), or None where there is
-    no such file."""
+def resident_memory(pid: int | None = None) -> Resident | None:
+    """The resident set of this process (or of ``pid``: ``/proc/PID/smaps_rollup``), or
+    None where there is no such file."""
     fields: dict[str, int] = {}
     try:
-        with open("/proc/self/smaps_rollup") as handle:
+        with open(f"/proc/{'self' if pid is None else pid}/smaps_rollup") as handle:
             for line in handle:
                 parts = line.split()
                 if len(parts) == 3 and parts[2] == "kB":
