@@ -227,11 +227,13 @@ def test_last_groups_of_every_length(route, format, blocks) -> None:
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
 @pytest.mark.parametrize("format", FORMATS)
-def test_bf16_out_is_the_float32_sum_rounded_once(route, format) -> None:
+@pytest.mark.parametrize("num_rows", [3, 16])
+def test_bf16_out_is_the_float32_sum_rounded_once(route, format, num_rows) -> None:
     """In bf16 the kernel adds the bias to each float32 sum and rounds once: the float32
-    result (same activations, same bias) rounded to bf16, bit for bit."""
+    result (same activations, same bias) rounded to bf16, bit for bit; from the row kernel
+    (3 rows) and the rows-in-lanes one (16: eight columns rounded and stored at once)."""
     weight, _ = gguf_weight(format, 40, seed=3)
-    x = torch.randn(3, weight.shape[1]).to(torch.bfloat16)
+    x = torch.randn(num_rows, weight.shape[1]).to(torch.bfloat16)
     bias = torch.randn(40).to(torch.bfloat16)
     with quant_gemm_capped(route):
         out = ops.quant_gemm_integer(x, weight.data, weight.code, bias)

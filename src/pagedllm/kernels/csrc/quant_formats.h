@@ -157,8 +157,9 @@ struct BlockScales {
   float scale[2], offset[2];
 };
 
-// Block b's own fp16 scale d in a 32-block format (Q8_0, Q4_0, Q4_1, Q5_0).
-inline float block_d(const Layout& l, const uint8_t* row, int64_t b) { return half(row + l.d + 2 * b); }
+// Where block b's own fp16 scale d is in a 32-block format (Q8_0, Q4_0, Q4_1, Q5_0), and d.
+inline const uint8_t* block_d_at(const Layout& l, const uint8_t* row, int64_t b) { return row + l.d + 2 * b; }
+inline float block_d(const Layout& l, const uint8_t* row, int64_t b) { return half(block_d_at(l, row, b)); }
 
 inline BlockScales block_scales(const Layout& l, const uint8_t* row, int64_t b) {
   const int64_t s = b / GROUP;

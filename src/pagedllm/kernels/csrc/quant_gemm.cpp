@@ -305,12 +305,42 @@ inline GroupScales group_scales(const Layout& l, const uint8_t* row, int64_t g, 
 // row kernels (a lane: one of a group's blocks) and the lane kernels (a lane: one of eight
 // rows) both end here, so a product's float work is the same whichever kernel ran it.
 // Staged: Q8_0's bytes were multiplied as q + 128 (q8_0_offset, the int8 tiles).
+template <Format F, bool Staged = false>
+constexpr int offset_shift() {
+  return F == Format::q4_0 ? 3 : F == Format::q5_0 ? 4 : F == Format::q8_0 && Staged ? 7 : 0;
+}
+
+// The term of eight blocks' int32 sums (at `at`) for weights stored unsigned as q + 2^shift:
+// less 2^shift times the block's activation sum (zero for the other formats).
+template <Format F, bool Staged = false, typename Q>
+inline __m256i block_offset(const QuantizedRows<Q>& a, int64_t at) {
+  constexpr int shift = offset_shift<F, Staged>();
+  if constexpr (shift == 0) {
+    return _mm256_setzero_si256();
+  } else {
+    const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum.data() + at));
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, shift));
+  }
+}
+
+// acc + the float terms of eight blocks' whole int32 sums `total` (offset included), lane by
+// lane; not Q6_K (add_block_terms).
+template <Format F, typename Q>
+inline __m256 add_block_total(__m256 acc, __m256i total, __m256 d, __m256 m, const QuantizedRows<Q>& a, int64_t at) {
+  static_assert(F != Format::q6_k, "Q6_K's halves take scales of their own");
+  const __m256 dx = _mm256_loadu_ps(a.dx.data() + at);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc);
+  if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
+  if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
+  return acc;
+}
+
 template <Format F, bool Staged = false, typename Q>
 inline __m256 add_block_terms(__m256 acc, __m256i first, __m256i last, __m256 d, __m256 m,
                               const QuantizedRows<Q>& a, int64_t at) {
-  auto load_int = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  const __m256 dx = _mm256_loadu_ps(a.dx.data() + at);
   if constexpr (F == Format::q6_k) {
+    auto load_int = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+    const __m256 dx = _mm256_loadu_ps(a.dx.data() + at);
     // q - 32 in each half: subtract 32 times the half's activation sum.
     const __m256i sum = load_int(a.sum.data() + at), first16 = load_int(a.first16.data() + at);
     first = _mm256_sub_epi32(first, _mm256_slli_epi32(first16, 5));
@@ -318,14 +348,8 @@ inline __m256 add_block_terms(__m256 acc, __m256i first, __m256i last, __m256 d,
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(d, dx), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(last), _mm256_mul_ps(m, dx), acc);
   } else {
-    __m256i total = _mm256_add_epi32(first, last);
-    // Weights stored unsigned, q + 2^shift: less 2^shift times the block's activation sum.
-    constexpr int shift = F == Format::q4_0 ? 3 : F == Format::q5_0 ? 4 : F == Format::q8_0 && Staged ? 7 : 0;
-    if constexpr (shift > 0) total = _mm256_sub_epi32(total, _mm256_slli_epi32(load_int(a.sum.data() + at), shift));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc);
-    if constexpr (F == Format::q4_1) acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
-    if constexpr (F == Format::q4_k || F == Format::q5_k) acc = _mm256_fnmadd_ps(m, _mm256_loadu_ps(a.sx.data() + at), acc);
-    return acc;
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(first, last), block_offset<F, Staged>(a, at));
+    return add_block_total<F>(acc, total, d, m, a, at);
   }
 }
 
@@ -364,7 +388,7 @@ __attribute__((always_inline)) inline void group_step(const Layout& l, const uin
 }
 
 // The lines PREFETCH_BYTES past the start of weight row n (none past the weight's end).
-// Always inlined, as prefetch_rows_part (below), or GCC may drop its calls.
+// Always inlined, as RowsPrefetch::part (below), or GCC may drop its calls.
 __attribute__((always_inline)) inline void prefetch_ahead(const Weight& w, int64_t n) {
   const int64_t ahead = n * w.lay.bytes + PREFETCH_BYTES, end = w.n * w.lay.bytes;
   for (int64_t i = 0; i < std::min(w.lay.bytes, end - ahead); i += 64)
@@ -595,15 +619,78 @@ __attribute__((always_inline)) inline void stage_group(const Layout& l, const ui
   _mm256_storeu_ps(m, scales.m);
 }
 
-// out[r][n] for the rows of row group `group` (of `rows` in all): the sum over acc[.][v] lanes
-// in hsum's order ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
+// A weight row's sums for the eight rows of row group v (lane r: row r): the sum over
+// acc[.][v] in hsum's order ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
 template <int V>
-inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_t rows, int64_t n, const Output& out) {
+inline __m256 lane_sums(const __m256 acc[GROUP][V], int v) {
   const __m256 t0 = _mm256_add_ps(acc[0][v], acc[4][v]), t1 = _mm256_add_ps(acc[1][v], acc[5][v]);
   const __m256 t2 = _mm256_add_ps(acc[2][v], acc[6][v]), t3 = _mm256_add_ps(acc[3][v], acc[7][v]);
+  return _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3));
+}
+
+// out[r][n] for the rows of row group `group` (of `rows` in all), lane_sums' sums.
+template <int V>
+inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_t rows, int64_t n, const Output& out) {
   alignas(32) float sums[LANES];
-  _mm256_store_ps(sums, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+  _mm256_store_ps(sums, lane_sums<V>(acc, v));
   for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
+}
+
+// s[i] lane j -> s[j] lane i.
+inline void transpose8(__m256 s[LANES]) {
+  __m256 t[LANES], u[LANES];
+  for (int i = 0; i < LANES; i += 2) {
+    t[i] = _mm256_unpacklo_ps(s[i], s[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(s[i], s[i + 1]);
+  }
+  for (int i = 0; i < LANES; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    s[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    s[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// c10::BFloat16(v[i]) for each lane: the nearest even, a NaN 0x7fc0.
+inline __m128i bf16_of(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// out.store(r, col + i, v[i]) for the eight columns col..col + 7, in one store.
+inline void store_columns(const Output& out, int64_t r, int64_t col, __m256 v) {
+  if (out.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(out.bias + col));
+  if (out.bf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(out.data) + r * out.n + col), bf16_of(v));
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(out.data) + r * out.n + col, v);
+  }
+}
+
+// out[r][n0 + i] for the rows of row group `group` and a tile's `tile` weight rows: each
+// weight row's lane_sums, eight weight rows at a time turned into each activation row's run
+// of eight columns (transpose8), stored whole; a last part of fewer than eight as
+// store_lanes. Storing a (row, column) at a time was a third of the Q8_0 head's time at 16
+// rows (Gemma-3-270M, K = 640).
+template <int V>
+inline void store_tile(const __m256 acc[][GROUP][V], int tile, int v, int64_t group, int64_t rows, int64_t n0,
+                       const Output& out) {
+  const int64_t live = std::min<int64_t>(LANES, rows - group * LANES);
+  int r0 = 0;
+  for (; r0 + LANES <= tile; r0 += LANES) {
+    __m256 s[LANES];
+    for (int i = 0; i < LANES; ++i) s[i] = lane_sums<V>(acc[r0 + i], v);
+    transpose8(s);
+    for (int64_t l = 0; l < live; ++l) store_columns(out, group * LANES + l, n0 + r0, s[l]);
+  }
+  for (; r0 < tile; ++r0) store_lanes<V>(acc[r0], v, group, rows, n0 + r0, out);
 }
 
 // Whether the tiles stage Q8_0's signed bytes as q + 128 (the sign bit flipped), unsigned as
@@ -625,8 +712,8 @@ struct StagedTile {
 
   static constexpr bool flip = false;  // staged Q8_0 bytes are q + 128 already
   const int8_t* block(int r, int64_t b) const { return q.data() + (r * padded + b) * BLOCK; }
-  float d_of(int r, int64_t b) const { return d[r * padded + b]; }
-  float m_of(int r, int64_t b) const { return m[r * padded + b]; }
+  __m256 d_of(int r, int64_t b) const { return _mm256_set1_ps(d[r * padded + b]); }
+  __m256 m_of(int r, int64_t b) const { return _mm256_set1_ps(m[r * padded + b]); }
 };
 
 // Q8_0 weight rows n0.. read where they are stored: the bytes the tiles stage, less the sign
@@ -642,9 +729,14 @@ struct StoredQ8_0Tile {
   StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), lay(w.lay) {}
   static constexpr bool flip = true;
   const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
-  // block_d, not block_scales: its switch on the format per (row, block) cost 4-7% here.
-  float d_of(int r, int64_t b) const { return block_d(lay, first + r * bytes, b); }
-  float m_of(int, int64_t) const { return 0.f; }
+  // block_d's, not block_scales: its switch on the format per (row, block) cost 4-7% here;
+  // converted in the vector (one broadcast load, no insert and broadcast after it).
+  __m256 d_of(int r, int64_t b) const {
+    int16_t bits;
+    std::memcpy(&bits, block_d_at(lay, first + r * bytes, b), 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16(bits));
+  }
+  __m256 m_of(int, int64_t) const { return _mm256_setzero_ps(); }
 };
 
 // Row group `group`'s dword i of block b in rows-in-lanes activations t (lanes_of's layout).
@@ -663,22 +755,27 @@ __attribute__((always_inline)) inline void row_group_passes(int64_t groups, Pass
 }
 
 // acc[r][b % GROUP][v] += row group g0 + v's products with block b of the tile's staged row r,
-// for its `tile` rows. Two chains of dot products per row group, the block's first 16 values
-// and its last 16 (Q6_K's halves have scales of their own); rows in turn keep enough in
-// flight.
-template <Route R, Format F, int V, typename Tile>
+// for its `tile` rows (First: the first group's blocks, acc taken as zero, not read). A chain of dot products per row group from the block's offset term
+// (block_offset), so that it ends at the block's whole int32 sum; Q6_K's halves, which have
+// scales of their own, in two. Rows in turn keep enough in flight.
+template <Route R, Format F, int V, bool First, typename Tile>
 __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t b, int tile, const Tile& st,
                                                            const Activations& t, int64_t g0, __m256 acc[][GROUP][V]) {
   constexpr int dwords = BLOCK / 4;
+  constexpr bool halves = F == Format::q6_k, staged = q8_0_offset<R, F>();
   const int j = static_cast<int>(b % GROUP);
-  __m256i x[V][dwords];
-  for (int v = 0; v < V; ++v)
+  __m256i x[V][dwords], start[V];
+  for (int v = 0; v < V; ++v) {
     for (int i = 0; i < dwords; ++i) x[v][i] = _mm256_loadu_si256(lane_dwords(t, g0 + v, blocks, b, i));
+    start[v] = halves ? _mm256_setzero_si256() : block_offset<F, staged>(t, ((g0 + v) * blocks + b) * LANES);
+  }
   for (int r = 0; r < tile; ++r) {
     const int8_t* qb = st.block(r, b);
     __m256i s[2][V];
-    for (int h = 0; h < 2; ++h)
-      for (int v = 0; v < V; ++v) s[h][v] = _mm256_setzero_si256();
+    for (int v = 0; v < V; ++v) {
+      s[0][v] = start[v];
+      s[1][v] = _mm256_setzero_si256();
+    }
     for (int i = 0; i < dwords; ++i) {
       int32_t bits;
       std::memcpy(&bits, qb + 4 * i, 4);
@@ -687,30 +784,47 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
                                     : _mm256_set1_epi32(bits);
       const int h = i < dwords / 2 ? 0 : 1;
       for (int v = 0; v < V; ++v) {
-        if constexpr (F == Format::q8_0 && !q8_0_offset<R, F>()) {
+        if constexpr (F == Format::q8_0 && !staged) {
           s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
         } else {
           s[h][v] = dot_u8s8<R>(s[h][v], wv, x[v][i]);
         }
       }
     }
-    const __m256 d = _mm256_set1_ps(st.d_of(r, b)), m = _mm256_set1_ps(st.m_of(r, b));
-    for (int v = 0; v < V; ++v)
-      acc[r][j][v] = add_block_terms<F, q8_0_offset<R, F>()>(acc[r][j][v], s[0][v], s[1][v], d, m, t,
-                                                              ((g0 + v) * blocks + b) * LANES);
+    const __m256 d = st.d_of(r, b), m = st.m_of(r, b);
+    for (int v = 0; v < V; ++v) {
+      const int64_t at = ((g0 + v) * blocks + b) * LANES;
+      const __m256 before = First ? _mm256_setzero_ps() : acc[r][j][v];
+      if constexpr (halves) {
+        acc[r][j][v] = add_block_terms<F>(before, s[0][v], s[1][v], d, m, t, at);
+      } else {
+        acc[r][j][v] = add_block_total<F>(before, _mm256_add_epi32(s[0][v], s[1][v]), d, m, t, at);
+      }
+    }
   }
 }
 
-// Weight rows [n0, n1)'s bytes from `part` / `parts` of the way to (part + 1) / parts, into
-// L1. Always inlined: GCC took the out-of-line function, which only prefetches, for one
+// Weight rows [n0, n1)'s lines brought into L1 in `parts` parts (part(p): the p-th run of
+// `per` lines), so that a tile's pass spreads its successor's over its blocks. The runs are
+// counted once: two divisions per part (the first version) were 5% of the Q8_0 head's time.
+// part is always inlined: GCC took the out-of-line function, which only prefetches, for one
 // without effects and dropped its calls (the staged tiles' prefetch into L2, ed302de on,
 // never ran).
-__attribute__((always_inline)) inline void prefetch_rows_part(const Weight& w, int64_t n0, int64_t n1, int64_t part,
-                                                              int64_t parts) {
-  const int64_t start = n0 * w.lay.bytes, span = (std::min(n1, w.n) - n0) * w.lay.bytes;
-  for (int64_t i = (start + span * part / parts) & ~int64_t{63}; i < start + span * (part + 1) / parts; i += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w.data + i), _MM_HINT_T0);
-}
+struct RowsPrefetch {
+  const char* first = nullptr;  // the line holding row n0's first byte
+  int64_t lines = 0, per = 0;
+
+  RowsPrefetch(const Weight& w, int64_t n0, int64_t n1, int64_t parts) {
+    if (n0 >= std::min(n1, w.n)) return;
+    const int64_t start = n0 * w.lay.bytes, end = std::min(n1, w.n) * w.lay.bytes;
+    first = reinterpret_cast<const char*>(w.data + (start & ~int64_t{63}));
+    lines = (end - (start & ~int64_t{63}) + 63) / 64;
+    per = (lines + parts - 1) / parts;
+  }
+  __attribute__((always_inline)) void part(int64_t p) const {
+    for (int64_t i = p * per; i < std::min(lines, (p + 1) * per); ++i) _mm_prefetch(first + 64 * i, _MM_HINT_T0);
+  }
+};
 
 // Weight rows [n0, n1), n1 - n0 <= LANE_TILE, into st: row after row as the row kernels read
 // them (the hardware prefetcher follows that, and prefetch_ahead: a group of each row in turn
@@ -741,15 +855,22 @@ void tile_pass(const Weight& w, const Tile& st, const Activations& t, int64_t g0
   const int64_t blocks = w.lay.blocks();
   const int tile = static_cast<int>(n1 - n0);
   __m256 acc[LANE_TILE][GROUP][V];
-  for (int r = 0; r < tile; ++r)
-    for (int j = 0; j < GROUP; ++j)
-      for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (prefetch) prefetch_rows_part(w, n1, n1 + LANE_TILE, b, blocks);
-    lane_block_step<R, F, V, Tile>(blocks, b, tile, st, t, g0, acc);
+  if (blocks < GROUP) {  // accumulators no block of the first group sets
+    for (int r = 0; r < tile; ++r)
+      for (int j = static_cast<int>(blocks); j < GROUP; ++j)
+        for (int v = 0; v < V; ++v) acc[r][j][v] = _mm256_setzero_ps();
   }
-  for (int r = 0; r < tile; ++r)
-    for (int v = 0; v < V; ++v) store_lanes<V>(acc[r], v, g0 + v, rows, n0 + r, out);
+  const RowsPrefetch next(w, n1, prefetch ? n1 + LANE_TILE : n1, blocks);
+  int64_t b = 0;
+  for (; b < std::min<int64_t>(GROUP, blocks); ++b) {
+    next.part(b);
+    lane_block_step<R, F, V, true, Tile>(blocks, b, tile, st, t, g0, acc);
+  }
+  for (; b < blocks; ++b) {
+    next.part(b);
+    lane_block_step<R, F, V, false, Tile>(blocks, b, tile, st, t, g0, acc);
+  }
+  for (int v = 0; v < V; ++v) store_tile<V>(acc, tile, v, g0 + v, rows, n0, out);
 }
 
 // out[r][n] for every row (in lanes) and weight rows [n0, n1), int8 activations: LANE_TILE
