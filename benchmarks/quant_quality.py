@@ -369,12 +369,19 @@ def load_pair(
 
 
 def int_rows(dtype: str) -> int:
-    """Rows up to which quant_gemm runs its integer kernel (32 without the kernels: the
-    reference path then runs either way)."""
+    """Rows up to which quant_gemm runs its integer kernel on int8 and on int16 activations
+    alike (32 without the kernels: the reference path then runs either way). A row's
+    products do not depend on the rows beside it, so the chunk changes no result."""
     from pagedllm.kernels.ops import layer_ops
+    from pagedllm.quant_layout import CODES
 
     ops = layer_ops()
-    return 32 if ops is None else int(ops.quant_gemm_int_rows(getattr(torch, dtype)))
+    if ops is None:
+        return 32
+    limits = [
+        int(ops.quant_gemm_int_rows(getattr(torch, dtype), CODES[f])) for f in ("Q4_0", "Q8_0")
+    ]
+    return min(limit for limit in limits if limit > 0)
 
 
 def measure_weights(args: argparse.Namespace, texts: dict[str, str]) -> dict[str, dict]:

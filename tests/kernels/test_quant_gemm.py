@@ -35,6 +35,7 @@ from pagedllm.kernels.quant import (
     from_gguf_blocks,
     quant_linear,
 )
+from pagedllm.kernels.routes import small_gemm_route
 from pagedllm.quant_layout import CODES, FORMATS, INT8_ACTIVATIONS, K_QUANTS
 
 from .gguf_blocks import quantize
@@ -261,14 +262,38 @@ def test_dequantised_tiles_match_the_float_reference(dtype, isa, format) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quant_gemm_takes_the_integer_kernel_up_to_its_rows(dtype) -> None:
+@pytest.mark.parametrize(("format", "activations"), [("Q5_0", "int8"), ("Q8_0", "int16")])
+def test_quant_gemm_takes_the_integer_kernel_up_to_its_rows(dtype, format, activations) -> None:
+    """Up to its row limit (-1: none; then a prompt's 1,100 rows, more than one of the
+    kernel's chunks of rows) the integer kernel, beyond it dequantised tiles."""
     needs_kernels()
-    weight, _ = gguf_weight("Q5_0", 48, seed=4)
-    limit = ops.quant_gemm_int_rows(dtype)
-    for rows, kernel in ((limit, ops.quant_gemm_integer), (limit + 1, ops.quant_gemm_tiled)):
+    weight, _ = gguf_weight(format, 48, seed=4)
+    assert weight.activations == activations
+    limit = ops.quant_gemm_int_rows(dtype, weight.code)
+    cases = [(1100, ops.quant_gemm_integer)] if limit < 0 else []
+    cases += (
+        [(limit, ops.quant_gemm_integer), (limit + 1, ops.quant_gemm_tiled)] if limit > 0 else []
+    )
+    for rows, kernel in cases:
         x = torch.randn(rows, weight.shape[1]).to(dtype)
         chosen = ops.quant_gemm(x, weight.data, weight.code, None)
         assert torch.equal(chosen, kernel(x, weight.data, weight.code, None))
+
+
+def test_the_integer_kernel_takes_any_rows_only_on_int8_with_vnni_and_no_tile_unit() -> None:
+    """int8 activations on AVX-512-VNNI beside AVX-512-bf16 dot products: no row limit (the
+    lane kernel measured faster than bf16 tiles at every count); Q8_0's int16 ones, float32
+    activations, the tile unit and the other routes keep theirs."""
+    needs_kernels()
+    q5_0, q8_0 = (gguf_weight(f, 8, seed=1)[0] for f in ("Q5_0", "Q8_0"))
+    vnni = ops.quant_gemm_isa() == "avx512_vnni"
+    tiles = small_gemm_route(torch.bfloat16)
+    assert ops.quant_gemm_int_rows(torch.float32, q5_0.code) == 32
+    assert ops.quant_gemm_int_rows(torch.bfloat16, q8_0.code) == (8 if tiles == "amx" else 16)
+    expected = -1 if vnni and tiles != "amx" else 8 if tiles == "amx" else 16
+    assert ops.quant_gemm_int_rows(torch.bfloat16, q5_0.code) == expected
+    with quant_gemm_capped("avx2"):
+        assert ops.quant_gemm_int_rows(torch.bfloat16, q5_0.code) == (8 if tiles == "amx" else 16)
 
 
 @pytest.mark.parametrize("format", ["Q8_0", "Q6_K"])

@@ -19,7 +19,7 @@ import torch
 from pagedllm.kernels.quant import QuantParts, QuantWeight
 from pagedllm.model import load_model
 from pagedllm.model.llama import Linear
-from pagedllm.quant_layout import CODES
+from pagedllm.quant_layout import CODES, INT8_ACTIVATIONS
 from pagedllm.worker.model_runner import TorchModelRunner
 
 from .parity_helpers import PROMPTS, HandDriver
@@ -223,10 +223,14 @@ def test_route_names_the_quantized_kernel(tmp_path, checkpoints) -> None:
     if ops is None:
         assert "8 on torch, Q4_1 dequantised per call" in linears
     else:
-        isa, rows = ops.quant_gemm_isa(), ops.quant_gemm_int_rows(loaded.dtype)
-        assert (
-            f"8 on own kernel quant_gemm ({isa}, Q4_1 kept as stored) up to {rows} rows" in linears
-        )
+        isa = ops.quant_gemm_isa()
+        limit = _row_limit(ops.quant_gemm_int_rows(loaded.dtype, CODES["Q4_1"]))
+        assert f"8 on own kernel quant_gemm ({isa}, Q4_1 kept as stored) {limit}" in linears
+
+
+def _row_limit(rows: int) -> str:
+    """How a route names the integer kernel's row limit (-1: none)."""
+    return "at any number of rows" if rows < 0 else f"up to {rows} rows"
 
 
 @pytest.mark.parametrize(("format", "activations"), [("Q8_0", "int16"), ("Q4_0", "int8")])
@@ -237,8 +241,9 @@ def test_route_names_the_activations(tmp_path, checkpoints, format, activations)
     loaded.model.optimize_for_cpu()
     if loaded.model.head_ops is None:
         pytest.skip("the C++ kernels did not build")
-    rows = loaded.model.head_ops.quant_gemm_int_rows(loaded.dtype)
-    assert f"up to {rows} rows ({activations} activations)" in loaded.model.routes().linears
+    code = CODES[format] + (INT8_ACTIVATIONS if format == "Q8_0" and activations == "int8" else 0)
+    limit = _row_limit(loaded.model.head_ops.quant_gemm_int_rows(loaded.dtype, code))
+    assert f"{limit} ({activations} activations)" in loaded.model.routes().linears
 
 
 @pytest.mark.parametrize(
@@ -281,7 +286,9 @@ def test_env_names_the_quantized_route(tmp_path, checkpoints, capsys) -> None:
     isa = "none" if ops is None else ops.quant_gemm_isa()
     assert env["kernels"]["quant_gemm"] == isa
     if ops is not None:
-        expected = f"8 on own kernel quant_gemm ({isa}, Q4_0 kept as stored) up to"
+        dtype = getattr(torch, env["routes"]["dtype"].split()[0])
+        limit = _row_limit(ops.quant_gemm_int_rows(dtype, CODES["Q4_0"]))
+        expected = f"8 on own kernel quant_gemm ({isa}, Q4_0 kept as stored) {limit}"
         assert expected in env["routes"]["linears"]
 
 

@@ -52,11 +52,23 @@ def quant_path(weight: Quantized, dtype: torch.dtype) -> str:
         held += ", a call a part"
     bf16_tiles = dtype == torch.bfloat16 and small_gemm_route(dtype) != "none"
     tiles = small_gemm_route(torch.bfloat16 if bf16_tiles else torch.float32)
-    return (
-        f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {held}) up to "
-        f"{ops.quant_gemm_int_rows(dtype)} rows ({weight.activations} activations), dequantised tiles on "
-        f"small_gemm ({tiles}) beyond"
-    )
+    rows, tiled = integer_rows(weight, dtype)
+    beyond = f", dequantised tiles on small_gemm ({tiles}) beyond" if tiled else ""
+    return f"own kernel quant_gemm ({ops.quant_gemm_isa()}, {held}) {rows}{beyond}"
+
+
+def integer_rows(weight: Quantized, dtype: torch.dtype) -> tuple[str, bool]:
+    """How many rows of ``dtype`` the integer kernel takes of ``weight`` ("up to 16 rows
+    (int8 activations)", "any number of rows (...)"; each part's where they differ), and
+    whether more go to dequantised tiles."""
+    ops = layer_ops()
+    parts = weight.parts if isinstance(weight, QuantParts) else (weight,)
+    limits = dict.fromkeys((p.activations, ops.quant_gemm_int_rows(dtype, p.code)) for p in parts)
+    phrases = [
+        f"{'at any number of rows' if rows < 0 else f'up to {rows} rows'} ({activations} activations)"
+        for activations, rows in limits
+    ]
+    return "; ".join(phrases), any(rows >= 0 for _, rows in limits)
 
 
 def linear_route(linears: Iterable[LinearTensors]) -> str:

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -1015,44 +1016,72 @@ void run_wide(Route route, const Weight& w, const WideActivations& a, const Wide
 
 #endif
 
-// out = x @ w.T (+ bias) in x's dtype on the integer kernel, x [rows, K].
-at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias) {
-  const Route route = current_route();
-  TORCH_CHECK(route != Route::none, "quant_gemm needs AVX2 with FMA and F16C");
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, w.n}, x.options());
-  if (rows == 0) return out;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == w.n, "quant_gemm: the bias must have ", w.n, " entries");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+// Rows the integer kernel takes at a time: a prompt's int8 activations (K bytes a row, and
+// the per-block values) stay in L2 while every weight tile passes them; all 2,048 rows of a
+// prompt at once ran no faster than dequantised tiles (Zen 4, K = 640: 25.3 against 25.2 ms).
+constexpr int64_t INT_CHUNK_ROWS = 512;
+
+// out[r0, r0 + rows) = x @ w.T (+ bias b) on `route`, x those rows.
+void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float* b, const at::Tensor& out,
+                  int64_t r0) {
 #if defined(QUANT_AVX2)
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
+  const int64_t rows = x.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto* data = static_cast<char*>(out.data_ptr()) + r0 * w.n * (bf16 ? 2 : 4);
+  const Output o{data, bf16, b, w.n};
   const bool in_lanes = rows >= LANES;
   if (w.wide) {
     const WideActivations& a = quantize_rows_wide(x);
     const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
     pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, lanes, rows, n0, n1, o); });
-    return out;
+    return;
   }
   const Activations& a = quantize_rows(x);
   const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, lanes, rows, n0, n1, o); });
 #endif
+}
+
+// out = x @ w.T (+ bias) in x's dtype on the integer kernel, x [rows, K], INT_CHUNK_ROWS rows
+// at a time.
+at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias) {
+  const Route route = current_route();
+  TORCH_CHECK(route != Route::none, "quant_gemm needs AVX2 with FMA and F16C");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, w.n}, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == w.n, "quant_gemm: the bias must have ", w.n, " entries");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor xc = x.contiguous();
+  for (int64_t r0 = 0; r0 < rows; r0 += INT_CHUNK_ROWS)
+    integer_rows(route, xc.narrow(0, r0, std::min(INT_CHUNK_ROWS, rows - r0)), w, b, out, r0);
   return out;
 }
 
+// Any number of rows (int_max_rows).
+constexpr int64_t ANY_ROWS = std::numeric_limits<int64_t>::max();
+
 // Up to this many rows the integer kernel is faster than dequantised tiles on small_gemm
 // (docs/performance.md, quantized weights): bf16 tiles on the tile unit overtake it soonest,
-// on AVX-512-bf16 dot products later, float32 ones on FMAs later still.
-int64_t int_max_rows(at::ScalarType dtype) {
+// on AVX-512-bf16 dot products later, float32 ones on FMAs later still. int8 activations on
+// AVX-512-VNNI beside AVX-512-bf16 tiles (Zen 4) are faster at every count measured (16 to
+// 2,048 rows: 0.7-1.0 the tiles' time on Gemma-3-270M's and Qwen2.5's shapes); Q8_0's int16
+// ones are not (1.7-2.2).
+int64_t int_max_rows(at::ScalarType dtype, bool wide) {
   if (dtype != at::kBFloat16) return 32;
-  return pagedllm_gemm::bf16_route() == pagedllm_gemm::Isa::amx ? 8 : 16;
+  if (pagedllm_gemm::bf16_route() == pagedllm_gemm::Isa::amx) return 8;
+  return !wide && current_route() == Route::avx512_vnni ? ANY_ROWS : 16;
 }
 
-int64_t quant_gemm_int_rows(at::ScalarType dtype) { return int_max_rows(dtype); }
+// int_max_rows of a weight of format `code` (-1: any number).
+int64_t quant_gemm_int_rows(at::ScalarType dtype, int64_t code) {
+  format_of(code);  // a known code, or the error naming it
+  const int64_t rows = int_max_rows(dtype, code == static_cast<int64_t>(Format::q8_0));
+  return rows == ANY_ROWS ? -1 : rows;
+}
 
 void check_x(const at::Tensor& x, const Weight& w, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.lay.k, op, ": x must be [rows, ", w.lay.k, "]");
@@ -1066,7 +1095,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, int64_t for
   TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be 2-D");
   const Weight w = check_weight(weight, format, x.size(1));
   check_x(x, w, "quant_gemm");
-  if (x.size(0) > int_max_rows(x.scalar_type())) return tiled_gemm(x, w, bias);
+  if (x.size(0) > int_max_rows(x.scalar_type(), w.wide)) return tiled_gemm(x, w, bias);
   return integer_gemm(x, w, bias);
 }
 
@@ -1152,7 +1181,7 @@ at::Tensor quant_gemm_tiled(const at::Tensor& x, const at::Tensor& weight, int64
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm_isa() -> str", &pagedllm_quant::quant_gemm_isa);
   m.def("set_quant_gemm_isa(str isa) -> str", &pagedllm_quant::set_quant_gemm_isa);
-  m.def("quant_gemm_int_rows(ScalarType dtype) -> int", &pagedllm_quant::quant_gemm_int_rows);
+  m.def("quant_gemm_int_rows(ScalarType dtype, int format) -> int", &pagedllm_quant::quant_gemm_int_rows);
   m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
