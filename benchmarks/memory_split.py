@@ -24,8 +24,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MIB = 1 << 20
 PHASES = ("imports", "LLM()", "first step", "warm")
@@ -94,6 +95,7 @@ def serve(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> di
     from pagedllm.model.loader import load_tokenizer
     from pagedllm.util.memory import resident_memory
     from pagedllm.util.net import free_port
+    from serve_vs_vllm import wait_healthy
 
     port = free_port()
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model, "--port",
@@ -104,7 +106,7 @@ def serve(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> di
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base, server)
+        wait_healthy(base, server, name="pagedllm serve", tail=lambda: log.read_text()[-2000:])
         prompt = load_tokenizer(model).encode(PROMPT)[:prompt_tokens]
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
         httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
@@ -134,22 +136,6 @@ def serve(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> di
             n: {"rss": r.total / MIB, "anonymous": r.anonymous / MIB} for n, r in resident.items()
         },
     }
-
-
-def _wait_healthy(base: str, server: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"pagedllm serve exited with {server.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"pagedllm serve did not come up in {timeout:.0f} s")
 
 
 def serve_table(args: argparse.Namespace) -> int:
