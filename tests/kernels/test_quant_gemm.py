@@ -280,20 +280,23 @@ def test_quant_gemm_takes_the_integer_kernel_up_to_its_rows(dtype, format, activ
         assert torch.equal(chosen, kernel(x, weight.data, weight.code, None))
 
 
-def test_the_integer_kernel_takes_any_rows_only_on_int8_with_vnni_and_no_tile_unit() -> None:
-    """int8 activations on AVX-512-VNNI beside AVX-512-bf16 dot products: no row limit (the
-    lane kernel measured faster than bf16 tiles at every count); Q8_0's int16 ones, float32
-    activations, the tile unit and the other routes keep theirs."""
+def test_the_integer_kernel_takes_any_rows_on_int8_unless_bf16_tiles_win() -> None:
+    """int8 activations: no row limit in float32 (float32 tiles on FMAs are slower at every
+    count measured) nor in bf16 on AVX-512-VNNI beside AVX-512-bf16 dot products; 8 rows
+    where bf16 runs on the tile unit, 16 on other bf16 routes. Q8_0's int16 activations keep
+    16 (bf16) and 32 (float32) rows, 8 on the tile unit."""
     needs_kernels()
     q5_0, q8_0 = (gguf_weight(f, 8, seed=1)[0] for f in ("Q5_0", "Q8_0"))
+    amx = small_gemm_route(torch.bfloat16) == "amx"
+    assert ops.quant_gemm_int_rows(torch.float32, q5_0.code) == -1
+    assert ops.quant_gemm_int_rows(torch.float32, q8_0.code) == 32
+    assert ops.quant_gemm_int_rows(torch.bfloat16, q8_0.code) == (8 if amx else 16)
     vnni = ops.quant_gemm_isa() == "avx512_vnni"
-    tiles = small_gemm_route(torch.bfloat16)
-    assert ops.quant_gemm_int_rows(torch.float32, q5_0.code) == 32
-    assert ops.quant_gemm_int_rows(torch.bfloat16, q8_0.code) == (8 if tiles == "amx" else 16)
-    expected = -1 if vnni and tiles != "amx" else 8 if tiles == "amx" else 16
+    expected = 8 if amx else -1 if vnni else 16
     assert ops.quant_gemm_int_rows(torch.bfloat16, q5_0.code) == expected
     with quant_gemm_capped("avx2"):
-        assert ops.quant_gemm_int_rows(torch.bfloat16, q5_0.code) == (8 if tiles == "amx" else 16)
+        assert ops.quant_gemm_int_rows(torch.bfloat16, q5_0.code) == (8 if amx else 16)
+        assert ops.quant_gemm_int_rows(torch.float32, q5_0.code) == -1
 
 
 @pytest.mark.parametrize("format", ["Q8_0", "Q6_K"])

@@ -2,8 +2,8 @@
 same file with every tensor dequantised to float32 by the ``gguf`` package.
 
 Both models run the same tokens (the reference's greedy ones, so that one flipped token cannot
-send the two down different texts): a prompt step (32 rows: dequantised tiles on small_gemm)
-then decode steps (4 rows: quant_gemm's integer kernel with int8 activations). Each step's
+send the two down different texts): a prompt step (32 rows) then decode steps (4 rows), both
+on quant_gemm's integer kernel with int8 activations (it takes any number of float32 rows). Each step's
 logits stay within a KL of 1e-5 nats of the reference's (measured: at most 1.5e-6 on the
 64-wide models, 6e-6 on the 256-wide one the K-quants need), and the top-1 token agrees on at
 least 95% of the rows whose reference top-2 gap is at least ``TIE_GAP`` (measured: 96-100%;

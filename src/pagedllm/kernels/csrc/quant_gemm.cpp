@@ -1065,15 +1065,17 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
 constexpr int64_t ANY_ROWS = std::numeric_limits<int64_t>::max();
 
 // Up to this many rows the integer kernel is faster than dequantised tiles on small_gemm
-// (docs/performance.md, quantized weights): bf16 tiles on the tile unit overtake it soonest,
-// on AVX-512-bf16 dot products later, float32 ones on FMAs later still. int8 activations on
-// AVX-512-VNNI beside AVX-512-bf16 tiles (Zen 4) are faster at every count measured (16 to
-// 2,048 rows: 0.7-1.0 the tiles' time on Gemma-3-270M's and Qwen2.5's shapes); Q8_0's int16
-// ones are not (1.7-2.2).
+// (docs/performance.md, quantized weights). int8 activations: bf16 tiles on the tile unit
+// overtake it from 8 rows; against bf16 tiles on AVX-512-bf16 dot products, on AVX-512-VNNI,
+// and against float32 tiles on FMAs anywhere it is faster at every count measured (Zen 4,
+// 33 to 2,048 rows: 0.67-1.0 the bf16 tiles' time, 0.38-0.64 the float32 ones', 0.57-0.83
+// with both capped to AVX2). Q8_0's int16 ones lose from 16 rows on bf16 tiles (1.7-2.2x),
+// from 32 on float32 ones (1.1-1.2x at 64).
 int64_t int_max_rows(at::ScalarType dtype, bool wide) {
-  if (dtype != at::kBFloat16) return 32;
-  if (pagedllm_gemm::bf16_route() == pagedllm_gemm::Isa::amx) return 8;
-  return !wide && current_route() == Route::avx512_vnni ? ANY_ROWS : 16;
+  const bool bf16 = dtype == at::kBFloat16;
+  if (bf16 && pagedllm_gemm::bf16_route() == pagedllm_gemm::Isa::amx) return 8;
+  if (wide) return bf16 ? 16 : 32;
+  return !bf16 || current_route() == Route::avx512_vnni ? ANY_ROWS : 16;
 }
 
 // int_max_rows of a weight of format `code` (-1: any number).
