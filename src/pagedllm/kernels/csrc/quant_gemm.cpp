@@ -1,14 +1,16 @@
 // quant_gemm: linears on GGUF block-quantized weights kept as stored (one copy, no float
-// weight; the formats: quant_formats.h). Up to int_max_rows() rows (decode) the products are
-// integer: activations quantised per 32-block on the fly, xq = round(x * 127 / max|x|) in
+// weight; the formats: quant_formats.h). Up to int_max_rows() rows (decode steps; and
+// prompts, where that has no limit) the products are integer: activations quantised per
+// 32-block on the fly, xq = round(x * 127 / max|x|) in
 // int8, dx = max|x| / 127; then per weight row n and block b
 //   sum_i w[i] x[i] ~ dx scale_b (dot(q, xq) - offset_b sum(xq)) + min_b dx sum(xq)
 // with the dot products in int32 and the scales applied in float, eight blocks (one group,
 // a K-quant super-block) at a time. Q8_0 weights take int16 activations instead (wide_gemm
 // below: int8 ones were the whole of Q8_0's error), unless their code carries
 // INT8_ACTIVATIONS (a Q8_0 tensor among lower-bit ones: kernels/quant.py's
-// int8_for_q8_0). More rows go to quant_tiles.cpp: tiles of
-// the weight dequantised into small_gemm's layout and multiplied there.
+// int8_for_q8_0). More rows go to quant_tiles.cpp: tiles of the weight dequantised into
+// small_gemm's layout and multiplied there (int_max_rows: bf16 on the tile unit or without
+// AVX-512-VNNI, and Q8_0's int16 activations).
 //
 // The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
 // lanes (lane l: elements 4l..4l+3): AVX2 maddubs + madd, or one dpbusd (AVX-512-VNNI on

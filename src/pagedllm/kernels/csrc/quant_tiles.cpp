@@ -1,5 +1,7 @@
 // Block-quantized weights (quant_formats.h) back to floats: whole rows (quant_dequantize: the
-// embedding's lookups, references) and, for many activation rows (prompts), tiles of the
+// embedding's lookups, references) and, for the activation rows past quant_gemm's
+// int_max_rows (bf16 prompts on the tile unit or without AVX-512-VNNI, Q8_0's int16
+// activations), tiles of the
 // weight dequantised into small_gemm's packed layout just before small_gemm's own kernels
 // multiply them (tiled_gemm): bf16 on the tile unit or AVX-512-bf16, float32 on AVX-512 or
 // AVX2 FMAs. Each thread dequantises a chunk of column groups (about CHUNK_BYTES of packed
