@@ -53,6 +53,9 @@ constexpr int64_t INT8_ACTIVATIONS = 256;
 
 inline bool k_quant(Format f) { return f == Format::q4_k || f == Format::q5_k || f == Format::q6_k; }
 
+// Whether a weight of format `code` takes int16 activations: Q8_0 without INT8_ACTIVATIONS.
+inline bool wide_activations(int64_t code) { return code == static_cast<int64_t>(Format::q8_0); }
+
 inline Format format_of(int64_t code) {
   if (code == static_cast<int64_t>(Format::q8_0) + INT8_ACTIVATIONS) return Format::q8_0;
   switch (code) {
@@ -131,7 +134,7 @@ inline Weight check_weight(const at::Tensor& t, int64_t code, int64_t k = -1) {
               " weights of format ", code, " (", w.lay.bytes, " bytes)");
   w.data = t.data_ptr<uint8_t>();
   w.n = t.size(0);
-  w.wide = code == static_cast<int64_t>(Format::q8_0);
+  w.wide = wide_activations(code);
   return w;
 }
 
@@ -253,6 +256,35 @@ inline void load_group(const Layout& l, const uint8_t* row, int64_t g, int count
     case Format::q5_k: return load_group<Format::q5_k>(l, row, g, count, q);
     case Format::q6_k: return load_group<Format::q6_k>(l, row, g, count, q);
   }
+}
+
+// 8x8 transpose of floats: r[i] lane j -> r[j] lane i.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// Eight floats to bf16 as c10::BFloat16 rounds each: to nearest even, a NaN 0x7fc0.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 #endif
 

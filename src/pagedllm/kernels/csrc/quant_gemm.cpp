@@ -639,39 +639,11 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
   for (int64_t r = 0; r < std::min<int64_t>(LANES, rows - group * LANES); ++r) out.store(group * LANES + r, n, sums[r]);
 }
 
-// s[i] lane j -> s[j] lane i.
-inline void transpose8(__m256 s[LANES]) {
-  __m256 t[LANES], u[LANES];
-  for (int i = 0; i < LANES; i += 2) {
-    t[i] = _mm256_unpacklo_ps(s[i], s[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(s[i], s[i + 1]);
-  }
-  for (int i = 0; i < LANES; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    s[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    s[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-
-// c10::BFloat16(v[i]) for each lane: the nearest even, a NaN 0x7fc0.
-inline __m128i bf16_of(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 // out.store(r, col + i, v[i]) for the eight columns col..col + 7, in one store.
 inline void store_columns(const Output& out, int64_t r, int64_t col, __m256 v) {
   if (out.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(out.bias + col));
   if (out.bf16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(out.data) + r * out.n + col), bf16_of(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(out.data) + r * out.n + col), to_bf16(v));
   } else {
     _mm256_storeu_ps(static_cast<float*>(out.data) + r * out.n + col, v);
   }
@@ -679,7 +651,7 @@ inline void store_columns(const Output& out, int64_t r, int64_t col, __m256 v) {
 
 // out[r][n0 + i] for the rows of row group `group` and a tile's `tile` weight rows: each
 // weight row's lane_sums, eight weight rows at a time turned into each activation row's run
-// of eight columns (transpose8), stored whole; a last part of fewer than eight as
+// of eight columns (transpose8), rounded (to_bf16) and stored whole; a last part of fewer than eight as
 // store_lanes. Storing a (row, column) at a time was a third of the Q8_0 head's time at 16
 // rows (Gemma-3-270M, K = 640).
 template <int V>
@@ -1023,14 +995,11 @@ void run_wide(Route route, const Weight& w, const WideActivations& a, const Wide
 // prompt at once ran no faster than dequantised tiles (Zen 4, K = 640: 25.3 against 25.2 ms).
 constexpr int64_t INT_CHUNK_ROWS = 512;
 
-// out[r0, r0 + rows) = x @ w.T (+ bias b) on `route`, x those rows.
-void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float* b, const at::Tensor& out,
-                  int64_t r0) {
+// out = x @ w.T (+ bias b) on `route` (out: x's rows of the result).
+void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float* b, const at::Tensor& out) {
 #if defined(QUANT_AVX2)
   const int64_t rows = x.size(0);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto* data = static_cast<char*>(out.data_ptr()) + r0 * w.n * (bf16 ? 2 : 4);
-  const Output o{data, bf16, b, w.n};
+  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
   const bool in_lanes = rows >= LANES;
   if (w.wide) {
     const WideActivations& a = quantize_rows_wide(x);
@@ -1058,8 +1027,14 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
   }
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.contiguous();
-  for (int64_t r0 = 0; r0 < rows; r0 += INT_CHUNK_ROWS)
-    integer_rows(route, xc.narrow(0, r0, std::min(INT_CHUNK_ROWS, rows - r0)), w, b, out, r0);
+  if (rows <= INT_CHUNK_ROWS) {  // a decode step's: no views made
+    integer_rows(route, xc, w, b, out);
+    return out;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += INT_CHUNK_ROWS) {
+    const int64_t count = std::min(INT_CHUNK_ROWS, rows - r0);
+    integer_rows(route, xc.narrow(0, r0, count), w, b, out.narrow(0, r0, count));
+  }
   return out;
 }
 
@@ -1083,7 +1058,7 @@ int64_t int_max_rows(at::ScalarType dtype, bool wide) {
 // int_max_rows of a weight of format `code` (-1: any number).
 int64_t quant_gemm_int_rows(at::ScalarType dtype, int64_t code) {
   format_of(code);  // a known code, or the error naming it
-  const int64_t rows = int_max_rows(dtype, code == static_cast<int64_t>(Format::q8_0));
+  const int64_t rows = int_max_rows(dtype, wide_activations(code));
   return rows == ANY_ROWS ? -1 : rows;
 }
 

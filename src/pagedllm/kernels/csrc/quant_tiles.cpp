@@ -70,15 +70,6 @@ void dequantize_group(const Layout& l, const uint8_t* row, int64_t g, int count,
   }
 }
 
-// Eight floats to bf16, rounded to nearest even (no NaN among dequantised weights).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
 // Row n of w as float32 or bf16 (T: float, or uint16_t holding bf16 bits).
 template <typename T>
 void dequantize_row(const Weight& w, int64_t n, T* out) {
@@ -99,25 +90,6 @@ void dequantize_row(const Weight& w, int64_t n, T* out) {
 }
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__))
-// 8x8 transpose of floats: r[i] lane j -> r[j] lane i.
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
-    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
-  }
-}
-
 // Weight rows [16 cg, 16 cg + 16) of group g (256 weights of K; rows past n zero) as floats,
 // stage[c][0, 32 count).
 int stage_rows(const Weight& w, int64_t cg, int64_t g, float stage[COLS][GROUP * BLOCK]) {
