@@ -71,10 +71,29 @@ def child(model: str, kv_mib: int, prompt_tokens: int, output_tokens: int) -> di
     }
 
 
+def goal_mib(weights_mib: float, kv_mib: float) -> float:
+    """The issue-44 goal's ceiling on a process's RSS."""
+    return weights_mib * 1.1 + kv_mib + GOAL_SLACK_MIB
+
+
+def rss_cell(resident: dict) -> str:
+    """A table cell: RSS (anonymous), MiB."""
+    return f"{resident['rss']:.0f} ({resident['anonymous']:.0f})"
+
+
+def table_row(*cells: object) -> str:
+    """A markdown table row; a goal cell as (ceiling, met)."""
+    text = [
+        f"{c[0]:.0f} ({'met' if c[1] else 'not met'})" if isinstance(c, tuple) else str(c)
+        for c in cells
+    ]
+    return "| " + " | ".join(text) + " |"
+
+
 def summary(model: str, result: dict) -> dict:
     weights, kv = result["weights_mib"], result["kv_mib"]
     warm = result["phases"]["warm"]["rss"]
-    goal = weights * 1.1 + kv + GOAL_SLACK_MIB
+    goal = goal_mib(weights, kv)
     return {
         "model": model,
         "weights_mib": round(weights, 1),
@@ -154,16 +173,21 @@ def serve_table(args: argparse.Namespace) -> int:
         others = sum(
             p["rss"] for n, p in processes.items() if n not in ("API server", "engine core")
         )
-        goal = result["weights_mib"] * 1.1 + result["kv_mib"] + GOAL_SLACK_MIB
+        goal = goal_mib(result["weights_mib"], result["kv_mib"])
         row = {"model": model, **result, "total_mib": round(sum(p["rss"] for p in processes.values()), 1),
                "core_goal_mib": round(goal, 1), "core_goal_met": core <= goal}  # fmt: skip
         rows.append(row)
-        cells = [f"{processes[n]['rss']:.0f} ({processes[n]['anonymous']:.0f})"
-                 for n in ("API server", "engine core")]  # fmt: skip
-        met = "met" if row["core_goal_met"] else "not met"
         print(
-            f"| {model} | {result['weights_mib']:.0f} | {result['kv_mib']:.0f} | "
-            f"{' | '.join(cells)} | {others:.0f} | {row['total_mib']:.0f} | {goal:.0f} ({met}) |"
+            table_row(
+                model,
+                f"{result['weights_mib']:.0f}",
+                f"{result['kv_mib']:.0f}",
+                rss_cell(processes["API server"]),
+                rss_cell(processes["engine core"]),
+                f"{others:.0f}",
+                f"{row['total_mib']:.0f}",
+                (goal, row["core_goal_met"]),
+            )  # fmt: skip
         )
     print(json.dumps({"kv_mib": args.kv_mib, "serve": rows}))
     return 0
@@ -197,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         row = summary(model, json.loads(out.strip().splitlines()[-1]))
         rows.append(row)
-        cells = " | ".join(f"{p['rss']:.0f} ({p['anonymous']:.0f})" for p in row["phases"].values())
-        met = "met" if row["goal_met"] else "not met"
+        phases = [rss_cell(p) for p in row["phases"].values()]
         print(
-            f"| {model} | {row['weights_mib']:.0f} | {row['kv_mib']:.0f} | {cells} "
-            f"| {row['rest_mib']:.0f} | {row['goal_mib']:.0f} ({met}) |"
+            table_row(
+                model,
+                f"{row['weights_mib']:.0f}",
+                f"{row['kv_mib']:.0f}",
+                *phases,
+                f"{row['rest_mib']:.0f}",
+                (row["goal_mib"], row["goal_met"]),
+            )  # fmt: skip
         )
     print(json.dumps({"kv_mib": args.kv_mib, "models": rows}))
     return 0

@@ -55,7 +55,7 @@ def test_a_deferred_tokenizer_knows_its_eos_unloaded_and_loads_once():
         thread.start()
     for thread in threads:
         thread.join()
-    assert tokenizer.encode("ba") == [1, 0] and len(tokenizer) == 2
+    assert tokenizer.encode("ba") == [1, 0] and len(tokenizer.tokenizer()) == 2
     assert tokenizer.loaded and counted.loads == 1
 
 

@@ -88,7 +88,7 @@ class ConfigEngineFactory:
 
     ``deferred``: the core's tokenizer is loaded only when a request needs one
     (``DeferredTokenizer``: a structured-output grammar), its EOS id ``eos_token_id``
-    taken from the server's; set by ``beside``."""
+    taken from the server's; set by ``beside``, only for a server that has a tokenizer."""
 
     config: EngineConfig
     deferred: bool = False
@@ -97,7 +97,7 @@ class ConfigEngineFactory:
     def build_engine(self) -> LLMEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        if not self.deferred or self.config.skip_tokenizer_init:
+        if not self.deferred:
             return LLMEngine.from_config(self.config)
         from pagedllm.model.tokenizer import DeferredTokenizer
 

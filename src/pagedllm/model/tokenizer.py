@@ -136,9 +136,3 @@ class DeferredTokenizer:
         if name.startswith("_"):  # never load for a lookup of this class's own state
             raise AttributeError(name)
         return getattr(self.tokenizer(), name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer()(*args, **kwargs)
-
-    def __len__(self) -> int:
-        return len(self.tokenizer())
