@@ -1,7 +1,7 @@
 """Gemma 3 GGUFs served as stored: its linears and token embedding kept in every format of
 kernels/quant.py, against the same file dequantised to float32; the one-call Gemma loop
 (gemma_layers, quant_gemm inside) equal to the module loop; and the real gemma-3-270m
-(opt-in) token for token with its dequantised float model over a short greedy run.
+(opt-in) against its dequantised float model on every token that model is clear about.
 
 With the linears on the dequantising torch path the kept weights give the reference's
 logits (KL below 1e-10: the loading is exact). On the integer kernels (activations
@@ -24,7 +24,7 @@ from pagedllm.model.llama import Embedding, Linear
 from pagedllm.quant_layout import INT8_ACTIVATIONS
 from pagedllm.worker.model_runner import TorchModelRunner
 
-from .parity_helpers import PROMPTS, HandDriver, build_checkpoint
+from .parity_helpers import PROMPTS, build_checkpoint
 from .test_decoder_layers import run_steps
 from .test_gemma_fast_path import CountingOps
 from .test_gemma_model import write_gemma_gguf
@@ -155,15 +155,23 @@ def test_held_bytes_of_a_quantized_gemma(tmp_path, gemma_checkpoint) -> None:
     assert loaded.weight_bytes == held_weight_bytes(read_header(path), 4)
 
 
-# Prompts whose 16 greedy tokens agree (the float model's top-2 gaps there: 0.012 and up);
-# "Once upon a time, there was a" flips at its first token, a 0.06 gap (" little" / " man").
-REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
+# The real model's prompts and steps: 96 rows, 55 of them with a top-2 gap of at least
+# REAL_CLEAR_GAP in the float model. Int8 activations are chaotic: a 1e-7 change to one
+# layer's norm weights, or another ISA's order of a sum, moves the logits as much as the
+# quantisation does (KL 0.003-0.013, a top-2 gap by up to 0.7 measured), so two greedy runs
+# part at the first near-tie (an AVX2 build flipped a 0.014 gap that AVX-512 kept); where
+# the float model is clear, the stored one must agree.
+REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a"]
+REAL_DECODE_STEPS = 31
+REAL_CLEAR_GAP = 1.0
+REAL_MAX_KL = 0.05
 
 
 @pytest.mark.slow
-def test_gemma_270m_as_stored_greedy_equals_its_dequantised_model() -> None:
-    """The real file (fetched once by ``--model gemma-3-270m``): 16 greedy tokens of each
-    prompt, as stored (integer kernels) and dequantised to float32, token for token."""
+def test_gemma_270m_as_stored_agrees_with_its_dequantised_model_where_it_is_clear() -> None:
+    """The real file (fetched once by ``--model gemma-3-270m``), as stored (integer kernels)
+    and dequantised to float32, fed the float model's greedy tokens: every row within
+    REAL_MAX_KL, and the same top-1 on every row the float model decides by REAL_CLEAR_GAP."""
     from pagedllm.model import gemma_model
     from pagedllm.model.loader import _hf_tokenizer_loader
 
@@ -173,23 +181,11 @@ def test_gemma_270m_as_stored_greedy_equals_its_dequantised_model() -> None:
         pytest.skip(f"gemma-3-270m not fetched ({gguf}): pagedllm generate --model gemma-3-270m")
     tokenizer = _hf_tokenizer_loader(directory)()
     prompts = [tokenizer.encode(text) for text in REAL_PROMPTS]
-    outputs = []
-    for keep in (True, False):  # one model at a time: the float one is 1 GiB
-        model = load_model(gguf, "float32", load_tokenizer=False, keep_quantized=keep).model
-        assert (model.embed_tokens.quant is not None) == keep
-        outputs.append([greedy(model, prompt, 16) for prompt in prompts])
-        del model
-    assert outputs[0] == outputs[1], str(outputs)
-
-
-def greedy(model, prompt: list[int], count: int) -> list[int]:
-    """``count`` greedy tokens after ``prompt``, step by step on the paged runner."""
-    driver = HandDriver(TorchModelRunner(model, block_size=16, num_blocks=16))
-    seq = driver.add("r", prompt)
-    logits = driver.step([driver.schedule(seq, len(prompt))])["r"]
-    tokens = []
-    for _ in range(count):
-        tokens.append(int(logits.argmax()))
-        driver.append("r", tokens[-1])
-        logits = driver.step([driver.schedule(seq, 1)])["r"]
-    return tokens
+    stored = load_model(gguf, "float32", load_tokenizer=False)
+    assert stored.model.embed_tokens.quant is not None
+    reference = load_model(gguf, "float32", load_tokenizer=False, keep_quantized=False)
+    worst, top1 = run_in_lockstep(
+        reference.model, stored.model, prompts, REAL_CLEAR_GAP, REAL_DECODE_STEPS
+    )
+    assert worst <= REAL_MAX_KL, f"KL {worst:.2e}"
+    assert top1 == 1.0, f"top-1 agreement {top1:.3f} on the clear rows"

@@ -42,12 +42,14 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((log_p.exp() * (log_p - log_q)).sum(-1).max())
 
 
-def run_in_lockstep(reference, quantized, prompts, tie_gap=TIE_GAP) -> tuple[float, float]:
+def run_in_lockstep(
+    reference, quantized, prompts, tie_gap=TIE_GAP, decode_steps=DECODE_STEPS
+) -> tuple[float, float]:
     """(largest KL, top-1 agreement on the rows whose reference top-2 gap is at least
-    ``tie_gap``) over a prompt step and DECODE_STEPS decode steps, both models fed the
+    ``tie_gap``) over a prompt step and ``decode_steps`` decode steps, both models fed the
     reference's greedy tokens."""
     drivers = [
-        HandDriver(TorchModelRunner(model, block_size=4, num_blocks=64))
+        HandDriver(TorchModelRunner(model, block_size=4, num_blocks=256))
         for model in (reference, quantized)
     ]
     seqs = [[d.add(f"r{i}", p) for i, p in enumerate(prompts)] for d in drivers]
@@ -56,7 +58,7 @@ def run_in_lockstep(reference, quantized, prompts, tie_gap=TIE_GAP) -> tuple[flo
         for d, ss in zip(drivers, seqs, strict=True)
     ]
     worst, agree, total = 0.0, 0, 0
-    for step in range(DECODE_STEPS + 1):
+    for step in range(decode_steps + 1):
         expected = torch.stack([steps[0][f"r{i}"] for i in range(len(prompts))])
         actual = torch.stack([steps[1][f"r{i}"] for i in range(len(prompts))])
         worst = max(worst, kl_divergence(expected, actual))
@@ -64,7 +66,7 @@ def run_in_lockstep(reference, quantized, prompts, tie_gap=TIE_GAP) -> tuple[flo
         decided = (top2[:, 0] - top2[:, 1]) >= tie_gap
         agree += int(((expected.argmax(-1) == actual.argmax(-1)) & decided).sum())
         total += int(decided.sum())
-        if step == DECODE_STEPS:
+        if step == decode_steps:
             break
         tokens = expected.argmax(-1).tolist()
         for d, ss in zip(drivers, seqs, strict=True):
