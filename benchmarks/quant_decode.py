@@ -21,7 +21,8 @@ Two parts:
   every round, with its speed against this tree's (an A/B of two trees' kernels in one run);
   ``--no-float`` leaves the float model out.
 - ``kernels``: one linear of each format (``kernels/quant.py``) on random blocks against
-  small_gemm's bf16 / float32 copy of the same shape, at decode and prompt row counts:
+  small_gemm's copy of the same shape (``--dtype``; auto: bf16 where the CPU has bf16 dot
+  products, else float32), at decode and prompt row counts:
   microseconds per call (the best of ``--repeats``).
 
     .venv/bin/python benchmarks/quant_decode.py --rounds 5
@@ -220,10 +221,15 @@ def kernels_part(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     n, k = args.shape
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    cpu = cpu_info()
+    # auto: the dtype --dtype auto runs a float32 checkpoint in on this CPU.
+    name = args.dtype if args.dtype != "auto" else "bfloat16" if cpu.bf16_dot else "float32"
+    dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
     isa = ops.small_gemm_isa() if dtype == torch.bfloat16 else ops.small_gemm_f32_isa()
+    if isa == "none":
+        raise SystemExit(f"small_gemm has no {name} route on this CPU: --dtype float32")
     print(
-        f"CPU: {cpu_info().label}; {args.threads} threads; weight {n} x {k}; {args.dtype} "
+        f"CPU: {cpu.label}; {args.threads} threads; weight {n} x {k}; {name} "
         f"activations; quant_gemm {ops.quant_gemm_isa()}, small_gemm {isa}; best of "
         f"{args.repeats}, microseconds per call"
     )
@@ -241,7 +247,7 @@ def kernels_part(args: argparse.Namespace) -> dict:
     table = {}
     print("| format | MiB | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("| --- | --- |" + " --- |" * len(rows_list))
-    for format in (*FORMATS, args.dtype):
+    for format in (*FORMATS, name):
         quantized = format in FORMATS
         if quantized and format in K_QUANTS and k % 256:
             continue
@@ -257,7 +263,7 @@ def kernels_part(args: argparse.Namespace) -> dict:
         table[format] = {"mib": size / 2**20, "us": row}
         cells = " | ".join(f"{row[r]:.0f}" for r in rows_list)
         print(f"| {format} | {size / 2**20:.1f} | {cells} |")
-    return {"shape": [n, k], "dtype": args.dtype, "threads": args.threads, "kernels": table}
+    return {"shape": [n, k], "dtype": name, "threads": args.threads, "kernels": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shape", type=int, nargs=2, default=(9728, 896), help="kernels: weight N K"
     )
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="kernels: activations (auto: bfloat16 with bf16 dot products)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="kernels: torch threads")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-float", action="store_true", help="models: leave the float model out")

@@ -221,16 +221,20 @@ def test_wire_round_trips_each_message(capsys):
 def test_quant_decode_kernels_small(capsys):
     pytest.importorskip("gguf")
     from pagedllm.kernels.ops import layer_ops
+    from pagedllm.kernels.probe import cpu_info
 
     if layer_ops() is None:
         pytest.skip("the C++ kernels did not build")
     args = ["--part", "kernels", "--shape", "64", "512", "--rows", "1,17", "--repeats", "2"]
     assert load("quant_decode").main(args) == 0
     result = last_json(capsys)
-    formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "bfloat16"}
+    # The dense copy in the dtype --dtype auto would run (float32 without bf16 dot products).
+    dense = "bfloat16" if cpu_info().bf16_dot else "float32"
+    assert result["dtype"] == dense
+    formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", dense}
     assert set(result["kernels"]) == formats
     assert all(set(r["us"]) == {"1", "17"} for r in result["kernels"].values())
-    assert result["kernels"]["Q4_0"]["mib"] < result["kernels"]["bfloat16"]["mib"] / 3
+    assert result["kernels"]["Q4_0"]["mib"] < result["kernels"][dense]["mib"] / 3
 
 
 def test_spec_decode_runs_every_mode_and_keeps_greedy_tokens(capsys, tmp_path):

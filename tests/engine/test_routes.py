@@ -33,6 +33,7 @@ def test_env_reports_cpu_threads_kernels_and_every_route(tiny_model_dir, capsys)
     env = json.loads(capsys.readouterr().out)
     cpu = cpu_info()
     assert env["cpu"]["model"] == cpu.model and env["cpu"]["isa"] == cpu.isa
+    assert env["cpu"]["max_isa"] == cpu.cap
     assert set(env["cpu"]["flags"]) <= cpu.flags
     assert env["threads"]["torch"] >= 1
     assert "gloo across machines" in env["tensor_parallel_gathers"]  # shm here, or why not
@@ -194,6 +195,7 @@ def test_cpu_label_names_family_model_and_route(tmp_path, monkeypatch):
     assert epyc.label == "AMD EPYC (family 25 model 17, avx512_bf16)"
     assert probe.CpuInfo("x", frozenset(), 1).label == "x (none)"
     # cpu_info() reads them from the first processor's lines, before its flags.
+    monkeypatch.delenv("PAGEDLLM_MAX_ISA", raising=False)
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
         "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 from pagedllm.attention import cpu
 from pagedllm.attention.base import write_kv
-from pagedllm.kernels import build, ops
+from pagedllm.kernels import build, ops, probe
 from pagedllm.kernels.build import build_extension
 from pagedllm.kernels.ops import argmax_rows
 
@@ -54,6 +56,67 @@ def test_build_failure_raises_and_loader_falls_back(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         build_extension(tmp_path)
     assert not list(tmp_path.glob("*.so"))
+
+
+SAPPHIRE_RAPIDS = frozenset(probe.KERNEL_FLAGS) | {"sse4_2", "avx512dq", "avx512vl"}
+AVX2 = {"sse4_2", "avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx_vnni"}
+
+
+@pytest.mark.parametrize(
+    ("cap", "left"),
+    [
+        ("avx2", AVX2),
+        ("avx512", AVX512),
+        ("avx512_bf16", AVX512 | {"avx512_bf16"}),
+        ("amx", SAPPHIRE_RAPIDS),
+    ],
+)
+def test_max_isa_caps_the_flags_the_kernels_see(monkeypatch, cap, left):
+    monkeypatch.setenv("PAGEDLLM_MAX_ISA", cap)
+    flags = probe.capped_flags(SAPPHIRE_RAPIDS)
+    assert flags == left
+    cpu = probe.CpuInfo("Xeon", flags, 2, cap=probe.max_isa())
+    assert cpu.isa == cap
+    assert cpu.label == f"Xeon ({cap}, PAGEDLLM_MAX_ISA={cap})"
+
+
+def test_an_unknown_max_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_MAX_ISA", "avx512vnni")
+    with pytest.raises(ValueError, match="PAGEDLLM_MAX_ISA='avx512vnni': use one of avx2"):
+        probe.cpu_info()
+    monkeypatch.setenv("PAGEDLLM_MAX_ISA", "")
+    assert probe.max_isa() is None and probe.cap_switches() == []
+
+
+AMX_MACROS = ["__AMX_TILE__", "__AMX_INT8__", "__AMX_BF16__"]
+
+
+@pytest.mark.parametrize(
+    ("cap", "gone"),
+    [
+        ("avx2", ["__AVX512F__", "__AVX512VNNI__", "__AVX512BF16__", "__AVXVNNI__", *AMX_MACROS]),
+        ("avx512", ["__AVX512BF16__", *AMX_MACROS]),
+        ("avx512_bf16", AMX_MACROS),
+    ],
+)
+def test_a_capped_build_leaves_out_the_instructions_above_the_cap(monkeypatch, cap, gone):
+    """On a compiler targeting a CPU with everything: the kernels' sources choose their
+    routes by these macros. Every switch counts: GCC 12's -mno-amx-tile alone leaves
+    __AMX_INT8__ and __AMX_BF16__ defined."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no compiler {compiler!r}")
+    monkeypatch.setenv("PAGEDLLM_MAX_ISA", cap)
+    command = [compiler, "-march=sapphirerapids", *probe.cap_switches(), "-dM", "-E", "-x", "c++"]
+    macros = subprocess.run(
+        [*command, os.devnull], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    defined = {line.split()[1] for line in macros if line.startswith("#define")}
+    assert "__AVX2__" in defined and "__FMA__" in defined
+    assert defined.isdisjoint(gone), sorted(defined & set(gone))
+    if cap != "avx2":
+        assert {"__AVX512F__", "__AVX512VNNI__"} <= defined
 
 
 def test_old_builds_are_pruned_newest_kept(tmp_path):

@@ -93,6 +93,7 @@ def environment(
             "model": cpu.model,
             "cpus": cpu.num_cpus,
             "isa": cpu.isa,
+            "max_isa": cpu.cap,
             "flags": cpu.kernel_flags(),
             "bf16_dot_products": cpu.bf16_dot,
         },
@@ -136,7 +137,8 @@ def format_environment(env: dict[str, Any]) -> str:
     omp = ", ".join(f"{k}={v}" for k, v in threads.items() if k != "torch" and v is not None)
     lines = [
         f"cpu: {cpu['model']} ({cpu['cpus']} CPUs usable)",
-        f"cpu flags: {' '.join(cpu['flags']) or '-'}; best ISA for the kernels: {cpu['isa']}",
+        f"cpu flags: {' '.join(cpu['flags']) or '-'}; best ISA for the kernels: {cpu['isa']}"
+        + (f" (capped: PAGEDLLM_MAX_ISA={cpu['max_isa']})" if cpu["max_isa"] else ""),
         f"bf16 dot products: {'yes' if cpu['bf16_dot_products'] else 'no'}",
         f"threads: torch {threads['torch']}" + (f" ({omp})" if omp else ""),
         f"torch: {env['torch']}",

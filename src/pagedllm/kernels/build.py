@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.kernels.probe import cpu_flags_line
+from pagedllm.kernels.probe import cap_switches, cpu_flags_line, max_isa
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,14 @@ def cache_dir() -> Path:
 def load_library() -> bool:
     """Build (once per machine) and load the C++ kernels; ``False`` if that is impossible.
 
-    ``PAGEDLLM_NO_EXTENSION=1`` disables them (torch paths are used instead).
+    ``PAGEDLLM_NO_EXTENSION=1`` disables them (torch paths are used instead);
+    ``PAGEDLLM_MAX_ISA`` builds them for an older CPU than this one (probe.py).
     """
     if os.environ.get("PAGEDLLM_NO_EXTENSION", "") not in ("", "0"):
         return False
     if hasattr(torch.ops, "pagedllm") and hasattr(torch.ops.pagedllm, "argmax_rows"):
         return True
+    max_isa()  # an unknown cap is the user's error to see, not a failed build
     try:
         torch.ops.load_library(str(build_extension()))
         return True
@@ -98,7 +100,9 @@ def build_status() -> str:
     path = build_extension()
     log = path.with_suffix(".log")
     warnings = log.read_text().count("warning:") if log.exists() else 0
-    return f"{path} ({warnings} compiler warnings)"
+    cap = max_isa()
+    capped = f", capped at {cap}" if cap else ""
+    return f"{path} ({warnings} compiler warnings{capped})"
 
 
 def build_extension(directory: Path | None = None) -> Path:
@@ -116,6 +120,7 @@ def build_extension(directory: Path | None = None) -> Path:
         # No a*b+c fused into one rounding: the layer ops must round where torch rounds.
         "-ffp-contract=off",
         "-march=native",
+        *cap_switches(),
         "-std=c++20",
         "-fPIC",
         "-fopenmp",

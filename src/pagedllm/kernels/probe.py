@@ -21,6 +21,19 @@ KERNEL_FLAGS = (
     "amx_int8",
 )
 
+# PAGEDLLM_MAX_ISA caps the kernels at one of these ISAs (as ATEN_CPU_CAPABILITY caps torch's):
+# the /proc/cpuinfo flags above the cap (by prefix) and the compiler switches that leave their
+# instructions out of the build. "avx2" is an AMD Zen 3 (no AVX-512, no AVX-VNNI), "avx512"
+# an AVX-512 CPU without bf16 dot products, "avx512_bf16" a Zen 4 (no tile unit).
+MAX_ISA_VARIABLE = "PAGEDLLM_MAX_ISA"
+_AMX_SWITCHES = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+ABOVE_ISA: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("avx512", "avx_vnni", "amx"), ("-mno-avx512f", "-mno-avxvnni", *_AMX_SWITCHES)),
+    "avx512": (("avx512_bf16", "amx"), ("-mno-avx512bf16", *_AMX_SWITCHES)),
+    "avx512_bf16": (("amx",), _AMX_SWITCHES),
+    "amx": ((), ()),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class CpuInfo:
@@ -32,6 +45,8 @@ class CpuInfo:
     num_cpus: int
     # "family 25 model 17": a cloud guest often names only "AMD EPYC".
     family: str = ""
+    # The PAGEDLLM_MAX_ISA the flags were capped at, if any.
+    cap: str | None = None
 
     @property
     def amx(self) -> bool:
@@ -57,7 +72,8 @@ class CpuInfo:
     @property
     def label(self) -> str:
         """The name, family / model numbers and kernel ISA, for benchmark reports."""
-        details = ", ".join(part for part in (self.family, self.isa) if part)
+        isa = f"{self.isa}, {MAX_ISA_VARIABLE}={self.cap}" if self.cap else self.isa
+        details = ", ".join(part for part in (self.family, isa) if part)
         return f"{self.model} ({details})"
 
     def kernel_flags(self) -> list[str]:
@@ -65,8 +81,31 @@ class CpuInfo:
         return [flag for flag in KERNEL_FLAGS if flag in self.flags]
 
 
+def max_isa() -> str | None:
+    """The ISA ``PAGEDLLM_MAX_ISA`` caps the kernels at (``None``: not capped); ``ValueError``
+    naming the variable for an unknown one."""
+    cap = os.environ.get(MAX_ISA_VARIABLE, "")
+    if cap and cap not in ABOVE_ISA:
+        raise ValueError(f"{MAX_ISA_VARIABLE}={cap!r}: use one of {', '.join(ABOVE_ISA)}")
+    return cap or None
+
+
+def capped_flags(flags: frozenset[str]) -> frozenset[str]:
+    """``flags`` less those above ``max_isa()``."""
+    cap = max_isa()
+    above = ABOVE_ISA[cap][0] if cap else ()
+    return frozenset(flag for flag in flags if not flag.startswith(above))
+
+
+def cap_switches() -> list[str]:
+    """The compiler switches that keep the kernels' build within ``max_isa()``."""
+    cap = max_isa()
+    return list(ABOVE_ISA[cap][1]) if cap else []
+
+
 def cpu_info() -> CpuInfo:
-    """This machine's ``CpuInfo`` (flags empty where ``/proc/cpuinfo`` is unreadable)."""
+    """This machine's ``CpuInfo`` (flags empty where ``/proc/cpuinfo`` is unreadable), its
+    flags capped by ``PAGEDLLM_MAX_ISA``."""
     model, flags = platform.processor() or platform.machine(), ""
     numbers: dict[str, str] = {}
     try:
@@ -83,7 +122,8 @@ def cpu_info() -> CpuInfo:
     except OSError:
         pass
     family = f"family {numbers['cpu family']} model {numbers['model']}" if len(numbers) == 2 else ""
-    return CpuInfo(model, frozenset(flags.split()), len(os.sched_getaffinity(0)), family)
+    flagset = capped_flags(frozenset(flags.split()))
+    return CpuInfo(model, flagset, len(os.sched_getaffinity(0)), family, max_isa())
 
 
 def cpu_flags_line() -> str:
