@@ -677,6 +677,16 @@ constexpr bool q8_0_offset() {
   return F == Format::q8_0 && R != Route::avx2;
 }
 
+// How many dwords of products the AVX2 lane kernel adds in int16 before one madd widens them
+// (1: a madd each, as dot_u8s8). A dword's maddubs pair sums are at most 2 * qmax * 127: four
+// fit in int16 for weights up to 31 (Q4_*, Q5_*: 31,496), two for Q6_K's 63 (32,004), one for
+// Q8_0's 128. The same int32 sums, so the same bits; VNNI's dpbusd needs none of this.
+template <Route R, Format F>
+constexpr int int16_chain() {
+  if (R != Route::avx2 || F == Format::q8_0) return 1;
+  return F == Format::q6_k ? 2 : 4;
+}
+
 // A tile's weight rows as lane_tiles multiplies them: row r's block b (bytes) at
 // q[(r * padded + b) * BLOCK], its scales d and m at r * padded + b, padded the row's blocks
 // rounded up to whole groups.
@@ -691,18 +701,19 @@ struct StagedTile {
   __m256 m_of(int r, int64_t b) const { return _mm256_set1_ps(m[r * padded + b]); }
 };
 
-// Q8_0 weight rows n0.. read where they are stored: the bytes the tiles stage, less the sign
-// flip (applied to each broadcast dword instead), with the block's scale (block_d). A single pass
-// over a tile (up to LANES * LANE_VECTORS rows: a decode step's) gains nothing from staging,
-// which was a third of the Q8_0 head's time (Gemma-3-270M, 16 rows, Zen 4;
-// docs/performance.md).
+// Q8_0 weight rows n0.. read where they are stored: the bytes the tiles stage (Flip: less the
+// sign flip, applied to each broadcast dword instead; on AVX2 the signed bytes themselves), with
+// the block's scale (block_d). A single pass over a tile (up to LANES * LANE_VECTORS rows: a
+// decode step's) gains nothing from staging, which was a third of the Q8_0 head's time
+// (Gemma-3-270M, 16 rows, Zen 4; docs/performance.md).
+template <bool Flip>
 struct StoredQ8_0Tile {
   const uint8_t* first;  // row n0
   int64_t bytes;         // a row's
   Layout lay;
 
   StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), lay(w.lay) {}
-  static constexpr bool flip = true;
+  static constexpr bool flip = Flip;
   const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
   // block_d's, not block_scales: its switch on the format per (row, block) cost 4-7% here;
   // converted in the vector (one broadcast load, no insert and broadcast after it).
@@ -736,7 +747,7 @@ __attribute__((always_inline)) inline void row_group_passes(int64_t groups, Pass
 template <Route R, Format F, int V, bool First, typename Tile>
 __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t b, int tile, const Tile& st,
                                                            const Activations& t, int64_t g0, __m256 acc[][GROUP][V]) {
-  constexpr int dwords = BLOCK / 4;
+  constexpr int dwords = BLOCK / 4, chain = int16_chain<R, F>();
   constexpr bool halves = F == Format::q6_k, staged = q8_0_offset<R, F>();
   const int j = static_cast<int>(b % GROUP);
   __m256i x[V][dwords], start[V];
@@ -746,7 +757,7 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
   }
   for (int r = 0; r < tile; ++r) {
     const int8_t* qb = st.block(r, b);
-    __m256i s[2][V];
+    __m256i s[2][V], part[V];
     for (int v = 0; v < V; ++v) {
       s[0][v] = start[v];
       s[1][v] = _mm256_setzero_si256();
@@ -761,6 +772,12 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
       for (int v = 0; v < V; ++v) {
         if constexpr (F == Format::q8_0 && !staged) {
           s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
+        } else if constexpr (chain > 1) {
+          // maddubs's pair sums added in int16 `chain` dwords at a time, then one madd.
+          const __m256i pairs = _mm256_maddubs_epi16(wv, x[v][i]);
+          part[v] = i % chain == 0 ? pairs : _mm256_add_epi16(part[v], pairs);
+          if (i % chain == chain - 1)
+            s[h][v] = _mm256_add_epi32(s[h][v], _mm256_madd_epi16(part[v], _mm256_set1_epi16(1)));
         } else {
           s[h][v] = dot_u8s8<R>(s[h][v], wv, x[v][i]);
         }
@@ -856,7 +873,7 @@ template <Route R, Format F>
 void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   thread_local StagedTile st;
   const int64_t groups = (rows + LANES - 1) / LANES;
-  const bool stored = q8_0_offset<R, F>() && groups <= LANE_VECTORS;
+  const bool stored = F == Format::q8_0 && groups <= LANE_VECTORS;
   for (int64_t n = n0; n < n1; n += LANE_TILE) {
     const int64_t end = std::min(n + LANE_TILE, n1);
     if (!stored) stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
@@ -867,7 +884,7 @@ void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0,
     const bool prefetch = stored && end < w.n;
     row_group_passes(groups, [&](int64_t g, auto v) __attribute__((always_inline)) {
       constexpr int V = decltype(v)::value;
-      if (stored) return tile_pass<R, F, V>(w, StoredQ8_0Tile(w, n), t, g, rows, n, end, prefetch, out);
+      if (stored) return tile_pass<R, F, V>(w, StoredQ8_0Tile<q8_0_offset<R, F>()>(w, n), t, g, rows, n, end, prefetch, out);
       tile_pass<R, F, V>(w, st, t, g, rows, n, end, false, out);
     });
   }
