@@ -873,18 +873,22 @@ template <Route R, Format F>
 void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   thread_local StagedTile st;
   const int64_t groups = (rows + LANES - 1) / LANES;
-  const bool stored = F == Format::q8_0 && groups <= LANE_VECTORS;
+  // On AVX2 staging Q8_0 only copies its bytes (no flip): every pass reads them in place.
+  const bool stored = F == Format::q8_0 && (groups <= LANE_VECTORS || !q8_0_offset<R, F>());
   for (int64_t n = n0; n < n1; n += LANE_TILE) {
     const int64_t end = std::min(n + LANE_TILE, n1);
     if (!stored) stage_tile<F, q8_0_offset<R, F>()>(w, n, end, st);
-    // A tile read in place (its one pass) prefetches the rows after it, past n1 too (limiting
+    // A tile read in place prefetches the rows after it in its first pass, past n1 too (limiting
     // it to [n0, n1) measured no faster); staged ones are read from memory as the row kernels
     // read them, and prefetching the next meanwhile, into L1 or L2, measured level (Q5_0,
     // Q4_K) to 10% slower (Q6_K).
     const bool prefetch = stored && end < w.n;
     row_group_passes(groups, [&](int64_t g, auto v) __attribute__((always_inline)) {
       constexpr int V = decltype(v)::value;
-      if (stored) return tile_pass<R, F, V>(w, StoredQ8_0Tile<q8_0_offset<R, F>()>(w, n), t, g, rows, n, end, prefetch, out);
+      if (stored) {
+        const StoredQ8_0Tile<q8_0_offset<R, F>()> in_place(w, n);
+        return tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
+      }
       tile_pass<R, F, V>(w, st, t, g, rows, n, end, false, out);
     });
   }
