@@ -36,7 +36,7 @@ from pagedllm.kernels.quant import (
     quant_linear,
 )
 from pagedllm.kernels.routes import small_gemm_route
-from pagedllm.quant_layout import CODES, FORMATS, INT8_ACTIVATIONS, K_QUANTS, unit
+from pagedllm.quant_layout import CODES, FORMATS, INT8_ACTIVATIONS, K_QUANTS, section_sizes
 
 from .gguf_blocks import quantize
 from .isa_caps import QUANT_ROUTES, ROUTES, quant_gemm_capped, small_gemm_capped
@@ -213,35 +213,24 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
                 assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
 
 
-# Each format's quant bytes in a GGUF block (the rest: its scales): all bits set makes every
-# weight the format's largest unsigned value; Q8_0's bytes 0x80, -128 (its sign trick's |q|).
-QUANT_BYTES = {
-    "Q4_0": (2, 18),
-    "Q4_1": (4, 20),
-    "Q5_0": (2, 22),
-    "Q8_0": (2, 34),
-    "Q4_K": (16, 144),
-    "Q5_K": (16, 176),
-    "Q6_K": (0, 192),
-}
+# How many of the layout's first sections (quant_layout.section_sizes) hold the stored
+# integers: the low bits, and the high bits where the format has them.
+INTEGER_SECTIONS = {"Q5_0": 2, "Q5_K": 2, "Q6_K": 2}
 
 
 @pytest.mark.parametrize("route", QUANT_ROUTES)
 @pytest.mark.parametrize("format", FORMATS)
 def test_the_largest_products_keep_their_bits_in_every_kernel(route, format) -> None:
-    """Every weight at its format's largest value against activations at +-127: the AVX2
-    lane kernel adds maddubs's pair sums in int16 before widening them (four dwords for
-    31, two for Q6_K's 63); the rows in lanes give each row's own bits, near the reference."""
+    """Every weight at its format's largest value (all its integer bits set; Q8_0's bytes
+    -128, its sign trick's |q| = 128) against activations at +-127: the AVX2 lane kernel
+    adds maddubs's pair sums in int16 before widening them (four dwords for 31, two for
+    Q6_K's 63); the rows in lanes give each row's own bits, near the reference."""
     rows, width = 16, 512
-    array = np.random.default_rng(7).standard_normal((rows, width)).astype(np.float32)
-    blocks = quantize(array * 0.05, format)
-    per_block = blocks.reshape(rows, width // unit(format), -1)
-    start, stop = QUANT_BYTES[format]
-    per_block[:, :, start:stop] = 0x80 if format == "Q8_0" else 0xFF
-    blocks = per_block.reshape(rows, -1)
-    weight = replace(quant.from_gguf_blocks(blocks, format, (rows, width)), int8_activations=True)
-    qtype = gguf.GGMLQuantizationType[format]
-    reference = gguf.quants.dequantize(blocks, qtype).reshape(rows, width)
+    weight, _ = gguf_weight(format, rows, width=width, seed=7)
+    data = weight.data.clone()
+    held = sum(section_sizes(format, width)[: INTEGER_SECTIONS.get(format, 1)])
+    data[:, :held] = 0x80 if format == "Q8_0" else 0xFF
+    weight = replace(weight, data=data, int8_activations=True)
     signs = torch.tensor([1.0, -1.0] * 4 + [0.5, -0.5])[:, None]
     x = torch.cat([signs * torch.ones(10, width), torch.randn(6, width)])
     with quant_gemm_capped(route):
@@ -252,7 +241,7 @@ def test_the_largest_products_keep_their_bits_in_every_kernel(route, format) -> 
         ]
     assert torch.equal(together, torch.cat(alone))
     # Constant rows quantise exactly: only float rounding is left.
-    expected = F.linear(x[:10], torch.from_numpy(reference.copy()))
+    expected = F.linear(x[:10], dequantize(weight))
     assert relative_error(together[:10], expected) <= 1e-5
 
 
