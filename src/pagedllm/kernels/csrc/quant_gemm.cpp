@@ -740,10 +740,11 @@ __attribute__((always_inline)) inline void row_group_passes(int64_t groups, Pass
   for (; g < groups; ++g) pass(g, std::integral_constant<int, 1>{});
 }
 
-// acc[r][b % GROUP][v] += row group g0 + v's products with block b of the tile's staged row r,
-// for its `tile` rows (First: the first group's blocks, acc taken as zero, not read). A chain of dot products per row group from the block's offset term
-// (block_offset), so that it ends at the block's whole int32 sum; Q6_K's halves, which have
-// scales of their own, in two. Rows in turn keep enough in flight.
+// acc[r][b % GROUP][v] += row group g0 + v's products with block b of the tile's row r, for
+// its `tile` rows (First: the first group's blocks, acc taken as zero, not read). The int32
+// sums start from the block's offset term (block_offset), so that they end at its whole sum;
+// Q6_K's halves, which have scales of their own, apart. On AVX2 the products are added in
+// int16 int16_chain() dwords at a time first. Rows in turn keep enough in flight.
 template <Route R, Format F, int V, bool First, typename Tile>
 __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64_t b, int tile, const Tile& st,
                                                            const Activations& t, int64_t g0, __m256 acc[][GROUP][V]) {
