@@ -8,6 +8,7 @@ import asyncio
 import httpx
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.app import create_app
 from pagedllm.testing import FakeEngineFactory
 
@@ -45,6 +46,27 @@ def test_resize_under_load_keeps_streams_exact_and_reports(make_harness):
         metrics = (await client.get("/metrics")).text.splitlines()
         (line,) = [m for m in metrics if m.startswith("pagedllm_kv_cache_bytes ")]
         assert float(line.split()[1]) == 256 * BLOCK
+
+    h.run(body)
+
+
+def test_a_shrink_whose_requests_ended_completes_while_its_report_is_polled(make_harness):
+    """A shrink begun under load goes on in slices before steps; when its requests end
+    (here: aborted) no step comes, and the route's polls, every 10 ms, must not keep the
+    idle core from finishing it (they once did: the idle work waited for a quiet second)."""
+    h = make_harness(num_blocks=64)
+    h.llm.add_request("r", h.tokenizer.encode("request says hello"), SamplingParams(max_tokens=4))
+    h.llm.step()
+    resize_id = h.llm.elastic.start(8 * BLOCK)
+    h.llm.abort_request("r")
+    assert h.llm.elastic.resizing and not h.llm.scheduler.has_unfinished_requests()
+
+    async def body(client: httpx.AsyncClient):
+        await wait_until(
+            lambda: h.engine.resize_report(resize_id), deadline_s=5, what="the shrink's report"
+        )
+        report = await h.engine.resize_report(resize_id)
+        assert report.blocks_after == 8 and report.num_preempted == 0
 
     h.run(body)
 

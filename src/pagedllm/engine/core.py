@@ -295,11 +295,15 @@ def _serve(core: EngineCore, codec: Codec, inbox: Any, outbox: Any, parent_pid: 
 
     while True:
         _check_parent(parent_pid)  # a step's cost next to a system call: every step
-        busy = core.has_unfinished_requests()
         # Idle: wait for a message (looking now and then whether the server still lives).
-        while not busy and not inbox.poll(int(_PARENT_CHECK_S * 1000)):
+        # The idle work (a shrink left under way completes; the automatic elastic pool
+        # shrinks) comes before each wait: messages may come faster than any quiet spell,
+        # as a route polling for that shrink's report does.
+        while not core.has_unfinished_requests():
+            core.engine.elastic.idle_tick()
+            if inbox.poll(int(_PARENT_CHECK_S * 1000)):
+                break
             _check_parent(parent_pid)
-            core.engine.elastic.idle_tick()  # the automatic elastic pool shrinks when idle
         while True:  # every waiting message, before the next step
             try:
                 frame = inbox.recv(zmq.NOBLOCK)
