@@ -223,11 +223,29 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
+// How many dwords of products the AVX2 kernels add in int16 before one madd widens them (1: a
+// madd each, as dot_u8s8; the lane kernel adds dwords of rows in lanes, halves8 pairs of a
+// block's). A dword's maddubs pair sums are at most 2 * qmax * 127: four
+// fit in int16 for weights up to 31 (Q4_*, Q5_*: 31,496), two for Q6_K's 63 (32,004), one for
+// Q8_0's 128. The same int32 sums, so the same bits; VNNI's dpbusd needs none of this.
+template <Route R, Format F>
+constexpr int int16_chain() {
+  if (R != Route::avx2 || F == Format::q8_0) return 1;
+  return F == Format::q6_k ? 2 : 4;
+}
+
+// One block's 32 products with xq as lane sums: eight int32 sums of four products
+// (dot_u8s8), or on AVX2 where int16_chain() > 1 maddubs's sixteen int16 pair sums, which
+// halves8 adds further in int16 before it widens them.
 template <Route R, Format F>
 inline __m256i block_dot(__m256i w, const int8_t* xq) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  if constexpr (F == Format::q8_0) return dot_u8s8<R>(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return dot_u8s8<R>(_mm256_setzero_si256(), w, x);
+  __m256i u = w, x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  if constexpr (F == Format::q8_0) {
+    x = _mm256_sign_epi8(x, w);
+    u = _mm256_sign_epi8(w, w);
+  }
+  if constexpr (int16_chain<R, F>() > 1) return _mm256_maddubs_epi16(u, x);
+  return dot_u8s8<R>(_mm256_setzero_si256(), u, x);
 }
 
 // hadd_epi32(a, b) for lane sums that fit in int16 (|sum| <= 4 * 63 * 127 but for Q8_0's):
@@ -238,19 +256,29 @@ inline __m256i hadd_small(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_packs_epi32(a, b), _mm256_set1_epi16(1));
 }
 
-// Eight blocks' lane sums (block j's in s[j]) as two vectors: the sums over each block's first
-// 16 elements (block j in lane j) and over its last 16.
+// Eight blocks' lane sums (block j's in s[j], as block_dot gives them) as two vectors: the
+// sums over each block's first 16 elements (block j in lane j) and over its last 16. On AVX2
+// the pair sums are added in int16 as far as int16_chain() allows (a chain of four: two
+// hadd16 and a madd where eight madd and four more hadd32 were).
 template <Route R, Format F>
 inline void halves8(const __m256i s[GROUP], __m256i& first, __m256i& last) {
-  auto pairs = [](__m256i a, __m256i b) {
+  constexpr int chain = int16_chain<R, F>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto pairs = [&](__m256i a, __m256i b) {
+    if constexpr (chain == 2) return _mm256_madd_epi16(_mm256_hadd_epi16(a, b), ones);
     // Q8_0: |q| up to 128, no int16.
     if constexpr (F == Format::q8_0 || R == Route::avx2) return _mm256_hadd_epi32(a, b);
     return hadd_small(a, b);
   };
-  const __m256i t0 = pairs(s[0], s[1]), t1 = pairs(s[2], s[3]);
-  const __m256i t2 = pairs(s[4], s[5]), t3 = pairs(s[6], s[7]);
+  auto quads = [&](int j) {
+    if constexpr (chain == 4) {
+      const __m256i t0 = _mm256_hadd_epi16(s[j], s[j + 1]), t1 = _mm256_hadd_epi16(s[j + 2], s[j + 3]);
+      return _mm256_madd_epi16(_mm256_hadd_epi16(t0, t1), ones);
+    }
+    return _mm256_hadd_epi32(pairs(s[j], s[j + 1]), pairs(s[j + 2], s[j + 3]));
+  };
   // u0's low 128 bits: blocks 0-3 over their first 16 elements; its high 128 bits: the last 16.
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  const __m256i u0 = quads(0), u1 = quads(4);
   first = _mm256_permute2x128_si256(u0, u1, 0x20);
   last = _mm256_permute2x128_si256(u0, u1, 0x31);
 }
@@ -675,16 +703,6 @@ inline void store_tile(const __m256 acc[][GROUP][V], int tile, int v, int64_t gr
 template <Route R, Format F>
 constexpr bool q8_0_offset() {
   return F == Format::q8_0 && R != Route::avx2;
-}
-
-// How many dwords of products the AVX2 lane kernel adds in int16 before one madd widens them
-// (1: a madd each, as dot_u8s8). A dword's maddubs pair sums are at most 2 * qmax * 127: four
-// fit in int16 for weights up to 31 (Q4_*, Q5_*: 31,496), two for Q6_K's 63 (32,004), one for
-// Q8_0's 128. The same int32 sums, so the same bits; VNNI's dpbusd needs none of this.
-template <Route R, Format F>
-constexpr int int16_chain() {
-  if (R != Route::avx2 || F == Format::q8_0) return 1;
-  return F == Format::q6_k ? 2 : 4;
 }
 
 // A tile's weight rows as lane_tiles multiplies them: row r's block b (bytes) at
