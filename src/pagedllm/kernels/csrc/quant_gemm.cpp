@@ -52,8 +52,8 @@ constexpr int ROW_BLOCK = 4;
 // rows ahead (the first choice) was 1.4 KB for SmolLM2's rows but 3.8 KB for its down
 // projection's and 16 KB for Qwen's. One thread on a busy machine measured 1-1.5 KB best;
 // two threads on a quiet one (the decode step) 2 KB: 2-8% faster per linear than 1 KB, 3-4
-// KB slower again (docs/performance.md, quantized weights). The tiles' staging, the int16
-// kernels and the int8 row kernel on Q8_0 prefetch so; on the other formats it does not.
+// KB slower again (docs/performance.md, quantized weights); 4 KB level with 2 KB on Qwen's
+// decode step. The row kernels, the tiles' staging and the int16 kernels all prefetch so.
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // The routes, best first; a route runs only where it is built (-march=native: the CPU has it).
@@ -427,13 +427,13 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Weight& w, int64
 }
 
 // Weight row n a group of blocks at a time: step(row, g, count) for the whole groups, then the
-// tail, after prefetching the lines PREFETCH_BYTES ahead where Prefetch.
-template <bool Prefetch = true, typename Step>
+// tail, after prefetching the lines PREFETCH_BYTES ahead.
+template <typename Step>
 __attribute__((always_inline)) inline void row_groups(const Weight& w, int64_t n, Step step) {
   const int64_t blocks = w.lay.blocks(), whole = blocks / GROUP;
   const int tail = static_cast<int>(blocks % GROUP);
   const uint8_t* row = w.row(n);
-  if constexpr (Prefetch) prefetch_ahead(w, n);
+  prefetch_ahead(w, n);
   for (int64_t g = 0; g < whole; ++g) step(row, g, GROUP);
   if (tail > 0) step(row, whole, tail);
 }
@@ -445,10 +445,11 @@ void row_block(const Weight& w, const Activations& a, int64_t r0, int64_t n0, in
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    // Prefetch for Q8_0 only (the heads, streamed from memory: one row 5.45 -> 4.80 ms on
-    // Gemma's, Zen 4, 2 threads). GCC had dropped it here for every format, and issued for
-    // the others it measured 6-10% slower on weights in L3, -3% to +2% streamed.
-    row_groups<F == Format::q8_0>(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
+    // Every format prefetches: a decode step streams its weights from memory, where Qwen's
+    // (Q5_0 and Q6_K rows) ran 15-17% faster so (Zen 4, 2 threads, AVX2 and AVX-512) and
+    // Gemma's head 5.45 -> 4.80 ms a row. On a weight already in L3 the prefetches cost
+    // 10-14% (Q5_0 4864 x 896, one row), but no real model's weights stay there.
+    row_groups(w, n, [&](const uint8_t* row, int64_t g, int count) __attribute__((always_inline)) {
       group_step<R, F, RB>(w.lay, row, g, count, a, r0, acc);
     });
     for (int r = 0; r < RB; ++r) out.store(r0 + r, n, hsum(acc[r]));
