@@ -225,9 +225,9 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 
 // How many dwords of products the AVX2 kernels add in int16 before one madd widens them (1: a
 // madd each, as dot_u8s8; the lane kernel adds dwords of rows in lanes, halves8 pairs of a
-// block's). A dword's maddubs pair sums are at most 2 * qmax * 127: four
-// fit in int16 for weights up to 31 (Q4_*, Q5_*: 31,496), two for Q6_K's 63 (32,004), one for
-// Q8_0's 128. The same int32 sums, so the same bits; VNNI's dpbusd needs none of this.
+// block's). A dword's maddubs pair sums are at most 2 * qmax * 127: four fit in int16 for
+// weights up to 31 (Q4_*, Q5_*: 31,496), two for Q6_K's 63 (32,004), one for Q8_0's 128. The
+// same int32 sums, so the same bits; VNNI's dpbusd needs none of this.
 template <Route R, Format F>
 constexpr int int16_chain() {
   if (R != Route::avx2 || F == Format::q8_0) return 1;
