@@ -15,6 +15,9 @@ FORMATS = tuple(CODES)
 # Added to Q8_0's code: its activations quantised to int8, as every other format's, not to
 # int16 (``kernels/quant.py``'s ``int8_for_q8_0``).
 INT8_ACTIVATIONS = 256
+# Added to that code as well where some weight byte is -128 (valid, though GGUF's quantisers
+# write -127..127): the AVX2 kernel then multiplies the weight the slower way.
+HOLDS_MINUS_128 = 512
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # --quantization: the layout each scheme makes of a float checkpoint's linears at load
 # (model/quantize.py); int8 is Q8_0's layout (int8 weights, one fp16 scale per 32).

@@ -218,19 +218,25 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
 INTEGER_SECTIONS = {"Q5_0": 2, "Q5_K": 2, "Q6_K": 2}
 
 
+# The stored bytes of the largest weights: all integer bits set; Q8_0's -128 (the sign
+# trick's |q| = 128, and a code that says so) and -127 (the largest |q| the AVX2 lane
+# kernel multiplies as |x| times q with x's sign).
+LARGEST_BYTES = [("Q8_0", 0x80), ("Q8_0", 0x81)] + [(f, 0xFF) for f in FORMATS if f != "Q8_0"]
+
+
 @pytest.mark.parametrize("route", QUANT_ROUTES)
-@pytest.mark.parametrize("format", FORMATS)
-def test_the_largest_products_keep_their_bits_in_every_kernel(route, format) -> None:
-    """Every weight at its format's largest value (all its integer bits set; Q8_0's bytes
-    -128, its sign trick's |q| = 128) against activations at +-127: the AVX2 lane kernel
-    adds maddubs's pair sums in int16 before widening them (four dwords for 31, two for
-    Q6_K's 63); the rows in lanes give each row's own bits, near the reference."""
+@pytest.mark.parametrize(("format", "byte"), LARGEST_BYTES)
+def test_the_largest_products_keep_their_bits_in_every_kernel(route, format, byte) -> None:
+    """Every weight at its format's largest value against activations at +-127: the AVX2
+    lane kernel adds maddubs's pair sums in int16 before widening them (four dwords for 31,
+    two for Q6_K's 63); the rows in lanes give each row's own bits, near the reference."""
     rows, width = 16, 512
     weight, _ = gguf_weight(format, rows, width=width, seed=7)
     data = weight.data.clone()
     held = sum(section_sizes(format, width)[: INTEGER_SECTIONS.get(format, 1)])
-    data[:, :held] = 0x80 if format == "Q8_0" else 0xFF
+    data[:, :held] = byte
     weight = replace(weight, data=data, int8_activations=True)
+    assert weight.holds_minus_128 == (byte == 0x80 and format == "Q8_0")
     signs = torch.tensor([1.0, -1.0] * 4 + [0.5, -0.5])[:, None]
     x = torch.cat([signs * torch.ones(10, width), torch.randn(6, width)])
     with quant_gemm_capped(route):

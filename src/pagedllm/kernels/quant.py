@@ -28,7 +28,7 @@ plain torch reference of the layouts and the fallback where the C++ kernels are 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from pagedllm.quant_layout import (
     BLOCK,
     CODES,
     FORMATS,
+    HOLDS_MINUS_128,
     INT8_ACTIVATIONS,
     fused_format,
     row_bytes,
@@ -65,18 +66,26 @@ class QuantWeight:
     """A linear's weight [N, K] in the kernels' layout of ``format`` (``data``, uint8).
     ``stored``: where its blocks came from, where not a GGUF's ("int8 at load").
     ``int8_activations``: a Q8_0 weight's activations quantised to int8 as every other
-    format's, not to int16 (``int8_for_q8_0``); other formats ignore it."""
+    format's, not to int16 (``int8_for_q8_0``); other formats ignore it.
+    ``holds_minus_128``: read from ``data`` (never given): whether such a weight has a byte
+    of -128, which the AVX2 kernel multiplies the slower way (``quant_formats.h``)."""
 
     format: str
     data: torch.Tensor
     stored: str = ""
     int8_activations: bool = False
+    holds_minus_128: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if self.format == "Q8_0" and self.int8_activations:
+            object.__setattr__(self, "holds_minus_128", _holds_minus_128(self.data))
 
     @property
     def code(self) -> int:
-        """``quant_gemm``'s format argument: the GGML type, Q8_0's with its activations."""
+        """``quant_gemm``'s format argument: the GGML type, Q8_0's with its activations
+        (and whether a byte is -128, for int8 ones)."""
         if self.format == "Q8_0" and self.int8_activations:
-            return CODES["Q8_0"] + INT8_ACTIVATIONS
+            return CODES["Q8_0"] + INT8_ACTIVATIONS + HOLDS_MINUS_128 * self.holds_minus_128
         return CODES[self.format]
 
     @property
@@ -100,6 +109,20 @@ class QuantWeight:
         if isinstance(index, slice):
             return replace(self, data=self.data[index].contiguous())
         return replace(self, data=self.data.index_select(0, index))
+
+
+# Rows of a Q8_0 weight compared at a time by _holds_minus_128: a few MiB of booleans, not
+# a whole LM head's.
+SCAN_ROWS = 4096
+
+
+def _holds_minus_128(data: torch.Tensor) -> bool:
+    """Whether a Q8_0 weight in the kernels' layout has a quant byte of -128."""
+    held = section_sizes("Q8_0", width_of("Q8_0", data.shape[1]))[0]
+    return any(
+        bool((data[r : r + SCAN_ROWS, :held] == 0x80).any())
+        for r in range(0, data.shape[0], SCAN_ROWS)
+    )
 
 
 def check_format(format: str, width: int) -> None:

@@ -50,6 +50,10 @@ enum class Format : int64_t { q4_0 = 2, q4_1 = 3, q5_0 = 6, q8_0 = 8, q4_k = 12,
 // Added to Q8_0's code (quant_layout.py's INT8_ACTIVATIONS): its activations are quantised
 // to int8, as every other format's, not to int16 (a Q8_0 tensor in a lower-bit file).
 constexpr int64_t INT8_ACTIVATIONS = 256;
+// Added to that code as well where some weight byte is -128 (quant_layout.py's
+// HOLDS_MINUS_128): valid Q8_0, though GGUF's quantisers write -127..127, and a value whose
+// negation int8 lacks (the AVX2 lane kernel's products, quant_gemm.cpp's StoredQ8_0Tile).
+constexpr int64_t HOLDS_MINUS_128 = 512;
 
 inline bool k_quant(Format f) { return f == Format::q4_k || f == Format::q5_k || f == Format::q6_k; }
 
@@ -57,7 +61,8 @@ inline bool k_quant(Format f) { return f == Format::q4_k || f == Format::q5_k ||
 inline bool wide_activations(int64_t code) { return code == static_cast<int64_t>(Format::q8_0); }
 
 inline Format format_of(int64_t code) {
-  if (code == static_cast<int64_t>(Format::q8_0) + INT8_ACTIVATIONS) return Format::q8_0;
+  constexpr int64_t int8_q8_0 = static_cast<int64_t>(Format::q8_0) + INT8_ACTIVATIONS;
+  if (code == int8_q8_0 || code == int8_q8_0 + HOLDS_MINUS_128) return Format::q8_0;
   switch (code) {
     case 2: case 3: case 6: case 8: case 12: case 13: case 14: return static_cast<Format>(code);
     default: TORCH_CHECK(false, "quant_gemm: unknown weight format ", code);
@@ -105,6 +110,7 @@ struct Weight {
   const uint8_t* data = nullptr;
   int64_t n = 0;
   bool wide = false;  // Q8_0 on int16 activations (its code without INT8_ACTIVATIONS)
+  bool minus_128 = false;  // Q8_0 with a byte of -128 (HOLDS_MINUS_128)
 
   const uint8_t* row(int64_t i) const { return data + i * lay.bytes; }
 };
@@ -135,6 +141,7 @@ inline Weight check_weight(const at::Tensor& t, int64_t code, int64_t k = -1) {
   w.data = t.data_ptr<uint8_t>();
   w.n = t.size(0);
   w.wide = wide_activations(code);
+  w.minus_128 = code >= HOLDS_MINUS_128;
   return w;
 }
 

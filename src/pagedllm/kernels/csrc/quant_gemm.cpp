@@ -15,8 +15,9 @@
 // The routes differ only in how a block's 32 u8 x s8 products are summed into eight int32
 // lanes (lane l: elements 4l..4l+3): AVX2 maddubs + madd, or one dpbusd (AVX-512-VNNI on
 // 256-bit registers, or AVX-VNNI); they give the same sums, so the same bits. Q8_0's signed
-// weights take the sign trick (|q| times x with q's sign), or in the VNNI tiles q + 128 less
-// 128 sum(x) (q8_0_offset), so every route multiplies unsigned weights by signed activations.
+// weights take the sign trick (|q| times x with q's sign), in the VNNI tiles q + 128 less 128
+// sum(x) (q8_0_offset), in the AVX2 lane kernel |x| times q with x's sign (StoredQ8_0Tile), so
+// that every route multiplies unsigned bytes by signed ones.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -714,7 +715,7 @@ struct StagedTile {
   std::vector<float> d, m;
   int64_t padded = 0;
 
-  static constexpr bool flip = false;  // staged Q8_0 bytes are q + 128 already
+  static constexpr bool flip = false, sign_trick = false;  // staged Q8_0 bytes are q + 128 already
   const int8_t* block(int r, int64_t b) const { return q.data() + (r * padded + b) * BLOCK; }
   __m256 d_of(int r, int64_t b) const { return _mm256_set1_ps(d[r * padded + b]); }
   __m256 m_of(int r, int64_t b) const { return _mm256_set1_ps(m[r * padded + b]); }
@@ -725,14 +726,20 @@ struct StagedTile {
 // the block's scale (block_d). A single pass over a tile (up to LANES * LANE_VECTORS rows: a
 // decode step's) gains nothing from staging, which was a third of the Q8_0 head's time
 // (Gemma-3-270M, 16 rows, Zen 4; docs/performance.md).
-template <bool Flip>
+//
+// On AVX2 maddubs multiplies unsigned bytes by signed ones: each broadcast dword of q is
+// multiplied as |x| times q with x's sign, |x| the block's (shared by the tile's rows), one
+// vpsignb a dword where the sign trick (|q| times x with q's sign) took two, on the two pipes
+// that also take maddubs and madd. Where a byte is -128 (Minus128: Weight::minus_128) q with
+// x's sign can be +128, which int8 lacks, and the sign trick stays.
+template <bool Flip, bool Minus128 = false>
 struct StoredQ8_0Tile {
   const uint8_t* first;  // row n0
   int64_t bytes;         // a row's
   Layout lay;
 
   StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), lay(w.lay) {}
-  static constexpr bool flip = Flip;
+  static constexpr bool flip = Flip, sign_trick = Minus128;
   const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
   // block_d's, not block_scales: its switch on the format per (row, block) cost 4-7% here;
   // converted in the vector (one broadcast load, no insert and broadcast after it).
@@ -770,9 +777,12 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
   constexpr int dwords = BLOCK / 4, chain = int16_chain<R, F>();
   constexpr bool halves = F == Format::q6_k, staged = q8_0_offset<R, F>();
   const int j = static_cast<int>(b % GROUP);
-  __m256i x[V][dwords], start[V];
+  __m256i x[V][dwords], abs_x[V][dwords], start[V];
   for (int v = 0; v < V; ++v) {
-    for (int i = 0; i < dwords; ++i) x[v][i] = _mm256_loadu_si256(lane_dwords(t, g0 + v, blocks, b, i));
+    for (int i = 0; i < dwords; ++i) {
+      x[v][i] = _mm256_loadu_si256(lane_dwords(t, g0 + v, blocks, b, i));
+      if constexpr (F == Format::q8_0 && !staged && !Tile::sign_trick) abs_x[v][i] = _mm256_abs_epi8(x[v][i]);
+    }
     start[v] = halves ? _mm256_setzero_si256() : block_offset<F, staged>(t, ((g0 + v) * blocks + b) * LANES);
   }
   for (int r = 0; r < tile; ++r) {
@@ -790,7 +800,9 @@ __attribute__((always_inline)) inline void lane_block_step(int64_t blocks, int64
                                     : _mm256_set1_epi32(bits);
       const int h = i < dwords / 2 ? 0 : 1;
       for (int v = 0; v < V; ++v) {
-        if constexpr (F == Format::q8_0 && !staged) {
+        if constexpr (F == Format::q8_0 && !staged && !Tile::sign_trick) {
+          s[h][v] = dot_u8s8<R>(s[h][v], abs_x[v][i], _mm256_sign_epi8(wv, x[v][i]));
+        } else if constexpr (F == Format::q8_0 && !staged) {
           s[h][v] = dot_u8s8<R>(s[h][v], _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x[v][i], wv));
         } else if constexpr (chain > 1) {
           // maddubs's pair sums added in int16 `chain` dwords at a time, then one madd.
@@ -906,7 +918,12 @@ void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0,
     row_group_passes(groups, [&](int64_t g, auto v) __attribute__((always_inline)) {
       constexpr int V = decltype(v)::value;
       if (stored) {
-        const StoredQ8_0Tile<q8_0_offset<R, F>()> in_place(w, n);
+        constexpr bool flip = q8_0_offset<R, F>();
+        if (!flip && w.minus_128) {
+          const StoredQ8_0Tile<flip, true> in_place(w, n);
+          return tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
+        }
+        const StoredQ8_0Tile<flip> in_place(w, n);
         return tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
       }
       tile_pass<R, F, V>(w, st, t, g, rows, n, end, false, out);
