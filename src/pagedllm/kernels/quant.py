@@ -118,7 +118,10 @@ SCAN_ROWS = 4096
 
 def _holds_minus_128(data: torch.Tensor) -> bool:
     """Whether a Q8_0 weight in the kernels' layout has a quant byte of -128."""
-    held = section_sizes("Q8_0", width_of("Q8_0", data.shape[1]))[0]
+    blocks = data.shape[1] // row_bytes("Q8_0", BLOCK)  # no padding in Q8_0's layout
+    held = section_sizes("Q8_0", blocks * BLOCK)[0]
+    if data.shape[0] <= SCAN_ROWS:  # an embedding's looked-up rows, every step: no torch op
+        return bool((data.numpy()[:, :held] == 0x80).any())
     return any(
         bool((data[r : r + SCAN_ROWS, :held] == 0x80).any())
         for r in range(0, data.shape[0], SCAN_ROWS)
