@@ -34,6 +34,11 @@ def test_argmax_ties_take_the_first_index():
     x[1, [33, 17]] = 2.0
     x[2, 80:] = 1.0  # tail after the vector loop
     assert argmax_rows(x).tolist() == [7, 17, 80] == x.argmax(-1).tolist()
+    # The same lane of AVX2's two running sets (8 apart), the later one first in the lanes.
+    y = torch.zeros(2, 64)
+    y[0, [9, 1]] = 3.0
+    y[1, [56, 25]] = 3.0
+    assert argmax_rows(y).tolist() == [1, 25] == y.argmax(-1).tolist()
 
 
 @needs_library
