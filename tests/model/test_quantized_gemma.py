@@ -24,7 +24,7 @@ from pagedllm.model.llama import Embedding, Linear
 from pagedllm.quant_layout import INT8_ACTIVATIONS
 from pagedllm.worker.model_runner import TorchModelRunner
 
-from .parity_helpers import PROMPTS, build_checkpoint
+from .parity_helpers import PROMPTS, HandDriver, build_checkpoint
 from .test_decoder_layers import run_steps
 from .test_gemma_fast_path import CountingOps
 from .test_gemma_model import write_gemma_gguf
@@ -143,6 +143,31 @@ def test_the_gemma_270m_mix_runs_in_one_call(tmp_path, gemma_checkpoint, monkeyp
         fused = torch.stack([whole_step[r] for r in rows])
         loop = torch.stack([loop_step[r] for r in rows])
         assert kl_divergence(loop, fused) <= (1e-4 if dtype == "float32" else 5e-3)
+
+
+def test_a_prompt_step_past_1024_tokens_runs_in_one_call(tmp_path, gemma_checkpoint):
+    """Where every linear is kept quantized, gemma_layers takes a step of any size
+    (quant_gemm takes any number of rows; small_gemm's cap is 1,024): a 1,100-token
+    prompt's step in one call, its logits close to the module loop's."""
+    path = write_gemma_gguf(gemma_checkpoint, tmp_path / "g.gguf", gemma_270m_formats)
+    tokens = [(7 * i + 3) % 250 for i in range(1100)]
+    counting = None
+    logits = []
+    for whole in (True, False):
+        model = load_model(path, "float32", load_tokenizer=False).model
+        driver = HandDriver(TorchModelRunner(model, block_size=16, num_blocks=80))
+        if model.fast_path is None:
+            pytest.skip("no one-call Gemma loop here (the C++ kernels did not load)")
+        assert model.fast_path.plan.max_rows >= len(tokens)
+        if whole:
+            counting = CountingOps(model.fast_path.ops)
+            model.fast_path.ops = counting
+        else:
+            model.fast_path = None
+        seq = driver.add("a", tokens)
+        logits.append(driver.step([driver.schedule(seq, len(tokens))])["a"])
+    assert counting is not None and counting.calls == 1
+    assert kl_divergence(logits[1][None], logits[0][None]) <= 1e-4
 
 
 def test_held_bytes_of_a_quantized_gemma(tmp_path, gemma_checkpoint) -> None:
