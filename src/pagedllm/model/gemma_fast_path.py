@@ -14,7 +14,6 @@ the same packed weights. ``GemmaFastPath.build`` says whether a model has one.
 from __future__ import annotations
 
 import sys
-
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
