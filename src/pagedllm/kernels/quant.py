@@ -67,18 +67,26 @@ class QuantWeight:
     ``stored``: where its blocks came from, where not a GGUF's ("int8 at load").
     ``int8_activations``: a Q8_0 weight's activations quantised to int8 as every other
     format's, not to int16 (``int8_for_q8_0``); other formats ignore it.
-    ``holds_minus_128``: read from ``data`` (never given): whether such a weight has a byte
-    of -128, which the AVX2 kernel multiplies the slower way (``quant_formats.h``)."""
+    ``holds_minus_128``: read from ``data`` (never given), when a kernel first asks."""
 
     format: str
     data: torch.Tensor
     stored: str = ""
     int8_activations: bool = False
-    holds_minus_128: bool = field(init=False, default=False)
+    # holds_minus_128's answer once read (None: not yet).
+    _minus_128: bool | None = field(init=False, default=None, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.format == "Q8_0" and self.int8_activations:
-            object.__setattr__(self, "holds_minus_128", _holds_minus_128(self.data))
+    @property
+    def holds_minus_128(self) -> bool:
+        """Whether a Q8_0 weight has a quant byte of -128, which the AVX2 lane kernel
+        multiplies the slower way (``quant_formats.h``): scanned once, on the first call
+        (a weight's first product), not for every weight made (an embedding's looked-up
+        rows, every step, are only dequantised)."""
+        if self._minus_128 is None:
+            object.__setattr__(
+                self, "_minus_128", self.format == "Q8_0" and _holds_minus_128(self.data)
+            )
+        return bool(self._minus_128)
 
     @property
     def code(self) -> int:
@@ -120,8 +128,6 @@ def _holds_minus_128(data: torch.Tensor) -> bool:
     """Whether a Q8_0 weight in the kernels' layout has a quant byte of -128."""
     blocks = data.shape[1] // row_bytes("Q8_0", BLOCK)  # no padding in Q8_0's layout
     held = section_sizes("Q8_0", blocks * BLOCK)[0]
-    if data.shape[0] <= SCAN_ROWS:  # an embedding's looked-up rows, every step: no torch op
-        return bool((data.numpy()[:, :held] == 0x80).any())
     return any(
         bool((data[r : r + SCAN_ROWS, :held] == 0x80).any())
         for r in range(0, data.shape[0], SCAN_ROWS)
@@ -423,7 +429,8 @@ def dequantized_linear(
 def dequantize_rows(weight: QuantWeight, dtype: torch.dtype, ops) -> torch.Tensor:
     """``dequantize`` through the C++ kernel where it applies."""
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
-        return ops.quant_dequantize(weight.data, weight.code, dtype)
+        # The format alone: how the activations are multiplied does not change the weights.
+        return ops.quant_dequantize(weight.data, CODES[weight.format], dtype)
     return dequantize(weight, dtype)
 
 

@@ -730,16 +730,16 @@ struct StagedTile {
 // On AVX2 maddubs multiplies unsigned bytes by signed ones: each broadcast dword of q is
 // multiplied as |x| times q with x's sign, |x| the block's (shared by the tile's rows), one
 // vpsignb a dword where the sign trick (|q| times x with q's sign) took two, on the two pipes
-// that also take maddubs and madd. Where a byte is -128 (Minus128: Weight::minus_128) q with
-// x's sign can be +128, which int8 lacks, and the sign trick stays.
-template <bool Flip, bool Minus128 = false>
+// that also take maddubs and madd. Where a byte is -128 (Weight::minus_128) q with
+// x's sign can be +128, which int8 lacks, and the sign trick stays (SignTrick).
+template <bool Flip, bool SignTrick = false>
 struct StoredQ8_0Tile {
   const uint8_t* first;  // row n0
   int64_t bytes;         // a row's
   Layout lay;
 
   StoredQ8_0Tile(const Weight& w, int64_t n0) : first(w.row(n0)), bytes(w.lay.bytes), lay(w.lay) {}
-  static constexpr bool flip = Flip, sign_trick = Minus128;
+  static constexpr bool flip = Flip, sign_trick = SignTrick;
   const int8_t* block(int r, int64_t b) const { return reinterpret_cast<const int8_t*>(first + r * bytes) + b * BLOCK; }
   // block_d's, not block_scales: its switch on the format per (row, block) cost 4-7% here;
   // converted in the vector (one broadcast load, no insert and broadcast after it).
@@ -919,12 +919,11 @@ void lane_tiles(const Weight& w, const Activations& t, int64_t rows, int64_t n0,
       constexpr int V = decltype(v)::value;
       if (stored) {
         constexpr bool flip = q8_0_offset<R, F>();
-        if (!flip && w.minus_128) {
-          const StoredQ8_0Tile<flip, true> in_place(w, n);
-          return tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
-        }
-        const StoredQ8_0Tile<flip> in_place(w, n);
-        return tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
+        auto pass = [&](const auto& in_place) __attribute__((always_inline)) {
+          tile_pass<R, F, V>(w, in_place, t, g, rows, n, end, prefetch && g == 0, out);
+        };
+        if (!flip && w.minus_128) return pass(StoredQ8_0Tile<flip, true>(w, n));
+        return pass(StoredQ8_0Tile<flip>(w, n));
       }
       tile_pass<R, F, V>(w, st, t, g, rows, n, end, false, out);
     });
