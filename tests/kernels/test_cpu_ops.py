@@ -265,6 +265,68 @@ def test_silu_mul_extreme_gates(dtype):
     )
 
 
+def float64_gelu_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form in float64 as x sigmoid(2u) (= 0.5 x (1 + tanh(u))): 1 + tanh(u)
+    itself cancels to 0 in float64 too, for gates below about -6."""
+    gate, up = x.double().chunk(2, dim=-1)
+    u = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    return gate * torch.sigmoid(2 * u) * up
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+@pytest.mark.parametrize("inter", [2048, 40, 7])
+def test_gelu_tanh_mul_is_gemma_gating(dtype, inter):
+    # Against the function itself in float64: ATen's float32 form, 0.5 x (1 + tanh(u)),
+    # loses ~1e-3 of its value where tanh(u) nears -1; the op's x / (1 + e^-2u) does not.
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(13, 2 * inter, generator=gen) * 4).to(dtype)
+    got = ops.layer_ops().gelu_tanh_mul(x)
+    exact = float64_gelu_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-30, rtol=1e-5)
+    else:
+        # The exact GELU rounded to bf16, then the product rounded: the op's float32 GELU
+        # (~1e-7 off) rounds the other way now and then, one bf16 step.
+        gate, up = x.chunk(2, dim=-1)
+        gelu = float64_gelu_mul(torch.cat((gate, torch.ones_like(up)), dim=-1)).to(dtype)
+        expected = (gelu.float() * up.float()).to(dtype).float()
+        diff = (got.float() - expected).abs()
+        # (and gates below about -10: the exact ~1e-38, the op's e^-2u past float32, so 0)
+        assert bool((diff <= (expected.abs() * 2**-7 * 1.01).clamp_min(1e-30)).all())
+        assert (diff > 0).float().mean().item() <= 1e-2
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
+def test_gelu_tanh_mul_extreme_gates(dtype):
+    # -3.5 and -5: GELU ~6e-4 and ~5e-7, where ATen's float32 form is off by ~1e-4 and ~1e-1
+    # of its value.
+    gate = torch.tensor(
+        [[-200.0, -90.0, -20.0, -5.0, -3.5, -0.0, 0.0, 1e-30, 5.0, 20.0, 200.0] * 3]
+    )
+    x = torch.cat((gate, torch.full_like(gate, 3.0)), dim=-1).to(dtype)
+    got = ops.layer_ops().gelu_tanh_mul(x)
+    if dtype == torch.float32:
+        aten = torch.nn.functional.gelu(gate, approximate="tanh") * 3.0
+        assert not torch.allclose(aten.double(), float64_gelu_mul(x), atol=1e-30, rtol=1e-5)
+    assert got.isfinite().all()
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), float64_gelu_mul(x), atol=1e-30, rtol=rtol)
+
+
+@needs_library
+@pytest.mark.parametrize("op", ["gelu_tanh_mul", "silu_mul"])
+def test_rows_split_across_threads_are_the_rows_alone(op):
+    # 64 rows of 2 x 2,048: past parallel_rows' threshold, so the threads take chunks of rows;
+    # every row must come out as it does when it is the whole call.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 4096, generator=gen) * 3
+    fn = getattr(ops.layer_ops(), op)
+    got = fn(x)
+    assert torch.equal(got, torch.cat([fn(x[r : r + 1]) for r in range(64)]))
+
+
 def _kv_step(dtype, tokens, seed=0):
     """Caches with random contents, a fused qkv output's K/V views, distinct random slots."""
     gen = torch.Generator().manual_seed(seed)

@@ -47,6 +47,7 @@ def _kernel_rows(logits: torch.Tensor) -> bool:
 def layer_ops() -> Any | None:
     """``torch.ops.pagedllm`` when the C++ kernels load, else ``None``: fused layer ops
     ``rms_norm(x, w, eps)``, ``add_rms_norm(x, residual, w, eps)`` (residual += x in place),
-    ``rope_(q, k, cos, sin)`` (in place), ``silu_mul(gate_up)``, ``argmax_rows(logits)``.
+    ``rope_(q, k, cos, sin)`` (in place), ``silu_mul(gate_up)``, ``gelu_tanh_mul(gate_up)``
+    (Gemma's gating, closer to the function than ATen's float32 form), ``argmax_rows(logits)``.
     Each rounds where the unfused torch expression rounds."""
     return torch.ops.pagedllm if load_library() else None

@@ -24,6 +24,7 @@
 #endif
 
 #include "dispatch.h"
+#include "parallel.h"
 #include "vec.h"
 #include "vec_avx2.h"
 
@@ -179,7 +180,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* src = reinterpret_cast<const T*>(x.data_ptr());
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    pagedllm_parallel::parallel_rows(rows, n, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * stride, n);
     });
   };
@@ -225,6 +226,11 @@ template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
+
+// An element of silu_mul or gelu_tanh_mul in parallel_rows' units: an exp and a division,
+// against a norm's multiply-add.
+constexpr int64_t EXP_UNITS = 8;
+
 
 #if defined(PAGEDLLM_OPS_AVX2)
 // Whole 8-lane vectors with plain loads and stores, the tail with masked ones (a masked store
@@ -283,15 +289,6 @@ inline void rope_head_avx2(float* v, const float* c, const float* s, int64_t hal
   });
 }
 
-// One float32 row of silu_mul: silu(g) = g / (1 + e^-g).
-inline void silu_mul_row_avx2(const float* g, const float* u, float* o, int64_t inter) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for_lanes(inter, [&](int64_t i, __m256i m, bool whole) {
-    const __m256 gv = load8(g + i, m, whole);
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-    store8(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load8(u + i, m, whole)), m, whole);
-  });
-}
 #endif
 
 // out = weight * to_T(x * rsqrt(mean(x^2) + eps)); with `residual`: first residual += x
@@ -299,7 +296,7 @@ inline void silu_mul_row_avx2(const float* g, const float* u, float* o, int64_t 
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden,
                    int64_t x_stride, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  pagedllm_parallel::parallel_rows(rows, hidden, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
       T* src = residual ? residual + r * hidden : nullptr;
@@ -391,7 +388,7 @@ void rope_one(at::Tensor& x, const T* cos, const T* sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   const int64_t st = x.stride(0), sh = x.stride(1);
   T* base = ptr<T>(x);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  pagedllm_parallel::parallel_rows(tokens, heads * dim, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
@@ -447,17 +444,55 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
-// x: [T, 2 * inter] = [gate | up]  ->  to_T(silu(gate)) * up, rounded to T.
-at::Tensor silu_mul(const at::Tensor& x) {
+// The gating activations: act(gate) on a float and on 16 or 8 lanes (AVX-512; float32 rows on
+// AVX2), each on one exp and one division.
+// silu(g) = g / (1 + e^-g).
+struct Silu {
+  static float on(float g) { return g / (1.0f + std::exp(-g)); }
+#if defined(__AVX512F__)
+  static __m512 on(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  }
+#elif defined(PAGEDLLM_OPS_AVX2)
+  static __m256 on(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  }
+#endif
+};
+
+// GELU's tanh approximation, 0.5 g (1 + tanh(u)) with u = beta (g + kappa g^3), as
+// g / (1 + e^-2u): the same function (1 + tanh(u) = 2 / (1 + e^-2u)) with no cancellation
+// where tanh(u) nears -1. ATen's form through Sleef's tanh took ~10 ns an element, the whole
+// of a Gemma decode step's GELU, and loses ~1e-3 of the value there in float32.
+struct GeluTanh {
+  static constexpr float beta = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float kappa = 0.044715f;
+  static float on(float g) { return g / (1.0f + std::exp(-2.0f * beta * (g + kappa * (g * g * g)))); }
+#if defined(__AVX512F__)
+  static __m512 on(__m512 g) {
+    const __m512 u = _mm512_fmadd_ps(_mm512_set1_ps(kappa), _mm512_mul_ps(_mm512_mul_ps(g, g), g), g);
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f * beta), u))));
+  }
+#elif defined(PAGEDLLM_OPS_AVX2)
+  static __m256 on(__m256 g) {
+    const __m256 u = _mm256_fmadd_ps(_mm256_set1_ps(kappa), _mm256_mul_ps(_mm256_mul_ps(g, g), g), g);
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f * beta), u))));
+  }
+#endif
+};
+
+// x: [T, 2 * inter] = [gate | up]  ->  to_T(Act(gate)) * up, rounded to T.
+template <typename Act>
+at::Tensor gated(const at::Tensor& x, const char* name) {
   check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: last dim must be even");
+  TORCH_CHECK(x.size(1) % 2 == 0, name, ": last dim must be even");
   const int64_t rows = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
   at::Tensor out = at::empty({rows, inter}, x.options());
-  dispatch_float_types(x, "silu_mul", [&](auto* tag) {
+  dispatch_float_types(x, name, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* src = ptr<T>(x);
     T* dst = ptr<T>(out);
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    pagedllm_parallel::parallel_rows(rows, inter * EXP_UNITS, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = src + r * stride;
         const T* u = g + inter;
@@ -465,30 +500,33 @@ at::Tensor silu_mul(const at::Tensor& x) {
 #if defined(__AVX512F__)
         for (int64_t i = 0; i < inter; i += 16) {
           const __mmask16 m = tail_mask(inter - i);
-          const __m512 gv = load16m(g + i, m);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-          const __m512 silu = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                       static_cast<T*>(nullptr));
-          store16(o + i, _mm512_mul_ps(silu, load16m(u + i, m)), m);
+          const __m512 act = round_to(Act::on(load16m(g + i, m)), static_cast<T*>(nullptr));
+          store16(o + i, _mm512_mul_ps(act, load16m(u + i, m)), m);
         }
 #else
 #if defined(PAGEDLLM_OPS_AVX2)
         if constexpr (std::is_same_v<T, float>) {
-          silu_mul_row_avx2(g, u, o, inter);
+          for_lanes(inter, [&](int64_t i, __m256i m, bool whole) {
+            store8(o + i, _mm256_mul_ps(Act::on(load8(g + i, m, whole)), load8(u + i, m, whole)), m, whole);
+          });
           continue;
         }
 #endif
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gv = to_float(g[i]);
-          const float silu = to_float(static_cast<T>(gv / (1.0f + std::exp(-gv))));
-          o[i] = static_cast<T>(silu * to_float(u[i]));
-        }
+        for (int64_t i = 0; i < inter; ++i)
+          o[i] = static_cast<T>(to_float(static_cast<T>(Act::on(to_float(g[i])))) * to_float(u[i]));
 #endif
       }
     });
   });
   return out;
 }
+
+// Llama's gating: silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& x) { return gated<Silu>(x, "silu_mul"); }
+
+// Gemma's: gelu(gate, "tanh") * up (within ~2e-7 of the function in float32; ATen's form
+// is further off where the gate is below about -3).
+at::Tensor gelu_tanh_mul(const at::Tensor& x) { return gated<GeluTanh>(x, "gelu_tanh_mul"); }
 
 // k_cache/v_cache [blocks, block_size, kv_heads, head_dim] (contiguous); key/value [T, kv_heads,
 // head_dim] with whole rows contiguous; slot_mapping [T] int64: row t goes to flat slot
@@ -540,6 +578,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor x) -> Tensor");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
@@ -549,5 +588,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("write_kv_", &write_kv_);
 }

@@ -201,7 +201,7 @@ pagedllm_step::Step run_layers(const Weights& w, size_t n, const at::Tensor& hid
   auto loop = [&] {
     return layer_loop(w, n, hidden, cos, sin, num_heads, num_kv_heads, head_dim, output_rows, attend);
   };
-  return pagedllm_step::run_step(w.formats, head, hidden.size(0), /*own_ops=*/true, loop);
+  return pagedllm_step::run_step(w.formats, head, hidden.size(0), loop);
 }
 
 // hidden: the embedded tokens [T, hidden], which become the residual stream and are updated

@@ -8,8 +8,10 @@
 //
 // offset_rms_norm is the norm as an op: out = to_T(float(x) * rsqrt(mean(float(x)^2) + eps)
 // * weight), weight being the float32 (1 + w), one rounding at the end as the torch module.
-// The other ops are called through the dispatcher (pagedllm's and ATen's gelu / mul / add,
-// which the module loop calls too).
+// The other ops are called through the dispatcher: pagedllm's (gelu_tanh_mul: the module
+// loop's gelu(gate, "tanh") * up, tanh by exp, within ~2e-7 of ATen's) and ATen's add. The
+// norms and the GELU hand their rows to a step team (parallel_rows), so a small step runs in
+// one (step_head.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,14 +24,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #include "dispatch.h"
 #include "layer_groups.h"
+#include "parallel.h"
 #include "step_head.h"
 #include "vec.h"
+#include "vec_avx2.h"
 
 namespace {
 
@@ -54,6 +58,14 @@ void offset_norm_row(const T* x, const float* w, T* dst, int64_t n, float eps) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   ss = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+    ss = pagedllm_vec::hsum(acc);
+  }
+  for (; i < n; ++i) ss += to_float(x[i]) * to_float(x[i]);
 #else
   for (int64_t i = 0; i < n; ++i) ss += to_float(x[i]) * to_float(x[i]);
 #endif
@@ -77,7 +89,7 @@ at::Tensor offset_rms_norm(const at::Tensor& x, const at::Tensor& weight, double
     const T* src = reinterpret_cast<const T*>(x.data_ptr());
     T* dst = reinterpret_cast<T*>(out.data_ptr());
     const float* w = weight.data_ptr<float>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    pagedllm_parallel::parallel_rows(rows, n, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         offset_norm_row<T>(src + (r / inner) * outer_stride + (r % inner) * inner_stride, w, dst + r * n, n,
                            static_cast<float>(eps));
@@ -93,6 +105,7 @@ using SmallGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTens
 using QuantGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&);
 using Rope = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using GeluTanhMul = at::Tensor(const at::Tensor&);
 using PagedAttention = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool,
                             int64_t, double);
@@ -102,6 +115,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantGemm> quant_gemm = op<QuantGemm>("pagedllm::quant_gemm");
   c10::TypedOperatorHandle<Rope> rope = op<Rope>("pagedllm::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("pagedllm::write_kv_");
+  c10::TypedOperatorHandle<GeluTanhMul> gelu_tanh_mul = op<GeluTanhMul>("pagedllm::gelu_tanh_mul");
   c10::TypedOperatorHandle<PagedAttention> attention = op<PagedAttention>("pagedllm::paged_attention");
 };
 
@@ -207,14 +221,12 @@ pagedllm_step::Step gemma_layers(const at::Tensor& hidden, const at::Tensor& cos
       h = at::add(h, offset_rms_norm(projected, post_attn_norm[i], eps));
       const at::Tensor gu =
           linear(f, offset_rms_norm(h, pre_ff_norm[i], eps), gate_up[i], format(i, parts + 1), gate_up_bias.get(i));
-      const int64_t inter = gu.size(1) / 2;
-      const at::Tensor act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
-      const at::Tensor mlp = linear(f, act, down[i], format(i, parts + 2), down_bias.get(i));
+      const at::Tensor mlp = linear(f, f.gelu_tanh_mul.call(gu), down[i], format(i, parts + 2), down_bias.get(i));
       h = at::add(h, offset_rms_norm(mlp, post_ff_norm[i], eps));
     }
     return offset_rms_norm(h, final_norm, eps);
   };
-  return pagedllm_step::run_step(weight_formats, step_head, tokens, /*own_ops=*/false, loop);
+  return pagedllm_step::run_step(weight_formats, step_head, tokens, loop);
 }
 
 }  // namespace

@@ -33,11 +33,12 @@ using Step = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // Up to this many tokens a step whose linears are all block-quantized runs in one step team:
 // its products are matrix-vector sized, a fork and join each cost a real share of one, and a
 // busy neighbour's core stalls every join. 16 where the integer kernel takes 16 rows (no tile
-// unit) and the loop's own ops share the team (decoder_layers: Qwen2.5-Coder's 16-sequence
-// steps 1.07-1.09x in a team on Zen 4); else 8: gemma_layers' elementwise ops are ATen's,
-// which inside a team run on one thread (Gemma-3-270M's 16-sequence steps 0.91-0.96x in one).
-inline int64_t team_max_tokens(bool own_ops) {
-  return own_ops && pagedllm_gemm::bf16_route() != pagedllm_gemm::Isa::amx ? 16 : 8;
+// unit): the loops' elementwise ops hand their rows to the team too (parallel_rows;
+// Qwen2.5-Coder's 16-sequence steps 1.07-1.09x in a team on Zen 4, Gemma-3-270M's 1.06x on
+// its AVX2 kernels once its norms and GELU took part, 0.91-0.96x while they were ATen's,
+// which inside a team run on one thread); else 8.
+inline int64_t team_max_tokens() {
+  return pagedllm_gemm::bf16_route() != pagedllm_gemm::Isa::amx ? 16 : 8;
 }
 
 // The LM head to run after the final norm (weight absent: none): its block-quantized weight
@@ -78,16 +79,15 @@ inline Step apply_head(const at::Tensor& hidden, const Head& head) {
 }
 
 // body() (the layers, returning the final-normed hidden states) and the head, in a step team
-// where every linear and the head are block-quantized and the step is small (own_ops: the
-// loop's elementwise ops are its own, team-aware, not ATen's; formats: per
+// where every linear and the head are block-quantized and the step is small (formats: per
 // layer the four linears' GGML types, 0 for small_gemm, empty for all small_gemm; small_gemm
 // parallelises with at::parallel_for, which inside a team would run on one thread).
 template <typename Body>
-Step run_step(at::IntArrayRef formats, const Head& head, int64_t tokens, bool own_ops, const Body& body) {
+Step run_step(at::IntArrayRef formats, const Head& head, int64_t tokens, const Body& body) {
   auto step = [&] { return apply_head(body(), head); };
   const bool all_quantized =
       !formats.empty() && std::all_of(formats.begin(), formats.end(), [](int64_t f) { return f != 0; });
-  if (all_quantized && tokens <= team_max_tokens(own_ops)) return pagedllm_parallel::with_team(step);
+  if (all_quantized && tokens <= team_max_tokens()) return pagedllm_parallel::with_team(step);
   return step();
 }
 
