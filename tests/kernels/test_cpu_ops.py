@@ -318,12 +318,17 @@ def test_gelu_tanh_mul_extreme_gates(dtype):
 @needs_library
 @pytest.mark.parametrize("op", ["gelu_tanh_mul", "silu_mul"])
 def test_rows_split_across_threads_are_the_rows_alone(op):
-    # 64 rows of 2 x 2,048: past parallel_rows' threshold, so the threads take chunks of rows;
+    # 64 rows of 2 x 2,048: past parallel_rows' fork threshold, so two threads take chunks;
     # every row must come out as it does when it is the whole call.
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 4096, generator=gen) * 3
     fn = getattr(ops.layer_ops(), op)
-    got = fn(x)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = fn(x)
+    finally:
+        torch.set_num_threads(saved)
     assert torch.equal(got, torch.cat([fn(x[r : r + 1]) for r in range(64)]))
 
 

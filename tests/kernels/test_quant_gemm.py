@@ -193,24 +193,30 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
     """Eight rows or more take the rows-in-lanes kernel (a row's values in one lane of a
     vector, padded to whole groups of rows); fewer take the row kernel. Every row of a call
     is bit for bit that row alone, in float32 and bf16 with a bias, on widths with a last
-    partial group."""
+    partial group; on two threads too, where a prompt's rows (640 here: past parallel_rows'
+    fork threshold) are quantised and laid into lanes by both."""
     width = 512 if format in K_QUANTS else 224 + 32 * (len(format) % 3)
     weight, _ = gguf_weight(format, 24, width=width, seed=5)
     weight = replace(weight, int8_activations=activations == "int8")
     assert weight.activations == activations
-    with quant_gemm_capped(route):
-        for dtype in (torch.float32, torch.bfloat16):
-            for num_rows in (8, 9, 17, 33):
-                x = torch.randn(
-                    num_rows, width, generator=torch.Generator().manual_seed(num_rows)
-                ).to(dtype)
-                bias = torch.randn(24).to(dtype)
-                together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
-                alone = [
-                    ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias)
-                    for r in range(num_rows)
-                ]
-                assert torch.equal(together, torch.cat(alone)), (dtype, num_rows)
+    saved = torch.get_num_threads()
+    try:
+        with quant_gemm_capped(route):
+            for threads, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32)):
+                torch.set_num_threads(threads)
+                for num_rows in (8, 9, 17, 33) if threads == 1 else (33, 640):
+                    x = torch.randn(
+                        num_rows, width, generator=torch.Generator().manual_seed(num_rows)
+                    ).to(dtype)
+                    bias = torch.randn(24).to(dtype)
+                    together = ops.quant_gemm_integer(x, weight.data, weight.code, bias)
+                    alone = [
+                        ops.quant_gemm_integer(x[r : r + 1], weight.data, weight.code, bias)
+                        for r in range(num_rows)
+                    ]
+                    assert torch.equal(together, torch.cat(alone)), (threads, dtype, num_rows)
+    finally:
+        torch.set_num_threads(saved)
 
 
 # How many of the layout's first sections (quant_layout.section_sizes) hold the stored

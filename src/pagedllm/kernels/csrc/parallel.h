@@ -191,19 +191,23 @@ void parallel_chunks(int64_t total, int64_t unit, const F& fn) {
 }
 
 // Elementwise work below this many units (a unit: one element's plain arithmetic) runs on
-// the calling thread: a fork and join, or a hand-off to a step team, costs more than it saves
-// (a decode step's norm over 16 rows of 640 is ~10k units, about a microsecond).
-constexpr int64_t MIN_PARALLEL_UNITS = 16384;
+// the calling thread: a hand-off to a step team costs about a microsecond (a decode step's
+// norm over 16 rows of 640 is ~10k units, about that), a fork and join of the ATen threads
+// far more (the 16 x 2,048 activations of a decode step's down projection quantised by a
+// fork of two threads took 0.18 -> 0.20-0.23 ms for the whole product).
+constexpr int64_t MIN_TEAM_UNITS = 16384;
+constexpr int64_t MIN_FORK_UNITS = 262144;
 
 // fn(begin, end) over rows [0, rows) of `per_row` units each (an elementwise op's row: its
-// width, times the cost of its element where that is an exp or a tanh): on the calling thread
-// below MIN_PARALLEL_UNITS in all, else in parallel_chunks' chunks, which inside a step team go
-// to the team (at::parallel_for there runs on one thread: Gemma-3-270M's GELU over a decode
-// step's 16 x 2,048 gate values ran on one thread while the other spun).
+// width, times the cost of its element where that is an exp): on the calling thread below
+// the minimum above, else in parallel_chunks' chunks, which inside a step team go to the team
+// (at::parallel_for there runs on one thread: Gemma-3-270M's GELU over a decode step's 16 x
+// 2,048 gate values ran on one thread while the other spun).
 template <typename F>
 void parallel_rows(int64_t rows, int64_t per_row, const F& fn) {
   if (rows <= 0) return;
-  if (rows < 2 || rows * per_row < MIN_PARALLEL_UNITS) return fn(int64_t{0}, rows);
+  const int64_t least = current_team() != nullptr ? MIN_TEAM_UNITS : MIN_FORK_UNITS;
+  if (rows < 2 || rows * per_row < least) return fn(int64_t{0}, rows);
   parallel_chunks(rows, 1, fn);
 }
 
