@@ -332,6 +332,18 @@ def test_rows_split_across_threads_are_the_rows_alone(op):
     assert torch.equal(got, torch.cat([fn(x[r : r + 1]) for r in range(64)]))
 
 
+@needs_library
+def test_a_step_team_runs_every_index_of_every_job_once():
+    # 200,000 jobs of 1-64 indices on two threads: the poster often ends a job alone, and a
+    # helper arriving late must not claim indices of the next job under the last one's epoch.
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.pagedllm.team_selftest(200_000, 64) == 0
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _kv_step(dtype, tokens, seed=0):
     """Caches with random contents, a fused qkv output's K/V views, distinct random slots."""
     gen = torch.Generator().manual_seed(seed)

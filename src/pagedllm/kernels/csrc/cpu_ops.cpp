@@ -13,11 +13,13 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -570,10 +572,32 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, co
   });
 }
 
+// `jobs` jobs of 1..max_total indices posted one after another to a step team, each index
+// counting its runs in the job's own vector: the number of indices not run exactly once
+// (0 expected). A check of the team's hand-off (tests): most of these jobs are small enough
+// for the poster to finish alone before the helper arrives, the case that once let a late
+// helper claim indices of the next job under the last one's epoch.
+int64_t team_selftest(int64_t jobs, int64_t max_total) {
+  TORCH_CHECK(jobs >= 0 && max_total >= 1, "team_selftest: jobs >= 0, max_total >= 1");
+  return pagedllm_parallel::with_team([&] {
+    int64_t wrong = 0;
+    for (int64_t j = 0; j < jobs; ++j) {
+      std::vector<std::atomic<int32_t>> runs(1 + (j * 7919) % max_total);  // zeros
+      const int64_t total = static_cast<int64_t>(runs.size());
+      pagedllm_parallel::parallel_chunks(total, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) runs[i].fetch_add(1);
+      });
+      for (const auto& r : runs) wrong += r.load() != 1;
+    }
+    return wrong;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("team_selftest(int jobs, int max_total) -> int", &team_selftest);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");

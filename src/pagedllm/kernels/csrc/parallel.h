@@ -57,12 +57,19 @@ class Team {
   // every index is claimed, then waits for the helpers' pieces to finish.
   template <typename F>
   void run(int64_t total, int64_t unit, const F& fn) {
-    total_.store(total, std::memory_order_relaxed);
-    unit_.store(std::max<int64_t>(unit, 1), std::memory_order_relaxed);
-    fn_.store(&call<F>, std::memory_order_relaxed);
-    ctx_.store(&fn, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
+    // Close the last job to claims before its fields change. A helper reads a job's fields
+    // after its epoch; one that read the next job's here (after a last job the poster ran
+    // alone) would otherwise claim "the rest" of the last one under them: run the next fn on
+    // the last one's context, past its end (a protection fault in Gemma's 16-sequence batch
+    // once small jobs, a norm's or a quantisation's rows, came to the team). The fields'
+    // release stores and acquire loads order this close before any claim that saw them.
     const uint64_t epoch = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(((epoch - 1) << 32) | CLOSED, std::memory_order_release);
+    total_.store(total, std::memory_order_release);
+    unit_.store(std::max<int64_t>(unit, 1), std::memory_order_release);
+    fn_.store(&call<F>, std::memory_order_release);
+    ctx_.store(&fn, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
     state_.store(epoch << 32, std::memory_order_release);
     uint64_t s = epoch << 32;
     int64_t begin = 0, end = 0;
@@ -85,10 +92,10 @@ class Team {
       // Read the job, then claim pieces of it only while its epoch is still the posted one
       // (the compare-exchange fails once the poster has moved on to a later job).
       const uint64_t epoch = s >> 32;
-      const int64_t total = total_.load(std::memory_order_relaxed);
-      const int64_t unit = unit_.load(std::memory_order_relaxed);
-      void (*fn)(const void*, int64_t, int64_t) = fn_.load(std::memory_order_relaxed);
-      const void* ctx = ctx_.load(std::memory_order_relaxed);
+      const int64_t total = total_.load(std::memory_order_acquire);
+      const int64_t unit = unit_.load(std::memory_order_acquire);
+      void (*fn)(const void*, int64_t, int64_t) = fn_.load(std::memory_order_acquire);
+      const void* ctx = ctx_.load(std::memory_order_acquire);
       int64_t begin = 0, end = 0;
       while (claim(s, epoch, total, unit, begin, end)) {
         fn(ctx, begin, end);
@@ -125,6 +132,9 @@ class Team {
       }
     }
   }
+
+  // A job's state once its successor is being posted: no index left to claim.
+  static constexpr uint64_t CLOSED = 0xffffffffu;
 
   // The posted job's epoch (high 32 bits) and its next unclaimed index (low 32 bits); the
   // indices done, on a line of their own (each side writes one, the other spins on it).
