@@ -124,6 +124,13 @@ def test_a_capped_build_leaves_out_the_instructions_above_the_cap(monkeypatch, c
         assert {"__AVX512F__", "__AVX512VNNI__"} <= defined
 
 
+def test_every_source_and_header_is_in_the_build_and_its_hash():
+    # A header left out of HEADERS is not in the build's hash: edits to it would load the
+    # library built before them.
+    assert {p.name for p in build.CSRC.glob("*.h")} == {p.name for p in build.HEADERS}
+    assert {p.name for p in build.CSRC.glob("*.cpp")} == {p.name for p in build.SOURCES}
+
+
 def test_old_builds_are_pruned_newest_kept(tmp_path):
     for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" is the oldest
         path = tmp_path / f"pagedllm_cpu_{name}.so"

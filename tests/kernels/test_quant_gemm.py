@@ -219,6 +219,47 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(route, format, ac
         torch.set_num_threads(saved)
 
 
+def repeating_weight(format: str, rows: int, width: int, period: int = 37):
+    """A weight whose row i is row i % period: every row's logits tie every `period` columns."""
+    base = np.random.default_rng(period).standard_normal((period, width)).astype(np.float32)
+    blocks = quantize(base[np.arange(rows) % period] * 0.05, format)
+    return from_gguf_blocks(blocks, format, (rows, width))
+
+
+@pytest.mark.parametrize("route", QUANT_ROUTES)
+@pytest.mark.parametrize(
+    ("format", "activations"), [(f, "int8") for f in FORMATS] + [("Q8_0", "int16")]
+)
+def test_the_head_argmax_is_the_argmax_of_its_logits(route, format, activations) -> None:
+    """quant_gemm_argmax (a greedy step's head) gives argmax_rows(quant_gemm(...)) without
+    the logits: columns in runs of 512 and, on two threads, in pieces merged in any order;
+    ties (a weight of repeating rows: each maximum ~30 times) to the lowest index; a NaN
+    column (from the bias, in the second run) before every number; bf16 on bf16 logits; rows
+    past the integer kernel's through the logits."""
+    width, n = (256 if format in K_QUANTS else 224), 1100
+    weight = replace(repeating_weight(format, n, width), int8_activations=activations == "int8")
+    nan_bias = torch.randn(n)
+    nan_bias[700] = float("nan")
+    saved = torch.get_num_threads()
+    try:
+        with quant_gemm_capped(route):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for dtype in (torch.float32, torch.bfloat16):
+                    for num_rows in (1, 8, 17, 40):
+                        gen = torch.Generator().manual_seed(num_rows)
+                        x = torch.randn(num_rows, width, generator=gen).to(dtype)
+                        for bias in (None, torch.randn(n).to(dtype), nan_bias.to(dtype)):
+                            logits = ops.quant_gemm(x, weight.data, weight.code, bias)
+                            got = ops.quant_gemm_argmax(x, weight.data, weight.code, bias)
+                            expected = ops.argmax_rows(logits)
+                            assert torch.equal(got, expected), (threads, dtype, num_rows)
+                            if bias is None:
+                                assert bool((got < 37).all())  # the first of each tie
+    finally:
+        torch.set_num_threads(saved)
+
+
 # How many of the layout's first sections (quant_layout.section_sizes) hold the stored
 # integers: the low bits, and the high bits where the format has them.
 INTEGER_SECTIONS = {"Q5_0": 2, "Q5_K": 2, "Q6_K": 2}

@@ -60,6 +60,7 @@ HEADERS = tuple(
         "kv_formats.h",
         "dispatch.h",
         "quant_formats.h",
+        "argmax.h",
     )
 )
 

@@ -33,11 +33,14 @@
 #include <cstring>
 #include <ctime>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "argmax.h"
+#include "dispatch.h"
 #include "parallel.h"
 #include "quant_formats.h"
 #include "small_gemm.h"
@@ -189,18 +192,21 @@ void row_blocks(const at::Tensor& x, const F& fn) {
 // Where the sums go: [rows, n] in x's dtype, the bias (float32) added in float32 and the sum
 // then rounded once to bf16, as out.add_(bias) and out.to(bf16) on a float32 result would
 // (without that result's allocation and copy, a real share of a decode step's small products).
+// data holds columns [col0, col0 + n) (quant_gemm_argmax: a run of a head's columns).
 struct Output {
   void* data;
   bool bf16;
   const float* bias;  // nullptr: none
   int64_t n;
+  int64_t col0 = 0;
 
+  int64_t at(int64_t r, int64_t col) const { return r * n + col - col0; }
   void store(int64_t r, int64_t col, float v) const {
     if (bias != nullptr) v += bias[col];
     if (bf16) {
-      static_cast<c10::BFloat16*>(data)[r * n + col] = c10::BFloat16(v);
+      static_cast<c10::BFloat16*>(data)[at(r, col)] = c10::BFloat16(v);
     } else {
-      static_cast<float*>(data)[r * n + col] = v;
+      static_cast<float*>(data)[at(r, col)] = v;
     }
   }
 };
@@ -695,9 +701,9 @@ inline void store_lanes(const __m256 acc[GROUP][V], int v, int64_t group, int64_
 inline void store_columns(const Output& out, int64_t r, int64_t col, __m256 v) {
   if (out.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(out.bias + col));
   if (out.bf16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(out.data) + r * out.n + col), to_bf16(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(out.data) + out.at(r, col)), to_bf16(v));
   } else {
-    _mm256_storeu_ps(static_cast<float*>(out.data) + r * out.n + col, v);
+    _mm256_storeu_ps(static_cast<float*>(out.data) + out.at(r, col), v);
   }
 }
 
@@ -1074,21 +1080,35 @@ void run_wide(Route route, const Weight& w, const WideActivations& a, const Wide
 // prompt at once ran no faster than dequantised tiles (Zen 4, K = 640: 25.3 against 25.2 ms).
 constexpr int64_t INT_CHUNK_ROWS = 512;
 
-// out = x @ w.T (+ bias b) on `route` (out: x's rows of the result).
-void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float* b, const at::Tensor& out) {
 #if defined(QUANT_AVX2)
+// x quantised once (int8, or int16 for a wide weight; in lanes from LANES rows), then each
+// piece [n0, n1) of w's rows as parallel_chunks hands them out: piece(n0, n1, products), where
+// products(c0, c1, out) writes the products of columns [c0, c1) within it to out.
+template <typename Piece>
+void integer_pieces(Route route, const at::Tensor& x, const Weight& w, const Piece& piece) {
   const int64_t rows = x.size(0);
-  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
   const bool in_lanes = rows >= LANES;
   if (w.wide) {
     const WideActivations& a = quantize_rows_wide(x);
     const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
-    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run_wide(route, w, a, lanes, rows, n0, n1, o); });
+    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
+      piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run_wide(route, w, a, lanes, rows, c0, c1, o); });
+    });
     return;
   }
   const Activations& a = quantize_rows(x);
   const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
-  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) { run(route, w, a, lanes, rows, n0, n1, o); });
+  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
+    piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run(route, w, a, lanes, rows, c0, c1, o); });
+  });
+}
+#endif
+
+// out = x @ w.T (+ bias b) on `route` (out: x's rows of the result).
+void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float* b, const at::Tensor& out) {
+#if defined(QUANT_AVX2)
+  const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, b, w.n};
+  integer_pieces(route, x, w, [&](int64_t n0, int64_t n1, const auto& products) { products(n0, n1, o); });
 #endif
 }
 
@@ -1164,6 +1184,90 @@ at::Tensor quant_gemm_integer(const at::Tensor& x, const at::Tensor& weight, int
   const Weight w = check_weight(weight, format, x.size(1));
   check_x(x, w, "quant_gemm_integer");
   return integer_gemm(x, w, bias);
+}
+
+// Columns a run of quant_gemm_argmax multiplies at a time: their products (16 float32 rows:
+// 32 KB) stay in L1 / L2 while each row's argmax reads them.
+constexpr int64_t ARGMAX_COLUMNS = 512;
+
+// Row r's argmax of logits (rows x n in T) into `at`.
+template <typename T>
+void argmax_of(const T* logits, int64_t rows, int64_t n, int64_t* at) {
+  for (int64_t r = 0; r < rows; ++r) at[r] = pagedllm_argmax::argmax_row(logits + r * n, n);
+}
+
+// Each row's argmax of x @ w.T (+ bias) in x's dtype: argmax_rows(quant_gemm(...)), the same
+// index, without the logits. A greedy step's head wrote its logits (Gemma 3: 16 x 262,144
+// floats, 16 MB) only for the argmax to read them back; here each thread's piece of the columns
+// is multiplied ARGMAX_COLUMNS at a time into a buffer, each row's argmax of those columns
+// taken (argmax.h) and merged (beats: torch's order, so the order of the runs makes no
+// difference). Rows past the integer kernel's go through the logits.
+at::Tensor quant_gemm_argmax(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                             const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm_argmax: x must be 2-D");
+  const Weight w = check_weight(weight, format, x.size(1));
+  check_x(x, w, "quant_gemm_argmax");
+  TORCH_CHECK(w.n > 0, "quant_gemm_argmax: the weight has no rows");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  if (rows == 0) return out;
+  int64_t* best_at = out.data_ptr<int64_t>();
+  const Route route = current_route();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (route == Route::none || rows > std::min(INT_CHUNK_ROWS, int_max_rows(x.scalar_type(), w.wide))) {
+    const at::Tensor logits = quant_gemm(x, weight, format, bias);
+    pagedllm_dispatch::dispatch_float_types(logits, "quant_gemm_argmax", [&](auto* tag) {
+      argmax_of(reinterpret_cast<const std::remove_pointer_t<decltype(tag)>*>(logits.data_ptr()), rows, w.n, best_at);
+    });
+    return out;
+  }
+#if defined(QUANT_AVX2)
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == w.n, "quant_gemm_argmax: the bias must have ", w.n, " entries");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  std::vector<float> best(rows, 0.f);
+  std::fill(best_at, best_at + rows, int64_t{-1});
+  std::mutex merge;
+  integer_pieces(route, x.contiguous(), w, [&](int64_t n0, int64_t n1, const auto& products) {
+    // The running thread's own buffer (a thread_local named here is the running thread's).
+    thread_local std::vector<float> buffer;
+    buffer.resize(rows * ARGMAX_COLUMNS);
+    std::vector<float> piece_best(rows, 0.f);
+    std::vector<int64_t> piece_at(rows, -1), run_at(rows);
+    for (int64_t c0 = n0; c0 < n1; c0 += ARGMAX_COLUMNS) {
+      const int64_t width = std::min(ARGMAX_COLUMNS, n1 - c0);
+      products(c0, c0 + width, Output{buffer.data(), bf16, b, width, c0});
+      auto scan = [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        const T* logits = reinterpret_cast<const T*>(buffer.data());
+        argmax_of(logits, rows, width, run_at.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = static_cast<float>(logits[r * width + run_at[r]]);
+          if (piece_at[r] < 0 || pagedllm_argmax::beats(v, c0 + run_at[r], piece_best[r], piece_at[r])) {
+            piece_best[r] = v;
+            piece_at[r] = c0 + run_at[r];
+          }
+        }
+      };
+      if (bf16) {
+        scan(static_cast<c10::BFloat16*>(nullptr));
+      } else {
+        scan(static_cast<float*>(nullptr));
+      }
+    }
+    const std::lock_guard<std::mutex> hold(merge);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (best_at[r] < 0 || pagedllm_argmax::beats(piece_best[r], piece_at[r], best[r], best_at[r])) {
+        best[r] = piece_best[r];
+        best_at[r] = piece_at[r];
+      }
+    }
+  });
+#endif
+  return out;
 }
 
 // Every byte of rows [n0, n1) of w read once (32 at a time, xor-ed together): what streaming
@@ -1243,6 +1347,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_gemm(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_integer(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_tiled(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
+  m.def("quant_gemm_argmax(Tensor x, Tensor weight, int format, Tensor? bias=None) -> Tensor");
   m.def("quant_gemm_bench(Tensor x, Tensor[] weights, int format, int passes, bool read_only) -> float[]",
         &pagedllm_quant::quant_gemm_bench);
 }
@@ -1251,4 +1356,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quant_gemm", &pagedllm_quant::quant_gemm);
   m.impl("quant_gemm_integer", &pagedllm_quant::quant_gemm_integer);
   m.impl("quant_gemm_tiled", &pagedllm_quant::quant_gemm_tiled);
+  m.impl("quant_gemm_argmax", &pagedllm_quant::quant_gemm_argmax);
 }

@@ -6,9 +6,9 @@
 // Python and come in again for the argmax. Here its rows are handed out in chunks as every
 // product of the layers is, and a greedy step returns only its tokens.
 //
-// The head is quant_gemm on a block-quantized weight and the argmax is argmax_rows, the ops
-// the Python path calls, so the logits and tokens are those of compute_logits(hidden,
-// float32=False) and its argmax, bit for bit.
+// The head is quant_gemm on a block-quantized weight, the ops the Python path calls, so the
+// logits are those of compute_logits(hidden, float32=False) bit for bit; a greedy step's
+// tokens come from quant_gemm_argmax, the argmax of those logits without writing them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -65,17 +65,15 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 
 using QuantGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&);
-using ArgmaxRows = at::Tensor(const at::Tensor&);
 
 inline Step apply_head(const at::Tensor& hidden, const Head& head) {
   const at::Tensor none = at::empty({0}, hidden.options());
   if (!head.weight.has_value()) return {hidden, none, none};
   // Looked up on the first call (after every file of the library has registered).
   static const auto quant_gemm = op<QuantGemm>("pagedllm::quant_gemm");
-  static const auto argmax_rows = op<ArgmaxRows>("pagedllm::argmax_rows");
-  at::Tensor logits = quant_gemm.call(hidden, *head.weight, head.format, head.bias);
-  if (!head.argmax) return {hidden, logits, none};
-  return {hidden, none, argmax_rows.call(logits)};
+  static const auto quant_gemm_argmax = op<QuantGemm>("pagedllm::quant_gemm_argmax");
+  if (head.argmax) return {hidden, none, quant_gemm_argmax.call(hidden, *head.weight, head.format, head.bias)};
+  return {hidden, quant_gemm.call(hidden, *head.weight, head.format, head.bias), none};
 }
 
 // body() (the layers, returning the final-normed hidden states) and the head, in a step team
