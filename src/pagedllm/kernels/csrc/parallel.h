@@ -201,11 +201,13 @@ void parallel_chunks(int64_t total, int64_t unit, const F& fn) {
 }
 
 // Elementwise work below this many units (a unit: one element's plain arithmetic) runs on
-// the calling thread: a hand-off to a step team costs about a microsecond (a decode step's
-// norm over 16 rows of 640 is ~10k units, about that), a fork and join of the ATen threads
-// far more (the 16 x 2,048 activations of a decode step's down projection quantised by a
-// fork of two threads took 0.18 -> 0.20-0.23 ms for the whole product).
-constexpr int64_t MIN_TEAM_UNITS = 16384;
+// the calling thread: a hand-off to a step team waits for the helper to come round (at 16k
+// units, each linear's activations quantised on both threads made SmolLM2-135M's 16-sequence
+// batch ~10% slower on AVX2), a fork and join of the ATen threads costs more still (the 16 x
+// 2,048 activations of a decode step's down projection quantised by a fork of two threads
+// took 0.18 -> 0.20-0.23 ms for the whole product). A decode step's GELU or SiLU rows
+// (16 x 1,536-2,048 exps) and its greedy argmax go to the team, its norms and quantisation not.
+constexpr int64_t MIN_TEAM_UNITS = 131072;
 constexpr int64_t MIN_FORK_UNITS = 262144;
 
 // fn(begin, end) over rows [0, rows) of `per_row` units each (an elementwise op's row: its
