@@ -1112,6 +1112,13 @@ void integer_rows(Route route, const at::Tensor& x, const Weight& w, const float
 #endif
 }
 
+// The bias as the kernels add it: float32, contiguous (undefined: none).
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, const Weight& w, const char* op) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == w.n, op, ": the bias must have ", w.n, " entries");
+  return bias->to(at::kFloat).contiguous();
+}
+
 // out = x @ w.T (+ bias) in x's dtype on the integer kernel, x [rows, K], INT_CHUNK_ROWS rows
 // at a time.
 at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& bias) {
@@ -1119,12 +1126,8 @@ at::Tensor integer_gemm(const at::Tensor& x, const Weight& w, const std::optiona
   TORCH_CHECK(route != Route::none, "quant_gemm needs AVX2 with FMA and F16C");
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, w.n}, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == w.n, "quant_gemm: the bias must have ", w.n, " entries");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor bias_f = float_bias(bias, w, "quant_gemm");
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor xc = x.contiguous();
   if (rows <= INT_CHUNK_ROWS) {  // a decode step's: no views made
     integer_rows(route, xc, w, b, out);
@@ -1190,6 +1193,19 @@ at::Tensor quant_gemm_integer(const at::Tensor& x, const at::Tensor& weight, int
 // 32 KB) stay in L1 / L2 while each row's argmax reads them.
 constexpr int64_t ARGMAX_COLUMNS = 512;
 
+// A row's best (value, index) so far, offered candidates in any order (beats: torch.argmax's).
+struct Best {
+  float value = 0.f;
+  int64_t at = -1;  // none yet
+
+  void offer(float v, int64_t i) {
+    if (at < 0 || pagedllm_argmax::beats(v, i, value, at)) {
+      value = v;
+      at = i;
+    }
+  }
+};
+
 // Row r's argmax of logits (rows x n in T) into `at`.
 template <typename T>
 void argmax_of(const T* logits, int64_t rows, int64_t n, int64_t* at) {
@@ -1213,7 +1229,6 @@ at::Tensor quant_gemm_argmax(const at::Tensor& x, const at::Tensor& weight, int6
   if (rows == 0) return out;
   int64_t* best_at = out.data_ptr<int64_t>();
   const Route route = current_route();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (route == Route::none || rows > std::min(INT_CHUNK_ROWS, int_max_rows(x.scalar_type(), w.wide))) {
     const at::Tensor logits = quant_gemm(x, weight, format, bias);
     pagedllm_dispatch::dispatch_float_types(logits, "quant_gemm_argmax", [&](auto* tag) {
@@ -1222,50 +1237,32 @@ at::Tensor quant_gemm_argmax(const at::Tensor& x, const at::Tensor& weight, int6
     return out;
   }
 #if defined(QUANT_AVX2)
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == w.n, "quant_gemm_argmax: the bias must have ", w.n, " entries");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  std::vector<float> best(rows, 0.f);
-  std::fill(best_at, best_at + rows, int64_t{-1});
+  const at::Tensor bias_f = float_bias(bias, w, "quant_gemm_argmax");
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  std::vector<Best> best(rows);
   std::mutex merge;
-  integer_pieces(route, x.contiguous(), w, [&](int64_t n0, int64_t n1, const auto& products) {
-    // The running thread's own buffer (a thread_local named here is the running thread's).
-    thread_local std::vector<float> buffer;
-    buffer.resize(rows * ARGMAX_COLUMNS);
-    std::vector<float> piece_best(rows, 0.f);
-    std::vector<int64_t> piece_at(rows, -1), run_at(rows);
-    for (int64_t c0 = n0; c0 < n1; c0 += ARGMAX_COLUMNS) {
-      const int64_t width = std::min(ARGMAX_COLUMNS, n1 - c0);
-      products(c0, c0 + width, Output{buffer.data(), bf16, b, width, c0});
-      auto scan = [&](auto* tag) {
-        using T = std::remove_pointer_t<decltype(tag)>;
-        const T* logits = reinterpret_cast<const T*>(buffer.data());
-        argmax_of(logits, rows, width, run_at.data());
+  pagedllm_dispatch::dispatch_float_types(x, "quant_gemm_argmax", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    integer_pieces(route, x.contiguous(), w, [&](int64_t n0, int64_t n1, const auto& products) {
+      // The running thread's own buffer (a thread_local named here is the running thread's).
+      thread_local std::vector<float> buffer;
+      buffer.resize(rows * ARGMAX_COLUMNS);
+      const T* logits = reinterpret_cast<const T*>(buffer.data());
+      std::vector<Best> piece(rows);
+      for (int64_t c0 = n0; c0 < n1; c0 += ARGMAX_COLUMNS) {
+        const int64_t width = std::min(ARGMAX_COLUMNS, n1 - c0);
+        products(c0, c0 + width, Output{buffer.data(), std::is_same_v<T, c10::BFloat16>, b, width, c0});
         for (int64_t r = 0; r < rows; ++r) {
-          const float v = static_cast<float>(logits[r * width + run_at[r]]);
-          if (piece_at[r] < 0 || pagedllm_argmax::beats(v, c0 + run_at[r], piece_best[r], piece_at[r])) {
-            piece_best[r] = v;
-            piece_at[r] = c0 + run_at[r];
-          }
+          const T* row = logits + r * width;
+          const int64_t j = pagedllm_argmax::argmax_row(row, width);
+          piece[r].offer(static_cast<float>(row[j]), c0 + j);
         }
-      };
-      if (bf16) {
-        scan(static_cast<c10::BFloat16*>(nullptr));
-      } else {
-        scan(static_cast<float*>(nullptr));
       }
-    }
-    const std::lock_guard<std::mutex> hold(merge);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (best_at[r] < 0 || pagedllm_argmax::beats(piece_best[r], piece_at[r], best[r], best_at[r])) {
-        best[r] = piece_best[r];
-        best_at[r] = piece_at[r];
-      }
-    }
+      const std::lock_guard<std::mutex> hold(merge);
+      for (int64_t r = 0; r < rows; ++r) best[r].offer(piece[r].value, piece[r].at);
+    });
   });
+  for (int64_t r = 0; r < rows; ++r) best_at[r] = best[r].at;
 #endif
   return out;
 }
