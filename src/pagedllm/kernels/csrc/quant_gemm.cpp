@@ -189,6 +189,14 @@ void row_blocks(const at::Tensor& x, const F& fn) {
                                    [&](int64_t r0, int64_t r1) { fn(r0 * blocks, r1 * blocks); });
 }
 
+// v sized n with its elements from `used` on zero: those before are all written after, so
+// they are not filled first.
+template <typename V>
+void zero_past(V& v, int64_t used, int64_t n) {
+  v.resize(n);
+  std::fill(v.begin() + used, v.end(), typename V::value_type{});
+}
+
 // Where the sums go: [rows, n] in x's dtype, the bias (float32) added in float32 and the sum
 // then rounded once to bf16, as out.add_(bias) and out.to(bf16) on a float32 result would
 // (without that result's allocation and copy, a real share of a decode step's small products).
@@ -218,8 +226,8 @@ const Activations& quantize_rows(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
   const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
   a.xq.resize(total * BLOCK);
-  for (auto* v : {&a.dx, &a.sx}) v->assign(total + GROUP, 0.f);
-  for (auto* v : {&a.sum, &a.first16}) v->assign(total + GROUP, 0);
+  for (auto* v : {&a.dx, &a.sx}) zero_past(*v, total, total + GROUP);
+  for (auto* v : {&a.sum, &a.first16}) zero_past(*v, total, total + GROUP);
 #if defined(QUANT_AVX2)
   row_blocks(xc, [&](int64_t begin, int64_t end) {
     if (xc.scalar_type() == at::kFloat) {
@@ -517,7 +525,7 @@ const WideActivations& quantize_rows_wide(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
   const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
   a.xq.resize(total * BLOCK);
-  a.dx.assign(total + GROUP, 0.f);
+  zero_past(a.dx, total, total + GROUP);
   row_blocks(xc, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (xc.scalar_type() == at::kFloat) {
@@ -615,40 +623,63 @@ constexpr int LANE_VECTORS = 1;
 // Weight rows multiplied by one block's activations before the next block.
 constexpr int LANE_TILE = 16;
 
+#if defined(QUANT_AVX2)
 // `a` (row by row) rows-in-lanes, padded with zero rows to whole groups of LANES: xq [row
-// group][block][dword][lane], the per-block values [row group][block][lane].
+// group][block][dword][lane], the per-block values [row group][block][lane]. A group's block
+// is an 8 x 8 transpose of its rows' dwords (two for int16), stored whole: a dword stored to
+// each lane after a fill with zeros took 4.8% of Gemma-3-270M's prompts on AVX2.
 template <typename Q>
 const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_t k) {
   thread_local QuantizedRows<Q> storage;
   QuantizedRows<Q>& t = storage;  // (quantize_rows)
-  constexpr int64_t per = 4 / sizeof(Q);  // values in a dword
-  const int64_t blocks = k / BLOCK, slots = (rows + LANES - 1) / LANES * blocks * LANES;
-  t.xq.assign(slots * BLOCK, 0);
-  t.dx.assign(slots, 0.f);
+  alignas(32) static const Q zero_block[BLOCK] = {};
+  constexpr int squares = BLOCK * sizeof(Q) / (4 * LANES);  // 8 x 8 dword squares a block
   constexpr bool narrow = std::is_same_v<Q, int8_t>;
+  const int64_t blocks = k / BLOCK, groups = (rows + LANES - 1) / LANES, slots = groups * blocks * LANES;
+  // Every slot is written below, so no fill first.
+  t.xq.resize(slots * BLOCK);
+  t.dx.resize(slots);
   if constexpr (narrow) {
-    t.sx.assign(slots, 0.f);
-    t.sum.assign(slots, 0);
-    t.first16.assign(slots, 0);
+    t.sx.resize(slots);
+    t.sum.resize(slots);
+    t.first16.resize(slots);
   }
-  pagedllm_parallel::parallel_rows(rows, k * QUANTIZE_UNITS, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t slot = ((r / LANES) * blocks + b) * LANES + r % LANES, i = r * blocks + b;
-      const Q* from = a.xq.data() + i * BLOCK;
-      Q* to = t.xq.data() + (slot - r % LANES) * BLOCK + (r % LANES) * per;
-      for (int64_t d = 0; d < BLOCK / per; ++d) std::memcpy(to + d * per * LANES, from + d * per, 4);
-      t.dx[slot] = a.dx[i];
-      if constexpr (narrow) {
-        t.sx[slot] = a.sx[i];
-        t.sum[slot] = a.sum[i];
-        t.first16[slot] = a.first16[i];
+  // The vectors' data as locals: through the references, each store reloaded them.
+  const Q* xq = a.xq.data();
+  const float *dx = a.dx.data(), *sx = a.sx.data();
+  const int32_t *sum = a.sum.data(), *first16 = a.first16.data();
+  Q* lane_xq = t.xq.data();
+  float *lane_dx = t.dx.data(), *lane_sx = t.sx.data();
+  int32_t *lane_sum = t.sum.data(), *lane_first16 = t.first16.data();
+  pagedllm_parallel::parallel_rows(groups, LANES * k * QUANTIZE_UNITS, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int real = static_cast<int>(std::min<int64_t>(LANES, rows - g * LANES));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t slot = (g * blocks + b) * LANES;
+        const __m256i* from[LANES];
+        for (int l = 0; l < LANES; ++l) {
+          const int64_t i = (g * LANES + l) * blocks + b;
+          from[l] = reinterpret_cast<const __m256i*>(l < real ? xq + i * BLOCK : zero_block);
+          lane_dx[slot + l] = l < real ? dx[i] : 0.f;
+          if constexpr (narrow) {
+            lane_sx[slot + l] = l < real ? sx[i] : 0.f;
+            lane_sum[slot + l] = l < real ? sum[i] : 0;
+            lane_first16[slot + l] = l < real ? first16[i] : 0;
+          }
+        }
+        auto* to = reinterpret_cast<__m256i*>(lane_xq + slot * BLOCK);
+        for (int q = 0; q < squares; ++q) {
+          __m256 v[LANES];
+          for (int l = 0; l < LANES; ++l) v[l] = _mm256_castsi256_ps(_mm256_loadu_si256(from[l] + q));
+          transpose8(v);
+          for (int d = 0; d < LANES; ++d) _mm256_storeu_si256(to + q * LANES + d, _mm256_castps_si256(v[d]));
+        }
       }
     }
-  }
   });
   return t;
 }
+#endif
 
 // The weights of group g of a row as the lane kernels multiply them: qb[j] block j's values
 // (bytes, or Q8_0's sign-extended to int16 for int16 activations; Offset: Q8_0's bytes as
