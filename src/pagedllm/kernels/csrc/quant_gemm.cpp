@@ -111,7 +111,7 @@ std::string set_quant_gemm_isa(const std::string& isa) {
 // Activations quantised per block: xq (Q: int8, or int16 for Q8_0 weights); per block dx,
 // and for int8 sx = dx sum(xq), the sum of xq and that of its first 16. Row by row
 // (quantize_rows: xq [rows, k], the per-block values rows * blocks then GROUP zeros, so that
-// a last partial group reads whole vectors) or rows in lanes (lanes_of, below). One set per
+// a last partial group reads whole vectors) or rows in lanes (quantize_lanes, below). One set per
 // thread and layout, reused from call to call.
 template <typename Q>
 struct QuantizedRows {
@@ -624,18 +624,19 @@ constexpr int LANE_VECTORS = 1;
 constexpr int LANE_TILE = 16;
 
 #if defined(QUANT_AVX2)
-// `a` (row by row) rows-in-lanes, padded with zero rows to whole groups of LANES: xq [row
-// group][block][dword][lane], the per-block values [row group][block][lane]. A group's block
-// is an 8 x 8 transpose of its rows' dwords (two for int16), stored whole: a dword stored to
-// each lane after a fill with zeros took 4.8% of Gemma-3-270M's prompts on AVX2.
-template <typename Q>
-const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_t k) {
-  thread_local QuantizedRows<Q> storage;
-  QuantizedRows<Q>& t = storage;  // (quantize_rows)
-  alignas(32) static const Q zero_block[BLOCK] = {};
+// x [rows, k] quantised into rows-in-lanes activations t, padded with zero rows to whole
+// groups of LANES: xq [row group][block][dword][lane], the per-block values [row
+// group][block][lane]. quantize(r, b, q, at) quantises row r's block b into q (L1) and its
+// per-block values into t at `at`; a group's block is then stored as an 8 x 8 transpose of
+// its rows' dwords (two for int16). Quantised row by row into memory, then moved to the lanes
+// a dword at a time after a zero fill, the two passes took ~9% of Gemma-3-270M's prompt
+// samples (native).
+template <typename Q, typename Quantize>
+void quantize_in_lanes(const at::Tensor& x, QuantizedRows<Q>& t, const Quantize& quantize) {
   constexpr int squares = BLOCK * sizeof(Q) / (4 * LANES);  // 8 x 8 dword squares a block
   constexpr bool narrow = std::is_same_v<Q, int8_t>;
-  const int64_t blocks = k / BLOCK, groups = (rows + LANES - 1) / LANES, slots = groups * blocks * LANES;
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / BLOCK;
+  const int64_t groups = (rows + LANES - 1) / LANES, slots = groups * blocks * LANES;
   // Every slot is written below, so no fill first.
   t.xq.resize(slots * BLOCK);
   t.dx.resize(slots);
@@ -644,39 +645,69 @@ const QuantizedRows<Q>& lanes_of(const QuantizedRows<Q>& a, int64_t rows, int64_
     t.sum.resize(slots);
     t.first16.resize(slots);
   }
-  // The vectors' data as locals: through the references, each store reloaded them.
-  const Q* xq = a.xq.data();
-  const float *dx = a.dx.data(), *sx = a.sx.data();
-  const int32_t *sum = a.sum.data(), *first16 = a.first16.data();
-  Q* lane_xq = t.xq.data();
-  float *lane_dx = t.dx.data(), *lane_sx = t.sx.data();
-  int32_t *lane_sum = t.sum.data(), *lane_first16 = t.first16.data();
   pagedllm_parallel::parallel_rows(groups, LANES * k * QUANTIZE_UNITS, [&](int64_t g0, int64_t g1) {
+    alignas(32) Q q[LANES][BLOCK];
     for (int64_t g = g0; g < g1; ++g) {
       const int real = static_cast<int>(std::min<int64_t>(LANES, rows - g * LANES));
+      for (int l = real; l < LANES; ++l) std::memset(q[l], 0, sizeof(q[l]));  // a row of zeros
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t slot = (g * blocks + b) * LANES;
-        const __m256i* from[LANES];
-        for (int l = 0; l < LANES; ++l) {
-          const int64_t i = (g * LANES + l) * blocks + b;
-          from[l] = reinterpret_cast<const __m256i*>(l < real ? xq + i * BLOCK : zero_block);
-          lane_dx[slot + l] = l < real ? dx[i] : 0.f;
+        for (int l = 0; l < real; ++l) quantize(g * LANES + l, b, q[l], slot + l);
+        for (int l = real; l < LANES; ++l) {
+          t.dx[slot + l] = 0.f;
           if constexpr (narrow) {
-            lane_sx[slot + l] = l < real ? sx[i] : 0.f;
-            lane_sum[slot + l] = l < real ? sum[i] : 0;
-            lane_first16[slot + l] = l < real ? first16[i] : 0;
+            t.sx[slot + l] = 0.f;
+            t.sum[slot + l] = 0;
+            t.first16[slot + l] = 0;
           }
         }
-        auto* to = reinterpret_cast<__m256i*>(lane_xq + slot * BLOCK);
-        for (int q = 0; q < squares; ++q) {
+        auto* to = reinterpret_cast<__m256i*>(t.xq.data() + slot * BLOCK);
+        for (int h = 0; h < squares; ++h) {
           __m256 v[LANES];
-          for (int l = 0; l < LANES; ++l) v[l] = _mm256_castsi256_ps(_mm256_loadu_si256(from[l] + q));
+          for (int l = 0; l < LANES; ++l) v[l] = _mm256_load_ps(reinterpret_cast<const float*>(q[l]) + 8 * h);
           transpose8(v);
-          for (int d = 0; d < LANES; ++d) _mm256_storeu_si256(to + q * LANES + d, _mm256_castps_si256(v[d]));
+          for (int d = 0; d < LANES; ++d) _mm256_storeu_si256(to + h * LANES + d, _mm256_castps_si256(v[d]));
         }
       }
     }
   });
+}
+
+// x's int8 activations in lanes (quantize_in_lanes), as quantize_rows quantises them.
+const Activations& quantize_lanes(const at::Tensor& x) {
+  thread_local Activations storage;
+  Activations& t = storage;  // (quantize_rows)
+  const at::Tensor xc = x.contiguous();
+  const int64_t k = xc.size(1);
+  auto run = [&](const auto* v) {
+    quantize_in_lanes(xc, t, [&](int64_t r, int64_t b, int8_t* q, int64_t at) {
+      quantize_block(v + r * k + b * BLOCK, q, t, at);
+    });
+  };
+  if (xc.scalar_type() == at::kFloat) {
+    run(xc.data_ptr<float>());
+  } else {
+    run(xc.data_ptr<c10::BFloat16>());
+  }
+  return t;
+}
+
+// x's int16 activations in lanes, as quantize_rows_wide quantises them.
+const WideActivations& quantize_lanes_wide(const at::Tensor& x) {
+  thread_local WideActivations storage;
+  WideActivations& t = storage;  // (quantize_rows)
+  const at::Tensor xc = x.contiguous();
+  const int64_t k = xc.size(1);
+  auto run = [&](const auto* v) {
+    quantize_in_lanes(xc, t, [&](int64_t r, int64_t b, int16_t* q, int64_t at) {
+      quantize_block_wide(v + r * k + b * BLOCK, q, t.dx.data() + at);
+    });
+  };
+  if (xc.scalar_type() == at::kFloat) {
+    run(xc.data_ptr<float>());
+  } else {
+    run(xc.data_ptr<c10::BFloat16>());
+  }
   return t;
 }
 #endif
@@ -810,7 +841,7 @@ struct StoredQ8_0Tile {
   __m256 m_of(int, int64_t) const { return _mm256_setzero_ps(); }
 };
 
-// Row group `group`'s dword i of block b in rows-in-lanes activations t (lanes_of's layout).
+// Row group `group`'s dword i of block b in rows-in-lanes activations t (quantize_in_lanes' layout).
 template <typename Q>
 inline const __m256i* lane_dwords(const QuantizedRows<Q>& t, int64_t group, int64_t blocks, int64_t b, int i) {
   return reinterpret_cast<const __m256i*>(t.xq.data() + (group * blocks + b) * LANES * BLOCK + i * LANES * 4 / sizeof(Q));
@@ -1120,15 +1151,16 @@ void integer_pieces(Route route, const at::Tensor& x, const Weight& w, const Pie
   const int64_t rows = x.size(0);
   const bool in_lanes = rows >= LANES;
   if (w.wide) {
-    const WideActivations& a = quantize_rows_wide(x);
-    const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
+    // In lanes a is the lanes too (products read lanes then, not a).
+    const WideActivations& a = in_lanes ? quantize_lanes_wide(x) : quantize_rows_wide(x);
+    const auto* lanes = in_lanes ? &a : nullptr;
     pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
       piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run_wide(route, w, a, lanes, rows, c0, c1, o); });
     });
     return;
   }
-  const Activations& a = quantize_rows(x);
-  const auto* lanes = in_lanes ? &lanes_of(a, rows, w.lay.k) : nullptr;
+  const Activations& a = in_lanes ? quantize_lanes(x) : quantize_rows(x);
+  const auto* lanes = in_lanes ? &a : nullptr;
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
     piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run(route, w, a, lanes, rows, c0, c1, o); });
   });
