@@ -21,13 +21,20 @@ namespace pagedllm_argmax {
 
 using pagedllm_vec::to_float;
 
+// Whether value v at index i goes before (best, at) in torch.argmax's order: a NaN before any
+// number, then the larger, then the lower index: the one rule of every scan below, and of
+// quant_gemm_argmax's merge (where the order of the runs merged makes no difference).
+inline bool beats(float v, int64_t i, float best, int64_t at) {
+  if (std::isnan(v) || std::isnan(best)) return std::isnan(v) && (!std::isnan(best) || i < at);
+  return v > best || (v == best && i < at);
+}
+
 template <typename T>
 int64_t argmax_scalar(const T* row, int64_t begin, int64_t n, float& best) {
   int64_t index = -1;
   for (int64_t i = begin; i < n; ++i) {
     const float v = to_float(row[i]);
-    // NaN wins, as in torch.argmax.
-    if (index < 0 || v > best || (std::isnan(v) && !std::isnan(best))) {
+    if (index < 0 || beats(v, i, best, index)) {
       best = v;
       index = i;
     }
@@ -41,7 +48,7 @@ inline int64_t best_lane(const float* bests, const int32_t* idxs, int count, flo
   best = bests[0];
   int64_t index = idxs[0];
   for (int l = 1; l < count; ++l) {
-    if (bests[l] > best || (bests[l] == best && idxs[l] < index)) {
+    if (beats(bests[l], idxs[l], best, index)) {
       best = bests[l];
       index = idxs[l];
     }
@@ -140,14 +147,6 @@ int64_t argmax_row(const T* row, int64_t n) {
 #endif
   float best = 0.0f;
   return argmax_scalar(row, 0, n, best);
-}
-
-// Whether value v at index i goes before (best, at) in torch.argmax's order: a NaN before any
-// number, then the larger, then the lower index; the order of the runs merged makes no
-// difference.
-inline bool beats(float v, int64_t i, float best, int64_t at) {
-  if (std::isnan(v) || std::isnan(best)) return std::isnan(v) && (!std::isnan(best) || i < at);
-  return v > best || (v == best && i < at);
 }
 
 }  // namespace pagedllm_argmax

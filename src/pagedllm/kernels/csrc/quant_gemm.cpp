@@ -170,11 +170,6 @@ void quantize_block(const T* v, int8_t* xq, Activations& a, int64_t i) {
   a.sum[i] = sum;
   a.first16[i] = first;
 }
-
-template <typename T>
-void quantize_blocks(const T* x, int64_t begin, int64_t end, Activations& a) {
-  for (int64_t i = begin; i < end; ++i) quantize_block(x + i * BLOCK, a.xq.data() + i * BLOCK, a, i);
-}
 #endif
 
 // An activation value's quantisation (or its move into lanes) in parallel_rows' units: a
@@ -219,26 +214,6 @@ struct Output {
   }
 };
 
-const Activations& quantize_rows(const at::Tensor& x) {
-  // A reference: inside the lambdas below, a thread_local's name is the running thread's own.
-  thread_local Activations storage;
-  Activations& a = storage;
-  const at::Tensor xc = x.contiguous();
-  const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
-  a.xq.resize(total * BLOCK);
-  for (auto* v : {&a.dx, &a.sx}) zero_past(*v, total, total + GROUP);
-  for (auto* v : {&a.sum, &a.first16}) zero_past(*v, total, total + GROUP);
-#if defined(QUANT_AVX2)
-  row_blocks(xc, [&](int64_t begin, int64_t end) {
-    if (xc.scalar_type() == at::kFloat) {
-      quantize_blocks(xc.data_ptr<float>(), begin, end, a);
-    } else {
-      quantize_blocks(xc.data_ptr<c10::BFloat16>(), begin, end, a);
-    }
-  });
-#endif
-  return a;
-}
 
 #if defined(QUANT_AVX2)
 // acc + eight int32 sums of four u8 x s8 products each.
@@ -505,7 +480,7 @@ void weight_rows(const Weight& w, const Activations& a, int64_t rows, int64_t n0
 using WideActivations = QuantizedRows<int16_t>;  // xq and dx only
 
 template <typename T>
-void quantize_block_wide(const T* v, int16_t* xq, float* dx) {
+void quantize_block(const T* v, int16_t* xq, WideActivations& a, int64_t i) {
   __m256 f[4];
   const float top = load_block(v, f);
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
@@ -516,27 +491,9 @@ void quantize_block_wide(const T* v, int16_t* xq, float* dx) {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), _MM_SHUFFLE(3, 1, 2, 0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 8 * j), packed);
   }
-  *dx = top / 32767.f;
+  a.dx[i] = top / 32767.f;
 }
 
-const WideActivations& quantize_rows_wide(const at::Tensor& x) {
-  thread_local WideActivations storage;
-  WideActivations& a = storage;  // (quantize_rows)
-  const at::Tensor xc = x.contiguous();
-  const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
-  a.xq.resize(total * BLOCK);
-  zero_past(a.dx, total, total + GROUP);
-  row_blocks(xc, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (xc.scalar_type() == at::kFloat) {
-        quantize_block_wide(xc.data_ptr<float>() + i * BLOCK, a.xq.data() + i * BLOCK, a.dx.data() + i);
-      } else {
-        quantize_block_wide(xc.data_ptr<c10::BFloat16>() + i * BLOCK, a.xq.data() + i * BLOCK, a.dx.data() + i);
-      }
-    }
-  });
-  return a;
-}
 
 // acc + the eight int32 sums of two int16 pairs each.
 template <Route R>
@@ -623,7 +580,6 @@ constexpr int LANE_VECTORS = 1;
 // Weight rows multiplied by one block's activations before the next block.
 constexpr int LANE_TILE = 16;
 
-#if defined(QUANT_AVX2)
 // x [rows, k] quantised into rows-in-lanes activations t, padded with zero rows to whole
 // groups of LANES: xq [row group][block][dword][lane], the per-block values [row
 // group][block][lane]. quantize(r, b, q, at) quantises row r's block b into q (L1) and its
@@ -673,44 +629,51 @@ void quantize_in_lanes(const at::Tensor& x, QuantizedRows<Q>& t, const Quantize&
   });
 }
 
-// x's int8 activations in lanes (quantize_in_lanes), as quantize_rows quantises them.
-const Activations& quantize_lanes(const at::Tensor& x) {
-  thread_local Activations storage;
-  Activations& t = storage;  // (quantize_rows)
-  const at::Tensor xc = x.contiguous();
-  const int64_t k = xc.size(1);
-  auto run = [&](const auto* v) {
-    quantize_in_lanes(xc, t, [&](int64_t r, int64_t b, int8_t* q, int64_t at) {
-      quantize_block(v + r * k + b * BLOCK, q, t, at);
-    });
-  };
-  if (xc.scalar_type() == at::kFloat) {
-    run(xc.data_ptr<float>());
-  } else {
-    run(xc.data_ptr<c10::BFloat16>());
-  }
-  return t;
+// fn(v) with x's values v as their element type (float or bf16): one switch a call.
+template <typename F>
+void with_values(const at::Tensor& x, const F& fn) {
+  pagedllm_dispatch::dispatch_float_types(x, "quant_gemm", [&](auto* tag) {
+    fn(reinterpret_cast<const std::remove_pointer_t<decltype(tag)>*>(x.data_ptr()));
+  });
 }
 
-// x's int16 activations in lanes, as quantize_rows_wide quantises them.
-const WideActivations& quantize_lanes_wide(const at::Tensor& x) {
-  thread_local WideActivations storage;
-  WideActivations& t = storage;  // (quantize_rows)
+// x's activations (Q: int8, or int16 for a wide weight) row by row, quantize_block's.
+template <typename Q>
+const QuantizedRows<Q>& quantize_rows(const at::Tensor& x) {
+  // A reference: inside the lambdas below, a thread_local's name is the running thread's own.
+  thread_local QuantizedRows<Q> storage;
+  QuantizedRows<Q>& a = storage;
+  const at::Tensor xc = x.contiguous();
+  const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
+  a.xq.resize(total * BLOCK);
+  zero_past(a.dx, total, total + GROUP);
+  if constexpr (std::is_same_v<Q, int8_t>) {
+    zero_past(a.sx, total, total + GROUP);
+    zero_past(a.sum, total, total + GROUP);
+    zero_past(a.first16, total, total + GROUP);
+  }
+  with_values(xc, [&](const auto* v) {
+    row_blocks(xc, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) quantize_block(v + i * BLOCK, a.xq.data() + i * BLOCK, a, i);
+    });
+  });
+  return a;
+}
+
+// x's activations in lanes (quantize_in_lanes), quantize_block's as quantize_rows quantises them.
+template <typename Q>
+const QuantizedRows<Q>& quantize_lanes(const at::Tensor& x) {
+  thread_local QuantizedRows<Q> storage;
+  QuantizedRows<Q>& t = storage;  // (quantize_rows)
   const at::Tensor xc = x.contiguous();
   const int64_t k = xc.size(1);
-  auto run = [&](const auto* v) {
-    quantize_in_lanes(xc, t, [&](int64_t r, int64_t b, int16_t* q, int64_t at) {
-      quantize_block_wide(v + r * k + b * BLOCK, q, t.dx.data() + at);
+  with_values(xc, [&](const auto* v) {
+    quantize_in_lanes(xc, t, [&](int64_t r, int64_t b, Q* q, int64_t at) {
+      quantize_block(v + r * k + b * BLOCK, q, t, at);
     });
-  };
-  if (xc.scalar_type() == at::kFloat) {
-    run(xc.data_ptr<float>());
-  } else {
-    run(xc.data_ptr<c10::BFloat16>());
-  }
+  });
   return t;
 }
-#endif
 
 // The weights of group g of a row as the lane kernels multiply them: qb[j] block j's values
 // (bytes, or Q8_0's sign-extended to int16 for int16 activations; Offset: Q8_0's bytes as
@@ -1143,27 +1106,26 @@ void run_wide(Route route, const Weight& w, const WideActivations& a, const Wide
 constexpr int64_t INT_CHUNK_ROWS = 512;
 
 #if defined(QUANT_AVX2)
+// integer_pieces on Q activations, multiplied by run_activations (run or run_wide).
+template <typename Q, typename Run, typename Piece>
+void pieces_on(Route route, const at::Tensor& x, const Weight& w, const Run& run_activations, const Piece& piece) {
+  const int64_t rows = x.size(0);
+  const bool in_lanes = rows >= LANES;
+  // In lanes a is the lanes too (the products read lanes then, not a).
+  const QuantizedRows<Q>& a = in_lanes ? quantize_lanes<Q>(x) : quantize_rows<Q>(x);
+  const QuantizedRows<Q>* lanes = in_lanes ? &a : nullptr;
+  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
+    piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run_activations(route, w, a, lanes, rows, c0, c1, o); });
+  });
+}
+
 // x quantised once (int8, or int16 for a wide weight; in lanes from LANES rows), then each
 // piece [n0, n1) of w's rows as parallel_chunks hands them out: piece(n0, n1, products), where
 // products(c0, c1, out) writes the products of columns [c0, c1) within it to out.
 template <typename Piece>
 void integer_pieces(Route route, const at::Tensor& x, const Weight& w, const Piece& piece) {
-  const int64_t rows = x.size(0);
-  const bool in_lanes = rows >= LANES;
-  if (w.wide) {
-    // In lanes a is the lanes too (products read lanes then, not a).
-    const WideActivations& a = in_lanes ? quantize_lanes_wide(x) : quantize_rows_wide(x);
-    const auto* lanes = in_lanes ? &a : nullptr;
-    pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
-      piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run_wide(route, w, a, lanes, rows, c0, c1, o); });
-    });
-    return;
-  }
-  const Activations& a = in_lanes ? quantize_lanes(x) : quantize_rows(x);
-  const auto* lanes = in_lanes ? &a : nullptr;
-  pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
-    piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run(route, w, a, lanes, rows, c0, c1, o); });
-  });
+  if (w.wide) return pieces_on<int16_t>(route, x, w, run_wide, piece);
+  pieces_on<int8_t>(route, x, w, run, piece);
 }
 #endif
 
@@ -1311,7 +1273,8 @@ at::Tensor quant_gemm_argmax(const at::Tensor& x, const at::Tensor& weight, int6
       thread_local std::vector<float> buffer;
       buffer.resize(rows * ARGMAX_COLUMNS);
       const T* logits = reinterpret_cast<const T*>(buffer.data());
-      std::vector<Best> piece(rows);
+      thread_local std::vector<Best> piece;  // (buffer) each step's: no allocation a piece
+      piece.assign(rows, Best{});
       for (int64_t c0 = n0; c0 < n1; c0 += ARGMAX_COLUMNS) {
         const int64_t width = std::min(ARGMAX_COLUMNS, n1 - c0);
         products(c0, c0 + width, Output{buffer.data(), std::is_same_v<T, c10::BFloat16>, b, width, c0});
