@@ -112,10 +112,7 @@ def build_extension(directory: Path | None = None) -> Path:
     The file name carries a hash of the source, the flags, the torch version and the CPU's
     feature flags, so a cached build is reused only where it is valid.
     """
-    from torch.utils import cpp_extension
-
     compiler = os.environ.get("CXX", "g++")
-    torch_lib = cpp_extension.library_paths()[0]
     flags = [
         "-O3",
         # No a*b+c fused into one rounding: the layer ops must round where torch rounds.
@@ -140,6 +137,10 @@ def build_extension(directory: Path | None = None) -> Path:
             os.utime(target)
         return target
     directory.mkdir(parents=True, exist_ok=True)
+    # Imported only to compile: setuptools under it costs every process ~150 ms and 4 MiB.
+    from torch.utils import cpp_extension
+
+    torch_lib = cpp_extension.library_paths()[0]
     # torch's headers as system headers: warnings are for our own code.
     includes = [f"-isystem{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
