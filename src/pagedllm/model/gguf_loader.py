@@ -194,7 +194,7 @@ def gguf_tokenizer(path: Path, cache: Path | None = None) -> Any:
     """The tokenizer (with chat template) that ``transformers`` rebuilds from GGUF metadata;
     with ``cache``, rebuilt once (tens of seconds for a large vocabulary) and saved under it
     (``tokenizer_cache_dir``) for the next load."""
-    from pagedllm.model.hf_tokenizer import load_hf_tokenizer
+    from pagedllm.model.hf_tokenizer import load_hf_tokenizer, save_converted
 
     saved = None if cache is None else tokenizer_cache_dir(path, cache)
     if saved is not None and (saved / "tokenizer_config.json").is_file():
@@ -205,7 +205,7 @@ def gguf_tokenizer(path: Path, cache: Path | None = None) -> Any:
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=saved.parent))
-        tokenizer.save_pretrained(str(work))
+        save_converted(tokenizer, work, path.name)
         try:
             os.rename(work, saved)  # whole or not at all; a concurrent writer may win
         except OSError:
@@ -225,6 +225,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write a normal HF directory (config.json, model.safetensors, tokenizer) from a GGUF file."""
     from safetensors.torch import save_file
 
+    from pagedllm.model.hf_tokenizer import CONVERTED_FROM, save_converted
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config, tensors, load_tokenizer = read_gguf(gguf_path)
@@ -232,7 +234,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config["pagedllm_converted_from"] = Path(gguf_path).name
+    config[CONVERTED_FROM] = Path(gguf_path).name
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    load_tokenizer().save_pretrained(str(out_dir))
+    save_converted(load_tokenizer(), out_dir, Path(gguf_path).name)
     return out_dir

@@ -8,10 +8,17 @@ do the work. Nothing reads them after ``__init__`` for the families pagedllm ser
 they are dropped, and the parse's freed heap handed back to the system.
 
 A directory whose ``tokenizer_config.json`` declares the generic ``TokenizersBackend`` (the
-default model's, and every tokenizer pagedllm saves from a GGUF) is loaded through that
-class directly: ``AutoTokenizer`` would first build the model's config class only to pick
-the same class, and transformers' Llama config imports ``torch.distributed.tensor`` and
-sympy on the way (~60 MiB resident for the rest of the process)."""
+default model's) is loaded through that class directly: ``AutoTokenizer`` would first build
+the model's config class only to pick the same class, and transformers' Llama config imports
+``torch.distributed.tensor`` and sympy on the way (~60 MiB resident for the rest of the
+process).
+
+A tokenizer pagedllm converted from a GGUF is saved (``save_converted``) in the form that
+loads fastest: as ``TokenizersBackend`` (its ``tokenizer.json`` is the whole pipeline the
+model's class built, so the class need not rebuild it from Python lists of the vocabulary and
+merges) and with its added tokens in ``tokenizer_config.json`` (transformers 5 leaves them
+out, then parses all of ``tokenizer.json`` in Python to find them again). Gemma 3's 262k-token
+tokenizer: 3.3 -> 1.4 s, and the start-up's peak resident set ~250 MiB lower."""
 
 from __future__ import annotations
 
@@ -24,12 +31,22 @@ from pagedllm.util.memory import release_freed_memory
 
 # What a tokenizer class of transformers 5 keeps of what it was built from.
 _BUILT_FROM = ("_vocab", "_merges")
+# Names, in tokenizer_config.json or config.json, the GGUF a directory was converted from.
+CONVERTED_FROM = "pagedllm_converted_from"
 
 
 def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained(path, **kwargs)`` (offline), without ``_BUILT_FROM``."""
+    """``AutoTokenizer.from_pretrained(path, **kwargs)`` (offline), without ``_BUILT_FROM``;
+    a tokenizer pagedllm converted is loaded as it was saved (``save_converted``), one saved
+    before that form is rewritten in it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not kwargs and _declares_generic_backend(Path(path)):
+    directory = Path(path)
+    converted = (
+        not kwargs
+        and _converted_from(directory) is not None
+        and (directory / "tokenizer.json").is_file()
+    )
+    if converted or (not kwargs and _declares_generic_backend(directory)):
         from transformers import TokenizersBackend
 
         tokenizer = TokenizersBackend.from_pretrained(path)
@@ -38,7 +55,66 @@ def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     drop_build_lists(tokenizer)
+    if converted and not _in_saved_form(directory):
+        _write_saved_form(directory, tokenizer)  # an older save: fast from the next load on
     return tokenizer
+
+
+def save_converted(tokenizer: Any, directory: Path, source: str) -> None:
+    """Save ``tokenizer``, converted from the GGUF named ``source``, into ``directory`` in
+    the form ``load_hf_tokenizer`` loads fastest (the module's docstring)."""
+    tokenizer.save_pretrained(str(directory))
+    _write_saved_form(directory, tokenizer, source)
+
+
+def _write_saved_form(directory: Path, tokenizer: Any, source: str | None = None) -> None:
+    """Rewrite ``directory``'s tokenizer_config.json in the saved form: whole (a temporary
+    file renamed over it); a failure leaves the old one, which loads the slower way."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return  # a slow tokenizer's class is what encodes
+    file = directory / "tokenizer_config.json"
+    work = file.with_name(f".{file.name}.{os.getpid()}")
+    try:
+        declared = json.loads(file.read_text(encoding="utf-8"))
+        declared["tokenizer_class"] = "TokenizersBackend"
+        declared["added_tokens_decoder"] = {
+            str(index): token.__getstate__()
+            for index, token in tokenizer.added_tokens_decoder.items()
+        }
+        declared[CONVERTED_FROM] = source or _converted_from(directory)
+        work.write_text(json.dumps(declared, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        work.chmod(file.stat().st_mode)  # a shared cache stays readable by every user
+        os.replace(work, file)
+    except (OSError, ValueError, TypeError):
+        work.unlink(missing_ok=True)
+
+
+def _in_saved_form(directory: Path) -> bool:
+    declared = _read_json(directory / "tokenizer_config.json")
+    return (
+        declared.get("tokenizer_class") == "TokenizersBackend"
+        and "added_tokens_decoder" in declared
+    )
+
+
+def _converted_from(directory: Path) -> str | None:
+    """The GGUF pagedllm converted ``directory``'s tokenizer from (its tokenizer config
+    names it; a model directory converted before it did names it in config.json), or None
+    for any other directory."""
+    for name in ("tokenizer_config.json", "config.json"):
+        source = _read_json(directory / name).get(CONVERTED_FROM)
+        if isinstance(source, str):
+            return source
+    return None
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """``file``'s JSON object, or {} where it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def drop_build_lists(tokenizer: Any) -> None:
@@ -56,16 +132,8 @@ def _declares_generic_backend(path: Path) -> bool:
     model's config: the tokenizer config names it, with no remote code, and the config's
     model type is none that transformers overrides (a known wrong hub class, Mistral's
     own backend)."""
-    try:
-        declared = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-        config_file = path / "config.json"
-        config = (
-            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        )
-    except (OSError, ValueError):
-        return False
-    if not isinstance(declared, dict) or not isinstance(config, dict):
-        return False
+    declared = _read_json(path / "tokenizer_config.json")
+    config = _read_json(path / "config.json")
     if declared.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in declared:
         return False
     from transformers.models.auto import tokenization_auto as auto

@@ -32,6 +32,7 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.kernels.probe import CpuInfo, cpu_info
 from pagedllm.kernels.quant import QuantWeight, with_q8_0_activations
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.hf_tokenizer import CONVERTED_FROM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.util.memory import release_freed_memory
 
@@ -257,7 +258,7 @@ def _kept_gguf(path: Path) -> Path | None:
     """The GGUF a named model's directory keeps beside its converted weights (the one it
     was converted from), where its family runs quantized linears; else None."""
     config = _read_config(path)
-    source = config.get("pagedllm_converted_from")
+    source = config.get(CONVERTED_FROM)
     if source is None or config.get("model_type") not in ("llama", "qwen2", "qwen3", "gemma3_text"):
         return None
     gguf = path / source
