@@ -115,9 +115,39 @@ std::string set_quant_gemm_isa(const std::string& isa) {
 // thread and layout, reused from call to call.
 template <typename Q>
 struct QuantizedRows {
+  static constexpr bool narrow = std::is_same_v<Q, int8_t>;  // sx, sum and first16 kept
   std::vector<Q> xq;
   std::vector<float> dx, sx;
   std::vector<int32_t> sum, first16;
+
+  // Sized for `blocks` blocks (xq unfilled) and n >= blocks per-block values, those from
+  // `blocks` on zero: every block's are written after, so they are not filled first.
+  void size(int64_t blocks, int64_t n) {
+    xq.resize(blocks * BLOCK);
+    zero_past(dx, blocks, n);
+    if constexpr (narrow) {
+      zero_past(sx, blocks, n);
+      zero_past(sum, blocks, n);
+      zero_past(first16, blocks, n);
+    }
+  }
+
+  // Block i's per-block values those of a block of zeros.
+  void clear(int64_t i) {
+    dx[i] = 0.f;
+    if constexpr (narrow) {
+      sx[i] = 0.f;
+      sum[i] = 0;
+      first16[i] = 0;
+    }
+  }
+
+ private:
+  template <typename V>
+  static void zero_past(V& v, int64_t used, int64_t n) {
+    v.resize(n);
+    std::fill(v.begin() + used, v.end(), typename V::value_type{});
+  }
 };
 using Activations = QuantizedRows<int8_t>;
 
@@ -182,14 +212,6 @@ void row_blocks(const at::Tensor& x, const F& fn) {
   const int64_t blocks = x.size(1) / BLOCK;
   pagedllm_parallel::parallel_rows(x.size(0), x.size(1) * QUANTIZE_UNITS,
                                    [&](int64_t r0, int64_t r1) { fn(r0 * blocks, r1 * blocks); });
-}
-
-// v sized n with its elements from `used` on zero: those before are all written after, so
-// they are not filled first.
-template <typename V>
-void zero_past(V& v, int64_t used, int64_t n) {
-  v.resize(n);
-  std::fill(v.begin() + used, v.end(), typename V::value_type{});
 }
 
 // Where the sums go: [rows, n] in x's dtype, the bias (float32) added in float32 and the sum
@@ -580,6 +602,9 @@ constexpr int LANE_VECTORS = 1;
 // Weight rows multiplied by one block's activations before the next block.
 constexpr int LANE_TILE = 16;
 
+// Whether a call's activations are laid in lanes (quantize_lanes), not row by row.
+constexpr bool in_lanes(int64_t rows) { return rows >= LANES; }
+
 // x [rows, k] quantised into rows-in-lanes activations t, padded with zero rows to whole
 // groups of LANES: xq [row group][block][dword][lane], the per-block values [row
 // group][block][lane]. quantize(r, b, q, at) quantises row r's block b into q (L1) and its
@@ -590,17 +615,9 @@ constexpr int LANE_TILE = 16;
 template <typename Q, typename Quantize>
 void quantize_in_lanes(const at::Tensor& x, QuantizedRows<Q>& t, const Quantize& quantize) {
   constexpr int squares = BLOCK * sizeof(Q) / (4 * LANES);  // 8 x 8 dword squares a block
-  constexpr bool narrow = std::is_same_v<Q, int8_t>;
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / BLOCK;
   const int64_t groups = (rows + LANES - 1) / LANES, slots = groups * blocks * LANES;
-  // Every slot is written below, so no fill first.
-  t.xq.resize(slots * BLOCK);
-  t.dx.resize(slots);
-  if constexpr (narrow) {
-    t.sx.resize(slots);
-    t.sum.resize(slots);
-    t.first16.resize(slots);
-  }
+  t.size(slots, slots);  // every slot is written below
   pagedllm_parallel::parallel_rows(groups, LANES * k * QUANTIZE_UNITS, [&](int64_t g0, int64_t g1) {
     alignas(32) Q q[LANES][BLOCK];
     for (int64_t g = g0; g < g1; ++g) {
@@ -609,14 +626,7 @@ void quantize_in_lanes(const at::Tensor& x, QuantizedRows<Q>& t, const Quantize&
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t slot = (g * blocks + b) * LANES;
         for (int l = 0; l < real; ++l) quantize(g * LANES + l, b, q[l], slot + l);
-        for (int l = real; l < LANES; ++l) {
-          t.dx[slot + l] = 0.f;
-          if constexpr (narrow) {
-            t.sx[slot + l] = 0.f;
-            t.sum[slot + l] = 0;
-            t.first16[slot + l] = 0;
-          }
-        }
+        for (int l = real; l < LANES; ++l) t.clear(slot + l);
         auto* to = reinterpret_cast<__m256i*>(t.xq.data() + slot * BLOCK);
         for (int h = 0; h < squares; ++h) {
           __m256 v[LANES];
@@ -645,13 +655,7 @@ const QuantizedRows<Q>& quantize_rows(const at::Tensor& x) {
   QuantizedRows<Q>& a = storage;
   const at::Tensor xc = x.contiguous();
   const int64_t total = xc.size(0) * (xc.size(1) / BLOCK);
-  a.xq.resize(total * BLOCK);
-  zero_past(a.dx, total, total + GROUP);
-  if constexpr (std::is_same_v<Q, int8_t>) {
-    zero_past(a.sx, total, total + GROUP);
-    zero_past(a.sum, total, total + GROUP);
-    zero_past(a.first16, total, total + GROUP);
-  }
+  a.size(total, total + GROUP);
   with_values(xc, [&](const auto* v) {
     row_blocks(xc, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) quantize_block(v + i * BLOCK, a.xq.data() + i * BLOCK, a, i);
@@ -1042,59 +1046,46 @@ void lane_rows(const Weight& w, const QuantizedRows<Q>& t, int64_t rows, int64_t
   }
 }
 
-// One call's products on route R, format F: rows in lanes where they were laid out so (lanes
-// not null), else the row kernels.
+// One call's products on route R, format F: rows in lanes where a holds them so (in_lanes),
+// else the row kernels.
 template <Route R, Format F>
-void products(const Weight& w, const Activations& a, const Activations* lanes, int64_t rows, int64_t n0, int64_t n1,
-              const Output& out) {
-  if (lanes != nullptr) return lane_rows<R, F>(w, *lanes, rows, n0, n1, out);
+void products(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  if (in_lanes(rows)) return lane_rows<R, F>(w, a, rows, n0, n1, out);
   weight_rows<R, F>(w, a, rows, n0, n1, out);
 }
 
 template <Route R>
-void run_on(const Weight& w, const Activations& a, const Activations* lanes, int64_t rows, int64_t n0,
-            int64_t n1, const Output& out) {
+void products_on(const Weight& w, const Activations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
   switch (w.lay.format) {
-    case Format::q8_0: return products<R, Format::q8_0>(w, a, lanes, rows, n0, n1, out);
-    case Format::q4_0: return products<R, Format::q4_0>(w, a, lanes, rows, n0, n1, out);
-    case Format::q4_1: return products<R, Format::q4_1>(w, a, lanes, rows, n0, n1, out);
-    case Format::q5_0: return products<R, Format::q5_0>(w, a, lanes, rows, n0, n1, out);
-    case Format::q4_k: return products<R, Format::q4_k>(w, a, lanes, rows, n0, n1, out);
-    case Format::q5_k: return products<R, Format::q5_k>(w, a, lanes, rows, n0, n1, out);
-    case Format::q6_k: return products<R, Format::q6_k>(w, a, lanes, rows, n0, n1, out);
+    case Format::q8_0: return products<R, Format::q8_0>(w, a, rows, n0, n1, out);
+    case Format::q4_0: return products<R, Format::q4_0>(w, a, rows, n0, n1, out);
+    case Format::q4_1: return products<R, Format::q4_1>(w, a, rows, n0, n1, out);
+    case Format::q5_0: return products<R, Format::q5_0>(w, a, rows, n0, n1, out);
+    case Format::q4_k: return products<R, Format::q4_k>(w, a, rows, n0, n1, out);
+    case Format::q5_k: return products<R, Format::q5_k>(w, a, rows, n0, n1, out);
+    case Format::q6_k: return products<R, Format::q6_k>(w, a, rows, n0, n1, out);
   }
 }
 
+// A wide (int16-activation) weight is Q8_0.
 template <Route R>
-void wide_on(const Weight& w, const WideActivations& a, const WideActivations* lanes, int64_t rows,
-             int64_t n0, int64_t n1, const Output& out) {
-  if (lanes != nullptr) return lane_rows<R, Format::q8_0>(w, *lanes, rows, n0, n1, out);
+void products_on(const Weight& w, const WideActivations& a, int64_t rows, int64_t n0, int64_t n1, const Output& out) {
+  if (in_lanes(rows)) return lane_rows<R, Format::q8_0>(w, a, rows, n0, n1, out);
   wide_rows<R>(w, a, rows, n0, n1, out);
 }
 
-void run(Route route, const Weight& w, const Activations& a, const Activations* lanes, int64_t rows,
-         int64_t n0, int64_t n1, const Output& out) {
+// products_on the route `route` names.
+template <typename Q>
+void run(Route route, const Weight& w, const QuantizedRows<Q>& a, int64_t rows, int64_t n0, int64_t n1,
+         const Output& out) {
   switch (route) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case Route::avx512_vnni: return run_on<Route::avx512_vnni>(w, a, lanes, rows, n0, n1, out);
+    case Route::avx512_vnni: return products_on<Route::avx512_vnni>(w, a, rows, n0, n1, out);
 #endif
 #if defined(__AVXVNNI__)
-    case Route::avx_vnni: return run_on<Route::avx_vnni>(w, a, lanes, rows, n0, n1, out);
+    case Route::avx_vnni: return products_on<Route::avx_vnni>(w, a, rows, n0, n1, out);
 #endif
-    default: return run_on<Route::avx2>(w, a, lanes, rows, n0, n1, out);
-  }
-}
-
-void run_wide(Route route, const Weight& w, const WideActivations& a, const WideActivations* lanes,
-              int64_t rows, int64_t n0, int64_t n1, const Output& out) {
-  switch (route) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case Route::avx512_vnni: return wide_on<Route::avx512_vnni>(w, a, lanes, rows, n0, n1, out);
-#endif
-#if defined(__AVXVNNI__)
-    case Route::avx_vnni: return wide_on<Route::avx_vnni>(w, a, lanes, rows, n0, n1, out);
-#endif
-    default: return wide_on<Route::avx2>(w, a, lanes, rows, n0, n1, out);
+    default: return products_on<Route::avx2>(w, a, rows, n0, n1, out);
   }
 }
 
@@ -1106,16 +1097,13 @@ void run_wide(Route route, const Weight& w, const WideActivations& a, const Wide
 constexpr int64_t INT_CHUNK_ROWS = 512;
 
 #if defined(QUANT_AVX2)
-// integer_pieces on Q activations, multiplied by run_activations (run or run_wide).
-template <typename Q, typename Run, typename Piece>
-void pieces_on(Route route, const at::Tensor& x, const Weight& w, const Run& run_activations, const Piece& piece) {
+// integer_pieces on Q activations.
+template <typename Q, typename Piece>
+void pieces_on(Route route, const at::Tensor& x, const Weight& w, const Piece& piece) {
   const int64_t rows = x.size(0);
-  const bool in_lanes = rows >= LANES;
-  // In lanes a is the lanes too (the products read lanes then, not a).
-  const QuantizedRows<Q>& a = in_lanes ? quantize_lanes<Q>(x) : quantize_rows<Q>(x);
-  const QuantizedRows<Q>* lanes = in_lanes ? &a : nullptr;
+  const QuantizedRows<Q>& a = in_lanes(rows) ? quantize_lanes<Q>(x) : quantize_rows<Q>(x);
   pagedllm_parallel::parallel_chunks(w.n, 8, [&](int64_t n0, int64_t n1) {
-    piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run_activations(route, w, a, lanes, rows, c0, c1, o); });
+    piece(n0, n1, [&](int64_t c0, int64_t c1, const Output& o) { run(route, w, a, rows, c0, c1, o); });
   });
 }
 
@@ -1124,8 +1112,8 @@ void pieces_on(Route route, const at::Tensor& x, const Weight& w, const Run& run
 // products(c0, c1, out) writes the products of columns [c0, c1) within it to out.
 template <typename Piece>
 void integer_pieces(Route route, const at::Tensor& x, const Weight& w, const Piece& piece) {
-  if (w.wide) return pieces_on<int16_t>(route, x, w, run_wide, piece);
-  pieces_on<int8_t>(route, x, w, run, piece);
+  if (w.wide) return pieces_on<int16_t>(route, x, w, piece);
+  pieces_on<int8_t>(route, x, w, piece);
 }
 #endif
 
