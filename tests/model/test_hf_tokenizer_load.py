@@ -42,7 +42,7 @@ def _real_dirs() -> list[Path]:
 def _assert_same(path: Path) -> None:
     from transformers import AutoTokenizer
 
-    assert hf_tokenizer._declares_generic_backend(path)
+    assert hf_tokenizer._declares_generic_backend(*hf_tokenizer._configs(path))
     direct = hf_tokenizer.load_hf_tokenizer(str(path))
     auto = AutoTokenizer.from_pretrained(str(path))
     hf_tokenizer.drop_build_lists(auto)
@@ -97,12 +97,12 @@ def test_only_a_plain_declared_backend_skips_autotokenizer(tmp_path, declared, c
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(declared))
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
-    assert hf_tokenizer._declares_generic_backend(tmp_path) is direct
+    assert hf_tokenizer._declares_generic_backend(*hf_tokenizer._configs(tmp_path)) is direct
 
 
 def test_unreadable_tokenizer_config_takes_autotokenizer(tmp_path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("{not json")
-    assert not hf_tokenizer._declares_generic_backend(tmp_path)
+    assert not hf_tokenizer._declares_generic_backend(*hf_tokenizer._configs(tmp_path))
 
 
 CHILD = """

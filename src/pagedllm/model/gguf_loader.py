@@ -234,7 +234,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config[CONVERTED_FROM] = Path(gguf_path).name
+    source = Path(gguf_path).name
+    config[CONVERTED_FROM] = source
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_converted(load_tokenizer(), out_dir, Path(gguf_path).name)
+    save_converted(load_tokenizer(), out_dir, source)
     return out_dir

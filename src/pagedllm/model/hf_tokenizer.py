@@ -41,12 +41,10 @@ def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
     before that form is rewritten in it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     directory = Path(path)
-    converted = (
-        not kwargs
-        and _converted_from(directory) is not None
-        and (directory / "tokenizer.json").is_file()
-    )
-    if converted or (not kwargs and _declares_generic_backend(directory)):
+    declared, config = _configs(directory)
+    source = _converted_from(declared, config)
+    converted = not kwargs and source is not None and (directory / "tokenizer.json").is_file()
+    if converted or (not kwargs and _declares_generic_backend(declared, config)):
         from transformers import TokenizersBackend
 
         tokenizer = TokenizersBackend.from_pretrained(path)
@@ -55,8 +53,8 @@ def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     drop_build_lists(tokenizer)
-    if converted and not _in_saved_form(directory):
-        _write_saved_form(directory, tokenizer)  # an older save: fast from the next load on
+    if converted and not _in_saved_form(declared):
+        _write_saved_form(directory, tokenizer, source)  # an older save: fast from the next load
     return tokenizer
 
 
@@ -67,7 +65,7 @@ def save_converted(tokenizer: Any, directory: Path, source: str) -> None:
     _write_saved_form(directory, tokenizer, source)
 
 
-def _write_saved_form(directory: Path, tokenizer: Any, source: str | None = None) -> None:
+def _write_saved_form(directory: Path, tokenizer: Any, source: str) -> None:
     """Rewrite ``directory``'s tokenizer_config.json in the saved form: whole (a temporary
     file renamed over it); a failure leaves the old one, which loads the slower way."""
     if getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -81,7 +79,7 @@ def _write_saved_form(directory: Path, tokenizer: Any, source: str | None = None
             str(index): token.__getstate__()
             for index, token in tokenizer.added_tokens_decoder.items()
         }
-        declared[CONVERTED_FROM] = source or _converted_from(directory)
+        declared[CONVERTED_FROM] = source
         work.write_text(json.dumps(declared, indent=2, ensure_ascii=False) + "\n", "utf-8")
         work.chmod(file.stat().st_mode)  # a shared cache stays readable by every user
         os.replace(work, file)
@@ -89,23 +87,28 @@ def _write_saved_form(directory: Path, tokenizer: Any, source: str | None = None
         work.unlink(missing_ok=True)
 
 
-def _in_saved_form(directory: Path) -> bool:
-    declared = _read_json(directory / "tokenizer_config.json")
+def _in_saved_form(declared: dict[str, Any]) -> bool:
     return (
         declared.get("tokenizer_class") == "TokenizersBackend"
         and "added_tokens_decoder" in declared
     )
 
 
-def _converted_from(directory: Path) -> str | None:
-    """The GGUF pagedllm converted ``directory``'s tokenizer from (its tokenizer config
-    names it; a model directory converted before it did names it in config.json), or None
-    for any other directory."""
-    for name in ("tokenizer_config.json", "config.json"):
-        source = _read_json(directory / name).get(CONVERTED_FROM)
+def _converted_from(declared: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The GGUF pagedllm converted a directory's tokenizer from (its tokenizer config
+    ``declared`` names it; a model directory converted before it did names it in its
+    ``config``), or None for any other directory."""
+    for values in (declared, config):
+        source = values.get(CONVERTED_FROM)
         if isinstance(source, str):
             return source
     return None
+
+
+def _configs(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``directory``'s tokenizer_config.json and config.json, each read once ({} where
+    missing or unreadable): a converted Gemma 3's tokenizer config holds 6k added tokens."""
+    return _read_json(directory / "tokenizer_config.json"), _read_json(directory / "config.json")
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -127,13 +130,12 @@ def drop_build_lists(tokenizer: Any) -> None:
     release_freed_memory()
 
 
-def _declares_generic_backend(path: Path) -> bool:
-    """Whether ``AutoTokenizer`` would pick ``TokenizersBackend`` for ``path`` without the
+def _declares_generic_backend(declared: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether ``AutoTokenizer`` would pick ``TokenizersBackend`` for a directory of the
+    tokenizer config ``declared`` and model ``config`` (``_configs``) without building the
     model's config: the tokenizer config names it, with no remote code, and the config's
     model type is none that transformers overrides (a known wrong hub class, Mistral's
     own backend)."""
-    declared = _read_json(path / "tokenizer_config.json")
-    config = _read_json(path / "config.json")
     if declared.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in declared:
         return False
     from transformers.models.auto import tokenization_auto as auto
